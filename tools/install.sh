@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs dspark-ds and everything its tests need, from nothing.
+#
+#   TORCH_SPEC   the torch requirement to install first (default: torch==2.13.0,
+#                the CPU build). GPU users: set it to the CUDA build that
+#                matches the driver, e.g. TORCH_SPEC="torch==2.9.1".
+#   SKIP_APT=1   do not install the system packages (Slurm, munge, Open MPI)
+#                that the multi-node tests use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+if [[ "${SKIP_APT:-0}" != "1" && "$(id -u)" == "0" ]] && command -v apt-get >/dev/null; then
+  need=()
+  for pkg in slurm-wlm munge openmpi-bin libopenmpi-dev; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+  done
+  if ((${#need[@]})); then
+    echo "[install] apt-get install ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  fi
+fi
+
+# NOTE: torch first and pinned: an unpinned `torch` pulled in by a dependency
+# resolves to a multi-GB CUDA build.
+"$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+"$PY" -m pip install -q --disable-pip-version-check -e ".[dev]"
+if command -v mpicc >/dev/null || [[ -e /usr/lib/x86_64-linux-gnu/libmpi.so.40 ]]; then
+  "$PY" -m pip install -q --disable-pip-version-check "mpi4py>=4.0"
+fi
+echo "[install] done: $("$PY" -c 'import torch, deepspeed, transformers; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__)' 2>/dev/null)"

@@ -304,9 +304,15 @@ class DSparkDraftModel(nn.Module):
         hidden_states: torch.Tensor,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        forced_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-to-right sampling through the Markov head: (tokens [B, G], logits [B, G, V])."""
+        """Left-to-right sampling through the Markov head: (tokens [B, G], logits [B, G, V]).
+
+        `forced_tokens` skips the draws and scores the given tokens instead.
+        """
         if self.markov_head is None:
+            if forced_tokens is not None:
+                return forced_tokens.long(), base_logits
             return sample_from_logits(base_logits, temperature, generator), base_logits
         return self.markov_head.sample_block(
             base_logits,
@@ -314,4 +320,5 @@ class DSparkDraftModel(nn.Module):
             hidden_states=hidden_states,
             temperature=temperature,
             generator=generator,
+            forced_tokens=forced_tokens,
         )

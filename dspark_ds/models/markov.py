@@ -53,16 +53,29 @@ class VanillaMarkov(nn.Module):
         return torch.stack(out, dim=-2)
 
     def sample_block(
-        self, base_logits, *, first_prev_token_ids, hidden_states, temperature, generator=None
+        self,
+        base_logits,
+        *,
+        first_prev_token_ids,
+        hidden_states,
+        temperature,
+        generator=None,
+        forced_tokens=None,
     ):
-        """base_logits [B, G, V] -> (tokens [B, G], corrected logits [B, G, V])."""
+        """base_logits [B, G, V] -> (tokens [B, G], corrected logits [B, G, V]).
+
+        `forced_tokens [B, G]` replaces each draw by the given token (scoring a known draft).
+        """
         state = self.init_state(hidden_states[:, 0, :])
         prev = first_prev_token_ids.long()
         tokens, logits = [], []
         for k in range(base_logits.shape[1]):
             state, bias = self._step(state, prev, hidden_states[:, k, :])
             step_logits = base_logits[:, k, :] + bias.to(base_logits.dtype)
-            prev = sample_from_logits(step_logits, temperature, generator)
+            if forced_tokens is None:
+                prev = sample_from_logits(step_logits, temperature, generator)
+            else:
+                prev = forced_tokens[:, k].long()
             tokens.append(prev)
             logits.append(step_logits)
         return torch.stack(tokens, dim=1), torch.stack(logits, dim=1)

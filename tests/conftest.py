@@ -1,0 +1,34 @@
+"""Shared fixtures. Tests are CPU-only; DeepSpeed runs with DS_ACCELERATOR=cpu."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path | None:
+    """`../shared` next to the checkout (or $DSPARK_SHARED), where the golden files live."""
+    candidates = [os.environ.get("DSPARK_SHARED"), REPO.parent / "shared"]
+    for c in candidates:
+        if c and (Path(c) / "golden").is_dir():
+            return Path(c)
+    return None
+
+
+@pytest.fixture
+def golden_dir():
+    root = shared_dir()
+    if root is None:
+        pytest.skip(
+            "golden files not found: expected ../shared/golden next to the checkout or $DSPARK_SHARED"
+        )
+    return root / "golden"

@@ -1,0 +1,134 @@
+"""Interchange directories (spec §13) and draft-config validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3ForCausalLM
+
+from dspark_ds.models import build_draft_config, load_draft_model, save_draft_model
+from tests.drafters import DFLASH, MASK_ID, random_batch, tiny_drafter, tiny_qwen3_config
+
+
+@pytest.mark.parametrize(
+    "heads", [dict(markov_head_type="rnn"), DFLASH], ids=["dspark-rnn", "dflash"]
+)
+def test_save_load_round_trip_is_bit_exact(tmp_path, heads):
+    model = tiny_drafter(**heads).eval()
+    save_draft_model(model, tmp_path / "d")
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3DSparkModel"]
+    for field in (
+        "block_size",
+        "mask_token_id",
+        "target_layer_ids",
+        "num_target_layers",
+        "num_anchors",
+        "markov_rank",
+        "enable_confidence_head",
+        "confidence_head_with_markov",
+    ):
+        assert field in config, field
+    loaded = load_draft_model(tmp_path / "d")
+    a, b = model.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    batch = random_batch(model)
+    g = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    with torch.no_grad():
+        assert torch.equal(
+            model(**batch, generator=g()).draft_logits, loaded(**batch, generator=g()).draft_logits
+        )
+    assert not loaded.embed_tokens.weight.requires_grad and not loaded.lm_head.weight.requires_grad
+
+
+def test_golden_checkpoint_resaves_to_the_same_weights(tmp_path, golden_dir):
+    model = load_draft_model(golden_dir / "qwen3_vanilla" / "draft")
+    save_draft_model(model, tmp_path / "d")
+    ours = load_file(str(tmp_path / "d" / "model.safetensors"))
+    ref = load_file(str(golden_dir / "qwen3_vanilla" / "draft" / "model.safetensors"))
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    ref_cfg = json.loads((golden_dir / "qwen3_vanilla" / "draft" / "config.json").read_text())
+    our_cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    for key in (
+        "architectures",
+        "block_size",
+        "mask_token_id",
+        "target_layer_ids",
+        "markov_rank",
+        "markov_head_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+    ):
+        assert our_cfg[key] == ref_cfg[key], key
+
+
+def test_load_casts_dtype(tmp_path):
+    save_draft_model(tiny_drafter(), tmp_path / "d")
+    assert load_draft_model(tmp_path / "d", dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(target_layer_ids=[2, 1]), "target_layer_ids"),
+        (dict(target_layer_ids=[0, 4]), "target_layer_ids"),
+        (dict(target_layer_ids=[-2, 1]), "target_layer_ids"),
+        (dict(target_layer_ids=[]), "target_layer_ids"),
+        (dict(markov_rank=0, confidence_head_with_markov=True), "confidence_head_with_markov"),
+        (dict(markov_rank=-1), "markov_rank"),
+        (dict(markov_head_type="lstm"), "markov_head_type"),
+        (dict(block_size=0), "block_size"),
+        (dict(num_anchors=0), "num_anchors"),
+        (dict(num_draft_layers=0), "num_draft_layers"),
+        (dict(confidence_head_alpha=-1.0), "confidence_head_alpha"),
+        (dict(mask_token_id=10_000), "mask_token_id"),
+    ],
+)
+def test_bad_config_is_refused_naming_the_field(kwargs, field):
+    base = dict(target_layer_ids=[0, 2], mask_token_id=MASK_ID)
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        build_draft_config(tiny_qwen3_config(), **base)
+
+
+def test_unknown_family_is_refused():
+    cfg = tiny_qwen3_config()
+    cfg.model_type = "llama"
+    with pytest.raises(ValueError, match="model_type"):
+        build_draft_config(cfg, target_layer_ids=[0], mask_token_id=1)
+
+
+def test_broken_directory_is_refused(tmp_path):
+    model = tiny_drafter()
+    save_draft_model(model, tmp_path / "d")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_draft_model(tmp_path / "nothing")
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    state.pop("fc.weight")
+    save_file(state, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(ValueError, match="fc.weight"):
+        load_draft_model(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg["architectures"] = ["Qwen3Mystery"]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="architectures"):
+        load_draft_model(tmp_path / "d")
+
+
+def test_embedding_and_head_come_from_the_target_and_stay_frozen():
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(tiny_qwen3_config())
+    model = tiny_drafter()
+    model.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
+    assert torch.equal(model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "embed_tokens.weight" not in trainable and "lm_head.weight" not in trainable
+    assert "fc.weight" in trainable and "markov_head.markov_w1.weight" in trainable
+    with pytest.raises(ValueError, match="lm_head"):
+        model.initialize_embeddings_and_head(target.model.embed_tokens.weight, torch.zeros(3, 3))

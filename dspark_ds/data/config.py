@@ -1,0 +1,130 @@
+"""Config sections of the data pipeline (``--data.*``) and of the data subcommands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dspark_ds.target import TargetConfig
+
+CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
+
+
+@dataclass
+class DataConfig:
+    """Where training samples come from and how they are batched."""
+
+    paths: list[str] = field(default_factory=list)
+    """Chat jsonl files (OpenAI ``messages``, ShareGPT ``conversations`` or ``turns`` rows), or
+    one directory written by ``dspark-ds prepare``. Not needed in offline mode (the cache holds
+    the tokens)."""
+    mode: Literal["offline", "online", "hybrid"] = "online"
+    """offline: features from ``cache_dir``; online: the target runs in the training job;
+    hybrid: online for the first epoch while writing ``cache_dir``, then from the cache."""
+    cache_dir: str | None = None
+    """Target cache directory (offline: read; hybrid and build-cache: written)."""
+    tokenizer: str | None = None
+    """Tokenizer path or hub id; None = the target's."""
+    max_length: int = 4096
+    """Sequences are truncated to this many tokens."""
+    batch_size: int = 1
+    """Sequences per micro-batch on each rank."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank (0 = load in the main process)."""
+    skip_bad_rows: bool = False
+    """Count and skip malformed jsonl rows instead of failing on the first one."""
+    seed: int = 0
+    """Shuffling seed; the order depends only on (seed, epoch, rank, world size)."""
+    length_grouping: int = 64
+    """Length-aware batching: sort windows of this many global batches by length (1 = off)."""
+    system_prompt: str | None = None
+    """System prompt added to conversations that have none (None = none added)."""
+    enable_thinking: bool = False
+    """Passed to the chat template (Qwen3: False renders the non-thinking form)."""
+    min_loss_tokens: int = 2
+    """Samples with fewer assistant tokens after truncation are skipped (DSpark needs 2)."""
+    cache_dtype: str = "auto"
+    """Storage dtype of cache features written by build-cache / hybrid mode: auto (= the
+    target's) | float32 | bfloat16 | float16 | fp8 (e4m3 + per-token scale, half of bf16)."""
+    samples_per_shard: int = 1024
+    """Samples per cache shard (the unit of resumption and of checksum verification)."""
+    cache_verify: Literal["sha256", "size"] = "sha256"
+    """How a cache is checked before training: sha256 of every shard (ranks split the work) or
+    sizes only (for multi-TB caches)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("offline", "online", "hybrid"):
+            raise ValueError(f"data.mode must be offline | online | hybrid, got {self.mode!r}")
+        if self.mode in ("offline", "hybrid") and not self.cache_dir:
+            raise ValueError(f"data.cache_dir is required when data.mode={self.mode}")
+        for name in ("max_length", "batch_size", "length_grouping", "samples_per_shard"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"data.cache_dtype must be one of {CACHE_DTYPES}, "
+                             f"got {self.cache_dtype!r}")
+
+
+@dataclass
+class PrepareConfig:
+    """``dspark-ds prepare``: normalise + tokenise chat jsonl into a token store."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input files (``data.paths``), tokenizer, max length, bad-row policy."""
+    output_dir: str = ""
+    """Directory to write (tokens.safetensors + meta.json)."""
+
+
+@dataclass
+class RegenerateConfig:
+    """``dspark-ds regenerate``: the target rewrites every assistant answer."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input jsonl (``data.paths``); ``data.max_length`` caps prompt + answer tokens."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """The target that writes the answers."""
+    output: str = ""
+    """Output jsonl (OpenAI ``messages`` layout); per-rank parts live in ``<output>.parts/``."""
+    batch_size: int = 16
+    """Conversations generated together per rank."""
+    max_new_tokens: int = 2048
+    """Answer length cap per assistant turn."""
+    temperature: float = 0.7
+    """Sampling temperature (paper: 0.7; 0 = greedy)."""
+    top_p: float = 0.8
+    """Nucleus sampling (paper: 0.8)."""
+    top_k: int = 20
+    """Top-k sampling (paper: 20)."""
+    seed: int = 0
+    """Sampling seed (combined with the sample id, so a resumed run stays reproducible)."""
+
+
+@dataclass
+class BuildCacheConfig:
+    """``dspark-ds build-cache``: run the target once over the data and store its features."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Input samples (``data.paths``), the output ``data.cache_dir``, ``data.cache_dtype``
+    (auto | float32 | bfloat16 | float16 | fp8) and ``data.samples_per_shard``."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """The target and ``target.layer_ids`` to tap."""
+    batch_size: int = 8
+    """Samples per target forward."""
+
+
+@dataclass
+class EstimateCacheConfig:
+    """``dspark-ds estimate cache``: bytes a cache will take, before building it."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data set (``data.paths``); ignored when ``num_samples`` and ``mean_tokens`` are set."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """Only the target's config.json is read (hidden size, layers)."""
+    dtype: str = "bfloat16"
+    """Storage dtype: float32 | bfloat16 | float16 | fp8."""
+    num_samples: int | None = None
+    """Sample count, to estimate without reading data."""
+    mean_tokens: float | None = None
+    """Mean tokens per sample (after truncation), to estimate without reading data."""

@@ -1,0 +1,219 @@
+"""``dspark-ds regenerate``: the target writes every assistant answer itself.
+
+Paper settings by default: T 0.7, top-p 0.8, top-k 20, non-thinking chat template. Rows are
+split across ranks (row ``i`` → rank ``i % world``). Each rank appends finished rows to its
+part file ``<output>.parts/part-<rank>-of-<world>.jsonl`` (flushed + fsynced per batch), so a
+rerun after a crash skips what is there. When every rank is done, the parts are merged —
+sorted by row id, each exactly once — into ``<output>`` (atomic rename); failures go to
+``<output>.failed.jsonl``. Multi-turn rows are answered turn by turn (each answer is part of
+the next turn's prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dspark_ds.data import dist
+from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
+from dspark_ds.data.config import RegenerateConfig
+from dspark_ds.data.formats import ReadStats, read_conversations
+from dspark_ds.data.tokens import atomic_write_text
+
+
+def _parts_dir(output: str) -> Path:
+    return Path(f"{output}.parts")
+
+
+def _part_path(output: str, rank: int, world: int) -> Path:
+    return _parts_dir(output) / f"part-{rank:05d}-of-{world:05d}.jsonl"
+
+
+def read_part(path: Path) -> list[dict]:
+    """Records of a part file; a torn last line (crash mid-write) is cut off the file."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def _prompt(messages: list[dict]) -> tuple[list[dict], list[str]]:
+    """(system messages, user turns) of a conversation; its answers are dropped."""
+    system = [m for m in messages if m["role"] == "system"]
+    return system, [m["content"] for m in messages if m["role"] == "user"]
+
+
+class _Generator:
+    def __init__(self, cfg: RegenerateConfig, chat: ChatTokenizer, model, device):
+        self.cfg, self.chat, self.model, self.device = cfg, chat, model, device
+        tok = chat.tok
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.eos_ids = tok.eos_token_id
+
+    @torch.no_grad()
+    def answer(self, histories: list[list[dict]], seed: int) -> list[tuple[str, bool]]:
+        """One answer per history (left-padded batch) → (text, hit_eos)."""
+        prompts = [self.chat.prompt_ids(h) for h in histories]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, p in enumerate(prompts):  # NOTE: left padding, so every row ends at the prompt
+            ids[b, width - len(p):] = torch.tensor(p)
+            attn[b, width - len(p):] = 1
+        torch.manual_seed(seed)
+        sample = self.cfg.temperature > 0
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+            max_new_tokens=self.cfg.max_new_tokens, do_sample=sample,
+            temperature=self.cfg.temperature if sample else None,
+            top_p=self.cfg.top_p if sample else None, top_k=self.cfg.top_k if sample else None,
+            pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        answers = []
+        for row in out[:, width:].tolist():
+            hit_eos = self.eos_ids in row
+            row = row[: row.index(self.eos_ids)] if hit_eos else row
+            text = self.chat.tok.decode(row, skip_special_tokens=True).strip()
+            answers.append((text, hit_eos))
+        return answers
+
+
+def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict]:
+    """Answer every user turn of ``rows``; one output record per row (ok or failed)."""
+    convs = []
+    for row in rows:
+        system, users = _prompt(row.messages)
+        convs.append({"id": row.index, "source": row.source, "messages": list(system),
+                      "users": users, "truncated": 0})
+    for turn in range(max(len(c["users"]) for c in convs)):
+        active = [c for c in convs if turn < len(c["users"]) and "error" not in c]
+        if not active:
+            continue
+        for c in active:
+            c["messages"].append({"role": "user", "content": c["users"][turn]})
+        try:
+            answers = gen.answer([c["messages"] for c in active], cfg.seed * 1_000_003
+                                 + active[0]["id"] * 101 + turn)
+        except (RuntimeError, ValueError) as e:  # e.g. OOM on an outlier: retry one by one
+            if len(active) == 1:
+                active[0]["error"] = f"generation failed: {e}"[:500]
+                continue
+            answers = []
+            for c in active:
+                try:
+                    answers += gen.answer([c["messages"]], cfg.seed * 1_000_003 + c["id"] * 101
+                                          + turn)
+                except (RuntimeError, ValueError) as e2:
+                    answers.append((None, str(e2)[:500]))
+        for c, (text, hit_eos) in zip(active, answers):
+            if text is None:
+                c["error"] = f"generation failed: {hit_eos}"
+            elif not text:
+                c["error"] = f"empty answer at turn {turn}"
+            else:
+                c["messages"].append({"role": "assistant", "content": text})
+                c["truncated"] += not hit_eos
+    out = []
+    for c in convs:
+        rec = {"id": c["id"], "source": c["source"]}
+        if "error" in c:
+            rec["error"] = c["error"]
+        else:
+            rec["messages"] = c["messages"]
+            if c["truncated"]:
+                rec["truncated_turns"] = c["truncated"]
+        out.append(rec)
+    return out
+
+
+def merge_parts(output: str, world: int) -> dict:
+    """Merge every rank's part into ``output`` (sorted, each id once); return the counts."""
+    records = {}
+    for r in range(world):
+        for rec in read_part(_part_path(output, r, world)):
+            if rec["id"] in records:
+                raise RuntimeError(f"sample {rec['id']} was written twice (rank parts overlap)")
+            records[rec["id"]] = rec
+    good = [records[i] for i in sorted(records) if "error" not in records[i]]
+    bad = [records[i] for i in sorted(records) if "error" in records[i]]
+    atomic_write_text(output, "".join(json.dumps({"id": r["id"], "source": r["source"],
+                                                  "messages": r["messages"]}) + "\n"
+                                      for r in good))
+    atomic_write_text(f"{output}.failed.jsonl", "".join(json.dumps(r) + "\n" for r in bad))
+    return {"written": len(good), "failed": len(bad)}
+
+
+def regenerate(cfg: RegenerateConfig) -> dict:
+    """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges."""
+    from dspark_ds.target import default_device
+
+    if not cfg.output:
+        raise ValueError("output is required (the jsonl to write)")
+    if not cfg.target.path:
+        raise ValueError("target.path is required")
+    dist.maybe_init_process_group()
+    rank, world = dist.rank_and_world()
+    part = _part_path(cfg.output, rank, world)
+    part.parent.mkdir(parents=True, exist_ok=True)
+    done = {rec["id"] for rec in read_part(part)}
+
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(cfg.target.device) if cfg.target.device else default_device()
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.target.path, dtype=cfg.target.torch_dtype, revision=cfg.target.revision,
+        trust_remote_code=cfg.target.trust_remote_code).to(device).eval()
+    tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, cfg.target.trust_remote_code)
+    chat = ChatTokenizer(tok, cfg.data.max_length, cfg.data.enable_thinking,
+                         cfg.data.system_prompt)
+    gen = _Generator(cfg, chat, model, device)
+
+    stats = ReadStats()
+    counts = {"written": 0, "failed": 0, "skipped": 0, "already_done": 0}
+    mine = []
+    for row in read_conversations(cfg.data.paths, cfg.data.skip_bad_rows, stats):
+        if row.index % world != rank:
+            continue
+        if row.index in done:
+            counts["already_done"] += 1
+        elif len(chat.prompt_ids(_prompt(row.messages)[0] + [
+                {"role": "user", "content": _prompt(row.messages)[1][0]}])) >= cfg.data.max_length:
+            counts["skipped"] += 1  # the prompt alone exceeds max_length
+        else:
+            mine.append(row)
+    counts["skipped"] += stats.bad if rank == 0 else 0
+    with open(part, "a", encoding="utf-8") as f, tqdm(
+            total=len(mine), desc=f"regenerate rank {rank}", unit="row",
+            disable=rank != 0) as bar:
+        for k in range(0, len(mine), cfg.batch_size):
+            for rec in _regenerate_batch(gen, mine[k:k + cfg.batch_size], cfg):
+                counts["failed" if "error" in rec else "written"] += 1
+                f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            bar.update(min(cfg.batch_size, len(mine) - k))
+            bar.set_postfix(written=counts["written"], failed=counts["failed"])
+    print(f"[regenerate rank {rank}/{world}] written {counts['written']}, failed "
+          f"{counts['failed']}, skipped {counts['skipped']}, already done "
+          f"{counts['already_done']}", flush=True)
+    atomic_write_text(part.with_suffix(".done"), json.dumps(counts))
+
+    dist.barrier()
+    total = None
+    all_done = all(_part_path(cfg.output, r, world).with_suffix(".done").exists()
+                   for r in range(world))
+    if (rank == 0 if dist.has_group() else all_done):
+        total = merge_parts(cfg.output, world)
+        total["skipped"] = sum(json.loads(_part_path(cfg.output, r, world).with_suffix(
+            ".done").read_text())["skipped"] for r in range(world))
+        print(f"[regenerate] {cfg.output}: written {total['written']}, failed "
+              f"{total['failed']}, skipped {total['skipped']}", flush=True)
+    dist.barrier()
+    return total if total is not None else counts

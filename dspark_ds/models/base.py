@@ -117,6 +117,17 @@ class DSparkDraftModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @staticmethod
+    def finalize_draft_config(cfg, target_text_config):
+        """Family fix-ups of the config `build_draft_config` made (Gemma4 rebuilds its
+        per-layer attributes); returns the config to use."""
+        return cfg
+
+    @staticmethod
+    def interchange_config_dict(data: dict, config) -> dict:
+        """Family fix-ups of the config.json dict `save_draft_model` writes."""
+        return data
+
     # ---- set-up ------------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -142,7 +142,8 @@ def build_draft_config(
     if cfg.architectures[0] == "Gemma4DSparkModel":
         cfg.target_model_type = getattr(target_config, "model_type", model_type)
         cfg.target_text_model_type = model_type
-    return cfg
+    cls, _ = _backend(cfg.architectures[0])
+    return cls.finalize_draft_config(cfg, text)
 
 
 def build_draft_model(config):
@@ -227,6 +228,9 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     data = draft_config_dict(model.config)
+    family_hook = getattr(type(model), "interchange_config_dict", None)  # Gemma4 layout
+    if family_hook is not None:
+        data = family_hook(data, model.config)
     data["architectures"] = [type(model).architecture]
     (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return out

@@ -30,7 +30,20 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
         "Gemma4DSparkModel",
         "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
     ),
+    # Eagle3 baseline (models/eagle3.py): the reference's autoregressive TTT drafter.
+    "Qwen3Eagle3Model": (
+        "dspark_ds.models.eagle3",
+        "Qwen3Eagle3Model",
+        "transformers.models.qwen3.configuration_qwen3:Qwen3Config",
+    ),
 }
+# config.json fields each non-DSpark architecture needs (DSpark ones are checked below).
+EAGLE3_REQUIRED_FIELDS = (
+    "target_layer_ids",
+    "num_target_layers",
+    "ttt_length",
+    "step_loss_decay",
+)
 # target model_type (of the text model) -> drafter architecture
 FAMILY_ARCHITECTURE = {
     "qwen3": "Qwen3DSparkModel",
@@ -146,6 +159,13 @@ def build_draft_config(
     return cls.finalize_draft_config(cfg, text)
 
 
+def build_eagle3_config(target_config, **kwargs):
+    """The Eagle3 baseline's draft config (see `dspark_ds.models.eagle3.build_eagle3_config`)."""
+    from .eagle3 import build_eagle3_config as build
+
+    return build(target_config, **kwargs)
+
+
 def build_draft_model(config):
     """Instantiates the backend named by `config.architectures[0]` (random init)."""
     cls, _ = _backend(config.architectures[0])
@@ -157,6 +177,13 @@ def config_from_dict(data: dict):
     if not archs:
         raise ValueError("architectures: missing from the drafter config.json")
     _, config_cls = _backend(archs[0])
+    if archs[0].endswith("Eagle3Model"):
+        missing = [f for f in EAGLE3_REQUIRED_FIELDS if f not in data]
+        if missing:
+            raise ValueError(
+                f"{missing[0]}: missing from the Eagle3 drafter config.json (needed: {missing})"
+            )
+        return config_cls.from_dict(dict(data))
     missing = [
         f
         for f in ("block_size", "mask_token_id", "target_layer_ids", "num_anchors")

@@ -9,6 +9,7 @@ the same global batch (one weighted mean over every rank's tokens).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,89 @@ def l1_distance(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torc
     )
 
 
+@dataclass
+class SlotTerms:
+    """The vocabulary-sized part of the loss, reduced to one value per slot [B, A, G].
+
+    The reference path computes them from full logits (differentiable); the chunked path
+    (dspark_ds.perf.chunked_loss) computes them a few anchors at a time (detached, its
+    gradient already applied through `main_loss`).
+    """
+
+    ce: torch.Tensor  # cross-entropy of the draft logits vs target_ids
+    l1: torch.Tensor | None  # Σ_v |p_d - p_t|; None without aligned target logits
+    greedy_hit: torch.Tensor  # bool, argmax(draft) == target_id
+
+
+@dataclass
+class LossPlan:
+    """What the loss knows before any logits: weights, global denominators, coefficients.
+
+    `coef_*` multiply the local numerators; they already hold the global denominator and
+    the `· world_size` (spec §8), so the gradient of Σ coef·num is the step's gradient.
+    """
+
+    w: torch.Tensor  # [B, A, G] position weights
+    valid: torch.Tensor  # [B, A, G] eval_mask as fp32
+    den: dict[str, float]  # global den_ce, den_l1, den_conf
+    coef_ce: float
+    coef_l1: float  # 0 when the L1 term is off (alpha 0, or no supervised slot anywhere)
+    coef_conf: float
+    use_l1: bool  # the L1 term is computed (alpha > 0)
+    has_conf: bool  # the confidence BCE is computed
+    alphas: tuple[float, float, float]  # ce, l1, confidence
+    world_size: int
+    group: object | None
+
+
+def plan_loss(
+    eval_mask: torch.Tensor,
+    *,
+    has_aligned: bool,
+    has_confidence: bool,
+    loss_decay_gamma: float | None = 4.0,
+    ce_loss_alpha: float = 0.1,
+    l1_loss_alpha: float = 0.9,
+    confidence_head_alpha: float = 1.0,
+) -> LossPlan:
+    """Checks the inputs and all-reduces the denominators (one small all_reduce)."""
+    world_size, group = _world()
+    if l1_loss_alpha > 0 and not has_aligned:
+        raise ValueError(
+            "l1_loss_alpha > 0 needs aligned_target_logits (pass target_last_hidden_states)"
+        )
+    has_conf = has_confidence and confidence_head_alpha > 0
+    if has_conf and not has_aligned:
+        raise ValueError(
+            "the confidence head needs aligned_target_logits (pass target_last_hidden_states)"
+        )
+    w = position_weights(eval_mask, loss_decay_gamma)
+    use_l1 = has_aligned and l1_loss_alpha > 0
+    total = w.sum()
+    den = _all_reduce_named(
+        {
+            "den_ce": total,
+            "den_l1": total if use_l1 else torch.zeros_like(total),
+            "den_conf": total if has_conf else torch.zeros_like(total),
+        },
+        group,
+        world_size,
+    )
+    return LossPlan(
+        w=w,
+        valid=eval_mask.to(torch.float32),
+        den=den,
+        coef_ce=ce_loss_alpha * world_size / (den["den_ce"] + EPS),
+        coef_l1=l1_loss_alpha * world_size / (den["den_l1"] + EPS) if den["den_l1"] > 0 else 0.0,
+        coef_conf=confidence_head_alpha * world_size / (den["den_conf"] + EPS) if has_conf else 0.0,
+        use_l1=use_l1,
+        has_conf=has_conf,
+        alphas=(ce_loss_alpha, l1_loss_alpha, confidence_head_alpha),
+        world_size=world_size,
+        group=group,
+    )
+
+
 def compute_dspark_loss(
     out: DSparkForwardOutput,
     *,
@@ -57,83 +141,121 @@ def compute_dspark_loss(
     confidence_head_alpha: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns (loss to backpropagate, metrics). Metrics are global over all ranks."""
-    world_size, group = _world()
     logits = out.draft_logits
-    block_size, vocab = logits.shape[-2:]
-    w = position_weights(out.eval_mask, loss_decay_gamma)
-    valid = out.eval_mask.to(torch.float32)
-    aligned = out.aligned_target_logits
-    if l1_loss_alpha > 0 and aligned is None:
-        raise ValueError(
-            "l1_loss_alpha > 0 needs aligned_target_logits (pass target_last_hidden_states)"
-        )
-    has_conf = out.confidence_pred is not None and confidence_head_alpha > 0
-    if has_conf and aligned is None:
-        raise ValueError(
-            "the confidence head needs aligned_target_logits (pass target_last_hidden_states)"
-        )
-
+    vocab = logits.shape[-1]
+    plan = plan_loss(
+        out.eval_mask,
+        has_aligned=out.aligned_target_logits is not None,
+        has_confidence=out.confidence_pred is not None,
+        loss_decay_gamma=loss_decay_gamma,
+        ce_loss_alpha=ce_loss_alpha,
+        l1_loss_alpha=l1_loss_alpha,
+        confidence_head_alpha=confidence_head_alpha,
+    )
     ce = F.cross_entropy(
         logits.reshape(-1, vocab).float(), out.target_ids.reshape(-1), reduction="none"
     )
-    num_ce = (ce.view_as(w) * w).sum()
-    zero = num_ce.new_zeros(())
-    num_l1, den_l1 = zero, zero
-    c_star = None
-    if aligned is not None:
-        dist_l1 = l1_distance(logits, aligned)
-        c_star = (1.0 - 0.5 * dist_l1).clamp(0.0, 1.0)
-        if l1_loss_alpha > 0:
-            num_l1, den_l1 = (dist_l1 * w).sum(), w.sum()
-    num_conf, den_conf = zero, zero
-    if has_conf:
-        bce = F.binary_cross_entropy_with_logits(
-            out.confidence_pred.float(), c_star.detach(), reduction="none"
-        )
-        num_conf, den_conf = (bce * w).sum(), w.sum()
-
-    # One all_reduce for every denominator and every metric sum.
-    stats = _local_stats(out, w, valid, c_star, has_conf)
-    den_names = ["den_ce", "den_l1", "den_conf"]
-    sums = torch.stack(
-        [
-            w.sum(),
-            den_l1.detach(),
-            den_conf.detach(),
-            num_ce.detach(),
-            num_l1.detach(),
-            num_conf.detach(),
-            *stats.values(),
-        ]
+    dist_l1 = None
+    if out.aligned_target_logits is not None:
+        dist_l1 = l1_distance(logits, out.aligned_target_logits)
+    with torch.no_grad():
+        greedy = logits.argmax(-1) == out.target_ids
+    terms = SlotTerms(ce=ce.view_as(plan.w), l1=dist_l1, greedy_hit=greedy)
+    return finish_loss(
+        plan,
+        terms,
+        eval_mask=out.eval_mask,
+        block_keep_mask=out.block_keep_mask,
+        confidence_pred=out.confidence_pred,
     )
-    if world_size > 1:
-        sums = sums.clone()
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    names = den_names + ["num_ce", "num_l1", "num_conf", *stats.keys()]
-    g = dict(zip(names, sums.tolist()))
 
-    loss = ce_loss_alpha * num_ce / (g["den_ce"] + EPS)
-    if g["den_l1"] > 0:
-        loss = loss + l1_loss_alpha * num_l1 / (g["den_l1"] + EPS)
-    if has_conf:
-        loss = loss + confidence_head_alpha * num_conf / (g["den_conf"] + EPS)
-    loss = loss * world_size
 
-    metrics = _metrics(g, block_size, has_conf, c_star is not None)
+def finish_loss(
+    plan: LossPlan,
+    terms: SlotTerms,
+    *,
+    eval_mask: torch.Tensor,
+    block_keep_mask: torch.Tensor,
+    confidence_pred: torch.Tensor | None,
+    main_loss: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Loss and global metrics from per-slot terms.
+
+    `main_loss`: the CE + L1 part, Σ coef·num, when the caller computed it (and its
+    gradient) itself; otherwise it is built here from the differentiable `terms`.
+    """
+    w = plan.w
+    num_ce = (terms.ce * w).sum()
+    zero = num_ce.new_zeros(())
+    num_l1 = zero
+    c_star = None
+    if terms.l1 is not None:
+        c_star = (1.0 - 0.5 * terms.l1).clamp(0.0, 1.0)
+        if plan.use_l1:
+            num_l1 = (terms.l1 * w).sum()
+    if main_loss is None:
+        main_loss = plan.coef_ce * num_ce
+        if plan.coef_l1 > 0:
+            main_loss = main_loss + plan.coef_l1 * num_l1
+    num_conf = zero
+    loss = main_loss
+    if plan.has_conf:
+        bce = F.binary_cross_entropy_with_logits(
+            confidence_pred.float(), c_star.detach(), reduction="none"
+        )
+        num_conf = (bce * w).sum()
+        loss = loss + plan.coef_conf * num_conf
+
+    # One all_reduce for every metric sum.
+    stats = _local_stats(
+        terms.greedy_hit,
+        eval_mask,
+        block_keep_mask,
+        confidence_pred,
+        w,
+        plan.valid,
+        c_star,
+        plan.has_conf,
+    )
+    g = dict(plan.den)
+    g.update(
+        _all_reduce_named(
+            {
+                "num_ce": num_ce.detach(),
+                "num_l1": num_l1.detach(),
+                "num_conf": num_conf.detach(),
+                **stats,
+            },
+            plan.group,
+            plan.world_size,
+        )
+    )
+    ce_alpha, l1_alpha, conf_alpha = plan.alphas
+    metrics = _metrics(g, w.shape[-1], plan.has_conf, c_star is not None)
     metrics["loss"] = (
-        ce_loss_alpha * metrics["ce_loss"]
-        + (l1_loss_alpha * metrics["l1_loss"] if "l1_loss" in metrics else 0.0)
-        + (confidence_head_alpha * metrics["confidence_loss"] if has_conf else 0.0)
+        ce_alpha * metrics["ce_loss"]
+        + (l1_alpha * metrics["l1_loss"] if "l1_loss" in metrics else 0.0)
+        + (conf_alpha * metrics["confidence_loss"] if plan.has_conf else 0.0)
     )
     return loss, metrics
 
 
+def _all_reduce_named(values: dict[str, torch.Tensor], group, world_size: int) -> dict[str, float]:
+    """Sums scalar tensors over every rank in one all_reduce; returns Python floats."""
+    sums = torch.stack([v.detach().to(torch.float32) for v in values.values()])
+    if world_size > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return dict(zip(values, sums.tolist()))
+
+
 @torch.no_grad()
-def _local_stats(out, w, valid, c_star, has_conf) -> dict[str, torch.Tensor]:
+def _local_stats(
+    greedy_hit, eval_mask, block_keep_mask, confidence_pred, w, valid, c_star, has_conf
+) -> dict[str, torch.Tensor]:
     """Numerators and denominators of every metric on this rank (summed later)."""
     block_size = valid.shape[-1]
-    valid_blocks = (out.block_keep_mask & out.eval_mask.any(-1)).to(torch.float32)
-    greedy = (out.draft_logits.argmax(-1) == out.target_ids).to(torch.float32) * valid
+    valid_blocks = (block_keep_mask & eval_mask.any(-1)).to(torch.float32)
+    greedy = greedy_hit.to(torch.float32) * valid
     s = {
         "blocks": valid_blocks.sum(),
         "tau_greedy": ((1.0 + greedy.cumprod(-1).sum(-1)) * valid_blocks).sum(),
@@ -148,7 +270,7 @@ def _local_stats(out, w, valid, c_star, has_conf) -> dict[str, torch.Tensor]:
         for j in range(block_size):
             s[f"accept@{j}"] = accepted[..., j].sum()
     if has_conf:
-        p = out.confidence_pred.float().sigmoid()
+        p = confidence_pred.float().sigmoid()
         err = p - c_star
         s["conf_abs"] = (err.abs() * w).sum()
         s["conf_bias"] = (err * w).sum()

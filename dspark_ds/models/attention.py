@@ -4,8 +4,11 @@ Query = draft slot of block qb; key index kv runs over [context (S); drafts (A*G
     visible = (kv < S and kv < anchor[qb]) or (kv >= S and (kv - S) // G == qb)
     visible = visible and block_keep_mask[qb]
 
-Three implementations, chosen by `attn_implementation`:
-- "dense": a [B, 1, A*G, S+A*G] boolean mask and SDPA. Works everywhere with autograd; the
+Implementations, chosen by `attn_implementation`:
+- "dense": a [B, 1, A*G, S+A*G] boolean mask and SDPA. Works everywhere with autograd; kept
+  as the plain reference (it computes every masked score too).
+- "blockwise": exact, computes only what the mask can show: each chunk of blocks attends to
+  the context prefix up to its largest anchor plus its own G x G block, in one softmax. The
   CPU training path (flex_attention has no backward on CPU).
 - "flex": a flex_attention BlockMask (GPU training; forward-only on CPU).
 - None mask: every key visible (inference rounds, where the cache holds only context).
@@ -13,10 +16,26 @@ Three implementations, chosen by `attn_implementation`:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-ATTN_IMPLEMENTATIONS = ("dense", "flex")
+ATTN_IMPLEMENTATIONS = ("dense", "blockwise", "flex")
+# Blocks per chunk of the blockwise path: small enough that the context cut follows the
+# anchors closely (sorted anchors), large enough that per-chunk overhead stays negligible.
+BLOCKWISE_CHUNK_BLOCKS = 32
+
+
+@dataclass
+class BlockwiseMask:
+    """The spec §4 visibility in its factored form (no [Q, K] tensor is ever built)."""
+
+    anchor_positions: torch.Tensor  # [B, A] long
+    block_keep_mask: torch.Tensor  # [B, A] bool
+    seq_len: int
+    block_size: int
+    chunk_blocks: int = BLOCKWISE_CHUNK_BLOCKS
 
 
 def dense_block_mask(
@@ -70,6 +89,10 @@ def build_block_mask(
         return dense_block_mask(
             anchor_positions, block_keep_mask, seq_len=seq_len, block_size=block_size
         )
+    if implementation == "blockwise":
+        return BlockwiseMask(
+            anchor_positions.long(), block_keep_mask.bool(), seq_len=seq_len, block_size=block_size
+        )
     if implementation == "flex":
         return flex_block_mask(
             anchor_positions, block_keep_mask, seq_len=seq_len, block_size=block_size
@@ -86,6 +109,8 @@ def attend(
 
     Returns [B, Hq, Q, D]; rows that see nothing are exactly zero.
     """
+    if isinstance(mask, BlockwiseMask):
+        return blockwise_attend(q, k, v, mask, scaling=scaling)
     if mask is None or isinstance(mask, torch.Tensor):
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
@@ -104,3 +129,60 @@ def attend(
     return flex_attention(
         q, k, v, block_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
     )
+
+
+def blockwise_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockwiseMask, *, scaling: float
+) -> torch.Tensor:
+    """Exact block-mask attention without the masked work of the dense path.
+
+    For a chunk of blocks, the visible keys are the context prefix [0, max anchor) and each
+    block's own G draft keys: one [.., c*G, L + G] score tensor (context scores next to the
+    block's own G x G scores) and one softmax, instead of [.., A*G, S + A*G].
+    q [B, Hq, A*G, D], k/v [B, Hkv, S + A*G, D] -> [B, Hq, A*G, D].
+    """
+    bsz, n_q_heads, q_len, head_dim = q.shape
+    n_kv_heads = k.shape[1]
+    groups = n_q_heads // n_kv_heads
+    G, S = mask.block_size, mask.seq_len
+    num_blocks = q_len // G
+    if k.shape[2] != S + q_len:
+        raise ValueError(f"blockwise attention: {k.shape[2]} keys, expected S + A*G = {S + q_len}")
+    # GQA without repeat_interleave: q head h uses kv head h // groups.
+    q6 = q.reshape(bsz, n_kv_heads, groups, num_blocks, G, head_dim)
+    k_ctx, v_ctx = k[:, :, :S], v[:, :, :S]
+    k_own = k[:, :, S:].reshape(bsz, n_kv_heads, 1, num_blocks, G, head_dim)
+    v_own = v[:, :, S:].reshape(bsz, n_kv_heads, 1, num_blocks, G, head_dim)
+    anchors, keep = mask.anchor_positions, mask.block_keep_mask
+    # NOTE: a dummy block (keep False) would see nothing: open its row to every key it is
+    # offered (finite softmax), then zero its output, as the dense path does.
+    max_ctx = torch.where(keep, anchors, torch.zeros_like(anchors)).clamp(max=S)
+    # One host sync for every chunk's context length (the largest anchor it holds).
+    chunk_max = torch.stack([c.max() for c in max_ctx.split(mask.chunk_blocks, dim=1)]).tolist()
+    outs = []
+    for i, a0 in enumerate(range(0, num_blocks, mask.chunk_blocks)):
+        a1 = min(a0 + mask.chunk_blocks, num_blocks)
+        c, ctx_len = a1 - a0, chunk_max[i]
+        q_c = q6[:, :, :, a0:a1]  # [B, Hkv, g, c, G, D]
+        own = q_c @ k_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
+        keep_c = keep[:, a0:a1].view(bsz, 1, 1, c, 1, 1)
+        if ctx_len > 0:
+            q_rows = q_c.reshape(bsz, n_kv_heads, groups * c * G, head_dim)
+            ctx = q_rows @ k_ctx[:, :, :ctx_len].transpose(-1, -2)
+            ctx = ctx.view(bsz, n_kv_heads, groups, c, G, ctx_len)
+            cols = torch.arange(ctx_len, device=q.device)
+            visible = (cols < anchors[:, a0:a1].view(bsz, 1, 1, c, 1, 1)) | ~keep_c
+            ctx = ctx.masked_fill(~visible, float("-inf"))
+            scores = torch.cat([ctx, own], dim=-1) * scaling
+        else:
+            scores = own * scaling
+        # Half-precision scores are normalised in fp32 (as SDPA does internally).
+        acc = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
+        probs = torch.softmax(scores, dim=-1, dtype=acc).to(q.dtype)
+        out = probs[..., ctx_len:] @ v_own[:, :, :, a0:a1]
+        if ctx_len > 0:
+            p_ctx = probs[..., :ctx_len].reshape(bsz, n_kv_heads, groups * c * G, ctx_len)
+            out = out + (p_ctx @ v_ctx[:, :, :ctx_len]).view_as(out)
+        outs.append(out * keep_c.to(out.dtype))
+    out = torch.cat(outs, dim=3)  # [B, Hkv, g, A, G, D]
+    return out.reshape(bsz, n_q_heads, q_len, head_dim)

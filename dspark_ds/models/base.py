@@ -9,6 +9,8 @@ Shape legend: B batch, S sequence, A anchors, G block size (γ), V vocab, H hidd
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -24,6 +26,19 @@ from .common import (
     sample_anchor_positions,
 )
 from .markov import ConfidenceHead, build_markov_head, sample_from_logits
+
+
+@dataclass
+class DSparkHiddenOutput:
+    """`forward_hidden`: everything the loss needs, with hidden states instead of logits."""
+
+    hidden: torch.Tensor  # [B, A, G, H] final-normed draft states (input of compute_logits)
+    prev_token_ids: torch.Tensor  # [B, A, G] token before each slot (Markov / confidence input)
+    target_ids: torch.Tensor  # [B, A, G]
+    eval_mask: torch.Tensor  # [B, A, G] bool
+    block_keep_mask: torch.Tensor  # [B, A] bool
+    anchor_positions: torch.Tensor  # [B, A]
+    target_prev_hidden: torch.Tensor | None = None  # [B, A, G, H] target state one step back
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +93,8 @@ class DSparkDraftModel(nn.Module):
         self.mask_token_id = int(config.mask_token_id)
         self.num_anchors = int(config.num_anchors)
         self.target_layer_ids = list(config.target_layer_ids)
-        # "auto": flex_attention on CUDA tensors, the dense mask elsewhere (no CPU backward).
+        # "auto": flex_attention on CUDA tensors; elsewhere (no flex backward on CPU) the exact
+        # blockwise path, which skips the work the mask hides ("dense" stays the reference).
         self.attn_implementation = "auto"
 
         self.embed_tokens = self.make_embedding()
@@ -180,7 +196,7 @@ class DSparkDraftModel(nn.Module):
 
     def resolve_attn_implementation(self, device: torch.device) -> str:
         if self.attn_implementation == "auto":
-            return "flex" if device.type == "cuda" else "dense"
+            return "flex" if device.type == "cuda" else "blockwise"
         return self.attn_implementation
 
     # ---- training forward (spec §3-§7) -------------------------------------------------
@@ -194,6 +210,49 @@ class DSparkDraftModel(nn.Module):
         block_keep_mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> DSparkForwardOutput:
+        feats = self.forward_hidden(
+            input_ids,
+            target_hidden_states,
+            loss_mask,
+            target_last_hidden_states,
+            anchor_positions=anchor_positions,
+            block_keep_mask=block_keep_mask,
+            generator=generator,
+        )
+        hidden_BAGH = feats.hidden
+        aligned = None
+        if feats.target_prev_hidden is not None:
+            aligned = self.compute_logits(feats.target_prev_hidden)
+        logits = self.compute_logits(hidden_BAGH)
+        if self.markov_head is not None:
+            logits = self.markov_head.apply_block_logits(
+                logits, token_ids=feats.prev_token_ids, hidden_states=hidden_BAGH
+            )
+        return DSparkForwardOutput(
+            draft_logits=logits,
+            target_ids=feats.target_ids,
+            eval_mask=feats.eval_mask,
+            block_keep_mask=feats.block_keep_mask,
+            confidence_pred=self.predict_confidence(hidden_BAGH, feats.prev_token_ids),
+            aligned_target_logits=aligned,
+            anchor_positions=feats.anchor_positions,
+        )
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None = None,
+        anchor_positions: torch.Tensor | None = None,
+        block_keep_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DSparkHiddenOutput:
+        """The training forward up to (not including) the vocabulary projection.
+
+        `forward` turns this into full logits; the chunked loss (dspark_ds.perf) projects
+        a few anchors at a time instead, so [B, A, G, V] never exists at once.
+        """
         bsz, seq_len = input_ids.shape
         device = input_ids.device
         G = self.block_size
@@ -241,27 +300,22 @@ class DSparkDraftModel(nn.Module):
             safe_label_indices=safe_idx,
             block_keep_mask=block_keep_mask,
         )
-        aligned = None
+        prev_state = None
         if target_last_hidden_states is not None:
             # The target's own distribution for the same token: its state one step earlier.
             prev_state = gather_blocks(target_last_hidden_states, (safe_idx - 1).clamp(min=0))
-            aligned = self.compute_logits(prev_state.to(self.lm_head.weight.dtype))
+            prev_state = prev_state.to(self.lm_head.weight.dtype)
 
         anchor_tokens = input_ids.gather(1, anchor_positions)
         prev_ids = torch.cat([anchor_tokens.unsqueeze(-1), target_ids[..., :-1]], dim=-1)
-        logits = self.compute_logits(hidden_BAGH)
-        if self.markov_head is not None:
-            logits = self.markov_head.apply_block_logits(
-                logits, token_ids=prev_ids, hidden_states=hidden_BAGH
-            )
-        return DSparkForwardOutput(
-            draft_logits=logits,
+        return DSparkHiddenOutput(
+            hidden=hidden_BAGH,
+            prev_token_ids=prev_ids,
             target_ids=target_ids,
             eval_mask=eval_mask,
             block_keep_mask=block_keep_mask,
-            confidence_pred=self.predict_confidence(hidden_BAGH, prev_ids),
-            aligned_target_logits=aligned,
             anchor_positions=anchor_positions,
+            target_prev_hidden=prev_state,
         )
 
     def predict_confidence(

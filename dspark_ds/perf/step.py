@@ -1,0 +1,52 @@
+"""One function for the training step: forward + loss through the configured path."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from dspark_ds.loss import compute_dspark_loss
+
+from .chunked_loss import DEFAULT_CHUNK_ANCHORS, chunked_dspark_loss
+from .config import LOSS_IMPLEMENTATIONS, PerfConfig
+
+BATCH_KEYS = ("input_ids", "target_hidden_states", "loss_mask")
+OPTIONAL_BATCH_KEYS = ("target_last_hidden_states", "anchor_positions", "block_keep_mask")
+
+
+def apply_perf_config(model: nn.Module, cfg: PerfConfig) -> nn.Module:
+    """Sets the model's attention implementation ("auto" is resolved per device by it)."""
+    model.attn_implementation = cfg.attn_implementation
+    return model
+
+
+def forward_and_loss(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    loss_args: Mapping[str, float | None],
+    impl: str = "auto",
+    chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(loss to backpropagate, metrics) for one micro-batch, as `compute_dspark_loss(model(..))`.
+
+    batch: the target-features dict (input_ids, loss_mask, target_hidden_states,
+    target_last_hidden_states; anchor_positions / block_keep_mask optional). loss_args: the
+    keyword arguments of `compute_dspark_loss` (loss_decay_gamma, ce_loss_alpha,
+    l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "auto" (chunked).
+    """
+    if impl not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {impl!r}")
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"batch: missing {missing} (needs {BATCH_KEYS})")
+    kwargs = {k: batch[k] for k in OPTIONAL_BATCH_KEYS if batch.get(k) is not None}
+    args = (batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"])
+    if impl == "reference":
+        out = model(*args, **kwargs, generator=generator)
+        return compute_dspark_loss(out, **loss_args)
+    feats = model.forward_hidden(*args, **kwargs, generator=generator)
+    conf = model.predict_confidence(feats.hidden, feats.prev_token_ids)
+    return chunked_dspark_loss(model, feats, conf, chunk_anchors=chunk_anchors, **loss_args)

@@ -1,0 +1,99 @@
+"""The chunked loss equals the reference loss: value, every metric, every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_ds.loss import compute_dspark_loss
+from dspark_ds.models.common import sample_anchor_positions
+from dspark_ds.perf import PerfConfig, forward_and_loss
+from tests.drafters import DFLASH, random_batch, tiny_drafter
+
+DSPARK_ARGS = dict(
+    loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
+)
+DFLASH_ARGS = dict(
+    loss_decay_gamma=4.0, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0
+)
+
+
+def _batch(model, seed=3):
+    batch = random_batch(model, batch=3, seq_len=22, seed=seed)
+    # Sample 2 has 2 anchor candidates only: dummy blocks in the chunks.
+    batch["loss_mask"][2, :19] = 0
+    anchors, keep = sample_anchor_positions(
+        batch["loss_mask"], model.num_anchors, torch.Generator().manual_seed(seed)
+    )
+    assert not keep.all()
+    return {**batch, "anchor_positions": anchors, "block_keep_mask": keep}
+
+
+def _run(model, batch, loss_args, impl, chunk):
+    model.zero_grad(set_to_none=True)
+    loss, metrics = forward_and_loss(model, batch, loss_args, impl=impl, chunk_anchors=chunk)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), metrics, grads
+
+
+def _assert_same(model, batch, loss_args, chunk):
+    ref_loss, ref_metrics, ref_grads = _run(model, batch, loss_args, "reference", chunk)
+    loss, metrics, grads = _run(model, batch, loss_args, "chunked", chunk)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert set(metrics) == set(ref_metrics)
+    for name, value in ref_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert set(grads) == set(ref_grads) and len(grads) > 5
+    for name, g in ref_grads.items():
+        assert g.abs().max() > 0, name  # every compared gradient is live
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_chunked_equals_reference_dspark(head, chunk):
+    model = tiny_drafter(markov_head_type=head)
+    _assert_same(model, _batch(model), DSPARK_ARGS, chunk)
+
+
+def test_chunked_equals_reference_dflash():
+    model = tiny_drafter(**DFLASH)
+    batch = _batch(model)
+    _assert_same(model, batch, DFLASH_ARGS, 5)
+    # DFlash batches may come without target_last_hidden_states at all.
+    batch.pop("target_last_hidden_states")
+    _assert_same(model, batch, DFLASH_ARGS, 5)
+
+
+def test_chunked_equals_reference_confidence_without_l1():
+    model = tiny_drafter(confidence_head_with_markov=False)
+    args = dict(DSPARK_ARGS, l1_loss_alpha=0.0)
+    _assert_same(model, _batch(model), args, 3)
+
+
+def test_chunked_trainable_lm_head_gets_its_gradient():
+    """compute_logits' own parameters are differentiated too (not only the Markov head)."""
+    model = tiny_drafter()
+    model.lm_head.requires_grad_(True)
+    _assert_same(model, _batch(model), DSPARK_ARGS, 4)
+
+
+def test_chunked_without_grad_gives_the_same_metrics():
+    model = tiny_drafter()
+    batch = _batch(model)
+    with torch.no_grad():
+        loss, metrics = forward_and_loss(model, batch, DSPARK_ARGS, impl="chunked", chunk_anchors=2)
+        ref = compute_dspark_loss(model(**batch), **DSPARK_ARGS)
+    assert loss.item() == pytest.approx(ref[0].item(), rel=1e-5)
+    assert metrics["tau_probabilistic"] == pytest.approx(ref[1]["tau_probabilistic"], rel=1e-5)
+
+
+def test_bad_options_name_the_field():
+    model = tiny_drafter()
+    with pytest.raises(ValueError, match="loss_impl"):
+        forward_and_loss(model, _batch(model), DSPARK_ARGS, impl="fast")
+    with pytest.raises(ValueError, match="loss_chunk_anchors"):
+        forward_and_loss(model, _batch(model), DSPARK_ARGS, impl="chunked", chunk_anchors=0)
+    with pytest.raises(ValueError, match="perf.attn_implementation"):
+        PerfConfig(attn_implementation="sparse")

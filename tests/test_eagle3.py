@@ -280,6 +280,7 @@ def test_save_load_round_trip_and_reference_names(tmp_path):
     assert data["ttt_length"] == 4 and data["step_loss_decay"] == 0.8
     assert data["target_layer_ids"] == LAYER_IDS and data["num_target_layers"] == 4
     assert data["draft_num_hidden_layers"] == 1 and data["num_hidden_layers"] == 1
+    assert "block_size" not in data and model.config.block_size == 4  # runtime alias of T
     names = set(model.state_dict())
     # The reference's parameter names (deepspec/modeling/eagle3/qwen3/modeling.py).
     expected = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight"} | {
@@ -347,3 +348,25 @@ def test_config_errors_name_the_field():
     out = model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 3 * HIDDEN), torch.ones(1, 4))
     with pytest.raises(ValueError, match="target_logits"):
         compute_eagle3_loss(out)
+
+
+def test_incremental_rounds_match_a_fresh_cache():
+    """Rounds with varying accepted lengths reuse the cache exactly like a rebuild from scratch."""
+    model = make_model(num_draft_layers=2)
+    batch = make_batch(bsz=1, seq=16)
+    ids, feats = batch["input_ids"], batch["target_hidden_states"]
+    cache = model.new_cache()
+    with torch.no_grad():
+        for start in (3, 4, 7, 12):  # 1, 3 and 5 newly verified positions per round
+            cached = cache.seq_length
+            tokens, logits = model.propose(
+                context_features=feats[:, cached:start], next_token_ids=ids[:, cached + 1 : start + 1],
+                start=start, cache=cache, temperature=0.0,
+            )
+            fresh_tokens, fresh_logits = model.propose(
+                context_features=feats[:, :start], next_token_ids=ids[:, 1 : start + 1],
+                start=start, cache=model.new_cache(),
+            )
+            assert torch.equal(tokens, fresh_tokens)
+            torch.testing.assert_close(logits, fresh_logits, rtol=1e-4, atol=1e-5)
+            assert cache.seq_length == start

@@ -253,6 +253,10 @@ class Eagle3DraftModel(nn.Module):
         self.target_layer_ids = [int(i) for i in config.target_layer_ids]
         self.ttt_length = int(config.ttt_length)
         self.step_loss_decay = float(config.step_loss_decay)
+        # NOTE: the decoding loop, calibration and reports size a round by `config.block_size`
+        # (γ, the most tokens one round proposes); for Eagle3 that is ttt_length. It is a
+        # runtime alias only: `interchange_config_dict` drops it from config.json.
+        config.block_size = self.ttt_length
         # "auto": flex_attention on CUDA tensors, the exact dense kernel elsewhere.
         self.attn_implementation = "auto"
 
@@ -319,7 +323,9 @@ class Eagle3DraftModel(nn.Module):
 
     @staticmethod
     def interchange_config_dict(data: dict, config) -> dict:
-        """config.json fix-ups for `save_draft_model`: none (the reference reads the fields as is)."""
+        """config.json as the reference writes it (without the runtime `block_size` alias)."""
+        data = dict(data)
+        data.pop("block_size", None)
         return data
 
     def resolve_attn_implementation(self, device: torch.device) -> str:

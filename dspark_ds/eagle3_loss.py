@@ -15,6 +15,12 @@ Metrics (global over ranks), named like the DSpark ones so MLflow plots line up:
 `ploss_{k}`, `loss`, `accept_rate@k` (1 - TV), `greedy_accept@k` (argmax = data token),
 `accuracy@k` (argmax = target argmax), `tau_probabilistic`, `tau_greedy` (1 + expected
 accepted prefix, averaged over anchors with >= 1 valid step), `supervised_tokens`.
+
+Two paths with the same loss, gradients and metrics: `compute_eagle3_loss` on full
+[B, S, T, V] logits (the reference, tested against a naive loop), and `chunked_eagle3_loss`,
+which never holds more than `chunk_rows` rows of vocabulary-sized tensors: per chunk the
+gradient of the soft CE w.r.t. the logits is closed-form (softmax(draft) - p_t) and is pushed
+through the frozen lm_head at once, so only an [N, H] gradient survives the forward.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from dspark_ds.models.eagle3 import Eagle3ForwardOutput
+from dspark_ds.models.eagle3 import Eagle3ForwardOutput, Eagle3Hidden
 
 EPS = 1e-6
 
@@ -47,64 +53,186 @@ def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor
 def compute_eagle3_loss(
     out: Eagle3ForwardOutput, *, step_loss_decay: float = 0.8
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Returns (loss to backpropagate, metrics). Needs `out.target_logits`."""
+    """Returns (loss to backpropagate, metrics) from full logits. Needs `out.target_logits`."""
     if out.target_logits is None:
         raise ValueError(
             "target_logits: the Eagle3 loss is a soft cross-entropy against the target; pass "
             "target_last_hidden_states to the forward"
         )
-    if not step_loss_decay > 0:
-        raise ValueError(f"step_loss_decay: must be > 0, got {step_loss_decay!r}")
+    _check_decay(step_loss_decay)
     world_size, group = _world()
     steps = out.draft_logits.shape[2]
     mask = out.eval_mask.to(torch.float32)  # [B, S, T]
     with torch.no_grad():
         target_probs = torch.softmax(out.target_logits.float(), dim=-1)
 
-    nums: list[torch.Tensor] = []
-    stats: dict[str, torch.Tensor] = {}
-    accept_steps, greedy_steps = [], []
+    ce_steps, slots = [], []
     for k in range(steps):
         p_t = target_probs_for_step(target_probs, k)
         log_p_d = torch.log_softmax(out.draft_logits[:, :, k].float(), dim=-1)
-        ce = -(p_t * log_p_d).sum(-1)  # [B, S]
-        m = mask[..., k]
-        nums.append((ce * m).sum())
+        ce_steps.append(-(p_t * log_p_d).sum(-1))  # [B, S]
         with torch.no_grad():
-            c_star = (1.0 - 0.5 * (log_p_d.exp() - p_t).abs().sum(-1)).clamp(0.0, 1.0) * m
-            draft_arg = log_p_d.argmax(-1)
-            greedy = (draft_arg == out.target_ids[..., k]).float() * m
-            matches = (draft_arg == p_t.argmax(-1)).float() * m
-            stats[f"den@{k}"] = m.sum()
-            stats[f"accept@{k}"] = c_star.sum()
-            stats[f"greedy@{k}"] = greedy.sum()
-            stats[f"match@{k}"] = matches.sum()
-            accept_steps.append(c_star)
-            greedy_steps.append(greedy)
+            slots.append(_slot_terms(log_p_d, p_t, out.target_ids[..., k]))
+    ce = torch.stack(ce_steps, dim=-1)  # [B, S, T], differentiable
+    c_star, greedy, match = (torch.stack(t, dim=-1) for t in zip(*slots))
+    g = _reduce(_local_stats(mask, ce.detach(), c_star, greedy, match), world_size, group)
 
-    with torch.no_grad():
-        anchors = mask[..., 0]  # an anchor counts when its first step is valid
-        accepted = torch.stack(accept_steps, dim=-1).cumprod(-1).sum(-1)
-        greedy_prefix = torch.stack(greedy_steps, dim=-1).cumprod(-1).sum(-1)
-        stats["anchors"] = anchors.sum()
-        stats["tau_probabilistic"] = ((1.0 + accepted) * anchors).sum()
-        stats["tau_greedy"] = ((1.0 + greedy_prefix) * anchors).sum()
-        stats["slots"] = mask.sum()
-        for k in range(steps):
-            stats[f"num@{k}"] = nums[k].detach()
+    loss = out.draft_logits.new_zeros((), dtype=torch.float32)
+    for k in range(steps):
+        num = (ce[..., k] * mask[..., k]).sum()
+        loss = loss + (float(step_loss_decay) ** k) * num / (g[f"den@{k}"] + EPS)
+    return loss * world_size, _metrics(g, steps, float(step_loss_decay))
 
-    # One all_reduce for every denominator and metric sum.
+
+def chunked_eagle3_loss(
+    model, feats: Eagle3Hidden, *, step_loss_decay: float = 0.8, chunk_rows: int = 1024
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The same loss and metrics as `compute_eagle3_loss(model(...))` from `forward_hidden`,
+    with O(chunk_rows x V) vocabulary memory. Only valid (b, t, k) rows are projected."""
+    if feats.target_last_hidden_states is None:
+        raise ValueError(
+            "target_last_hidden_states: the Eagle3 loss is a soft cross-entropy against the "
+            "target; pass it to the forward"
+        )
+    _check_decay(step_loss_decay)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
+    model = getattr(model, "module", model)
+    if model.lm_head.weight.requires_grad:
+        raise ValueError("lm_head: the chunked Eagle3 loss needs the shared lm_head frozen")
+    world_size, group = _world()
+    bsz, seq, steps, _ = feats.hidden.shape
+    mask = feats.eval_mask.to(torch.float32)
+    # The denominators depend on the mask only: reduce them before any logits exist.
+    dens = mask.sum(dim=(0, 1))
+    if world_size > 1:
+        dens = dens.clone()
+        dist.all_reduce(dens, op=dist.ReduceOp.SUM, group=group)
+    decay = float(step_loss_decay) ** torch.arange(steps, dtype=torch.float32, device=dens.device)
+    coef = decay * world_size / (dens + EPS)
+
+    b_idx, t_idx, k_idx = feats.eval_mask.nonzero(as_tuple=True)
+    rows = model.norm(feats.hidden[b_idx, t_idx, k_idx])  # [N, H]; norm is per row
+    # Valid rows have label t + k + 2 < S, so the target's row t + k + 1 exists.
+    target_rows = feats.target_last_hidden_states[b_idx, t_idx + k_idx + 1]
+    loss, ce, c_star, greedy, match = _SoftCEChunks.apply(
+        model, rows, target_rows, feats.target_ids[b_idx, t_idx, k_idx], coef[k_idx], chunk_rows
+    )
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(bsz, seq, steps, dtype=torch.float32, device=mask.device)
+        full[b_idx, t_idx, k_idx] = values
+        return full
+
+    g = _reduce(
+        _local_stats(mask, scatter(ce), scatter(c_star), scatter(greedy), scatter(match)),
+        world_size,
+        group,
+    )
+    return loss, _metrics(g, steps, float(step_loss_decay))
+
+
+def eagle3_forward_and_loss(
+    model,
+    batch,
+    *,
+    step_loss_decay: float = 0.8,
+    impl: str = "auto",
+    chunk_rows: int = 1024,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch: the unrolled forward and its loss. impl: "reference" (full logits) or
+    "chunked" / "auto" (vocabulary work `chunk_rows` rows at a time). `model` may be wrapped
+    (DeepSpeed engine): its forward runs through the wrapper; the heads are read unwrapped."""
+    args = (batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"])
+    last = batch.get("target_last_hidden_states")
+    if impl == "reference":
+        return compute_eagle3_loss(model(*args, last), step_loss_decay=step_loss_decay)
+    if impl not in ("auto", "chunked"):
+        raise ValueError(f"impl: expected auto | reference | chunked, got {impl!r}")
+    inner = getattr(model, "module", model)
+    feats = inner.forward_hidden(*args, last)
+    return chunked_eagle3_loss(
+        inner, feats, step_loss_decay=step_loss_decay, chunk_rows=chunk_rows
+    )
+
+
+class _SoftCEChunks(torch.autograd.Function):
+    """Forward: per-row soft CE and metrics, and d(Σ coef·ce)/d rows chunk by chunk; backward
+    only replays the stored [N, H] gradient."""
+
+    @staticmethod
+    def forward(ctx, model, rows, target_rows, target_ids, row_coef, chunk_rows):
+        n = rows.shape[0]
+        grad = torch.zeros_like(rows)
+        ce = torch.zeros(n, dtype=torch.float32, device=rows.device)
+        c_star, greedy, match = torch.zeros_like(ce), torch.zeros_like(ce), torch.zeros_like(ce)
+        for lo in range(0, n, chunk_rows):
+            sl = slice(lo, min(lo + chunk_rows, n))
+            x = rows[sl].detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = model.head_logits(x).float()
+            with torch.no_grad():
+                p_t = torch.softmax(model.target_logits(target_rows[sl]).float(), dim=-1)
+                log_p_d = torch.log_softmax(logits.detach(), dim=-1)
+                ce[sl] = -(p_t * log_p_d).sum(-1)
+                c_star[sl], greedy[sl], match[sl] = _slot_terms(log_p_d, p_t, target_ids[sl])
+                # d/dz of -Σ p_t log softmax(z) is softmax(z) - p_t (p_t sums to 1).
+                g_logits = (log_p_d.exp() - p_t) * row_coef[sl].unsqueeze(-1)
+            (grad[sl],) = torch.autograd.grad(logits, x, g_logits)
+        ctx.grad = grad
+        loss = (ce * row_coef).sum()
+        ctx.mark_non_differentiable(ce, c_star, greedy, match)
+        return loss, ce, c_star, greedy, match
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("chunked Eagle3 loss: backward called twice")
+        return None, grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def _check_decay(step_loss_decay: float) -> None:
+    if not step_loss_decay > 0:
+        raise ValueError(f"step_loss_decay: must be > 0, got {step_loss_decay!r}")
+
+
+@torch.no_grad()
+def _slot_terms(log_p_d: torch.Tensor, p_t: torch.Tensor, target_ids: torch.Tensor):
+    """(accept rate 1 - TV, argmax == data token, argmax == target argmax), fp32, per row."""
+    c_star = (1.0 - 0.5 * (log_p_d.exp() - p_t).abs().sum(-1)).clamp(0.0, 1.0)
+    draft_arg = log_p_d.argmax(-1)
+    return c_star, (draft_arg == target_ids).float(), (draft_arg == p_t.argmax(-1)).float()
+
+
+@torch.no_grad()
+def _local_stats(mask, ce, c_star, greedy, match) -> dict[str, torch.Tensor]:
+    """Every metric's numerator and denominator on this rank ([B, S, T] inputs)."""
+    steps = mask.shape[-1]
+    c_star, greedy, match, ce = c_star * mask, greedy * mask, match * mask, ce * mask
+    anchors = mask[..., 0]  # an anchor counts when its first step is valid
+    s = {
+        "anchors": anchors.sum(),
+        "tau_probabilistic": ((1.0 + c_star.cumprod(-1).sum(-1)) * anchors).sum(),
+        "tau_greedy": ((1.0 + greedy.cumprod(-1).sum(-1)) * anchors).sum(),
+        "slots": mask.sum(),
+    }
+    for k in range(steps):
+        s[f"den@{k}"] = mask[..., k].sum()
+        s[f"num@{k}"] = ce[..., k].sum()
+        s[f"accept@{k}"] = c_star[..., k].sum()
+        s[f"greedy@{k}"] = greedy[..., k].sum()
+        s[f"match@{k}"] = match[..., k].sum()
+    return s
+
+
+def _reduce(stats: dict[str, torch.Tensor], world_size: int, group) -> dict[str, float]:
+    """One all_reduce for every sum."""
     sums = torch.stack(list(stats.values()))
     if world_size > 1:
         sums = sums.clone()
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    g = dict(zip(stats.keys(), sums.tolist()))
-
-    loss = out.draft_logits.new_zeros((), dtype=torch.float32)
-    for k in range(steps):
-        loss = loss + (float(step_loss_decay) ** k) * nums[k] / (g[f"den@{k}"] + EPS)
-    loss = loss * world_size
-    return loss, _metrics(g, steps, float(step_loss_decay))
+    return dict(zip(stats.keys(), sums.tolist()))
 
 
 def _ratio(num: float, den: float) -> float:

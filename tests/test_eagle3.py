@@ -370,3 +370,28 @@ def test_incremental_rounds_match_a_fresh_cache():
             assert torch.equal(tokens, fresh_tokens)
             torch.testing.assert_close(logits, fresh_logits, rtol=1e-4, atol=1e-5)
             assert cache.seq_length == start
+
+
+def test_chunked_loss_matches_reference_loss_metrics_and_gradients():
+    from dspark_ds.eagle3_loss import eagle3_forward_and_loss
+
+    model = make_model(num_draft_layers=1).train()
+    model.freeze_shared()
+    batch = make_batch(bsz=2, seq=12)
+    results = {}
+    for impl in ("reference", "chunked"):
+        model.zero_grad()
+        loss, metrics = eagle3_forward_and_loss(
+            model, batch, step_loss_decay=0.8, impl=impl, chunk_rows=5
+        )
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[impl] = (loss.item(), metrics, grads)
+    (ref_loss, ref_m, ref_g), (ch_loss, ch_m, ch_g) = results["reference"], results["chunked"]
+    assert ch_loss == pytest.approx(ref_loss, rel=1e-5)
+    assert set(ch_m) == set(ref_m)
+    for key, value in ref_m.items():
+        assert ch_m[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert set(ch_g) == set(ref_g) and "fc.weight" in ch_g
+    for name, g in ref_g.items():
+        torch.testing.assert_close(ch_g[name], g, rtol=1e-4, atol=1e-6, msg=name)

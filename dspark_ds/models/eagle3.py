@@ -46,6 +46,16 @@ AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
+class Eagle3Hidden:
+    """The unrolled forward before the vocabulary projection (the chunked loss's input)."""
+
+    hidden: torch.Tensor  # [B, S, T, H] raw (un-normed) output of step k at position t
+    target_ids: torch.Tensor  # [B, S, T]
+    eval_mask: torch.Tensor  # [B, S, T] bool
+    target_last_hidden_states: torch.Tensor | None = None  # [B, S, H]
+
+
+@dataclass
 class Eagle3ForwardOutput:
     """Everything the Eagle3 loss needs from one unrolled training forward."""
 
@@ -278,13 +288,18 @@ class Eagle3DraftModel(nn.Module):
     def make_rotary(self) -> nn.Module:
         raise NotImplementedError
 
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of an already normed state through the shared lm_head (a backend adds its
+        final-logit soft-capping here)."""
+        return self.lm_head(normed)
+
     def target_logits(self, target_last_hidden_states: torch.Tensor) -> torch.Tensor:
         """The target's logits from its final normed state, through the shared lm_head."""
-        return self.lm_head(target_last_hidden_states.to(self.lm_head.weight.dtype))
+        return self.head_logits(target_last_hidden_states.to(self.lm_head.weight.dtype))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits from the drafter's raw (un-normed) output hidden state."""
-        return self.lm_head(self.norm(hidden))
+        return self.head_logits(self.norm(hidden))
 
     # ---- set-up (the same contract as DSparkDraftModel) --------------------------------------
     @torch.no_grad()
@@ -365,6 +380,29 @@ class Eagle3DraftModel(nn.Module):
         target_last_hidden_states: torch.Tensor | None = None,
         ttt_length: int | None = None,
     ) -> Eagle3ForwardOutput:
+        """The unroll with full logits ([B, S, T, V]; the reference path of the loss)."""
+        feats = self.forward_hidden(
+            input_ids, target_hidden_states, loss_mask, target_last_hidden_states, ttt_length
+        )
+        target_logits = None
+        if target_last_hidden_states is not None:
+            with torch.no_grad():
+                target_logits = self.target_logits(target_last_hidden_states)
+        return Eagle3ForwardOutput(
+            draft_logits=self.compute_logits(feats.hidden),
+            target_ids=feats.target_ids,
+            eval_mask=feats.eval_mask,
+            target_logits=target_logits,
+        )
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None = None,
+        ttt_length: int | None = None,
+    ) -> Eagle3Hidden:
         """Unrolls `ttt_length` (default: the config's) steps over every position at once."""
         steps = int(ttt_length or self.ttt_length)
         bsz, seq_len = input_ids.shape
@@ -387,22 +425,16 @@ class Eagle3DraftModel(nn.Module):
         attend_fns = [make_attend(i, layer.self_attn.scaling) for i, layer in enumerate(self.layers)]
         h = self.project_context(target_hidden_states)
         base_pos = torch.arange(seq_len, device=device).expand(bsz, -1)
-        logits = []
+        hiddens = []
         for k in range(steps):
             embeds = self.embed_tokens(shift_left(input_ids, k + 1))
             h = self.run_layers(embeds, h, base_pos + k, attend_fns)
-            logits.append(self.compute_logits(h))
-
-        target_ids = torch.stack([shift_left(input_ids, k + 2) for k in range(steps)], dim=-1)
-        target_logits = None
-        if target_last_hidden_states is not None:
-            with torch.no_grad():
-                target_logits = self.target_logits(target_last_hidden_states)
-        return Eagle3ForwardOutput(
-            draft_logits=torch.stack(logits, dim=2),
-            target_ids=target_ids,
+            hiddens.append(h)
+        return Eagle3Hidden(
+            hidden=torch.stack(hiddens, dim=2),
+            target_ids=torch.stack([shift_left(input_ids, k + 2) for k in range(steps)], dim=-1),
             eval_mask=build_ttt_eval_mask(loss_mask, steps),
-            target_logits=target_logits,
+            target_last_hidden_states=target_last_hidden_states,
         )
 
     # ---- inference primitives: chain drafting with a KV cache --------------------------------
@@ -508,6 +540,7 @@ def is_eagle3(model) -> bool:
 __all__ = [
     "Eagle3DraftModel",
     "Eagle3ForwardOutput",
+    "Eagle3Hidden",
     "Qwen3Eagle3Model",
     "build_eagle3_config",
     "build_ttt_eval_mask",

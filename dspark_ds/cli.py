@@ -1,0 +1,155 @@
+"""`dspark-ds <subcommand>`: jsonargparse over each subcommand's typed config.
+
+    dspark-ds train --config dspark_ds/recipes/tiny_cpu.yaml --train.lr 1e-3
+    dspark-ds train --config recipe.yaml --print_config        # the resolved config, as YAML
+    dspark-ds export --checkpoint runs/tiny --output_dir drafter/
+
+Each subcommand is `module:ConfigClass` + `module:function(cfg)`; both are imported only when
+that subcommand runs, so `dspark-ds --help` is instant and a component's subcommand appears as
+soon as its module exists. Bad options and failed config checks exit with code 2 and a message
+naming the dotted option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+
+# name -> (config class, entry function, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
+    "prepare": ("dspark_ds.data.config:PrepareConfig", "dspark_ds.data.tokens:prepare",
+                "normalise and tokenise chat jsonl (loss mask = assistant tokens)"),
+    "regenerate": ("dspark_ds.data.config:RegenerateConfig",
+                   "dspark_ds.data.regeneration:regenerate",
+                   "let the target rewrite every assistant answer"),
+    "build-cache": ("dspark_ds.data.config:BuildCacheConfig", "dspark_ds.data.cache:build_cache",
+                    "run the target once and store its features (offline mode)"),
+    "train": ("dspark_ds.config:TrainRunConfig", "dspark_ds.trainer:train",
+              "train a drafter with DeepSpeed (ZeRO 0-3, offload), tracked in MLflow"),
+    "eval": ("dspark_ds.eval.config:EvalConfig", "dspark_ds.eval.runner:run_eval",
+             "speculative decoding against the target: τ, calibration, plots"),
+    "export": ("dspark_ds.config:ExportConfig", "dspark_ds.cli:run_export",
+               "training checkpoint (any ZeRO stage) -> interchange directory"),
+    "demo": ("dspark_ds.demo.config:DemoConfig", "dspark_ds.demo.pipeline:run_demo",
+             "the whole pipeline on CPU in minutes, nothing downloaded"),
+    "estimate": ("dspark_ds.data.config:EstimateCacheConfig", "dspark_ds.data.cache:estimate_cache",
+                 "estimate the size of a target cache before building it (`estimate cache`)"),
+    "bench": ("dspark_ds.eval.config:BenchConfig", "dspark_ds.eval.bench:run_bench",
+              "throughput of speculative decoding vs the target alone"),
+}
+# `dspark-ds estimate cache ...` reads as English; the word is optional.
+SUBCOMMAND_WORDS = {"estimate": "cache"}
+
+
+def _import(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def to_plain(cfg) -> dict:
+    """A config dataclass as plain YAML/JSON-able data."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def dump_config(cfg) -> str:
+    import yaml
+
+    return yaml.safe_dump(to_plain(cfg), sort_keys=False)
+
+
+def build_parser(name: str, config_cls):
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    doc = (config_cls.__doc__ or "").strip().splitlines()[0]
+    parser = ArgumentParser(prog=f"dspark-ds {name}", description=doc, exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile,
+                        help="YAML recipe; later flags override it (--train.lr 1e-4)")
+    parser.add_class_arguments(config_cls, nested_key=None, fail_untyped=False)
+    return parser
+
+
+def parse_config(name: str, argv: list[str]):
+    """argv (after the subcommand) → a validated config instance. Raises ValueError /
+    SystemExit(2) with the option's name."""
+    config_path, _, _ = SUBCOMMANDS[name]
+    config_cls = _import(config_path)
+    parser = build_parser(name, config_cls)
+    ns = parser.parse_args(argv)
+    ns = parser.instantiate(ns)
+    values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
+    cfg = config_cls(**values)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def run_export(cfg):
+    """`dspark-ds export`: any ZeRO stage's checkpoint → interchange directory."""
+    import torch
+
+    from dspark_ds.checkpoint import export_checkpoint
+
+    out = export_checkpoint(cfg.checkpoint, cfg.output_dir, target_path=cfg.target_path,
+                            dtype=getattr(torch, cfg.dtype))
+    print(f"[export] wrote {out}")
+    return out
+
+
+def _usage() -> str:
+    width = max(len(n) for n in SUBCOMMANDS)
+    lines = ["usage: dspark-ds <subcommand> [--config recipe.yaml] [--section.option value ...]",
+             "", "subcommands:"]
+    lines += [f"  {n:<{width}}  {h}" for n, (_, _, h) in SUBCOMMANDS.items()]
+    lines += ["", "`dspark-ds <subcommand> --help` lists every option with its documentation."]
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> int:
+    print(f"dspark-ds: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        return _fail(f"unknown subcommand {name!r}; choose from {', '.join(SUBCOMMANDS)}")
+    if name in SUBCOMMAND_WORDS and rest[:1] == [SUBCOMMAND_WORDS[name]]:
+        rest = rest[1:]
+    config_path, entry_path, _ = SUBCOMMANDS[name]
+    try:
+        _import(config_path)
+        entry = _import(entry_path)
+    except (ImportError, AttributeError) as err:
+        return _fail(f"subcommand {name!r} is not available in this install ({err})")
+    try:
+        cfg = parse_config(name, rest)
+    except SystemExit as err:  # --help / --print_config exit 0; parse errors exit 2
+        return int(err.code or 0)
+    except (ValueError, TypeError) as err:
+        return _fail(_parse_error_text(err))
+    try:
+        entry(cfg)
+    except ValueError as err:
+        # config problems found while setting up (cache mismatch, batch divisibility, ...)
+        return _fail(str(err))
+    return 0
+
+
+def _parse_error_text(err: Exception) -> str:
+    text = str(err).strip()
+    # jsonargparse wraps __post_init__ errors; the last line names the option
+    lines = [line for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "ValueError:" in line:
+            return line.split("ValueError:", 1)[1].strip()
+    return text
+
+
+if __name__ == "__main__":
+    sys.exit(main())

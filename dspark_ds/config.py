@@ -1,0 +1,308 @@
+"""The typed config tree of `dspark-ds train` and `dspark-ds export`.
+
+Every section is a small dataclass; jsonargparse turns the field docstrings into `--help` and
+the field paths into dotted flags (`--train.lr 1e-4`). Sections owned by other components are
+imported from next to their code (`data.DataConfig`, `target.TargetConfig`). Every check raises
+`ValueError` naming the dotted option; the CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Literal
+
+from dspark_ds.data.config import DataConfig
+from dspark_ds.target import TargetConfig
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's architecture and loss (spec §11). Defaults are the paper's DSpark."""
+
+    num_draft_layers: int = 5
+    """Transformer layers of the drafter backbone."""
+    block_size: int = 7
+    """γ: tokens drafted per block (anchor + γ-1 masks)."""
+    num_anchors: int = 512
+    """Blocks (anchors) sampled per training sequence."""
+    mask_token_id: int | None = None
+    """Id of the MASK token filling the draft block; None = the tokenizer's `<|mask|>` token
+    (Qwen3 recipes use 151669)."""
+    markov_rank: int = 256
+    """Rank r of the Markov head; 0 = no Markov head (DFlash)."""
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    """Markov head variant."""
+    confidence_head_alpha: float = 1.0
+    """Weight of the confidence (BCE) loss; > 0 enables the confidence head."""
+    confidence_head_with_markov: bool = True
+    """Feed the Markov features to the confidence head (needs markov_rank > 0)."""
+    loss_decay_gamma: float | None = 4.0
+    """Position weight decay w_j = exp(-j/γ_decay); None or <= 0 disables it."""
+    ce_loss_alpha: float = 0.1
+    """Weight of the cross-entropy term (DFlash: 1.0)."""
+    l1_loss_alpha: float = 0.9
+    """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
+    init_from: str | None = None
+    """Start from an exported drafter directory instead of a random init (fine-tuning)."""
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("num_draft_layers", "block_size", "num_anchors"):
+            _require(getattr(self, name) >= 1, f"{prefix}.{name}", "must be >= 1", self)
+        _require(self.markov_rank >= 0, f"{prefix}.markov_rank", "must be >= 0", self)
+        for name in ("confidence_head_alpha", "ce_loss_alpha", "l1_loss_alpha"):
+            _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0", self)
+        _require(
+            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0,
+            f"{prefix}.ce_loss_alpha",
+            "all loss weights are 0; nothing would be trained",
+            self,
+        )
+        if self.confidence_head_alpha > 0 and self.confidence_head_with_markov:
+            _require(
+                self.markov_rank > 0,
+                f"{prefix}.confidence_head_with_markov",
+                "needs model.markov_rank > 0 (set it to false for DFlash)",
+                self,
+            )
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation: AdamW with fp32 master weights, linear warmup then cosine decay."""
+
+    lr: float = 6e-4
+    """Peak learning rate."""
+    warmup_ratio: float = 0.04
+    """Fraction of the optimizer steps spent in linear warmup."""
+    min_lr_ratio: float = 0.0
+    """The cosine ends at lr × min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (DeepSpeed `gradient_clipping`); 0 = off."""
+    precision: Literal["bf16", "fp32"] = "bf16"
+    """Compute dtype of the drafter; master weights and optimizer states stay fp32."""
+    global_batch_size: int = 512
+    """Sequences per optimizer step over all ranks; gradient accumulation = global /
+    (data.batch_size × world size), which must divide exactly."""
+    num_epochs: int = 10
+    """Passes over the training data."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (also sets the schedule length); None = epochs."""
+    seed: int = 42
+    """Seed of the drafter init, anchor sampling and synthetic data."""
+    log_every: int = 10
+    """Log losses and throughput every this many optimizer steps."""
+    synthetic_samples: int = 0
+    """> 0: train on this many random token sequences of length data.max_length whose
+    features the target computes online, instead of data.paths (smoke tests, ZeRO tuning)."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0."""
+
+    def validate(self, prefix: str = "train") -> None:
+        _require(self.lr > 0, f"{prefix}.lr", "must be > 0", self)
+        _require(0 <= self.warmup_ratio < 1, f"{prefix}.warmup_ratio", "must be in [0, 1)", self)
+        _require(0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio", "must be in [0, 1]", self)
+        _require(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0", self)
+        _require(self.max_grad_norm >= 0, f"{prefix}.max_grad_norm", "must be >= 0", self)
+        _require(self.global_batch_size >= 1, f"{prefix}.global_batch_size", "must be >= 1", self)
+        _require(self.num_epochs >= 1, f"{prefix}.num_epochs", "must be >= 1", self)
+        if self.max_steps is not None:
+            _require(self.max_steps >= 1, f"{prefix}.max_steps", "must be >= 1", self)
+        _require(self.log_every >= 1, f"{prefix}.log_every", "must be >= 1", self)
+        _require(self.synthetic_samples >= 0, f"{prefix}.synthetic_samples", "must be >= 0", self)
+
+
+@dataclass
+class DeepSpeedConfig:
+    """The DeepSpeed engine: a JSON from ds_configs/ plus the run's own values."""
+
+    config: str = "zero2"
+    """Name of a shipped JSON (zero0 | zero1 | zero2 | zero3 | zero3_offload_cpu |
+    zero3_offload_nvme) or a path to your own. Keys set to "auto" are filled from the run
+    (batch sizes, clipping, precision, optimizer); explicit values must agree with the run."""
+    overrides: dict | None = None
+    """Extra keys merged into the JSON last, e.g. {"zero_optimization": {"offload_param":
+    {"nvme_path": "/local"}}}."""
+    zero_init: bool | None = None
+    """Build the drafter inside deepspeed.zero.Init so no rank holds it whole; None = on
+    under ZeRO-3."""
+    torch_adam: bool | None = None
+    """Use torch.optim.AdamW instead of DeepSpeed's fused / CPU Adam; None = on when there is
+    no GPU and the optimizer is not offloaded."""
+    backend: str | None = None
+    """torch.distributed backend; None = nccl on GPU, gloo on CPU."""
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking (rank 0 only)."""
+
+    enabled: bool = True
+    """Log to MLflow."""
+    uri: str | None = None
+    """Tracking URI (http://server:5000, databricks, ...); None = sqlite:///<output_dir>/mlflow.db."""
+    experiment: str = "dspark-ds"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; None = the run's `name`."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Extra tags for the run."""
+    timeout_s: float = 10.0
+    """How long to wait for an unreachable server before training on without tracking."""
+
+
+@dataclass
+class CheckpointConfig:
+    """DeepSpeed checkpoints under <output_dir>/<name>/checkpoints."""
+
+    every_steps: int = 1000
+    """Save every this many optimizer steps (0 = only at the end and on signals)."""
+    keep_last: int = 3
+    """Keep the newest K checkpoints; older ones are deleted after a successful save."""
+    resume: str | None = None
+    """auto = continue from the newest checkpoint of this run if any; a path = that checkpoint
+    (a tag directory); None = start fresh (refuses to overwrite existing checkpoints)."""
+    save_final: bool = True
+    """Save a checkpoint when training ends."""
+    export_final: bool = True
+    """Export the final weights to <run>/export (interchange format, spec §13)."""
+
+
+@dataclass
+class ValidationConfig:
+    """Periodic validation on held-out data during training (loss terms and τ)."""
+
+    every_steps: int = 0
+    """Validate every this many optimizer steps (0 = only at the end)."""
+    num_batches: int = 8
+    """Micro-batches per rank per validation."""
+    paths: list[str] = field(default_factory=list)
+    """Held-out chat jsonl files (same format as data.paths); empty with synthetic data = a
+    disjoint synthetic set; empty otherwise = no validation."""
+    cache_dir: str | None = None
+    """Held-out offline target cache (data.mode offline)."""
+
+    def validate(self, prefix: str = "eval") -> None:
+        _require(self.every_steps >= 0, f"{prefix}.every_steps", "must be >= 0", self)
+        _require(self.num_batches >= 1, f"{prefix}.num_batches", "must be >= 1", self)
+
+
+@dataclass
+class TrainRunConfig:
+    """`dspark-ds train`: everything one training run needs."""
+
+    name: str = "dspark"
+    """Run name: the directory <output_dir>/<name> and the default MLflow run name."""
+    output_dir: str = "runs"
+    """Parent directory of runs (also holds the default MLflow store)."""
+    model: DrafterConfig = field(default_factory=DrafterConfig)
+    """Drafter architecture and loss."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """The frozen target (its config shapes the drafter; its embedding and lm_head are shared)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data (data.batch_size is the micro-batch per rank)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation."""
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    """ZeRO stage, offload, engine details."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence, retention and resume."""
+    eval: ValidationConfig = field(default_factory=ValidationConfig)
+    """Periodic validation."""
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.output_dir, self.name)
+
+    def validate(self) -> TrainRunConfig:
+        """Cross-field checks; raises ValueError naming the dotted option."""
+        _require(bool(self.name) and "/" not in self.name, "name", "must be a plain name", self)
+        _require(bool(self.target.path), "target.path", "is required", self)
+        self.model.validate()
+        self.train.validate()
+        self.eval.validate()
+        _require(self.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self)
+        _require(self.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self)
+        if self.train.synthetic_samples == 0 and self.data.mode != "offline":
+            _require(
+                bool(self.data.paths),
+                "data.paths",
+                "is empty: give chat jsonl files, an offline data.cache_dir, or "
+                "train.synthetic_samples > 0",
+                self,
+            )
+        if self.train.synthetic_samples:
+            _require(
+                self.train.synthetic_samples >= self.train.global_batch_size,
+                "train.synthetic_samples",
+                f"must be >= train.global_batch_size ({self.train.global_batch_size})",
+                self,
+            )
+        return self
+
+
+@dataclass
+class ExportConfig:
+    """`dspark-ds export`: a training checkpoint (any ZeRO stage) → interchange directory."""
+
+    checkpoint: str = ""
+    """A run directory, its checkpoints/ directory (uses `latest`), or one tag directory."""
+    output_dir: str = ""
+    """Directory to write config.json + model.safetensors."""
+    target_path: str | None = None
+    """Where to read the shared embedding and lm_head; None = the target of the saved run."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Storage dtype of the exported weights."""
+
+    def validate(self) -> ExportConfig:
+        _require(bool(self.checkpoint), "checkpoint", "is required", self)
+        _require(bool(self.output_dir), "output_dir", "is required", self)
+        return self
+
+
+def _require(ok: bool, option: str, why: str, section) -> None:
+    if not ok:
+        value = _lookup(section, option.rsplit(".", 1)[-1])
+        shown = "" if value is _MISSING else f", got {value!r}"
+        raise ValueError(f"{option}: {why}{shown}")
+
+
+_MISSING = object()
+
+
+def _lookup(section, name: str):
+    return getattr(section, name, _MISSING) if is_dataclass(section) else _MISSING
+
+
+def flatten(obj, prefix: str = "") -> dict[str, object]:
+    """A dataclass tree as {"train.lr": 0.0006, ...} (MLflow params, diffs between runs)."""
+    out: dict[str, object] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            out.update(flatten(value, key + "."))
+        elif isinstance(value, dict) and value:
+            for k, v in _flatten_dict(value, key + ".").items():
+                out[k] = v
+        else:
+            out[key] = value
+    return out
+
+
+def _flatten_dict(d: dict, prefix: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

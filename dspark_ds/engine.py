@@ -1,0 +1,380 @@
+"""The DeepSpeed ZeRO engine around the drafter. The only module that imports deepspeed.
+
+- `build_ds_config`: a JSON from `ds_configs/` (or a path) with its "auto" keys filled from the
+  run (batch sizes, clipping, precision, AdamW); explicit keys must agree with the run.
+- `DrafterEngine.build`: the drafter (inside `deepspeed.zero.Init` under ZeRO-3), its frozen
+  embedding / lm_head copied from the target, wrapped by `deepspeed.initialize`. Frozen
+  parameters are never given to the optimizer and never written into checkpoints.
+- save / load (incl. DeepSpeed's universal checkpoint for a different world size) and the fp32
+  weights of a checkpoint or of the live model, for export.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.checkpoint.constants import (
+    UNIVERSAL_CHECKPOINT_INFO,
+    UNIVERSAL_CHECKPOINT_VERSION_KEY,
+    UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+)
+from torch import nn
+
+from dspark_ds.config import DeepSpeedConfig, TrainConfig
+
+SHIPPED_DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"
+
+
+# ---- config -------------------------------------------------------------------------------
+def resolve_ds_config_path(name_or_path: str) -> Path:
+    """A shipped name (`zero3`) or a path to a JSON file."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" or os.sep in name_or_path:
+        if not path.is_file():
+            raise ValueError(f"deepspeed.config: {name_or_path} does not exist")
+        return path
+    shipped = SHIPPED_DS_CONFIGS / f"{name_or_path}.json"
+    if not shipped.is_file():
+        names = sorted(p.stem for p in SHIPPED_DS_CONFIGS.glob("*.json"))
+        raise ValueError(f"deepspeed.config: unknown config {name_or_path!r}; shipped: {names}")
+    return shipped
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_ds_config(
+    section: DeepSpeedConfig,
+    train: TrainConfig,
+    *,
+    micro_batch_size: int,
+    world_size: int,
+    use_gpu: bool,
+) -> dict:
+    """The DeepSpeed config dict of this run (see the module docstring)."""
+    path = resolve_ds_config_path(section.config)
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"deepspeed.config: {path} is not valid JSON: {err}") from err
+    cfg = _merge(cfg, section.overrides or {})
+    per_step = micro_batch_size * world_size
+    if train.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
+            f"data.batch_size × world size = {micro_batch_size} × {world_size}"
+        )
+    grad_accum = train.global_batch_size // per_step
+
+    def fill(keys: str, value, option: str) -> None:
+        node = cfg
+        *parents, leaf = keys.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        current = node.get(leaf, "auto")
+        if current == "auto":
+            node[leaf] = value
+        elif current != value and not (isinstance(value, list) and list(current) == value):
+            raise ValueError(
+                f"deepspeed.config: {path.name} sets {keys}={current!r} but {option} gives "
+                f"{value!r}; set it to \"auto\" or change {option}"
+            )
+
+    fill("train_batch_size", train.global_batch_size, "train.global_batch_size")
+    fill("train_micro_batch_size_per_gpu", micro_batch_size, "data.batch_size")
+    fill("gradient_accumulation_steps", grad_accum, "train.global_batch_size")
+    fill("gradient_clipping", float(train.max_grad_norm), "train.max_grad_norm")
+    fill("bf16.enabled", train.precision == "bf16", "train.precision")
+    if cfg.get("fp16", {}).get("enabled") is True:
+        raise ValueError("deepspeed.config: fp16 is not supported; use train.precision bf16")
+    optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    if optimizer.get("type", "").lower() not in ("adamw", "adam"):
+        raise ValueError(f"deepspeed.config: optimizer.type must be AdamW, got {optimizer['type']!r}")
+    optimizer["type"] = "AdamW"
+    fill("optimizer.params.lr", float(train.lr), "train.lr")
+    fill("optimizer.params.betas", [float(b) for b in train.betas], "train.betas")
+    fill("optimizer.params.eps", float(train.eps), "train.eps")
+    fill("optimizer.params.weight_decay", float(train.weight_decay), "train.weight_decay")
+    torch_adam = section.torch_adam
+    if torch_adam is None:
+        # NOTE: DeepSpeed's FusedAdam is a CUDA kernel; its CPU Adam is only picked (and JIT
+        # built) when the optimizer is offloaded. Plain CPU training uses torch's AdamW.
+        torch_adam = not use_gpu and not optimizer_offloaded(cfg)
+    if torch_adam:
+        optimizer["params"]["torch_adam"] = True
+    if "scheduler" in cfg:
+        raise ValueError(
+            "deepspeed.config: drop the scheduler block; the schedule comes from train.lr, "
+            "train.warmup_ratio and train.min_lr_ratio"
+        )
+    return cfg
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def optimizer_offloaded(ds_config: dict) -> bool:
+    device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
+    return device in ("cpu", "nvme")
+
+
+# ---- distributed ----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
+    """Joins (or creates) the process group; returns (rank, world_size, local_rank).
+
+    Works under torchrun / the deepspeed launcher (RANK, WORLD_SIZE...), under `srun` (SLURM_*),
+    under `mpirun` (DeepSpeed's MPI discovery through mpi4py) and as a plain single process;
+    `dspark_ds.launch` decides which.
+    """
+    from dspark_ds.launch import prepare_env
+
+    info = prepare_env()
+    use_gpu = torch.cuda.is_available()
+    if use_gpu:
+        torch.cuda.set_device(info.local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend or ("nccl" if use_gpu else "gloo"),
+                                   auto_mpi_discovery=info.launcher == "mpi",
+                                   distributed_port=info.master_port)
+    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK",
+                                                                      info.local_rank))
+
+
+def device_for(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ---- the engine -----------------------------------------------------------------------------
+@torch.no_grad()
+def _init_module_like_drafter(module: nn.Module, std: float) -> None:
+    # NOTE: mirrors DSparkDraftModel.reset_parameters for one module. Under zero.Init the
+    # drafter's own reset runs on already-partitioned (empty) tensors and does nothing, so the
+    # engine re-initialises module by module, gathered. The 1-rank vs 2-rank test pins this.
+    if isinstance(module, nn.Linear):
+        module.weight.normal_(0.0, std)
+        if module.bias is not None:
+            module.bias.zero_()
+    elif isinstance(module, nn.Embedding):
+        module.weight.normal_(0.0, std)
+
+
+class DrafterEngine:
+    """A drafter wrapped by a DeepSpeed engine, plus the save / load / export helpers."""
+
+    def __init__(self, ds_engine, model: nn.Module, ds_config: dict):
+        self.ds = ds_engine
+        self.model = model
+        self.ds_config = ds_config
+        self.zero_stage = zero_stage(ds_config)
+
+    @classmethod
+    def build(
+        cls,
+        make_model: Callable[[], nn.Module],
+        *,
+        ds_config: dict,
+        seed: int,
+        shared_weights: tuple[torch.Tensor, torch.Tensor],
+        lr_lambda: Callable[[int], float],
+        init_state: dict[str, torch.Tensor] | None = None,
+        zero_init: bool | None = None,
+    ) -> DrafterEngine:
+        """`make_model` builds a random drafter; `shared_weights` = (embedding, lm_head) of the
+        target; `init_state` optionally replaces the random trainable weights."""
+        stage = zero_stage(ds_config)
+        use_zero_init = (stage == 3) if zero_init is None else (zero_init and stage == 3)
+        embed, head = shared_weights
+        if use_zero_init:
+            with deepspeed.zero.Init(config_dict_or_path=ds_config):
+                model = make_model()
+            rank = dist.get_rank()
+            torch.manual_seed(seed)
+            std = float(getattr(model.config, "initializer_range", 0.02))
+            for name, module in model.named_modules():
+                params = list(module.parameters(recurse=False))
+                if not params:
+                    continue
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                    if rank == 0:
+                        _init_module_like_drafter(module, std)
+                        for pname, p in module.named_parameters(recurse=False):
+                            full = f"{name}.{pname}" if name else pname
+                            if init_state is not None and full in init_state:
+                                p.data.copy_(init_state[full].to(p.dtype))
+            with deepspeed.zero.GatheredParameters(
+                [model.embed_tokens.weight, model.lm_head.weight], modifier_rank=0
+            ):
+                if rank == 0:
+                    model.initialize_embeddings_and_head(embed, head)
+            model.freeze_shared()
+        else:
+            model = make_model()
+            torch.manual_seed(seed)
+            model.reset_parameters()
+            if init_state is not None:
+                own = model.state_dict()
+                with torch.no_grad():
+                    for key, value in init_state.items():
+                        if key in own:
+                            own[key].copy_(value.to(own[key].dtype))
+            model.initialize_embeddings_and_head(embed, head)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        ds_engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=trainable,
+            config=ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
+        )
+        return cls(ds_engine, model, ds_config)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def __call__(self, **batch):
+        return self.ds(**batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        self.ds.step()
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    @property
+    def global_steps(self) -> int:
+        return int(self.ds.global_steps)
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    @property
+    def grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    @property
+    def device(self) -> torch.device:
+        return self.ds.device
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.ds.bfloat16_enabled() else torch.float32
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save(self, checkpoint_dir: str | Path, tag: str, client_state: dict) -> None:
+        """Collective. Writes <checkpoint_dir>/<tag>/ without touching `latest` (the caller
+        publishes the tag once every rank has finished)."""
+        state = dict(client_state)
+        # NOTE: ds_to_universal refuses ZeRO-1/2 checkpoints without this entry.
+        state[UNIVERSAL_CHECKPOINT_INFO] = {
+            UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE
+        }
+        self.ds.save_checkpoint(
+            str(checkpoint_dir),
+            tag=tag,
+            client_state=state,
+            save_latest=False,
+            exclude_frozen_parameters=True,
+        )
+
+    def load(self, checkpoint_dir: str | Path, tag: str) -> dict:
+        """Collective. Restores weights, optimizer, scheduler; returns the client state."""
+        path, client_state = self.ds.load_checkpoint(
+            str(checkpoint_dir),
+            tag=tag,
+            load_module_strict=False,  # frozen embedding / lm_head are not in the file
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise FileNotFoundError(f"{checkpoint_dir}/{tag}: DeepSpeed could not load it")
+        return client_state or {}
+
+    def full_fp32_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Collective. Rank 0 gets every weight (trainable ones from the fp32 master copy);
+        other ranks get None."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        rank = dist.get_rank()
+        out: dict[str, torch.Tensor] = {}
+        for name, param in self.model.named_parameters():
+            full = safe_get_full_fp32_param(param) if param.requires_grad else None
+            if full is None:
+                with deepspeed.zero.GatheredParameters([param]):
+                    full = param.data.detach().float().clone()
+            if rank == 0:
+                out[name] = full.detach().float().cpu().clone()
+        if rank != 0:
+            return None
+        # persistent buffers (e.g. Gemma4's layer_scalar) are saved too; ZeRO never shards them
+        for name, value in self.model.state_dict().items():
+            if name not in out:
+                out[name] = value.detach().float().cpu().clone()
+        return out
+
+
+# ---- checkpoint files (no process group needed) ----------------------------------------------
+def convert_to_universal(tag_dir: str | Path, out_dir: str | Path) -> None:
+    """DeepSpeed's ds_to_universal (a ZeRO-1/2/3 checkpoint loadable on any world size)."""
+    cmd = [
+        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder", str(tag_dir), "--output_folder", str(out_dir),
+        "--num_extract_workers", "1", "--num_merge_workers", "1",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ds_to_universal failed for {tag_dir}:\n{proc.stderr[-3000:]}")
+
+
+def enable_universal_load(ds_config: dict) -> dict:
+    cfg = copy.deepcopy(ds_config)
+    cfg.setdefault("checkpoint", {})["load_universal"] = True
+    return cfg
+
+
+def checkpoint_trainable_fp32(tag_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The trainable weights of one checkpoint tag directory, fp32, for any ZeRO stage."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag_dir = Path(tag_dir)
+    if list(tag_dir.glob("*optim_states.pt")):
+        # ZeRO-1/2/3 (and bf16 at stage 0): the fp32 master partitions live in the optimizer files
+        state = get_fp32_state_dict_from_zero_checkpoint(
+            str(tag_dir.parent), tag=tag_dir.name, exclude_frozen_parameters=True
+        )
+    else:
+        # stage 0 fp32: the module state is the master copy
+        files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise FileNotFoundError(f"{tag_dir}: no DeepSpeed model states")
+        # NOTE: DeepSpeed's own checkpoints carry non-tensor objects; only load those we wrote.
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() for k, v in state.items()}

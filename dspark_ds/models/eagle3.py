@@ -544,7 +544,39 @@ __all__ = [
     "Qwen3Eagle3Model",
     "build_eagle3_config",
     "build_ttt_eval_mask",
+    "eagle3_propose",
     "is_eagle3",
     "ttt_attention_dense",
     "ttt_attention_flex",
 ]
+
+
+def eagle3_propose(
+    drafter: Eagle3DraftModel,
+    input_ids: torch.Tensor,
+    new_tokens: list[int],
+    context_features: torch.Tensor,
+    start: int,
+    cache: DraftKVCache,
+    num_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    stop_token_ids: set[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round of the decoding loop (batch 1): the committed sequence is `input_ids` [1, P]
+    followed by `new_tokens`; x_start is its last token, at position `start`. Returns
+    (drafts [1, m], draft logits [1, m, V]), m <= num_tokens."""
+    tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=input_ids.device)
+    committed = torch.cat([input_ids, tail], dim=1)
+    # Position i of the context pairs the target's features of i with token i + 1.
+    next_ids = committed[:, cache.seq_length + 1 : start + 1]
+    return drafter.propose(
+        context_features=context_features,
+        next_token_ids=next_ids,
+        start=start,
+        cache=cache,
+        num_tokens=num_tokens,
+        temperature=temperature,
+        generator=generator,
+        stop_token_ids=stop_token_ids,
+    )

@@ -1,0 +1,19 @@
+"""Evaluation: real speculative decoding with a drafter against its target (spec §10).
+
+- `speculative_generate` / `target_generate`: the lossless decoding loop and the plain baseline.
+- `run_eval(EvalConfig)`: `dspark-ds eval`, benchmarks → τ, acceptance by position, confidence
+  calibration (ECE / AUROC / Brier, STS), tables, JSON / CSV, plots, MLflow.
+"""
+
+from dspark_ds.eval.config import CalibrationConfig, EvalConfig
+from dspark_ds.eval.decoding import DecodeStats, speculative_generate, target_generate
+from dspark_ds.eval.runner import run_eval
+
+__all__ = [
+    "CalibrationConfig",
+    "DecodeStats",
+    "EvalConfig",
+    "run_eval",
+    "speculative_generate",
+    "target_generate",
+]

@@ -1,0 +1,104 @@
+"""`dspark-ds eval` configuration: real speculative decoding of benchmark prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dspark_ds.eval.benchmarks import DEFAULT_BENCHMARKS
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class CalibrationConfig:
+    """Confidence-head calibration and sequential temperature scaling (STS)."""
+
+    num_bins: int = 20
+    """Equal-width bins for ECE and the reliability diagram."""
+    thresholds: list[float] = field(
+        default_factory=lambda: [0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    )
+    """Confidence thresholds replayed in the threshold sweep."""
+    fit_sts: bool = True
+    """Fit one temperature per draft position (left to right, minimising the ECE of the
+    cumulative confidence) on the fit split and report ECE / AUROC / Brier before and after."""
+    fit_fraction: float = 0.5
+    """Share of each benchmark's prompts (the first ones) used to fit STS; the rest measure it."""
+    write_to_drafter: bool = False
+    """Store the fitted temperatures as `confidence_temperatures` in the drafter's config.json
+    (decoding then applies them before the threshold). They are always written to the output
+    directory as confidence_temperatures.json."""
+
+    def validate(self, prefix: str = "calibration") -> None:
+        if self.num_bins < 2:
+            raise ValueError(f"{prefix}.num_bins must be >= 2, got {self.num_bins}")
+        if not 0.0 < self.fit_fraction < 1.0:
+            raise ValueError(f"{prefix}.fit_fraction must be in (0, 1), got {self.fit_fraction}")
+        if any(not 0.0 <= t <= 1.0 for t in self.thresholds):
+            raise ValueError(f"{prefix}.thresholds must lie in [0, 1], got {self.thresholds}")
+
+
+@dataclass
+class EvalConfig:
+    """Speculative decoding of benchmark prompts with a drafter against its target (spec §10)."""
+
+    target: str = ""
+    """Target model: local directory or Hugging Face hub id (a causal LM)."""
+    drafter: str = ""
+    """Drafter interchange directory (config.json + model.safetensors), ours or DeepSpec's."""
+    tokenizer: str | None = None
+    """Tokenizer for the chat template; None = the target's."""
+    benchmarks: list[str] = field(default_factory=lambda: list(DEFAULT_BENCHMARKS))
+    """Benchmark names: `<data_dir>/<name>.jsonl` files in the {"turns": [...]} layout."""
+    data_dir: str | None = None
+    """Folder of the benchmark jsonl files; None = the copies shipped with the package."""
+    max_samples: int | None = 50
+    """Prompts per benchmark (a seeded random subset); None = all."""
+    max_new_tokens: int = 1024
+    """Generation budget per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy. The paper's Table 1 reports T = 1."""
+    confidence_threshold: float = 0.0
+    """Cut each proposal at the first slot whose confidence is below this; 0 = never cut.
+    Calibration and the threshold sweep need 0 (uncut proposals)."""
+    chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
+    """Extra arguments of tokenizer.apply_chat_template (Qwen3: non-thinking, as in training)."""
+    seed: int = 0
+    """Seeds the prompt subset and each prompt's sampling generator (seed + prompt index)."""
+    dtype: str = "auto"
+    """Compute dtype of target and drafter: auto (bfloat16 on CUDA, float32 on CPU) | float32 |
+    bfloat16 | float16."""
+    device: str | None = None
+    """Device; None = cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    attn_implementation: str | None = "sdpa"
+    """Attention kernel of the target (passed to from_pretrained)."""
+    measure_baseline: bool = False
+    """Also decode every prompt with the target alone to report tokens/s speedup."""
+    output_dir: str = "runs/eval"
+    """Where results.json, results.csv, the plots and calibration files are written."""
+    run_name: str | None = None
+    """MLflow run name; None = `eval-<drafter directory name>`."""
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    """Confidence calibration / STS options."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the dotted option."""
+        if not self.target:
+            raise ValueError("eval.target is required (a directory or hub id of the target)")
+        if not self.drafter:
+            raise ValueError("eval.drafter is required (a drafter interchange directory)")
+        if not self.benchmarks:
+            raise ValueError("eval.benchmarks is empty")
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(
+                f"eval.confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"eval.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        self.calibration.validate("eval.calibration")

@@ -1,0 +1,227 @@
+"""The speculative decoding loop of spec §10 (batch 1), and plain target decoding to compare with.
+
+One round: the drafter proposes γ tokens from `[x_start, MASK × (γ-1)]` in one forward (its KV
+cache holds only verified context), the Markov head samples them left to right, the confidence
+head may cut the proposal, the target verifies `[x_start, d_1..d_m]` in one forward, and the
+accepted prefix plus one target token (correction or bonus) is committed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_ds.eval import verify
+from dspark_ds.eval.calibration import confidence_temperatures
+from dspark_ds.eval.target_step import TargetDecoder, check_drafter_matches_target
+from dspark_ds.models.eagle3 import eagle3_propose, is_eagle3
+
+
+@dataclass
+class DecodeStats:
+    """Per-generation counters; one entry per verification round in the `*_per_round` lists."""
+
+    target_forwards: int = 0
+    """Target forwards, the prefill included (= rounds + 1)."""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    """Tokens generated (after stop-token and max_new_tokens trimming)."""
+    proposed_per_round: list[int] = field(default_factory=list)
+    """Draft tokens the target verified (after confidence truncation, budget and stop token)."""
+    accepted_per_round: list[int] = field(default_factory=list)
+    """Draft tokens accepted by verification."""
+    committed_per_round: list[int] = field(default_factory=list)
+    """Tokens appended by the round: accepted drafts + the correction / bonus token."""
+    confidence_logits_per_round: list[list[float]] = field(default_factory=list)
+    """Raw confidence logits of the verified slots (empty lists without a confidence head)."""
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+
+    @property
+    def rounds(self) -> int:
+        return len(self.committed_per_round)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verifying target forward, bonus included (τ, the paper's Table 1)."""
+        return sum(self.committed_per_round) / max(self.rounds, 1)
+
+
+def _sync(device: torch.device) -> None:
+    # NOTE: CUDA kernels run asynchronously; without a sync the draft / verify split is fiction.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_args(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, threshold: float):
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [1, prompt_len>0], got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"confidence_threshold must be in [0, 1], got {threshold}")
+
+
+def _first_stop(tokens: list[int], stop_token_ids: set[int]) -> int | None:
+    for i, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return i
+    return None
+
+
+def _confident_prefix(conf_logits_G: torch.Tensor, temps_G: torch.Tensor | None, threshold: float) -> int:
+    """Slots before the first one whose (temperature-scaled) confidence is below the threshold."""
+    probs_G = torch.sigmoid(conf_logits_G / temps_G if temps_G is not None else conf_logits_G)
+    below = torch.nonzero(probs_G < threshold)
+    return int(below[0].item()) if below.numel() else conf_logits_G.numel()
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    drafter,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    confidence_threshold: float = 0.0,
+    generator: torch.Generator | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> tuple[torch.Tensor, DecodeStats]:
+    """Lossless speculative decoding of one prompt.
+
+    Returns `(output_ids [1, prompt + new], stats)`. At temperature 0 the output equals greedy
+    decoding of `target`; at T > 0 it has the distribution of sampling from `target` at T.
+    `confidence_threshold` > 0 cuts each proposal at the first slot whose confidence
+    (after the drafter's sequential temperature scaling, when its config has one) is below it.
+    """
+    _check_args(input_ids, max_new_tokens, temperature, confidence_threshold)
+    check_drafter_matches_target(target, drafter)
+    cfg = drafter.config
+    block_size = int(cfg.block_size)
+    device = input_ids.device
+    temps_G = confidence_temperatures(cfg, device=device)
+    stops = set(int(t) for t in (stop_token_ids or []))
+    prompt_len = input_ids.shape[1]
+    stats = DecodeStats(prompt_tokens=prompt_len)
+
+    t0 = time.perf_counter()
+    decoder = TargetDecoder(target, list(cfg.target_layer_ids))
+    step = decoder.forward(input_ids, logits_to_keep=1)
+    stats.target_forwards += 1
+    new_tokens = [verify.sample_token(step.logits_LV[-1], temperature, generator)]
+    context_1CnH = step.features_LnH  # features of positions [drafter cache, start)
+    draft_cache = drafter.new_cache()
+    _sync(device)
+    stats.prefill_time_s = time.perf_counter() - t0
+
+    # NOTE: Eagle3 drafters have no MASK token; their rounds only read block_ids_1G[0, 0].
+    mask_id = int(getattr(cfg, "mask_token_id", 0))
+    block_ids_1G = torch.full((1, block_size), mask_id, dtype=torch.long, device=device)
+    while new_tokens[-1] not in stops and len(new_tokens) < max_new_tokens:
+        start = prompt_len + len(new_tokens) - 1  # position of x_start, the last committed token
+        x_start = new_tokens[-1]
+
+        t0 = time.perf_counter()
+        block_ids_1G[0, 0] = x_start
+        if is_eagle3(drafter):  # the Eagle3 baseline drafts autoregressively (models/eagle3.py)
+            drafts_1G, draft_logits_1GV = eagle3_propose(
+                drafter, input_ids, new_tokens, context_1CnH, start, draft_cache,
+                max(1, min(block_size, max_new_tokens - len(new_tokens) - 1)),
+                temperature, generator, stops,
+            )  # fmt: skip
+            conf_1G = None
+        else:
+            hidden_1GH = drafter.forward_draft_block(
+                context_features=context_1CnH, block_input_ids=block_ids_1G, start=start,
+                cache=draft_cache,
+            )  # fmt: skip
+            if draft_cache.seq_length > start:  # only verified context may persist between rounds
+                draft_cache.crop(start)
+            drafts_1G, draft_logits_1GV = drafter.sample_draft_tokens(
+                drafter.compute_logits(hidden_1GH),
+                first_prev_token_ids=block_ids_1G[:, 0],
+                hidden_states=hidden_1GH,
+                temperature=temperature,
+                generator=generator,
+            )
+            prev_1G = torch.cat([block_ids_1G[:, :1], drafts_1G[:, :-1]], dim=1)
+            conf_1G = drafter.predict_confidence(hidden_1GH, prev_1G)
+        num_proposed = drafts_1G.shape[1]  # Eagle3 may stop early at a stop token
+        if conf_1G is not None and confidence_threshold > 0.0:
+            num_proposed = _confident_prefix(conf_1G[0], temps_G, confidence_threshold)
+        # Never verify past the budget: the round commits at most num_proposed + 1 tokens.
+        num_proposed = min(num_proposed, max_new_tokens - len(new_tokens) - 1)
+        drafts_M = drafts_1G[0, :num_proposed]
+        _sync(device)
+        stats.draft_time_s += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        verify_ids_1M1 = torch.cat([block_ids_1G[0, :1], drafts_M]).unsqueeze(0)
+        step = decoder.forward(verify_ids_1M1)
+        stats.target_forwards += 1
+        if temperature == 0.0:
+            num_accepted, next_token = verify.verify_greedy(drafts_M, step.logits_LV)
+        else:
+            num_accepted, next_token = verify.verify_sampled(
+                drafts_M,
+                verify.logits_to_probs(draft_logits_1GV[0, :num_proposed], temperature),
+                verify.logits_to_probs(step.logits_LV, temperature),
+                generator,
+            )
+        committed = drafts_M[:num_accepted].tolist() + [next_token]
+        stop_at = _first_stop(committed, stops)
+        if stop_at is not None and stop_at < num_accepted:
+            # An accepted draft is a stop token: the slots after it were never really proposed.
+            num_proposed = num_accepted = stop_at + 1
+            committed = committed[: stop_at + 1]
+        decoder.keep(start + num_accepted + 1)  # x_start and the accepted drafts stay cached
+        context_1CnH = step.features_LnH[:, : num_accepted + 1]
+        new_tokens.extend(committed)
+        _sync(device)
+        stats.verify_time_s += time.perf_counter() - t0
+
+        stats.proposed_per_round.append(num_proposed)
+        stats.accepted_per_round.append(num_accepted)
+        stats.committed_per_round.append(len(committed))
+        stats.confidence_logits_per_round.append(
+            conf_1G[0, :num_proposed].tolist() if conf_1G is not None else []
+        )
+
+    stop_at = _first_stop(new_tokens, stops)
+    if stop_at is not None:
+        new_tokens = new_tokens[: stop_at + 1]
+    new_tokens = new_tokens[:max_new_tokens]
+    stats.new_tokens = len(new_tokens)
+    tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=device)
+    return torch.cat([input_ids, tail], dim=1), stats
+
+
+@torch.inference_mode()
+def target_generate(
+    target,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    stop_token_ids: list[int] | None = None,
+) -> torch.Tensor:
+    """Plain autoregressive decoding of the target (the baseline speculative decoding must match)."""
+    _check_args(input_ids, max_new_tokens, temperature, 0.0)
+    stops = set(int(t) for t in (stop_token_ids or []))
+    decoder = TargetDecoder(target, [])
+    step_ids = input_ids
+    new_tokens: list[int] = []
+    while len(new_tokens) < max_new_tokens and (not new_tokens or new_tokens[-1] not in stops):
+        logits_V = decoder.forward(step_ids, logits_to_keep=1).logits_LV[-1]
+        decoder.keep(decoder.num_cached)  # trims sliding-window layers back to their window
+        new_tokens.append(verify.sample_token(logits_V, temperature, generator))
+        step_ids = torch.tensor([[new_tokens[-1]]], dtype=input_ids.dtype, device=input_ids.device)
+    tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, tail], dim=1)

@@ -1,0 +1,253 @@
+"""Benchmark summaries: τ, acceptance by position, timing; the table, JSON, CSV and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dspark_ds.eval.decoding import DecodeStats
+
+
+@dataclass
+class BenchmarkResult:
+    """One benchmark's speculative-decoding numbers, summed over every prompt and rank."""
+
+    benchmark: str
+    num_prompts: int
+    rounds: int
+    new_tokens: int
+    tau: float
+    """Tokens per verifying target forward, bonus included (mean over rounds)."""
+    mean_proposal_length: float
+    """Draft tokens sent to verification per round (after truncation / budget / stop token)."""
+    accept_rate_by_position: list[float | None]
+    """P(draft k accepted | it was proposed): accepted-at-k over proposed-at-k, k = 0..γ-1."""
+    draft_time_s: float
+    verify_time_s: float
+    prefill_time_s: float
+    tokens_per_s: float
+    """New tokens over prefill + draft + verify time, summed over prompts (one stream)."""
+    baseline_tokens_per_s: float | None = None
+    """Plain target decoding on the same prompts, when measured."""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        if not self.baseline_tokens_per_s:
+            return None
+        return self.tokens_per_s / self.baseline_tokens_per_s
+
+
+def summarize_benchmark(
+    name: str,
+    stats: list[DecodeStats],
+    block_size: int,
+    baseline_time_s: float | None = None,
+) -> BenchmarkResult:
+    """Fold per-prompt stats into one row (ratios of sums, so long prompts weigh more)."""
+    proposed_at = [0] * block_size
+    accepted_at = [0] * block_size
+    for s in stats:
+        for proposed, accepted in zip(s.proposed_per_round, s.accepted_per_round):
+            for k in range(proposed):
+                proposed_at[k] += 1
+            for k in range(accepted):
+                accepted_at[k] += 1
+    rounds = sum(s.rounds for s in stats)
+    committed = sum(sum(s.committed_per_round) for s in stats)
+    new_tokens = sum(s.new_tokens for s in stats)
+    draft_s = sum(s.draft_time_s for s in stats)
+    verify_s = sum(s.verify_time_s for s in stats)
+    prefill_s = sum(s.prefill_time_s for s in stats)
+    total_s = draft_s + verify_s + prefill_s
+    return BenchmarkResult(
+        benchmark=name,
+        num_prompts=len(stats),
+        rounds=rounds,
+        new_tokens=new_tokens,
+        tau=committed / rounds if rounds else math.nan,
+        mean_proposal_length=sum(sum(s.proposed_per_round) for s in stats) / rounds
+        if rounds
+        else math.nan,
+        accept_rate_by_position=[a / p if p else None for a, p in zip(accepted_at, proposed_at)],
+        draft_time_s=draft_s,
+        verify_time_s=verify_s,
+        prefill_time_s=prefill_s,
+        tokens_per_s=new_tokens / total_s if total_s > 0 else math.nan,
+        baseline_tokens_per_s=new_tokens / baseline_time_s if baseline_time_s else None,
+    )
+
+
+def average_row(results: list[BenchmarkResult]) -> dict:
+    """The unweighted mean over benchmarks (how the paper averages τ across its Table 1 sets)."""
+    finite = [r.tau for r in results if not math.isnan(r.tau)]
+    return {"benchmark": "average", "tau": sum(finite) / len(finite) if finite else math.nan}
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def format_table(results: list[BenchmarkResult]) -> str:
+    """A fixed-width text table: one row per benchmark plus the τ average."""
+    block = max((len(r.accept_rate_by_position) for r in results), default=0)
+    header = ["benchmark", "prompts", "rounds", "tau", "proposal", "tok/s", "speedup",
+              "draft_s", "verify_s"] + [f"acc@{k}" for k in range(block)]  # fmt: skip
+    rows = [header]
+    for r in results:
+        rows.append(
+            [r.benchmark, str(r.num_prompts), str(r.rounds), _fmt(r.tau), _fmt(r.mean_proposal_length, 2),
+             _fmt(r.tokens_per_s, 1), _fmt(r.speedup, 2), _fmt(r.draft_time_s, 2),
+             _fmt(r.verify_time_s, 2)] + [_fmt(a) for a in r.accept_rate_by_position]
+        )  # fmt: skip
+    avg = average_row(results)
+    rows.append(["average", "", "", _fmt(avg["tau"])] + [""] * (len(header) - 4))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths))) for row in rows]  # fmt: skip
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def result_dict(r: BenchmarkResult) -> dict:
+    out = asdict(r)
+    out["speedup"] = r.speedup
+    return out
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # NaN is not JSON: write null so any JSON reader can load the report.
+    path.write_text(json.dumps(_nan_to_none(payload), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def _nan_to_none(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+def write_csv(path: Path, results: list[BenchmarkResult]) -> Path:
+    """One row per benchmark; acceptance by position as accept_rate@k columns."""
+    block = max((len(r.accept_rate_by_position) for r in results), default=0)
+    scalar = ["benchmark", "num_prompts", "rounds", "new_tokens", "tau", "mean_proposal_length",
+              "tokens_per_s", "baseline_tokens_per_s", "speedup", "draft_time_s", "verify_time_s",
+              "prefill_time_s"]  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(scalar + [f"accept_rate@{k}" for k in range(block)])
+        for r in results:
+            d = result_dict(r)
+            writer.writerow([_csv(d[k]) for k in scalar] + [_csv(a) for a in r.accept_rate_by_position])
+    return path
+
+
+def _csv(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+# ---- plots (matplotlib, headless) -----------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_acceptance_by_position(path: Path, results: list[BenchmarkResult]) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in results:
+        xs = [k for k, a in enumerate(r.accept_rate_by_position) if a is not None]
+        ax.plot(xs, [r.accept_rate_by_position[k] for k in xs], "o-", label=r.benchmark)
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(accept k | accepted < k)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Acceptance rate by draft position")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_tau_by_benchmark(path: Path, results: list[BenchmarkResult]) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r.benchmark for r in results] + ["average"]
+    taus = [r.tau for r in results] + [average_row(results)["tau"]]
+    ax.bar(names, taus, color=["C0"] * len(results) + ["C1"])
+    for i, t in enumerate(taus):
+        ax.text(i, t, f"{t:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("τ (tokens per target forward)")
+    ax.set_title("Acceptance length by benchmark")
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_reliability(path: Path, reports: dict[str, dict]) -> Path:
+    """Pooled reliability curves of the cumulative confidence, one line per report (before/after)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], "--", color="0.6", linewidth=1)
+    for label, rep in reports.items():
+        bins = rep["reliability"]
+        ece = rep["pooled"]["ece"]
+        ax.plot([b["mean_pred"] for b in bins], [b["observed"] for b in bins], "o-",
+                label=f"{label} (ECE {ece:.3f})")  # fmt: skip
+    ax.set_xlabel("predicted P(prefix accepted)")
+    ax.set_ylabel("observed frequency")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Confidence reliability (cumulative)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_threshold_sweep(path: Path, sweep: list[dict]) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    thr = [row["threshold"] for row in sweep]
+    ax.plot(thr, [row["tau"] for row in sweep], "o-", color="C0", label="τ")
+    ax.set_xlabel("confidence threshold")
+    ax.set_ylabel("τ", color="C0")
+    ax2 = ax.twinx()
+    ax2.plot(thr, [row["accepted_fraction"] for row in sweep], "s-", color="C1",
+             label="accepted drafts kept")  # fmt: skip
+    ax2.plot(thr, [row["verify_tokens_saved"] for row in sweep], "^-", color="C2",
+             label="verify tokens saved")  # fmt: skip
+    ax2.set_ylim(0, 1)
+    ax2.set_ylabel("fraction")
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center left")
+    ax.grid(alpha=0.3)
+    ax.set_title("Confidence truncation threshold sweep")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

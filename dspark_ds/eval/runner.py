@@ -1,0 +1,282 @@
+"""`dspark-ds eval`: decode benchmark prompts with the drafter, report τ and calibration.
+
+Ranks (torchrun / srun) split each benchmark's prompts round-robin; rank 0 gathers the
+per-prompt stats, prints the table, writes results and logs them to MLflow.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dspark_ds.eval import calibration as cal
+from dspark_ds.eval import report
+from dspark_ds.eval.benchmarks import benchmark_path, encode_prompt, load_benchmark, select_prompts, shard
+from dspark_ds.eval.config import EvalConfig
+from dspark_ds.eval.decoding import DecodeStats, speculative_generate, target_generate
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PromptResult:
+    """What one rank sends to rank 0 for one prompt."""
+
+    benchmark: str
+    index: int
+    """Position of the prompt in the benchmark's selected subset."""
+    stats: DecodeStats
+    baseline_time_s: float | None = None
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _maybe_init_distributed(device: torch.device) -> bool:
+    """Join the process group a launcher (torchrun, srun wrapper) set up the env for."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return True
+
+
+def _resolve_device(cfg: EvalConfig) -> torch.device:
+    if cfg.device:
+        return torch.device(cfg.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _resolve_dtype(cfg: EvalConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.dtype]
+
+
+def stop_token_ids(target, tokenizer) -> list[int]:
+    """The target's end-of-turn ids: generation_config.eos_token_id, else the tokenizer's."""
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return []
+    return sorted({int(e) for e in ([eos] if isinstance(eos, int) else eos)})
+
+
+def load_models(cfg: EvalConfig, device: torch.device):
+    """Target (HF causal LM), drafter (interchange directory) and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dspark_ds.models import load_draft_model
+
+    dtype = _resolve_dtype(cfg, device)
+    kwargs = {"dtype": dtype}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    target = AutoModelForCausalLM.from_pretrained(cfg.target, **kwargs).to(device).eval()
+    drafter = load_draft_model(cfg.drafter, dtype=dtype, device=device)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target)
+    return target, drafter, tokenizer
+
+
+def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> list[PromptResult]:
+    """This rank's share of every benchmark, decoded (one seeded generator per prompt)."""
+    rank, world = _rank_world()
+    stops = stop_token_ids(target, tokenizer)
+    results: list[PromptResult] = []
+    for b, name in enumerate(cfg.benchmarks):
+        rows = select_prompts(load_benchmark(benchmark_path(name, cfg.data_dir)), cfg.max_samples, cfg.seed)
+        mine = shard(rows, rank, world)
+        for index, turns in tqdm(mine, desc=f"eval {name}", disable=rank != 0, unit="prompt"):
+            input_ids = encode_prompt(tokenizer, turns, cfg.chat_template_kwargs).to(device)
+            seed = cfg.seed + 1_000_003 * b + index
+            generator = torch.Generator(device=device).manual_seed(seed)
+            _, stats = speculative_generate(
+                target, drafter, input_ids,
+                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                confidence_threshold=cfg.confidence_threshold, generator=generator,
+                stop_token_ids=stops,
+            )  # fmt: skip
+            baseline_s = None
+            if cfg.measure_baseline:
+                generator = torch.Generator(device=device).manual_seed(seed)
+                t0 = time.perf_counter()
+                target_generate(
+                    target, input_ids, max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature, generator=generator, stop_token_ids=stops,
+                )  # fmt: skip
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                baseline_s = time.perf_counter() - t0
+            results.append(PromptResult(name, index, stats, baseline_s))
+    return results
+
+
+def gather_results(results: list[PromptResult]) -> list[PromptResult] | None:
+    """Every rank's prompt results on rank 0 (None elsewhere)."""
+    rank, world = _rank_world()
+    if world == 1:
+        return results
+    gathered: list[list[PromptResult]] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
+    dist.gather_object(results, gathered, dst=0)
+    if rank != 0:
+        return None
+    return [r for part in gathered for r in part]  # type: ignore[union-attr]
+
+
+def _records(results: list[PromptResult], block_size: int) -> cal.ConfidenceRecords:
+    logits, accepted, committed = [], [], []
+    for r in results:
+        logits += r.stats.confidence_logits_per_round
+        accepted += r.stats.accepted_per_round
+        committed += r.stats.committed_per_round
+    return cal.ConfidenceRecords.from_rounds(logits, accepted, committed, block_size)
+
+
+def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Path) -> dict | None:
+    """ECE / AUROC / Brier before and after STS, the threshold sweep, and their plots."""
+    if getattr(drafter, "confidence_head", None) is None or not results:
+        return None
+    if cfg.confidence_threshold > 0.0:
+        # Truncated proposals hide the slots the head was least sure of: the labels would be
+        # biased, so calibration needs uncut proposals.
+        return {"skipped": "confidence_threshold > 0: calibration needs uncut proposals"}
+    block_size = int(drafter.config.block_size)
+    c = cfg.calibration
+    fit, held = [], []
+    for name in cfg.benchmarks:
+        mine = sorted((r for r in results if r.benchmark == name), key=lambda r: r.index)
+        n_fit = math.ceil(c.fit_fraction * len(mine)) if len(mine) > 1 else 0
+        fit += mine[:n_fit]
+        held += mine[n_fit:]
+    all_records = _records(results, block_size)
+    held_records = _records(held, block_size)
+    out: dict = {"raw": cal.confidence_report(held_records, None, c.num_bins), "split": {
+        "fit_prompts": len(fit), "held_out_prompts": len(held)}}  # fmt: skip
+    out["per_benchmark_raw"] = {
+        name: cal.confidence_report(
+            _records([r for r in results if r.benchmark == name], block_size), None, c.num_bins
+        )["pooled"]
+        for name in cfg.benchmarks
+    }
+    temps_G = cal.confidence_temperatures(drafter.config)
+    curves = {"raw": out["raw"]}
+    if c.fit_sts and fit:
+        temps = cal.fit_sequential_temperatures(_records(fit, block_size), c.num_bins)
+        temps_G = torch.tensor(temps, dtype=torch.float64)
+        out["sts"] = cal.confidence_report(held_records, temps_G, c.num_bins)
+        curves["STS"] = out["sts"]
+        report.write_json(out_dir / "confidence_temperatures.json", {cal.CONFIG_KEY: temps})
+        if c.write_to_drafter:
+            out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
+    out["threshold_sweep"] = cal.threshold_sweep(all_records, c.thresholds, temps_G)
+    out["threshold_sweep_temperatures"] = temps_G.tolist() if temps_G is not None else None
+    report.plot_reliability(out_dir / "reliability_diagram.png", curves)
+    report.plot_threshold_sweep(out_dir / "threshold_sweep.png", out["threshold_sweep"])
+    return out
+
+
+def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dict[str, float]:
+    """Scalar metrics for the tracker: `<benchmark>/tau`, `<benchmark>/accept_rate@k`, ..."""
+    metrics: dict[str, float] = {"average/tau": report.average_row(rows)["tau"]}
+    for r in rows:
+        for key in ("tau", "mean_proposal_length", "tokens_per_s", "draft_time_s", "verify_time_s"):
+            metrics[f"{r.benchmark}/{key}"] = getattr(r, key)
+        if r.speedup is not None:
+            metrics[f"{r.benchmark}/speedup"] = r.speedup
+        for k, a in enumerate(r.accept_rate_by_position):
+            if a is not None:
+                metrics[f"{r.benchmark}/accept_rate@{k}"] = a
+    for variant in ("raw", "sts"):
+        if calib and variant in calib:
+            for key in ("ece", "auroc", "brier"):
+                metrics[f"confidence_{variant}/{key}"] = calib[variant]["pooled"][key]
+            for entry in calib[variant]["per_position"]:
+                metrics[f"confidence_{variant}/ece@{entry['position']}"] = entry["ece"]
+    return {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
+
+
+def log_to_tracking(cfg: EvalConfig, metrics: dict[str, float], artifacts: list[Path]) -> None:
+    """Hand the report to the project's tracker (MLflow on rank 0; see dspark_ds/tracking.py)."""
+    from dspark_ds.eval.tracking_bridge import log_eval_run
+
+    log_eval_run(cfg, metrics, artifacts)
+
+
+def run_eval(cfg: EvalConfig) -> dict | None:
+    """Entry point of `dspark-ds eval`. Returns the results payload on rank 0, None elsewhere."""
+    cfg.validate()
+    device = _resolve_device(cfg)
+    started_pg = _maybe_init_distributed(device)
+    try:
+        target, drafter, tokenizer = load_models(cfg, device)
+        local = decode_benchmarks(cfg, target, drafter, tokenizer, device)
+        results = gather_results(local)
+        if results is None:
+            return None
+        return _report(cfg, drafter, results)
+    finally:
+        if started_pg:
+            dist.destroy_process_group()
+
+
+def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    block_size = int(drafter.config.block_size)
+    rows = []
+    for name in cfg.benchmarks:
+        mine = [r for r in results if r.benchmark == name]
+        base = [r.baseline_time_s for r in mine if r.baseline_time_s is not None]
+        rows.append(
+            report.summarize_benchmark(name, [r.stats for r in mine], block_size, sum(base) if base else None)
+        )
+    calib = calibrate(cfg, drafter, results, out_dir)
+    table = report.format_table(rows)
+    print(table, flush=True)
+    if calib and "raw" in calib:
+        line = "confidence (held-out, cumulative): raw ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(
+            calib["raw"]["pooled"]["ece"], calib["raw"]["pooled"]["auroc"], calib["raw"]["pooled"]["brier"]
+        )
+        if "sts" in calib:
+            line += " | STS ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(
+                calib["sts"]["pooled"]["ece"], calib["sts"]["pooled"]["auroc"], calib["sts"]["pooled"]["brier"]
+            )
+        print(line, flush=True)
+    payload = {
+        "config": json.loads(json.dumps(_config_dict(cfg), default=str)),
+        "benchmarks": [report.result_dict(r) for r in rows],
+        "average": report.average_row(rows),
+        "calibration": calib,
+    }
+    artifacts = [
+        report.write_json(out_dir / "results.json", payload),
+        report.write_csv(out_dir / "results.csv", rows),
+        report.plot_acceptance_by_position(out_dir / "acceptance_by_position.png", rows),
+        report.plot_tau_by_benchmark(out_dir / "tau_by_benchmark.png", rows),
+    ]
+    artifacts += [out_dir / n for n in ("reliability_diagram.png", "threshold_sweep.png",
+                                        "confidence_temperatures.json") if (out_dir / n).exists()]  # fmt: skip
+    (out_dir / "results.txt").write_text(table + "\n")
+    artifacts.append(out_dir / "results.txt")
+    log_to_tracking(cfg, _flat_metrics(rows, calib), artifacts)
+    return payload
+
+
+def _config_dict(cfg: EvalConfig) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cfg)

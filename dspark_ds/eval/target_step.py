@@ -1,0 +1,105 @@
+"""The target side of decoding: incremental forwards with a KV cache and the feature tap.
+
+Legend: L = tokens in one forward, V = vocabulary, n = tapped layers, H = target hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from dspark_ds.target import text_config
+
+
+def tap_layers(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate the tapped layers in id order: id -1 is the embedding output
+    (`hidden_states[0]`), id i the output of decoder layer i (`hidden_states[i + 1]`)."""
+    return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+
+
+def check_drafter_matches_target(target, drafter) -> None:
+    """Refuse a drafter that was not built for this target (clear message naming the field)."""
+    t_cfg = text_config(target.config)
+    d_cfg = drafter.config
+    num_layers = int(t_cfg.num_hidden_layers)
+    layer_ids = [int(i) for i in d_cfg.target_layer_ids]
+    if int(d_cfg.num_target_layers) != num_layers:
+        raise ValueError(
+            f"drafter config num_target_layers={d_cfg.num_target_layers} but the target has "
+            f"{num_layers} decoder layers"
+        )
+    if any(i < -1 or i >= num_layers for i in layer_ids):
+        raise ValueError(f"drafter target_layer_ids {layer_ids} out of range for {num_layers} layers")
+    # NOTE: HF's hidden_states[L] is the final *normed* state, not the raw output of layer L-1
+    # that the training cache taps, so a drafter trained on layer L-1 would see other features.
+    if num_layers - 1 in layer_ids:
+        raise ValueError(
+            f"drafter target_layer_ids {layer_ids} include the target's final layer {num_layers - 1}"
+            "; Hugging Face returns it normed at evaluation, which the drafter was not trained on"
+        )
+    if int(d_cfg.vocab_size) != int(t_cfg.vocab_size):
+        raise ValueError(
+            f"drafter vocab_size={d_cfg.vocab_size} differs from the target's {t_cfg.vocab_size}"
+        )
+    if int(d_cfg.hidden_size) != int(t_cfg.hidden_size):
+        raise ValueError(
+            f"drafter hidden_size={d_cfg.hidden_size} differs from the target's {t_cfg.hidden_size}"
+        )
+
+
+@dataclass
+class TargetStep:
+    """What one target forward returns to the decoding loop."""
+
+    logits_LV: torch.Tensor
+    """fp32 next-token logits for each input position (batch dimension removed)."""
+    features_LnH: torch.Tensor | None
+    """Tapped features of the input positions, [1, L, n*H] (the drafter's context); None when
+    no layer is tapped (plain decoding)."""
+
+
+class TargetDecoder:
+    """A target under incremental decoding: one KV cache, rolled back after each verification."""
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.target = target
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.cache = DynamicCache(config=target.config)
+        # NOTE: sliding-window layers (Gemma4) drop old K/V as they go unless past recording is
+        # on, and then a rejected draft could not be rolled back.
+        self.cache.activate_past_recording()
+        self.num_cached = 0
+        # NOTE: transformers 5.2x renamed `past_key_values` to `cache` (the old name warns).
+        params = inspect.signature(target.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, input_ids_1L: torch.Tensor, *, logits_to_keep: int = 0) -> TargetStep:
+        """Run the target on new tokens placed right after the cached ones."""
+        length = input_ids_1L.shape[1]
+        position_ids = torch.arange(
+            self.num_cached, self.num_cached + length, device=input_ids_1L.device
+        ).unsqueeze(0)
+        out = self.target(
+            input_ids=input_ids_1L,
+            position_ids=position_ids,
+            **{self._cache_kwarg: self.cache},
+            use_cache=True,
+            output_hidden_states=bool(self.layer_ids),
+            logits_to_keep=logits_to_keep,
+        )
+        self.num_cached += length
+        features = tap_layers(out.hidden_states, self.layer_ids) if self.layer_ids else None
+        return TargetStep(logits_LV=out.logits[0].float(), features_LnH=features)
+
+    def keep(self, num_tokens: int) -> None:
+        """Roll the cache back to its first `num_tokens` positions (drop rejected drafts)."""
+        if num_tokens > self.num_cached:
+            raise ValueError(f"cannot keep {num_tokens} tokens of a {self.num_cached}-token cache")
+        # NOTE: transformers 5 `crop` takes a negative count of tokens to remove (a positive
+        # absolute length raises); crop(0) still trims sliding-window layers to their window.
+        self.cache.crop(num_tokens - self.num_cached)
+        self.num_cached = num_tokens

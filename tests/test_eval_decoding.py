@@ -1,0 +1,205 @@
+"""The speculative decoding loop: lossless greedy output, stop tokens, budget, train/serve parity,
+and the reference-format golden drafter decoding against a matching target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eval_helpers import random_drafter, tiny_target
+
+from dspark_ds.eval import speculative_generate, target_generate
+from dspark_ds.eval.target_step import TargetDecoder, tap_layers
+from dspark_ds.models import load_draft_model
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab_size=64, hidden_size=32, num_layers=3, logit_scale=4.0)
+
+
+def _prompt(seed: int, length: int = 9, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab - 1, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_greedy(target, prompt, n):
+    # An independent reference: Hugging Face's own greedy generate (no EOS, exactly n tokens).
+    return target.generate(
+        prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "markov_head_type,markov_rank,confidence,threshold",
+    [
+        ("vanilla", 8, True, 0.0),
+        ("gated", 8, True, 0.0),
+        ("rnn", 8, True, 0.0),
+        ("vanilla", 0, False, 0.0),  # DFlash: no Markov head, no confidence head
+        ("vanilla", 8, True, 0.5),  # confidence truncation
+        ("rnn", 8, True, 0.45),
+    ],
+)
+def test_greedy_speculative_equals_greedy_target(target, markov_head_type, markov_rank, confidence, threshold):
+    drafter = random_drafter(
+        target, markov_rank=markov_rank, markov_head_type=markov_head_type, confidence=confidence,
+        block_size=4, markov_std=0.5 if markov_rank else None,
+    )  # fmt: skip
+    rounds_cut = accepted = 0
+    for seed in range(3):
+        prompt = _prompt(seed)
+        out, stats = speculative_generate(
+            target, drafter, prompt, max_new_tokens=40, confidence_threshold=threshold
+        )
+        ref = _hf_greedy(target, prompt, 40)
+        assert out.tolist() == ref.tolist(), f"seed {seed}: speculative output differs from greedy"
+        assert stats.new_tokens == 40
+        assert stats.target_forwards == stats.rounds + 1
+        assert sum(stats.committed_per_round) == 39  # the first token comes from the prefill
+        assert all(a <= p <= 4 for a, p in zip(stats.accepted_per_round, stats.proposed_per_round))
+        rounds_cut += sum(p < 4 for p in stats.proposed_per_round[:-1])
+        accepted += sum(stats.accepted_per_round)
+    assert accepted > 0, "no draft was ever accepted: only the rejection path ran"
+    if threshold > 0:
+        assert rounds_cut > 0, "the threshold never truncated a proposal: the test proves nothing"
+
+
+def test_greedy_drafter_that_matches_the_target_is_fully_accepted(target, monkeypatch):
+    """A drafter whose proposals are always right must reach τ = γ + 1 (no off-by-one)."""
+    drafter = random_drafter(target, markov_rank=8, block_size=4)
+    prompt = _prompt(0)
+    full = target_generate(target, prompt, max_new_tokens=31)[0].tolist() + [0] * 8
+    starts = []
+    real_forward = drafter.forward_draft_block
+
+    def forward_block(**kwargs):
+        starts.append(kwargs["start"])
+        return real_forward(**kwargs)
+
+    def oracle(base_logits, **_):
+        # Propose exactly the target's greedy continuation after x_start.
+        start = starts[-1]
+        tokens = torch.tensor([full[start + 1 : start + 1 + base_logits.shape[1]]])
+        return tokens, torch.nn.functional.one_hot(tokens, base_logits.shape[-1]).float() * 50
+
+    monkeypatch.setattr(drafter, "forward_draft_block", forward_block)
+    monkeypatch.setattr(drafter, "sample_draft_tokens", oracle)
+    out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=31)
+    assert out[0].tolist() == full[: prompt.shape[1] + 31]
+    assert stats.accepted_per_round == [4] * 6
+    assert stats.committed_per_round == [5] * 6
+    assert stats.tau == 5.0 and stats.target_forwards == 7
+
+
+def test_stop_token_and_budget(target):
+    drafter = random_drafter(target, markov_rank=8, block_size=4)
+    prompt = _prompt(1)
+    ref = target_generate(target, prompt, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
+    stop = ref[12]
+    first = ref.index(stop)
+    out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, stop_token_ids=[stop])
+    assert out[0, prompt.shape[1]:].tolist() == ref[: first + 1]
+    assert stats.new_tokens == first + 1
+    assert target_generate(target, prompt, max_new_tokens=30, stop_token_ids=[stop]).tolist() == out.tolist()
+    for budget in (1, 2, 5):
+        out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=budget)
+        assert out[0, prompt.shape[1]:].tolist() == ref[:budget]
+        assert stats.rounds == budget - 1 - sum(stats.accepted_per_round)
+
+
+def test_bad_arguments_are_refused(target):
+    drafter = random_drafter(target, markov_rank=8)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, drafter, _prompt(0), max_new_tokens=0)
+    with pytest.raises(ValueError, match="confidence_threshold"):
+        speculative_generate(target, drafter, _prompt(0), max_new_tokens=4, confidence_threshold=2.0)
+    with pytest.raises(ValueError, match="input_ids"):
+        speculative_generate(target, drafter, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=4)
+    last_layer = random_drafter(target, layer_ids=(0, 2))
+    with pytest.raises(ValueError, match="final layer"):
+        speculative_generate(target, last_layer, _prompt(0), max_new_tokens=4)
+
+
+@pytest.mark.parametrize("markov_head_type", ["vanilla", "rnn"])
+def test_train_serve_parity(target, markov_head_type):
+    """Draft logits of an inference round at start = p equal the training block at anchor p,
+    with the drafter's KV cache filled by an earlier round (so cache appends are exercised)."""
+    drafter = random_drafter(target, markov_rank=8, markov_head_type=markov_head_type, block_size=4,
+                             markov_std=0.5, num_draft_layers=2)  # fmt: skip
+    prefix = _prompt(3, length=14)
+    p1, p = 6, 11
+    block = 4
+    mask_id = drafter.config.mask_token_id
+
+    def features(ids):
+        with torch.no_grad():
+            hs = target(ids, output_hidden_states=True).hidden_states
+        return tap_layers(hs, list(drafter.config.target_layer_ids))
+
+    with torch.no_grad():
+        cache = drafter.new_cache()
+        feats = features(prefix)
+        ids = torch.full((1, block), mask_id)
+        ids[0, 0] = prefix[0, p1]
+        drafter.forward_draft_block(context_features=feats[:, :p1], block_input_ids=ids, start=p1, cache=cache)
+        assert cache.seq_length == p1
+        ids[0, 0] = prefix[0, p]
+        hidden = drafter.forward_draft_block(
+            context_features=feats[:, p1:p], block_input_ids=ids, start=p, cache=cache
+        )
+        drafts, serve_logits = drafter.sample_draft_tokens(
+            drafter.compute_logits(hidden), first_prev_token_ids=ids[:, 0], hidden_states=hidden,
+            temperature=0.0,
+        )  # fmt: skip
+        serve_conf = drafter.predict_confidence(hidden, torch.cat([ids[:, :1], drafts[:, :-1]], 1))
+
+        # The training sequence continues with the drafter's own greedy tokens, so teacher forcing
+        # feeds the Markov head exactly what inference sampled.
+        seq = torch.cat([prefix[:, : p + 1], drafts], dim=1)
+        out = drafter(
+            seq, features(seq), torch.ones_like(seq),
+            anchor_positions=torch.tensor([[p]]), block_keep_mask=torch.tensor([[True]]),
+        )  # fmt: skip
+    torch.testing.assert_close(out.draft_logits[0, 0], serve_logits[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.confidence_pred[0, 0], serve_conf[0], atol=1e-4, rtol=1e-4)
+    assert out.target_ids[0, 0].tolist() == drafts[0].tolist()
+
+
+def test_target_decoder_rollback_matches_fresh_forward(target):
+    """Cropping the target cache after a rejected draft leaves it as if the draft never ran."""
+    prompt = _prompt(4, length=10)
+    dec = TargetDecoder(target, [0, 1])
+    dec.forward(prompt[:, :6])
+    dec.forward(prompt[:, 6:9])  # pretend 3 tokens were verified...
+    dec.keep(7)  # ...and only one was accepted
+    step = dec.forward(prompt[:, 7:10])
+    with torch.no_grad():
+        full = target(prompt[:, :10], output_hidden_states=True)
+    torch.testing.assert_close(step.logits_LV, full.logits[0, 7:10], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(step.features_LnH, tap_layers(full.hidden_states, [0, 1])[:, 7:10],
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_golden_reference_drafter_decodes(golden_dir):
+    """The DeepSpec-written drafter loads and decodes losslessly against a matching target."""
+    drafter = load_draft_model(golden_dir / "qwen3_vanilla" / "draft")
+    cfg = drafter.config
+    target = tiny_target(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_target_layers,
+        logit_scale=8.0,
+    )  # fmt: skip
+    assert target.config.num_hidden_layers == 6 and target.config.hidden_size == 64
+    # The drafter shares the target's embedding and lm_head, as after training.
+    with torch.no_grad():
+        target.model.embed_tokens.weight.copy_(drafter.embed_tokens.weight)
+        target.lm_head.weight.copy_(drafter.lm_head.weight)
+    prompt = _prompt(5, length=12, vocab=cfg.vocab_size)
+    out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=24)
+    assert out.tolist() == _hf_greedy(target, prompt, 24).tolist()
+    assert stats.rounds >= 1 and stats.proposed_per_round[0] == cfg.block_size
+    assert len(stats.confidence_logits_per_round[0]) == cfg.block_size  # its confidence head ran
+    g = torch.Generator().manual_seed(0)
+    out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=24, temperature=1.0, generator=g)
+    assert stats.new_tokens == 24 and out.shape == (1, 36)

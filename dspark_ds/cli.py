@@ -12,6 +12,7 @@ naming the dotted option.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -60,8 +61,10 @@ def dump_config(cfg) -> str:
 
 
 def build_parser(name: str, config_cls):
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
+    # field docstrings (the string under each dataclass field) become the --help text
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
     doc = (config_cls.__doc__ or "").strip().splitlines()[0]
     parser = ArgumentParser(prog=f"dspark-ds {name}", description=doc, exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile,
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(name, rest)
     except SystemExit as err:  # --help / --print_config exit 0; parse errors exit 2
         return int(err.code or 0)
-    except (ValueError, TypeError) as err:
+    except (argparse.ArgumentError, ValueError, TypeError) as err:
         return _fail(_parse_error_text(err))
     try:
         entry(cfg)

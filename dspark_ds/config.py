@@ -20,6 +20,9 @@ from dspark_ds.target import TargetConfig
 class DrafterConfig:
     """The drafter's architecture and loss (spec §11). Defaults are the paper's DSpark."""
 
+    kind: Literal["dspark", "eagle3"] = "dspark"
+    """Drafter family: "dspark" (DSpark / DFlash, parallel blocks) or "eagle3" (the
+    autoregressive Eagle3 baseline; reads num_draft_layers, ttt_length, step_loss_decay)."""
     num_draft_layers: int = 5
     """Transformer layers of the drafter backbone."""
     block_size: int = 7
@@ -43,10 +46,19 @@ class DrafterConfig:
     """Weight of the cross-entropy term (DFlash: 1.0)."""
     l1_loss_alpha: float = 0.9
     """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
+    ttt_length: int = 7
+    """Eagle3: training-time-test steps unrolled per position; also tokens drafted per round."""
+    step_loss_decay: float = 0.8
+    """Eagle3: the loss of unrolled step k is weighted by step_loss_decay^k."""
     init_from: str | None = None
     """Start from an exported drafter directory instead of a random init (fine-tuning)."""
 
     def validate(self, prefix: str = "model") -> None:
+        if self.kind == "eagle3":
+            for name in ("num_draft_layers", "ttt_length"):
+                _require(getattr(self, name) >= 1, f"{prefix}.{name}", "must be >= 1", self)
+            _require(self.step_loss_decay > 0, f"{prefix}.step_loss_decay", "must be > 0", self)
+            return
         for name in ("num_draft_layers", "block_size", "num_anchors"):
             _require(getattr(self, name) >= 1, f"{prefix}.{name}", "must be >= 1", self)
         _require(self.markov_rank >= 0, f"{prefix}.markov_rank", "must be >= 0", self)

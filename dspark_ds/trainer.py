@@ -68,11 +68,17 @@ def make_draft_config(cfg: TrainRunConfig):
 
     from dspark_ds.target import default_layer_ids, text_config
 
-    target_config = AutoConfig.from_pretrained(
-        cfg.target.path, trust_remote_code=cfg.target.trust_remote_code
-    )
+    try:
+        target_config = AutoConfig.from_pretrained(
+            cfg.target.path, trust_remote_code=cfg.target.trust_remote_code
+        )
+    except OSError as err:
+        raise ValueError(f"target.path: cannot read a model config from {cfg.target.path!r} "
+                         f"({str(err).splitlines()[0]})") from err
     num_layers = int(text_config(target_config).num_hidden_layers)
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_layers)
+    if cfg.model.kind == "eagle3":  # the Eagle3 baseline (models/eagle3.py)
+        return make_eagle3_draft_config(cfg, target_config, layer_ids)
     try:
         return build_draft_config(
             target_config,
@@ -89,6 +95,20 @@ def make_draft_config(cfg: TrainRunConfig):
     except ValueError as err:
         field_name = str(err).split(":", 1)[0]
         prefix = "target." if field_name == "target_layer_ids" else "model."
+        raise ValueError(f"{prefix}{err}") from err
+
+
+def make_eagle3_draft_config(cfg: TrainRunConfig, target_config, layer_ids: list[int]):
+    from dspark_ds.models.eagle3 import build_eagle3_config
+
+    try:
+        return build_eagle3_config(
+            target_config, target_layer_ids=layer_ids, ttt_length=cfg.model.ttt_length,
+            step_loss_decay=cfg.model.step_loss_decay,
+            num_draft_layers=cfg.model.num_draft_layers, target_model_name_or_path=cfg.target.path,
+        )  # fmt: skip
+    except ValueError as err:
+        prefix = "target." if str(err).startswith("target_layer_ids") else "model."
         raise ValueError(f"{prefix}{err}") from err
 
 
@@ -144,12 +164,13 @@ class Trainer:
         from dspark_ds import engine as eng_lib
 
         self.cfg = cfg.validate()
+        # config-level failures (exit 2) come before any process group exists
+        self.draft_config = make_draft_config(cfg)
         self.rank, self.world, local_rank = eng_lib.init_distributed(cfg.deepspeed.backend)
         self.device = eng_lib.device_for(local_rank)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         ckpt.seed_everything(cfg.train.seed)
-        self.draft_config = make_draft_config(cfg)
 
         # the target: needed online (features) and for the shared embedding / lm_head
         from dspark_ds.target import load_target
@@ -317,6 +338,12 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------
     def _forward_loss(self, batch: dict):
+        if self.cfg.model.kind == "eagle3":  # TTT unroll + per-step soft CE (eagle3_loss.py)
+            from dspark_ds.eagle3_loss import eagle3_forward_and_loss
+
+            inputs = {k: batch[k].to(self.engine.device) for k in BATCH_KEYS}
+            return eagle3_forward_and_loss(self.engine.model, inputs, forward=self.engine,
+                                           step_loss_decay=self.cfg.model.step_loss_decay)
         anchors, keep = sample_anchors(batch["loss_mask"], batch["sample_ids"],
                                        self.draft_config.num_anchors, self.cfg.train.seed,
                                        self.epoch)

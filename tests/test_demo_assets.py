@@ -210,6 +210,15 @@ def test_target_cache_key_and_env_override(tmp_path, monkeypatch):
         _tiny_cfg(tmp_path, cache_dir=None, max_steps=2, num_threads=2), progress=False
     )
     assert same.path == got.path and same.from_cache
+    # force=True retrains in place; nothing half-written or stale is left next to it.
+    forced = ensure_demo_target(
+        _tiny_cfg(tmp_path, cache_dir=None, max_steps=2), force=True, progress=False
+    )
+    assert forced.path == got.path and not forced.from_cache
+    assert (forced.path / REPORT_FILE).is_file()
+    assert sorted(p.name for p in got.path.parent.iterdir()) == sorted(
+        [got.path.name, other.path.name]
+    )
 
 
 @pytest.mark.parametrize(

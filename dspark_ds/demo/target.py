@@ -303,10 +303,17 @@ def ensure_demo_target(
     shutil.rmtree(tmp_dir, ignore_errors=True)
     model.save_pretrained(tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
-    (tmp_dir / REPORT_FILE).write_text(json.dumps(report, indent=1))
     report["size_mb"] = sum(f.stat().st_size for f in tmp_dir.iterdir()) / 2**20
     (tmp_dir / REPORT_FILE).write_text(json.dumps(report, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp_dir, out_dir)
+    if out_dir.exists():  # force=True: move the old one aside first (rename is atomic)
+        stale = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, stale)
+        shutil.rmtree(stale)
+    try:
+        os.replace(tmp_dir, out_dir)
+    except OSError:
+        # Another process finished the same target in the meantime: keep theirs.
+        if not report_path.is_file():
+            raise
+        shutil.rmtree(tmp_dir)
     return DemoTarget(out_dir, False, report)

@@ -97,7 +97,6 @@ def chunked_eagle3_loss(
     _check_decay(step_loss_decay)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
-    model = getattr(model, "module", model)
     if model.lm_head.weight.requires_grad:
         raise ValueError("lm_head: the chunked Eagle3 loss needs the shared lm_head frozen")
     world_size, group = _world()
@@ -139,20 +138,28 @@ def eagle3_forward_and_loss(
     step_loss_decay: float = 0.8,
     impl: str = "auto",
     chunk_rows: int = 1024,
+    forward=None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch: the unrolled forward and its loss. impl: "reference" (full logits) or
-    "chunked" / "auto" (vocabulary work `chunk_rows` rows at a time). `model` may be wrapped
-    (DeepSpeed engine): its forward runs through the wrapper; the heads are read unwrapped."""
-    args = (batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"])
-    last = batch.get("target_last_hidden_states")
+    """One micro-batch: the unrolled forward and its loss.
+
+    impl: "reference" (full logits) or "chunked" / "auto" (vocabulary work `chunk_rows` rows
+    at a time). `forward` is what runs the model (a DeepSpeed engine, called with keyword
+    arguments); None = `model` itself. `model` is the bare drafter (its heads are read).
+    """
+    forward = forward if forward is not None else model
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "target_hidden_states": batch["target_hidden_states"],
+        "loss_mask": batch["loss_mask"],
+        "target_last_hidden_states": batch.get("target_last_hidden_states"),
+    }
     if impl == "reference":
-        return compute_eagle3_loss(model(*args, last), step_loss_decay=step_loss_decay)
+        return compute_eagle3_loss(forward(**inputs), step_loss_decay=step_loss_decay)
     if impl not in ("auto", "chunked"):
         raise ValueError(f"impl: expected auto | reference | chunked, got {impl!r}")
-    inner = getattr(model, "module", model)
-    feats = inner.forward_hidden(*args, last)
+    feats = forward(**inputs, return_hidden=True)
     return chunked_eagle3_loss(
-        inner, feats, step_loss_decay=step_loss_decay, chunk_rows=chunk_rows
+        model, feats, step_loss_decay=step_loss_decay, chunk_rows=chunk_rows
     )
 
 

@@ -379,11 +379,16 @@ class Eagle3DraftModel(nn.Module):
         loss_mask: torch.Tensor,
         target_last_hidden_states: torch.Tensor | None = None,
         ttt_length: int | None = None,
-    ) -> Eagle3ForwardOutput:
-        """The unroll with full logits ([B, S, T, V]; the reference path of the loss)."""
+        return_hidden: bool = False,
+    ) -> Eagle3ForwardOutput | Eagle3Hidden:
+        """The unroll with full logits ([B, S, T, V]; the reference path of the loss), or
+        with `return_hidden` the `forward_hidden` result (so a DeepSpeed engine, which only
+        calls `forward`, can feed the chunked loss)."""
         feats = self.forward_hidden(
             input_ids, target_hidden_states, loss_mask, target_last_hidden_states, ttt_length
         )
+        if return_hidden:
+            return feats
         target_logits = None
         if target_last_hidden_states is not None:
             with torch.no_grad():

@@ -1,0 +1,93 @@
+"""Eagle3 through the shared decoding loop: lossless greedy output, and every round's drafter
+inputs aligned with the target's features of the committed sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_tiny_target
+from transformers import AutoModelForCausalLM
+
+from dspark_ds.eval.decoding import speculative_generate, target_generate
+from dspark_ds.eval.target_step import tap_layers
+from dspark_ds.models import load_draft_model, save_draft_model
+from dspark_ds.models.eagle3 import Qwen3Eagle3Model, build_eagle3_config
+from dspark_ds.models.io import build_draft_model
+
+LAYER_IDS = [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = build_tiny_target(tmp_path_factory.mktemp("eagle3_target"))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def make_drafter(target, seed: int = 0, ttt_length: int = 4) -> Qwen3Eagle3Model:
+    cfg = build_eagle3_config(target.config, target_layer_ids=LAYER_IDS, ttt_length=ttt_length)
+    torch.manual_seed(seed)
+    drafter = build_draft_model(cfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    drafter.initialize_embeddings_and_head(
+        target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    return drafter.eval()
+
+
+def prompt(n: int = 9, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 300, (1, n), generator=g)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_eagle3_speculative_decoding_equals_greedy_target(target, seed, tmp_path):
+    # Through the interchange directory, as `dspark-ds eval` loads it.
+    save_draft_model(make_drafter(target, seed=seed), tmp_path / "eagle3")
+    drafter = load_draft_model(tmp_path / "eagle3")
+    ids = prompt(seed=seed)
+    out, stats = speculative_generate(target, drafter, ids, max_new_tokens=24, temperature=0.0)
+    ref = target_generate(target, ids, max_new_tokens=24, temperature=0.0)
+    assert torch.equal(out, ref)
+    assert stats.new_tokens == 24 and stats.rounds >= 1
+    assert all(0 <= p <= 4 for p in stats.proposed_per_round)
+    assert sum(stats.committed_per_round) + 1 == stats.new_tokens
+
+
+def test_rounds_feed_the_drafter_the_committed_features_and_tokens(target, monkeypatch):
+    """Every propose call gets the features of exactly the newly verified positions, paired
+    with the following committed token, and a cache holding everything before them."""
+    drafter = make_drafter(target, seed=3)
+    calls = []
+    original = drafter.propose
+
+    def recording_propose(**kw):
+        calls.append((kw["cache"].seq_length, kw["start"], kw["context_features"].clone(),
+                      kw["next_token_ids"].clone()))
+        return original(**kw)
+
+    monkeypatch.setattr(drafter, "propose", recording_propose)
+    ids = prompt(n=7, seed=5)
+    out, stats = speculative_generate(target, drafter, ids, max_new_tokens=20, temperature=0.0)
+    with torch.no_grad():
+        hs = target(out, output_hidden_states=True).hidden_states
+    feats = tap_layers(hs, LAYER_IDS)
+    expected_cached = 0
+    for cached, start, context, next_ids in calls:
+        assert cached == expected_cached  # the cache was cropped back to verified context
+        torch.testing.assert_close(context, feats[:, cached:start], rtol=1e-4, atol=1e-5)
+        assert torch.equal(next_ids, out[:, cached + 1 : start + 1])
+        expected_cached = start
+    assert len(calls) == stats.rounds
+
+
+def test_sampled_eagle3_decoding_runs_and_respects_the_budget(target):
+    drafter = make_drafter(target, seed=4)
+    g = torch.Generator().manual_seed(0)
+    out, stats = speculative_generate(
+        target, drafter, prompt(seed=2), max_new_tokens=15, temperature=1.0, generator=g
+    )
+    assert out.shape[1] == 9 + 15 and stats.new_tokens == 15
+    assert all(a <= p for a, p in zip(stats.accepted_per_round, stats.proposed_per_round))

@@ -1,0 +1,65 @@
+"""Eagle3 through `dspark-ds train` (DeepSpeed on CPU, MLflow) and `dspark-ds export`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from dist_utils import check, python
+from tiny_models import build_tiny_target
+
+from dspark_ds.config import DrafterConfig
+from dspark_ds.models import load_draft_model
+from dspark_ds.models.eagle3 import Qwen3Eagle3Model
+
+
+def test_eagle3_config_section_checks_its_own_fields():
+    DrafterConfig(kind="eagle3", num_draft_layers=1).validate()
+    with pytest.raises(ValueError, match="model.ttt_length"):
+        DrafterConfig(kind="eagle3", ttt_length=0).validate()
+    with pytest.raises(ValueError, match="model.step_loss_decay"):
+        DrafterConfig(kind="eagle3", step_loss_decay=0.0).validate()
+
+
+@pytest.mark.slow
+def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
+    target = build_tiny_target(tmp_path / "target")
+    out = tmp_path / "runs"
+    argv = [
+        "-m", "dspark_ds.cli", "train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml",
+        "--target.path", target, "--target.layer_ids", "[0, 1, 2]", "--output_dir", str(out),
+        "--train.max_steps", "4", "--train.synthetic_samples", "32",
+        "--checkpoint.every_steps", "2", "--eval.every_steps", "2", "--train.progress_bar", "false",
+    ]  # fmt: skip
+    check(python(argv, timeout_s=900))
+    run = out / "eagle3_tiny_cpu"
+    losses = [json.loads(line)["loss"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and all(math.isfinite(x) and x > 0 for x in losses)
+
+    # The live export is a reference-format Qwen3Eagle3Model directory.
+    data = json.loads((run / "export" / "config.json").read_text())
+    assert data["architectures"] == ["Qwen3Eagle3Model"]
+    assert data["ttt_length"] == 4 and data["step_loss_decay"] == 0.8
+    assert data["target_layer_ids"] == [0, 1, 2] and data["num_hidden_layers"] == 1
+    live = load_draft_model(run / "export")
+    assert isinstance(live, Qwen3Eagle3Model)
+
+    # `dspark-ds export` from the last DeepSpeed checkpoint gives the same weights.
+    check(python(["-m", "dspark_ds.cli", "export", "--checkpoint", str(run),
+                  "--output_dir", str(tmp_path / "exported")], timeout_s=600))  # fmt: skip
+    exported = load_draft_model(tmp_path / "exported")
+    for name, tensor in live.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], tensor, msg=name)
+
+    # MLflow got the Eagle3 metrics (train and validation).
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out}/mlflow.db")
+    run_id = (run / "mlflow_run_id").read_text().strip()
+    metrics = client.get_run(run_id).data.metrics
+    for key in ("train/loss", "train/tau_probabilistic", "train/accept_rate_at_3", "train/ploss_0",
+                "val/tau_greedy"):
+        assert key in metrics, (key, sorted(metrics))
+    assert 1.0 <= metrics["train/tau_probabilistic"] <= 5.0

@@ -129,11 +129,11 @@ def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, num_bins: int) -
 
 
 def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, num_bins: int = 20) -> float:
-    """Σ_bins (n_b / n) |mean prediction - observed frequency| over equal-width bins."""
+    """Σ_bins (n_b / n) |mean prediction - observed frequency| over equal-width bins
+    (= Σ_bins |Σ predictions - Σ labels| / n)."""
     if probs.numel() == 0:
         return math.nan
     index = (probs * num_bins).long().clamp(0, num_bins - 1)
-    count = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, torch.ones_like(probs))
     pred = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, probs.double())
     obs = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, labels.double())
     return float((pred - obs).abs().sum() / probs.numel())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
+from dspark_ds.config import TrackingConfig
 from dspark_ds.eval.benchmarks import DEFAULT_BENCHMARKS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -74,12 +76,19 @@ class EvalConfig:
     """Attention kernel of the target (passed to from_pretrained)."""
     measure_baseline: bool = False
     """Also decode every prompt with the target alone to report tokens/s speedup."""
-    output_dir: str = "runs/eval"
-    """Where results.json, results.csv, the plots and calibration files are written."""
-    run_name: str | None = None
-    """MLflow run name; None = `eval-<drafter directory name>`."""
+    name: str = "eval"
+    """Run name: results go to <output_dir>/<name>; also the default MLflow run name."""
+    output_dir: str = "runs"
+    """Parent directory of runs (as for `train`: the default MLflow store
+    sqlite:///<output_dir>/mlflow.db then holds training and evaluation runs side by side)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     """Confidence calibration / STS options."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow tracking, the same section as `train`'s (rank 0 only)."""
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.output_dir, self.name)
 
     def validate(self) -> None:
         """Raise ValueError naming the dotted option."""
@@ -99,6 +108,8 @@ class EvalConfig:
             raise ValueError(
                 f"eval.confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
             )
+        if not self.name or "/" in self.name:
+            raise ValueError(f"eval.name must be a plain name, got {self.name!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"eval.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         self.calibration.validate("eval.calibration")

@@ -19,7 +19,13 @@ from tqdm import tqdm
 
 from dspark_ds.eval import calibration as cal
 from dspark_ds.eval import report
-from dspark_ds.eval.benchmarks import benchmark_path, encode_prompt, load_benchmark, select_prompts, shard
+from dspark_ds.eval.benchmarks import (
+    benchmark_path,
+    encode_prompt,
+    load_benchmark,
+    select_prompts,
+    shard,
+)
 from dspark_ds.eval.config import EvalConfig
 from dspark_ds.eval.decoding import DecodeStats, speculative_generate, target_generate
 
@@ -209,11 +215,32 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
     return {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
 
 
-def log_to_tracking(cfg: EvalConfig, metrics: dict[str, float], artifacts: list[Path]) -> None:
-    """Hand the report to the project's tracker (MLflow on rank 0; see dspark_ds/tracking.py)."""
-    from dspark_ds.eval.tracking_bridge import log_eval_run
+def log_to_tracking(cfg: EvalConfig, drafter, metrics: dict[str, float], run_dir: Path) -> str | None:
+    """One MLflow run per evaluation (rank 0): params, metrics, tags, the run dir as artifacts.
+    Returns the MLflow run id (None when tracking is off or unreachable)."""
+    from dspark_ds.config import flatten
+    from dspark_ds.tracking import RUN_ID_FILE, Tracker, default_uri, git_sha
 
-    log_eval_run(cfg, metrics, artifacts)
+    # NOTE: the Tracker resumes the run named in <run_dir>/mlflow_run_id (right for training);
+    # an evaluation is never resumed, and a rerun must not land in (or skip params of) the old run.
+    (run_dir / RUN_ID_FILE).unlink(missing_ok=True)
+    t = cfg.tracking
+    tracker = Tracker(
+        enabled=t.enabled, uri=t.uri or default_uri(cfg.output_dir), experiment=t.experiment,
+        run_name=t.run_name or cfg.name, run_dir=str(run_dir), timeout_s=t.timeout_s,
+    )  # fmt: skip
+    try:
+        tracker.log_params(flatten(cfg))
+        tracker.set_tags({
+            **t.tags, "kind": "eval", "git_sha": git_sha(), "drafter": cfg.drafter,
+            "target": cfg.target, "drafter_architecture": drafter.config.architectures[0],
+            "markov_rank": drafter.config.markov_rank,
+        })  # fmt: skip
+        tracker.log_metrics(metrics, step=0)
+        tracker.log_artifacts(str(run_dir))
+        return tracker.run_id if tracker.enabled else None
+    finally:
+        tracker.finish()
 
 
 def run_eval(cfg: EvalConfig) -> dict | None:
@@ -234,7 +261,7 @@ def run_eval(cfg: EvalConfig) -> dict | None:
 
 
 def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
-    out_dir = Path(cfg.output_dir)
+    out_dir = Path(cfg.run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     block_size = int(drafter.config.block_size)
     rows = []
@@ -262,17 +289,13 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
         "average": report.average_row(rows),
         "calibration": calib,
     }
-    artifacts = [
-        report.write_json(out_dir / "results.json", payload),
-        report.write_csv(out_dir / "results.csv", rows),
-        report.plot_acceptance_by_position(out_dir / "acceptance_by_position.png", rows),
-        report.plot_tau_by_benchmark(out_dir / "tau_by_benchmark.png", rows),
-    ]
-    artifacts += [out_dir / n for n in ("reliability_diagram.png", "threshold_sweep.png",
-                                        "confidence_temperatures.json") if (out_dir / n).exists()]  # fmt: skip
+    report.write_json(out_dir / "results.json", payload)
+    report.write_csv(out_dir / "results.csv", rows)
+    report.plot_acceptance_by_position(out_dir / "acceptance_by_position.png", rows)
+    report.plot_tau_by_benchmark(out_dir / "tau_by_benchmark.png", rows)
     (out_dir / "results.txt").write_text(table + "\n")
-    artifacts.append(out_dir / "results.txt")
-    log_to_tracking(cfg, _flat_metrics(rows, calib), artifacts)
+    payload["mlflow_run_id"] = log_to_tracking(cfg, drafter, _flat_metrics(rows, calib), out_dir)
+    print(f"[eval] results in {out_dir}", flush=True)
     return payload
 
 

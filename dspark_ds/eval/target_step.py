@@ -5,9 +5,8 @@ Legend: L = tokens in one forward, V = vocabulary, n = tapped layers, H = target
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache

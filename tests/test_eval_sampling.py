@@ -1,0 +1,128 @@
+"""At T > 0 speculative decoding must sample from the target's own distribution.
+
+Chi-square goodness-of-fit tests against the *exact* distribution of the target (enumerated over
+a tiny vocabulary), and the same tests run with deliberately broken verifiers to prove they can
+fail. Every generator is seeded, so each test is deterministic.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from eval_helpers import chi_square_pvalue, exact_continuation_probs, random_drafter, tiny_target
+
+from dspark_ds.eval import speculative_generate, verify
+
+ALPHA = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: intra-op threads only add contention on a shared 2-core runner.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- the verifier alone ---------------------------------------------------------------------
+
+P_TARGET = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.10, 0.05])
+P_DRAFT = torch.tensor([0.05, 0.10, 0.10, 0.20, 0.25, 0.30])
+
+
+def _first_tokens(num_samples: int, num_drafts: int, seed: int = 0) -> torch.Tensor:
+    """The first committed token of `num_samples` verifications of drafts sampled from P_DRAFT."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(len(P_TARGET))
+    target_probs = P_TARGET.expand(num_drafts + 1, -1)
+    draft_probs = P_DRAFT.expand(num_drafts, -1)
+    for _ in range(num_samples):
+        drafts = torch.multinomial(draft_probs, 1, generator=g).view(-1)
+        accepted, nxt = verify.verify_sampled(drafts, draft_probs, target_probs, g)
+        counts[drafts[0] if accepted else nxt] += 1
+    return counts
+
+
+def test_rejection_sampling_first_token_has_target_distribution():
+    for num_drafts in (1, 3):
+        assert chi_square_pvalue(_first_tokens(6000, num_drafts), P_TARGET) > ALPHA
+
+
+def test_rejection_sampling_bonus_token_has_target_distribution():
+    """When every draft is accepted, the bonus token is drawn from the target's last row."""
+    g = torch.Generator().manual_seed(1)
+    bonus_probs = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.1, 0.5])
+    target_probs = torch.stack([torch.tensor([1.0, 0, 0, 0, 0, 0]), bonus_probs])
+    draft_probs = torch.tensor([[1.0, 0, 0, 0, 0, 0]])
+    counts = torch.zeros(6)
+    for _ in range(3000):
+        accepted, nxt = verify.verify_sampled(torch.tensor([0]), draft_probs, target_probs, g)
+        assert accepted == 1
+        counts[nxt] += 1
+    assert chi_square_pvalue(counts, bonus_probs) > ALPHA
+
+
+def test_resampling_from_the_target_instead_of_the_residual_is_caught(monkeypatch):
+    monkeypatch.setattr(verify, "residual_distribution", lambda p_target, p_draft: p_target)
+    assert chi_square_pvalue(_first_tokens(6000, 1), P_TARGET) < ALPHA
+
+
+def test_greedy_verification():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 4.0]])
+    assert verify.verify_greedy(torch.tensor([1, 0]), logits) == (2, 2)  # both accepted + bonus
+    assert verify.verify_greedy(torch.tensor([1, 2]), logits) == (1, 0)  # correction at slot 1
+    assert verify.verify_greedy(torch.tensor([2, 0]), logits) == (0, 1)  # later match ignored
+    assert verify.verify_greedy(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 1)
+
+
+# ---- the whole loop -------------------------------------------------------------------------
+
+NUM_NEW = 4  # x1 from the prefill, then a round of 2 drafts (budget-capped) and more
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target(vocab_size=8, hidden_size=16, num_layers=2, logit_scale=4.0)
+    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
+    prompt = torch.tensor([[1, 2, 3]])
+    return target, drafter, prompt, exact_continuation_probs(target, prompt, NUM_NEW)
+
+
+def _sample_counts(models, num_samples: int) -> tuple[torch.Tensor, int]:
+    target, drafter, prompt, _ = models
+    counts = torch.zeros([8] * NUM_NEW)
+    accepted = 0
+    for seed in range(num_samples):
+        g = torch.Generator().manual_seed(seed)
+        out, stats = speculative_generate(
+            target, drafter, prompt, max_new_tokens=NUM_NEW, temperature=1.0, generator=g
+        )
+        counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
+        accepted += sum(stats.accepted_per_round)
+    return counts, accepted
+
+
+def _pvalues(counts: torch.Tensor, exact: torch.Tensor) -> list[float]:
+    # x1 comes from the prefill alone; (x2, x3) and x4 come out of verification rounds.
+    return [
+        chi_square_pvalue(counts.sum(dim=(0, 3)), exact.sum(dim=(0, 3))),
+        chi_square_pvalue(counts.sum(dim=(0, 1, 2)), exact.sum(dim=(0, 1, 2))),
+    ]
+
+
+NUM_SAMPLES = 400
+
+
+def test_sampled_speculative_decoding_matches_the_target_distribution(models):
+    counts, accepted = _sample_counts(models, NUM_SAMPLES)
+    # Both verification outcomes must be common, or the test would only see one code path.
+    assert 0.2 * NUM_SAMPLES < accepted < 1.6 * NUM_SAMPLES
+    assert min(_pvalues(counts, models[3])) > ALPHA
+
+
+def test_a_verifier_that_resamples_from_the_target_fails_the_same_test(models, monkeypatch):
+    """The subtle bug: after a rejection, drawing from p_t instead of norm(max(0, p_t - p_d))."""
+    monkeypatch.setattr(verify, "residual_distribution", lambda p_target, p_draft: p_target)
+    counts, _ = _sample_counts(models, NUM_SAMPLES)
+    assert min(_pvalues(counts, models[3])) < ALPHA

@@ -22,6 +22,15 @@ from tests.test_models_golden import check_golden, run_golden
 CAP = 5.0  # small softcap so that it visibly bends the tiny model's logits
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (10x+ on a loaded 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_gemma4_text(**overrides) -> dict:
     """A dense Gemma4 text config with distinct sliding / full-attention head shapes."""
     kw = dict(
@@ -350,3 +359,124 @@ def test_gemma4_attention_implementations_agree(impl):
     torch.testing.assert_close(
         dense.draft_logits[keep], other.draft_logits[keep], atol=1e-4, rtol=1e-4
     )
+
+
+# ---- decoding against a real Gemma4 target ------------------------------------------------
+@torch.no_grad()
+def greedy_without_cache(target, input_ids: torch.Tensor, max_new_tokens: int, stops: set[int]):
+    """Plain greedy decoding with a full forward per token: no KV cache to get wrong."""
+    ids = input_ids
+    for _ in range(max_new_tokens):
+        nxt = target(input_ids=ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+        if int(nxt) in stops:
+            break
+    return ids
+
+
+def test_lossless_greedy_decoding_on_a_sliding_window_gemma4_target():
+    """Speculative greedy == plain greedy on a Gemma4 target whose sliding-window layers are
+    shorter than the text, with drafts fully accepted, partly accepted and rejected."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    from dspark_ds.eval.decoding import speculative_generate
+
+    torch.manual_seed(0)
+    target_cfg = tiny_gemma4_target_config(final_logit_softcapping=30.0, sliding_window=6)
+    target = Gemma4ForConditionalGeneration(target_cfg).eval()
+    with torch.no_grad():
+        # Weak layer outputs: the residual stream keeps the token, so greedy decoding runs in
+        # long repeats that a drafter can predict (a random target is otherwise unpredictable).
+        for layer in target.model.language_model.layers:
+            layer.post_attention_layernorm.weight.fill_(0.1)
+            layer.post_feedforward_layernorm.weight.fill_(0.1)
+    cfg = build_draft_config(
+        target_cfg,
+        target_layer_ids=[0, 1, 2],
+        mask_token_id=MASK_ID,
+        num_draft_layers=2,
+        block_size=4,
+        markov_rank=VOCAB,
+    )
+    drafter = build_draft_model(cfg).eval()
+    drafter.initialize_embeddings_and_head(
+        target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    with torch.no_grad():
+        # A bigram "repeat the previous token" Markov head: every slot proposes the anchor.
+        drafter.markov_head.markov_w1.weight.copy_(50.0 * torch.eye(VOCAB))
+        drafter.markov_head.markov_w2.weight.copy_(torch.eye(VOCAB))
+    accepted: list[int] = []
+    for seed in range(3):
+        ids = torch.randint(0, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(seed))
+        want = greedy_without_cache(target, ids, 30, set())
+        got, stats = speculative_generate(target, drafter, ids, max_new_tokens=30)
+        assert got.tolist() == want.tolist(), f"seed {seed}: speculative != greedy"
+        accepted += stats.accepted_per_round
+    assert max(accepted) == 4 and min(accepted) == 0 and any(0 < a < 4 for a in accepted)
+
+
+def test_training_taps_equal_decoding_taps_on_a_gemma4_wrapper():
+    """Cache / online features (FrozenTarget hooks on the text model inside the multimodal
+    wrapper) == the features decoding taps from HF hidden_states (train/serve parity)."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    from dspark_ds.eval.target_step import tap_layers
+    from dspark_ds.target import FrozenTarget
+
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(tiny_gemma4_target_config(sliding_window=6)).eval()
+    layer_ids = [-1, 0, 2]
+    target = FrozenTarget(model, layer_ids)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    feats, last = target(ids)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(feats, tap_layers(out.hidden_states, layer_ids))
+    assert torch.equal(last, out.hidden_states[-1])
+    # -1 is Gemma4's *scaled* embedding output, as HF's hidden_states[0]
+    scale = math.sqrt(model.config.text_config.hidden_size)
+    torch.testing.assert_close(feats[..., :32], model.get_input_embeddings().weight[ids] * scale)
+    # the drafter's aligned target logits (softcapped lm_head) == the target's own logits
+    cfg = build_draft_config(model.config, target_layer_ids=[0, 2], mask_token_id=MASK_ID)
+    drafter = build_draft_model(cfg)
+    drafter.initialize_embeddings_and_head(
+        model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.compute_logits(last), out.logits, atol=1e-5, rtol=0)
+
+
+# ---- recipes -------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", ["dspark", "dflash"])
+def test_gemma4_12b_recipes_build_a_drafter_config(algo):
+    """The recipes parse, carry the paper's Gemma4 defaults, and fit a 48-layer Gemma4 target."""
+    from pathlib import Path
+
+    from dspark_ds.cli import parse_config
+
+    recipe = Path(__file__).resolve().parents[1] / "dspark_ds" / "recipes"
+    cfg = parse_config("train", ["--config", str(recipe / f"{algo}_gemma4_12b.yaml")])
+    assert cfg.target.layer_ids == [5, 17, 29, 41, 46] and cfg.model.mask_token_id == 4
+    assert "gemma-4" in cfg.target.path
+    # A config-only stand-in with the 12B's depth and Gemma4's real vocabulary (no weights).
+    target = Gemma4Config(
+        text_config=dict(num_hidden_layers=48, hidden_size_per_layer_input=0, vocab_size=262_144)
+    )
+    m = cfg.model
+    draft = build_draft_config(
+        target,
+        target_layer_ids=cfg.target.layer_ids,
+        mask_token_id=m.mask_token_id,
+        num_draft_layers=m.num_draft_layers,
+        block_size=m.block_size,
+        num_anchors=m.num_anchors,
+        markov_rank=m.markov_rank,
+        markov_head_type=m.markov_head_type,
+        confidence_head_alpha=m.confidence_head_alpha,
+        confidence_head_with_markov=m.confidence_head_with_markov,
+    )
+    assert draft.architectures == ["Gemma4DSparkModel"] and draft.num_target_layers == 48
+    assert draft.num_hidden_layers == 5 and draft.block_size == 7
+    assert draft.markov_rank == (256 if algo == "dspark" else 0)
+    assert draft.enable_confidence_head == (algo == "dspark")

@@ -63,3 +63,24 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
                 "val/tau_greedy"):
         assert key in metrics, (key, sorted(metrics))
     assert 1.0 <= metrics["train/tau_probabilistic"] <= 5.0
+
+
+def test_eagle3_variant_of_a_dspark_run_changes_only_the_model_section():
+    from dataclasses import asdict
+
+    from dspark_ds.cli import parse_config
+    from dspark_ds.eagle3_recipe import eagle3_run_config
+
+    base = parse_config("train", ["--config", "dspark_ds/recipes/dspark_qwen3_4b.yaml"])
+    e3 = eagle3_run_config(base)
+    assert e3.name == "dspark_block7_qwen3_4b_eagle3"
+    assert (e3.model.kind, e3.model.num_draft_layers, e3.model.ttt_length) == ("eagle3", 1, 7)
+    assert e3.model.step_loss_decay == 0.8 and base.model.kind == "dspark"
+    a, b = asdict(base), asdict(e3)
+    for section in a:
+        if section not in ("model", "name"):
+            assert a[section] == b[section], section
+    # The paper's recipe file says the same as the derived variant.
+    recipe = parse_config("train", ["--config", "dspark_ds/recipes/eagle3_qwen3_4b.yaml"])
+    assert asdict(recipe.model) == asdict(e3.model)
+    assert asdict(recipe.train) == asdict(base.train) and recipe.target == base.target

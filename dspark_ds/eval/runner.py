@@ -234,7 +234,7 @@ def log_to_tracking(cfg: EvalConfig, drafter, metrics: dict[str, float], run_dir
         tracker.set_tags({
             **t.tags, "kind": "eval", "git_sha": git_sha(), "drafter": cfg.drafter,
             "target": cfg.target, "drafter_architecture": drafter.config.architectures[0],
-            "markov_rank": drafter.config.markov_rank,
+            "markov_rank": getattr(drafter.config, "markov_rank", None),  # None: Eagle3
         })  # fmt: skip
         tracker.log_metrics(metrics, step=0)
         tracker.log_artifacts(str(run_dir))

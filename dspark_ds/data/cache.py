@@ -41,7 +41,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CacheError(RuntimeError):
+class CacheError(ValueError):
     """A cache that cannot be used as is (missing, corrupt or built for something else)."""
 
 

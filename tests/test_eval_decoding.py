@@ -11,7 +11,15 @@ from dspark_ds.eval import speculative_generate, target_generate
 from dspark_ds.eval.target_step import TargetDecoder, tap_layers
 from dspark_ds.models import load_draft_model
 
-torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: intra-op threads only add contention on a shared 2-core runner.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

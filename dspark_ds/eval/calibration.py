@@ -115,6 +115,7 @@ def cumulative_confidence(logits_RG: torch.Tensor, temps_G: torch.Tensor | None 
 
 def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, num_bins: int) -> list[dict]:
     """Equal-width bins of the prediction: mean prediction, observed frequency, count."""
+    probs, labels = probs.double(), labels.double()
     index = (probs * num_bins).long().clamp(0, num_bins - 1)
     out = []
     for b in range(num_bins):
@@ -133,6 +134,7 @@ def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, num_bi
     (= Σ_bins |Σ predictions - Σ labels| / n)."""
     if probs.numel() == 0:
         return math.nan
+    probs = probs.double()  # NOTE: fp32 products put values like 0.3 in the bin below
     index = (probs * num_bins).long().clamp(0, num_bins - 1)
     pred = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, probs.double())
     obs = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, index, labels.double())

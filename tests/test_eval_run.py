@@ -1,0 +1,223 @@
+"""`dspark-ds eval`: benchmark loading, the end-to-end report (table, JSON, CSV, plots, MLflow),
+and two ranks splitting the prompts."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+from eval_helpers import random_drafter
+from tiny_models import build_tiny_target
+
+from dspark_ds.config import TrackingConfig
+from dspark_ds.eval import EvalConfig, run_eval, speculative_generate
+from dspark_ds.eval.benchmarks import (
+    DEFAULT_BENCHMARKS,
+    benchmark_path,
+    encode_prompt,
+    load_benchmark,
+    select_prompts,
+    shard,
+)
+from dspark_ds.eval.runner import stop_token_ids
+from dspark_ds.models import save_draft_model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- benchmarks -----------------------------------------------------------------------------
+
+
+def test_packaged_benchmarks_load():
+    sizes = {name: len(load_benchmark(benchmark_path(name, None))) for name in DEFAULT_BENCHMARKS}
+    assert sizes == {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 257,
+                     "mt-bench": 80, "aime25": 30}  # fmt: skip
+
+
+def test_shared_copy_matches_the_packaged_one(golden_dir):
+    shared = golden_dir.parent / "data" / "eval_datasets"
+    if not shared.is_dir():
+        pytest.skip("no ../shared/data/eval_datasets")
+    for name in DEFAULT_BENCHMARKS:
+        assert load_benchmark(benchmark_path(name, shared)) == load_benchmark(benchmark_path(name, None))
+
+
+def test_bad_rows_name_file_and_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"turns": ["ok"]}\n\n{"turns": []}\n')
+    with pytest.raises(ValueError, match=r"x\.jsonl:3: `turns`"):
+        load_benchmark(path)
+    path.write_text('{"turns": ["ok"]}\n{not json\n')
+    with pytest.raises(ValueError, match=r"x\.jsonl:2: not valid JSON"):
+        load_benchmark(path)
+    with pytest.raises(FileNotFoundError, match="benchmark 'nope'"):
+        benchmark_path("nope", tmp_path)
+
+
+def test_prompt_selection_and_sharding():
+    rows = [[f"q{i}"] for i in range(20)]
+    picked = select_prompts(rows, 7, seed=3)
+    assert len(picked) == 7 and picked == select_prompts(rows, 7, seed=3)
+    assert picked != select_prompts(rows, 7, seed=4)
+    assert select_prompts(rows, None, seed=0) == rows
+    parts = [shard(picked, r, 3) for r in range(3)]
+    assert sorted(i for part in parts for i, _ in part) == list(range(7))
+    assert all(picked[i] == item for part in parts for i, item in part)
+
+
+def test_prompts_are_chat_templated(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = build_tiny_target(tmp_path / "t")
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = encode_prompt(tok, ["What is 2 + 3?", "and then?"], {"enable_thinking": False})
+    text = tok.decode(ids[0])
+    assert text == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert ids.shape[0] == 1 and ids.dtype == torch.long
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("eval_run")
+    target_dir = build_tiny_target(root / "target", num_layers=4)
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    drafter = random_drafter(target, layer_ids=(0, 2), block_size=4, markov_std=0.3)
+    save_draft_model(drafter, root / "draft")
+    data = root / "data"
+    data.mkdir()
+    for name, words in (("chat", "hello"), ("math", "2 + 3")):
+        (data / f"{name}.jsonl").write_text(
+            "".join(json.dumps({"turns": [f"Say {words} {i}"]}) + "\n" for i in range(6))
+        )
+    return root, target_dir, target
+
+
+def _cfg(root, target_dir, **kw) -> EvalConfig:
+    base = dict(target=str(target_dir), drafter=str(root / "draft"), benchmarks=["chat", "math"],
+                data_dir=str(root / "data"), max_samples=5, max_new_tokens=16, temperature=0.0,
+                output_dir=str(root / "runs"))  # fmt: skip
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
+    from transformers import AutoTokenizer
+
+    from dspark_ds.tracking import list_artifacts, read_run
+
+    root, target_dir, target = setup
+    cfg = _cfg(root, target_dir, name="greedy", measure_baseline=True)
+    payload = run_eval(cfg)
+    out_dir = root / "runs" / "greedy"
+    for name in ("results.json", "results.csv", "results.txt", "acceptance_by_position.png",
+                 "tau_by_benchmark.png", "reliability_diagram.png", "threshold_sweep.png",
+                 "confidence_temperatures.json"):  # fmt: skip
+        assert (out_dir / name).stat().st_size > 0, name
+    assert "average" in capsys.readouterr().out
+
+    # Recompute τ of one benchmark independently, with the public decoding API.
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    drafter = __import__("dspark_ds.models", fromlist=["x"]).load_draft_model(root / "draft")
+    rows = select_prompts(load_benchmark(root / "data" / "chat.jsonl"), 5, 0)
+    committed = rounds = 0
+    for turns in rows:
+        ids = encode_prompt(tok, turns, {"enable_thinking": False})
+        _, st = speculative_generate(target, drafter, ids, max_new_tokens=16,
+                                     stop_token_ids=stop_token_ids(target, tok))  # fmt: skip
+        committed += sum(st.committed_per_round)
+        rounds += st.rounds
+    chat = payload["benchmarks"][0]
+    assert chat["benchmark"] == "chat" and chat["num_prompts"] == 5
+    assert chat["tau"] == pytest.approx(committed / rounds)
+    assert chat["rounds"] == rounds
+    assert chat["baseline_tokens_per_s"] > 0 and chat["speedup"] > 0
+    accept = chat["accept_rate_by_position"]
+    assert len(accept) == 4 and all(a is None or 0 <= a <= 1 for a in accept)
+    assert payload["average"]["tau"] == pytest.approx((chat["tau"] + payload["benchmarks"][1]["tau"]) / 2)
+
+    calib = payload["calibration"]
+    assert calib["split"]["fit_prompts"] == 6 and calib["split"]["held_out_prompts"] == 4
+    for variant in ("raw", "sts"):
+        assert 0 <= calib[variant]["pooled"]["ece"] <= 1
+        assert len(calib[variant]["per_position"]) == 4
+    assert calib["threshold_sweep"][0]["verify_tokens_saved"] == 0
+
+    with open(out_dir / "results.csv") as handle:
+        table = list(csv.DictReader(handle))
+    assert [r["benchmark"] for r in table] == ["chat", "math"]
+    assert float(table[0]["tau"]) == pytest.approx(chat["tau"])
+    assert json.loads((out_dir / "results.json").read_text())["average"]["tau"] == pytest.approx(
+        payload["average"]["tau"]
+    )
+
+    uri = f"sqlite:///{(root / 'runs').resolve() / 'mlflow.db'}"
+    run = read_run(uri, payload["mlflow_run_id"])
+    assert run.data.metrics["average/tau"] == pytest.approx(payload["average"]["tau"])
+    assert run.data.metrics["chat/accept_rate_at_0"] == pytest.approx(accept[0])
+    assert "confidence_raw/ece" in run.data.metrics and "confidence_sts/ece" in run.data.metrics
+    assert run.data.params["max_new_tokens"] == "16" and run.data.tags["kind"] == "eval"
+    artifacts = set(list_artifacts(uri, payload["mlflow_run_id"]))
+    assert {"results.json", "acceptance_by_position.png", "tau_by_benchmark.png",
+            "reliability_diagram.png"} <= artifacts  # fmt: skip
+
+
+def test_sts_written_to_the_drafter_and_threshold_run(setup, tmp_path):
+    import shutil
+
+    root, target_dir, _ = setup
+    drafter_copy = tmp_path / "draft"
+    shutil.copytree(root / "draft", drafter_copy)
+    cfg = _cfg(root, target_dir, name="sts", drafter=str(drafter_copy), temperature=1.0,
+               benchmarks=["chat"], tracking=TrackingConfig(enabled=False))  # fmt: skip
+    cfg.calibration.write_to_drafter = True
+    payload = run_eval(cfg)
+    written = json.loads((drafter_copy / "config.json").read_text())["confidence_temperatures"]
+    assert written == payload["calibration"]["sts"]["temperatures"]
+    # A thresholded run uses them, and skips calibration (its proposals are cut).
+    cut = run_eval(_cfg(root, target_dir, name="cut", drafter=str(drafter_copy), temperature=1.0,
+                        benchmarks=["chat"], confidence_threshold=0.9, tracking=TrackingConfig(enabled=False)))
+    assert "skipped" in cut["calibration"]
+    assert cut["benchmarks"][0]["mean_proposal_length"] < payload["benchmarks"][0]["mean_proposal_length"]
+
+
+def test_bad_options_name_the_field(setup):
+    root, target_dir, _ = setup
+    for kw, field in ((dict(temperature=-1.0), "eval.temperature"),
+                      (dict(benchmarks=[]), "eval.benchmarks"),
+                      (dict(dtype="int8"), "eval.dtype"),
+                      (dict(drafter=""), "eval.drafter")):  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            run_eval(_cfg(root, target_dir, **kw))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_ranks_split_the_prompts_through_the_cli(setup):
+    from dist_utils import check, torchrun
+
+    root, target_dir, _ = setup
+    single = run_eval(_cfg(root, target_dir, name="one", tracking=TrackingConfig(enabled=False)))
+    check(torchrun(["-m", "dspark_ds.cli", "eval", f"--target={target_dir}",
+                    f"--drafter={root / 'draft'}", "--benchmarks=[chat, math]",
+                    f"--data_dir={root / 'data'}", "--max_samples=5", "--max_new_tokens=16",
+                    "--temperature=0.0", f"--output_dir={root / 'runs'}", "--name=two",
+                    "--tracking.enabled=false"]))  # fmt: skip
+    two = json.loads((root / "runs" / "two" / "results.json").read_text())
+    for a, b in zip(single["benchmarks"], two["benchmarks"]):
+        assert (a["benchmark"], a["num_prompts"], a["rounds"], a["new_tokens"]) == (
+            b["benchmark"], b["num_prompts"], b["rounds"], b["new_tokens"])
+        assert a["tau"] == pytest.approx(b["tau"])
+        assert a["accept_rate_by_position"] == pytest.approx(b["accept_rate_by_position"])

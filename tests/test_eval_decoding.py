@@ -12,7 +12,6 @@ from dspark_ds.eval.target_step import TargetDecoder, tap_layers
 from dspark_ds.models import load_draft_model
 
 
-
 @pytest.fixture(autouse=True)
 def _one_thread():
     # Tiny models: intra-op threads only add contention on a shared 2-core runner.

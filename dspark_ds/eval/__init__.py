@@ -5,11 +5,12 @@
   calibration (ECE / AUROC / Brier, STS), tables, JSON / CSV, plots, MLflow.
 """
 
-from dspark_ds.eval.config import CalibrationConfig, EvalConfig
+from dspark_ds.eval.config import BenchConfig, CalibrationConfig, EvalConfig
 from dspark_ds.eval.decoding import DecodeStats, speculative_generate, target_generate
 from dspark_ds.eval.runner import run_eval
 
 __all__ = [
+    "BenchConfig",
     "CalibrationConfig",
     "DecodeStats",
     "EvalConfig",

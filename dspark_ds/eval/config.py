@@ -113,3 +113,60 @@ class EvalConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"eval.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         self.calibration.validate("eval.calibration")
+
+
+@dataclass
+class BenchConfig:
+    """Wall-clock throughput of speculative decoding vs the target alone, on the same prompts."""
+
+    target: str = ""
+    """Target model: local directory or Hugging Face hub id."""
+    drafter: str = ""
+    """Drafter interchange directory."""
+    tokenizer: str | None = None
+    """Tokenizer for the chat template; None = the target's."""
+    benchmark: str = "mt-bench"
+    """Benchmark whose prompts are decoded (`<data_dir>/<name>.jsonl`)."""
+    data_dir: str | None = None
+    """Folder of the benchmark jsonl files; None = the packaged copies."""
+    num_prompts: int = 8
+    """Timed prompts (a seeded random subset)."""
+    warmup_prompts: int = 1
+    """Untimed prompts decoded first in both modes (CUDA kernels, allocator, caches)."""
+    max_new_tokens: int = 256
+    """Generation budget per prompt."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 = greedy (then both modes produce the same tokens)."""
+    confidence_threshold: float = 0.0
+    """Confidence truncation threshold of the drafter; 0 = off."""
+    chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
+    """Extra arguments of tokenizer.apply_chat_template."""
+    seed: int = 0
+    """Seeds the prompt subset and the sampling generators."""
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16."""
+    device: str | None = None
+    """Device; None = cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    attn_implementation: str | None = "sdpa"
+    """Attention kernel of the target."""
+    output_json: str | None = None
+    """Also write the numbers to this JSON file."""
+
+    def validate(self) -> None:
+        if not self.target or not self.drafter:
+            raise ValueError("bench.target and bench.drafter are required")
+        if self.num_prompts < 1 or self.warmup_prompts < 0:
+            raise ValueError(
+                f"bench.num_prompts must be >= 1 and bench.warmup_prompts >= 0, got "
+                f"{self.num_prompts} / {self.warmup_prompts}"
+            )
+        if self.max_new_tokens < 1:
+            raise ValueError(f"bench.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"bench.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise ValueError(
+                f"bench.confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"bench.dtype must be one of {_DTYPES}, got {self.dtype!r}")

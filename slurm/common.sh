@@ -1,0 +1,136 @@
+# shellcheck shell=bash
+# What every slurm/*.sbatch script shares: environment, head node, launch, pre-emption, requeue.
+# Sourced by the scripts, never run by itself. No training logic here: a script is #SBATCH
+# headers + `dspark_launch <subcommand> [args]` + `dspark_finish`.
+#
+# Tunables (environment; `VAR=value sbatch ...` or `sbatch --export=ALL,VAR=value ...`):
+#   DSPARK_LAUNCHER      srun (default): one task per GPU, rank / local rank / world size from
+#                        SLURM_* | torchrun: one `torchrun` per node (c10d rendezvous on the head
+#                        node); submit with --ntasks-per-node=1 then
+#   DSPARK_NPROC_PER_NODE  torchrun workers per node (default: GPUs on the node, else tasks/node)
+#   DSPARK_WORKDIR       directory the job runs in (default: where sbatch was called)
+#   PYTHON               interpreter with dspark-ds installed (default: python3)
+#   MASTER_ADDR          rendezvous host (default: first of `scontrol show hostnames`)
+#   MASTER_PORT          rendezvous port (default: 20000 + job id % 20000)
+#   DSPARK_SRUN_ARGS     extra srun options (e.g. "--cpu-bind=cores")
+#   DSPARK_TORCHRUN_ARGS extra torchrun options
+#   DSPARK_MAX_REQUEUES  give up requeueing after this many restarts (default 20)
+#   DSPARK_FORWARD_SIGNAL  signal passed on to the job step on Slurm's USR1 warning (default:
+#                        USR1 under srun, TERM under torchrun, which only forwards TERM)
+#
+# Pre-emption: `#SBATCH --signal=B:USR1@<s>` sends USR1 to this batch shell <s> seconds before
+# the time limit (`scancel --signal=USR1 --batch <job>` does the same by hand). The shell passes
+# it to the job step; the trainer checkpoints at the end of its step and exits 75
+# (DSPARK_REQUEUE_EXIT_CODE); `dspark_finish` then runs `scontrol requeue`, and the requeued job
+# (same job id, SLURM_RESTART_COUNT + 1) resumes from `latest` into the same MLflow run.
+# `scontrol requeue <job>` from outside works too: Slurm sends TERM, the trainer checkpoints the
+# same way, and Slurm itself puts the job back in the queue.
+
+: "${DSPARK_LAUNCHER:=srun}"
+: "${PYTHON:=python3}"
+: "${DSPARK_WORKDIR:=${SLURM_SUBMIT_DIR:-$PWD}}"
+: "${DSPARK_MAX_REQUEUES:=20}"
+: "${DSPARK_REQUEUE_EXIT_CODE:=75}"
+: "${DSPARK_SRUN_ARGS:=}"
+: "${DSPARK_TORCHRUN_ARGS:=}"
+
+_dspark_child=""
+_dspark_preempted=0
+_dspark_stopped=0
+
+_dspark_log() { echo "[slurm $(date +%T)] $*" >&2; }
+
+_dspark_on_usr1() {
+  _dspark_preempted=1
+  _dspark_log "USR1: pre-emption / time-limit warning; the job step checkpoints and stops"
+  if [[ -n $_dspark_child ]]; then kill -s "$DSPARK_FORWARD_SIGNAL" "$_dspark_child" 2>/dev/null || true; fi
+}
+
+_dspark_on_term() {
+  _dspark_stopped=1
+  _dspark_log "TERM: Slurm is stopping the job (scancel / scontrol requeue / time limit)"
+  if [[ -n $_dspark_child ]]; then kill -TERM "$_dspark_child" 2>/dev/null || true; fi
+}
+
+# NOTE: trap first: a USR1 that reaches a shell without a handler kills it outright.
+trap _dspark_on_usr1 USR1
+trap _dspark_on_term TERM
+
+if [[ -z ${SLURM_JOB_ID:-} ]]; then
+  echo "this is an sbatch script: submit it with 'sbatch $0 ...'" >&2
+  exit 2
+fi
+
+case $DSPARK_LAUNCHER in
+  srun) : "${DSPARK_FORWARD_SIGNAL:=USR1}" ;;
+  torchrun) : "${DSPARK_FORWARD_SIGNAL:=TERM}" ;;
+  *) echo "DSPARK_LAUNCHER must be srun or torchrun, got '$DSPARK_LAUNCHER'" >&2; exit 2 ;;
+esac
+
+: "${MASTER_ADDR:=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"
+: "${MASTER_PORT:=$((20000 + ${SLURM_JOB_ID%%_*} % 20000))}"
+export MASTER_ADDR MASTER_PORT
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+_dspark_nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+_dspark_tasks_per_node=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / _dspark_nodes ))}
+: "${DSPARK_NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-$_dspark_tasks_per_node}}"
+
+cd "$DSPARK_WORKDIR"
+
+# dspark_launch <subcommand> [args...]: run `dspark-ds <subcommand> [args...]` on every rank of
+# the allocation and wait for it (signals keep arriving while it runs). Sets DSPARK_RC.
+dspark_launch() {
+  local cmd
+  if [[ $DSPARK_LAUNCHER == srun ]]; then
+    # shellcheck disable=SC2086  # DSPARK_SRUN_ARGS is a list of options
+    cmd=(srun --kill-on-bad-exit=1 $DSPARK_SRUN_ARGS
+         "$PYTHON" -m dspark_ds.launch "$@")
+  else
+    # shellcheck disable=SC2086
+    cmd=(srun --nodes="$_dspark_nodes" --ntasks="$_dspark_nodes" --ntasks-per-node=1
+         --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=1 $DSPARK_SRUN_ARGS
+         "$PYTHON" -m torch.distributed.run --nnodes="$_dspark_nodes"
+         --nproc_per_node="$DSPARK_NPROC_PER_NODE" --rdzv_backend=c10d
+         --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID"
+         $DSPARK_TORCHRUN_ARGS -m dspark_ds.launch "$@")
+  fi
+  _dspark_log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $_dspark_nodes node(s)" \
+    "[$SLURM_JOB_NODELIST], launcher $DSPARK_LAUNCHER, head $MASTER_ADDR:$MASTER_PORT"
+  _dspark_log "${cmd[*]}"
+  if (( _dspark_preempted )); then
+    _dspark_log "pre-empted before the launch; not starting"
+    DSPARK_RC=$DSPARK_REQUEUE_EXIT_CODE
+    return 0
+  fi
+  "${cmd[@]}" &
+  _dspark_child=$!
+  # NOTE: `wait` returns early (status > 128) whenever a trapped signal arrives; keep waiting
+  # until the step is really gone, then collect its own exit status.
+  while kill -0 "$_dspark_child" 2>/dev/null; do
+    wait "$_dspark_child" 2>/dev/null || true
+  done
+  DSPARK_RC=0
+  wait "$_dspark_child" 2>/dev/null || DSPARK_RC=$?
+  _dspark_child=""
+  _dspark_log "job step exited with $DSPARK_RC"
+}
+
+# dspark_finish: requeue after a pre-emption checkpoint, otherwise exit with the step's status.
+dspark_finish() {
+  local rc=${DSPARK_RC:-1}
+  if (( _dspark_stopped )); then
+    _dspark_log "stopped by Slurm; exit $rc (Slurm requeues the job itself after scontrol requeue)"
+    exit "$rc"
+  fi
+  if (( rc == DSPARK_REQUEUE_EXIT_CODE )) || { (( _dspark_preempted )) && (( rc != 0 )); }; then
+    local restarts=${SLURM_RESTART_COUNT:-0}
+    if (( restarts >= DSPARK_MAX_REQUEUES )); then
+      _dspark_log "not requeueing: already restarted $restarts times (DSPARK_MAX_REQUEUES)"
+      exit "$rc"
+    fi
+    _dspark_log "requeueing job $SLURM_JOB_ID (restart $((restarts + 1)))"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+  fi
+  exit "$rc"
+}

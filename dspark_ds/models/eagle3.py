@@ -37,7 +37,12 @@ from .base import apply_rope
 from .common import DraftKVCache, validate_target_layer_ids
 from .markov import sample_from_logits
 
-EAGLE3_ARCHITECTURES = {"qwen3": "Qwen3Eagle3Model"}
+# target text model_type -> Eagle3 architecture (Gemma4: models/eagle3_gemma4.py)
+EAGLE3_ARCHITECTURES = {
+    "qwen3": "Qwen3Eagle3Model",
+    "gemma4": "Gemma4Eagle3Model",
+    "gemma4_text": "Gemma4Eagle3Model",
+}
 EAGLE3_FIELDS = ("target_layer_ids", "num_target_layers", "ttt_length", "step_loss_decay")
 TTT_ATTN_IMPLEMENTATIONS = ("dense", "flex")
 
@@ -110,6 +115,12 @@ def build_eagle3_config(
     cfg.step_loss_decay = float(step_loss_decay)
     if target_model_name_or_path is not None:
         cfg.target_model_name_or_path = str(target_model_name_or_path)
+    if cfg.architectures[0] == "Gemma4Eagle3Model":
+        from .eagle3_gemma4 import Gemma4Eagle3Model
+
+        cfg.target_model_type = getattr(target_config, "model_type", model_type)
+        cfg.target_text_model_type = model_type
+        cfg = Gemma4Eagle3Model.finalize_draft_config(cfg, text)
     return cfg
 
 
@@ -270,7 +281,7 @@ class Eagle3DraftModel(nn.Module):
         # "auto": flex_attention on CUDA tensors, the exact dense kernel elsewhere.
         self.attn_implementation = "auto"
 
-        self.embed_tokens = nn.Embedding(int(config.vocab_size), hidden)
+        self.embed_tokens = self.make_embedding()
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = self.make_norm(hidden)
@@ -279,6 +290,9 @@ class Eagle3DraftModel(nn.Module):
         self.reset_parameters()
 
     # ---- what a backend provides -------------------------------------------------------------
+    def make_embedding(self) -> nn.Module:
+        return nn.Embedding(int(self.config.vocab_size), int(self.config.hidden_size))
+
     def make_layer(self, layer_idx: int) -> nn.Module:
         raise NotImplementedError
 

@@ -36,6 +36,11 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
         "Qwen3Eagle3Model",
         "transformers.models.qwen3.configuration_qwen3:Qwen3Config",
     ),
+    "Gemma4Eagle3Model": (
+        "dspark_ds.models.eagle3_gemma4",
+        "Gemma4Eagle3Model",
+        "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
+    ),
 }
 # config.json fields each non-DSpark architecture needs (DSpark ones are checked below).
 EAGLE3_REQUIRED_FIELDS = (

@@ -196,17 +196,19 @@ REFUSED = [
         "enable_moe_block",
     ),
     (dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input"),
+    (dict(num_kv_shared_layers=2, use_double_wide_mlp=True), "use_double_wide_mlp"),
 ]
+IDS = ["moe", "per-layer-input", "double-wide-mlp"]
 
 
-@pytest.mark.parametrize("overrides,field", REFUSED, ids=["moe", "per-layer-input"])
+@pytest.mark.parametrize("overrides,field", REFUSED, ids=IDS)
 def test_unsupported_targets_are_refused(overrides, field):
     target = tiny_gemma4_target_config(**overrides)
     with pytest.raises(ValueError, match=field):
         build_draft_config(target, target_layer_ids=[0, 1], mask_token_id=MASK_ID)
 
 
-@pytest.mark.parametrize("overrides,field", REFUSED, ids=["moe", "per-layer-input"])
+@pytest.mark.parametrize("overrides,field", REFUSED, ids=IDS)
 def test_unsupported_drafter_directories_are_refused(tmp_path, golden_dir, overrides, field):
     src = golden_dir / "gemma4_vanilla" / "draft"
     data = json.loads((src / "config.json").read_text())
@@ -215,6 +217,21 @@ def test_unsupported_drafter_directories_are_refused(tmp_path, golden_dir, overr
     shutil.copy(src / "model.safetensors", tmp_path)
     with pytest.raises(ValueError, match=field):
         load_draft_model(tmp_path)
+
+
+def test_target_kv_sharing_does_not_reach_the_drafter(tmp_path, golden_dir):
+    """K/V-sharing targets (without double-wide MLPs) are fine: draft layers never share."""
+    target = tiny_gemma4_target_config(num_kv_shared_layers=2)
+    cfg = build_draft_config(target, target_layer_ids=[0, 1], mask_token_id=MASK_ID)
+    assert cfg.num_kv_shared_layers == 0
+    # a directory whose config still carries the target's value loads with plain MLPs
+    src = golden_dir / "gemma4_vanilla" / "draft"
+    data = json.loads((src / "config.json").read_text())
+    data["num_kv_shared_layers"] = 8
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    shutil.copy(src / "model.safetensors", tmp_path)
+    model = load_draft_model(tmp_path)
+    assert model.layers[1].mlp.up_proj.out_features == data["intermediate_size"]
 
 
 # ---- the math, against a naive one-block reference ------------------------------------------

@@ -14,6 +14,8 @@ in the 5.10 layout (what the reference implementation reads), which newer releas
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
@@ -69,10 +71,12 @@ def check_supported(config) -> None:
             "not supported by the DSpark drafter; expected 0, got "
             f"{_raw_attr(config, 'hidden_size_per_layer_input')}"
         )
-    if int(_raw_attr(config, "num_kv_shared_layers") or 0) != 0:
+    if int(_raw_attr(config, "num_kv_shared_layers") or 0) and _raw_attr(
+        config, "use_double_wide_mlp"
+    ):
         raise ValueError(
-            "num_kv_shared_layers: the drafter's layers never share K/V; expected 0, got "
-            f"{_raw_attr(config, 'num_kv_shared_layers')}"
+            "use_double_wide_mlp: Gemma4 targets whose KV-sharing layers use double-wide MLPs "
+            "are not supported by the DSpark drafter (its layers never share K/V)"
         )
     cap = _raw_attr(config, "final_logit_softcapping")
     if cap is not None and float(cap) <= 0:
@@ -125,7 +129,11 @@ class Gemma4DSparkDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma4DSparkAttention(config)
-        self.mlp = Gemma4TextMLP(config, layer_idx)
+        # NOTE: draft layers never share K/V, so the MLP is never the KV-sharing (double-wide)
+        # kind, whatever num_kv_shared_layers the target's config carried.
+        mlp_config = copy.copy(config)
+        mlp_config.num_kv_shared_layers = 0
+        self.mlp = Gemma4TextMLP(mlp_config, layer_idx)
         self.input_layernorm = Gemma4RMSNorm(hidden, eps=eps)
         self.post_attention_layernorm = Gemma4RMSNorm(hidden, eps=eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(hidden, eps=eps)
@@ -197,6 +205,7 @@ class Gemma4DSparkModel(DSparkDraftModel):
         head_dim, kv_heads = full_attention_dims(target_text_config)
         data = to_interchange_dict(cfg.to_dict(), head_dim, kv_heads)
         data.pop("use_sliding_window", None)  # not a Gemma4 field
+        data["num_kv_shared_layers"] = 0  # the target's K/V sharing has no drafter meaning
         return Gemma4TextConfig.from_dict(data)
 
     @staticmethod

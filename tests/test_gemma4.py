@@ -93,6 +93,33 @@ def test_gemma4_golden_backward_is_finite(golden_dir):
     assert grads["layers.0.self_attn.k_proj.weight"].abs().sum() > 0
 
 
+def test_gemma4_golden_through_the_training_loss_path(golden_dir):
+    """The trainer's chunked loss (softcap inside `compute_logits`, under autograd) reproduces
+    the golden loss and metrics, and its gradients equal the reference path's."""
+    from safetensors.torch import load_file
+
+    from dspark_ds.perf import forward_and_loss
+
+    folder = golden_dir / "gemma4_vanilla"
+    expected = json.loads((folder / "expected.json").read_text())
+    model = load_draft_model(folder / "draft").train()
+    inputs = load_file(str(folder / "inputs.safetensors"))
+    grads = {}
+    for impl in ("reference", "chunked"):
+        model.zero_grad(set_to_none=True)
+        loss, metrics = forward_and_loss(
+            model, inputs, expected["loss_args"], impl=impl, chunk_anchors=2
+        )
+        loss.backward()
+        assert loss.item() == pytest.approx(expected["loss"], rel=1e-5), impl
+        for name, value in expected["metrics"].items():
+            assert metrics[name] == pytest.approx(value, rel=1e-5), (impl, name)
+        grads[impl] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads["chunked"]) == set(grads["reference"])
+    for name, g in grads["reference"].items():
+        torch.testing.assert_close(grads["chunked"][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
 # ---- config layouts ----------------------------------------------------------------------
 def _outputs(model, folder):
     from safetensors.torch import load_file

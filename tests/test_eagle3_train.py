@@ -80,7 +80,19 @@ def test_eagle3_variant_of_a_dspark_run_changes_only_the_model_section():
     for section in a:
         if section not in ("model", "name"):
             assert a[section] == b[section], section
-    # The paper's recipe file says the same as the derived variant.
-    recipe = parse_config("train", ["--config", "dspark_ds/recipes/eagle3_qwen3_4b.yaml"])
-    assert asdict(recipe.model) == asdict(e3.model)
-    assert asdict(recipe.train) == asdict(base.train) and recipe.target == base.target
+
+
+@pytest.mark.parametrize("family", ["qwen3_4b", "qwen3_8b", "qwen3_14b", "gemma4_12b"])
+def test_eagle3_recipes_are_the_dspark_recipes_with_the_eagle3_model(family):
+    """Same data, target taps, schedule and budget as DSpark: only the name and model differ."""
+    from dataclasses import asdict
+
+    from dspark_ds.cli import parse_config
+    from dspark_ds.eagle3_recipe import eagle3_run_config
+
+    base = parse_config("train", ["--config", f"dspark_ds/recipes/dspark_{family}.yaml"])
+    recipe = parse_config("train", ["--config", f"dspark_ds/recipes/eagle3_{family}.yaml"])
+    derived, written = asdict(eagle3_run_config(base)), asdict(recipe)
+    assert [k for k in written if written[k] != derived[k]] == ["name"]
+    assert recipe.model.ttt_length == 7 and recipe.model.num_draft_layers == 1
+    assert recipe.train.lr == 6e-4 and recipe.model.step_loss_decay == 0.8

@@ -53,6 +53,10 @@ def _maybe_init_distributed(device: torch.device) -> bool:
     """Join the process group a launcher (torchrun, srun wrapper) set up the env for."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return False
+    if device.type == "cuda":
+        # NOTE: NCCL object collectives (gather_object) run on the *current* CUDA device;
+        # without this every rank would use cuda:0.
+        torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return True
 

@@ -115,6 +115,8 @@ def test_temperatures_in_config_json_are_applied_by_the_decoding_loop(tmp_path):
     assert json.loads((tmp_path / "d" / "config.json").read_text())["block_size"] == 4  # kept
     loaded = load_draft_model(tmp_path / "d")
     assert list(loaded.config.confidence_temperatures) == temps
+    save_draft_model(loaded, tmp_path / "resaved")  # survives export / re-save
+    assert json.loads((tmp_path / "resaved" / "config.json").read_text())["confidence_temperatures"] == temps
     for thr in (0.3, 0.5, 0.7):
         _, stats = speculative_generate(target, loaded, prompt, max_new_tokens=12, confidence_threshold=thr)
         scaled = torch.sigmoid(first_round_logits / torch.tensor(temps))

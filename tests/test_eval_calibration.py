@@ -74,6 +74,9 @@ def test_sts_recovers_the_miscalibration_and_lowers_held_out_ece():
         assert after["per_position"][k]["ece"] < before["per_position"][k]["ece"]
     # Temperature scaling is monotone per slot, so the first slot's ranking cannot change.
     assert after["per_position"][0]["auroc"] == pytest.approx(before["per_position"][0]["auroc"])
+    # The per-slot (conditional) prediction of the first slot is the cumulative one.
+    assert before["conditional"]["count"] > before["per_position"][0]["count"]
+    assert after["conditional"]["ece"] < before["conditional"]["ece"]
     # A calibrated head is left (almost) alone.
     calibrated = cal.fit_sequential_temperatures(_synthetic_records(6000, 1.0, seed=2), num_bins=15)
     assert calibrated[0] == pytest.approx(1.0, rel=0.15)

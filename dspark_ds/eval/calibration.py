@@ -173,7 +173,8 @@ def _metrics(probs: torch.Tensor, labels: torch.Tensor, num_bins: int) -> dict:
 def confidence_report(
     records: ConfidenceRecords, temps_G: torch.Tensor | None = None, num_bins: int = 20
 ) -> dict:
-    """Per-position and pooled ECE / AUROC / Brier of the cumulative confidence."""
+    """Per-position and pooled ECE / AUROC / Brier of the cumulative confidence, plus the pooled
+    metrics of the per-slot (conditional) confidence on the rounds that reached each slot."""
     probs_RG = cumulative_confidence(records.logits_RG, temps_G)
     labels_RG = records.prefix_accepted_RG()
     valid_RG = records.valid_RG()
@@ -182,8 +183,14 @@ def confidence_report(
         sel = valid_RG[:, k]
         per_position.append({"position": k, **_metrics(probs_RG[sel, k], labels_RG[sel, k], num_bins)})
     pooled_p, pooled_y = probs_RG[valid_RG], labels_RG[valid_RG]
+    # What the head is trained on: σ(c_k) against "slot k accepted" on rounds that reached k.
+    reached_RG = valid_RG & (torch.arange(records.block_size) <= records.accepted_R.unsqueeze(1))
+    step_RG = torch.sigmoid(
+        records.logits_RG if temps_G is None else records.logits_RG / temps_G.to(records.logits_RG)
+    )
     return {
         "pooled": _metrics(pooled_p, pooled_y, num_bins),
+        "conditional": _metrics(step_RG[reached_RG], labels_RG[reached_RG], num_bins),
         "per_position": per_position,
         "reliability": reliability_bins(pooled_p, pooled_y, num_bins),
         "temperatures": temps_G.tolist() if temps_G is not None else None,

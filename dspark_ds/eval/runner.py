@@ -214,6 +214,7 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
         if calib and variant in calib:
             for key in ("ece", "auroc", "brier"):
                 metrics[f"confidence_{variant}/{key}"] = calib[variant]["pooled"][key]
+                metrics[f"confidence_{variant}/conditional_{key}"] = calib[variant]["conditional"][key]
             for entry in calib[variant]["per_position"]:
                 metrics[f"confidence_{variant}/ece@{entry['position']}"] = entry["ece"]
     return {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}

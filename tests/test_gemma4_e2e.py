@@ -144,6 +144,12 @@ def test_tiny_gemma4_target_end_to_end(tmp_path, one_thread):
     assert written["target_layer_ids"] == LAYER_IDS and written["num_target_layers"] == 4
     drafter = load_draft_model(export)
     assert isinstance(drafter, Gemma4DSparkModel)
+    # `dspark-ds export` of the ZeRO-3 checkpoint (tied target: one embedding tensor serves as
+    # embed_tokens and lm_head) gives the same drafter as the end-of-run export
+    assert cli_main(["export", f"--checkpoint={run_dir}", f"--output_dir={tmp_path / 'x'}"]) == 0
+    offline = load_draft_model(tmp_path / "x").state_dict()
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(offline[name], tensor), name
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     # the drafter shares the target's (tied) embedding and lm_head
     embed = target.get_input_embeddings().weight

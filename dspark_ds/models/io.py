@@ -258,6 +258,14 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
     out.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else model.state_dict()
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    # NOTE: tied targets (Gemma4, small Qwen3) can hand one tensor as both embed_tokens and
+    # lm_head; safetensors refuses shared storage, so each name gets its own copy.
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            state[name] = tensor.clone()
+        seen.add(ptr)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     data = draft_config_dict(model.config)
     family_hook = getattr(type(model), "interchange_config_dict", None)  # Gemma4 layout

@@ -95,7 +95,9 @@ class Gemma4DSparkAttention(DraftAttention):
                 f"{self.num_kv_heads} full-attention key/value heads"
             )
         self.k_eq_v = bool(config.attention_k_eq_v)
-        self.scaling = 1.0  # NOTE: Gemma4 folds the 1/sqrt(d) into q_norm / k_norm.
+        # NOTE: no 1/sqrt(d): q_norm / k_norm fix the scale of the scores (learned norm weights
+        # play its role), exactly as in the Gemma4 target.
+        self.scaling = 1.0
         bias = bool(config.attention_bias)
         eps = config.rms_norm_eps
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)

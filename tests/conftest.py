@@ -11,6 +11,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+# NOTE: tiny models gain nothing from intra-op threads, and on 2 cores a 2-rank test with
+# default threading oversubscribes the CPU (10-30x slower). Subprocesses inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
 

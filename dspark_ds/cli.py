@@ -37,8 +37,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
              "the whole pipeline on CPU in minutes, nothing downloaded"),
     "estimate": ("dspark_ds.data.config:EstimateCacheConfig", "dspark_ds.data.cache:estimate_cache",
                  "estimate the size of a target cache before building it (`estimate cache`)"),
-    "bench": ("dspark_ds.eval.config:BenchConfig", "dspark_ds.eval.bench:run_bench",
-              "throughput of speculative decoding vs the target alone"),
+    "bench": ("dspark_ds.perf.bench:TrainBenchConfig", "dspark_ds.perf.bench:run_train_bench",
+              "training-step throughput and memory of the drafter variants"),
 }
 # `dspark-ds estimate cache ...` reads as English; the word is optional.
 SUBCOMMAND_WORDS = {"estimate": "cache"}

@@ -452,6 +452,10 @@ class Trainer:
                     if self.rank == 0:
                         (self.run_dir / "REQUEUE").write_text(f"{self.step}\n")
                     status = "KILLED"
+                    # NOTE: every rank leaves together, after rank 0 closed its MLflow run:
+                    # `srun --kill-on-bad-exit` stops the whole step at the first exit 75.
+                    self.tracker.finish(status)
+                    dist.barrier()
                     raise SystemExit(REQUEUE_EXIT_CODE)
             if cfg.checkpoint.save_final:
                 self.save()

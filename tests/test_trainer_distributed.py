@@ -1,0 +1,231 @@
+"""`dspark-ds train` for real on CPU: DeepSpeed (gloo), 1 and 2 ranks, ZeRO 0 / 2 / 3 / 3+offload.
+
+Launches are grouped to keep the suite short (each process imports deepspeed once):
+  A  1 process : ZeRO-0, 2, 3, 3+CPU offload; the 1-step ZeRO-0 reference; an unreachable MLflow
+  B  torchrun 2: ZeRO-0, 2, 3, 3+CPU offload; the 1-step ZeRO-3 twin of the reference
+  C  1 process : resume B's ZeRO-3 step-4 checkpoint on 1 rank (universal checkpoint)
+  D  1 process : SIGUSR1 mid-run (exit 75), then `--resume auto` (2 launches)
+  E  `dspark-ds export` from B's ZeRO-3 checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import REPO, _env, check, free_port, python, torchrun
+from safetensors.torch import load_file
+from tiny_models import build_tiny_target
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+RECIPE = str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")
+STAGES = {"z0": "zero0", "z2": "zero2", "z3": "zero3", "z3off": "zero3_offload_cpu"}
+STEPS = 8
+
+
+def base_args(target: Path, out: Path, name: str, *extra: str) -> list[str]:
+    return ["--config", RECIPE, "--target.path", str(target), "--output_dir", str(out),
+            "--name", name, "--train.max_steps", str(STEPS), "--train.progress_bar", "false",
+            "--checkpoint.every_steps", "4", "--checkpoint.keep_last", "2", *extra]
+
+
+# the 1-rank vs 2-rank equality: same global batch (4), one step, a clip that never bites; a
+# large AdamW eps makes the update proportional to the gradient (Adam alone would hide a wrong
+# gradient scale)
+EQ = ["--train.max_steps", "1", "--train.max_grad_norm", "1e6", "--train.eps", "1.0",
+      "--train.lr", "0.05", "--checkpoint.save_final", "false"]
+
+
+def train_many(out: Path, runs: list[list[str]], nproc: int):
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / f"spec_{nproc}.json"
+    result = out / f"result_{nproc}.json"
+    spec.write_text(json.dumps({"runs": runs, "result_file": str(result)}))
+    argv = [str(REPO / "tests" / "dist_utils.py"), "train-many", str(spec)]
+    t0 = time.time()
+    proc = torchrun(argv, nproc=nproc) if nproc > 1 else python(argv)
+    check(proc)
+    print(f"[launch nproc={nproc}] {time.time() - t0:.0f}s")
+    data = json.loads(result.read_text())
+    for res in data.values():
+        res["losses"] = {int(k): v for k, v in res["losses"].items()}
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = Path(build_tiny_target(root / "target"))
+    out = root / "runs"
+    one = [base_args(target, out, f"a_{k}", "--deepspeed.config", v) for k, v in STAGES.items()]
+    one.append(base_args(target, out, "eq_ref", "--deepspeed.config", "zero0",
+                         "--data.batch_size", "4", *EQ))
+    one.append(base_args(target, out, "a_nomlflow", "--deepspeed.config", "zero0",
+                         "--tracking.uri", f"http://127.0.0.1:{free_port()}",
+                         "--train.max_steps", "2", "--checkpoint.save_final", "false",
+                         "--checkpoint.export_final", "false"))
+    two = [base_args(target, out, f"b_{k}", "--deepspeed.config", v) for k, v in STAGES.items()]
+    two.append(base_args(target, out, "eq_z3", "--deepspeed.config", "zero3",
+                         "--data.batch_size", "2", *EQ))
+    res = train_many(out, one, nproc=1)
+    res.update(train_many(out, two, nproc=2))
+    return {"root": root, "target": target, "out": out, "res": res}
+
+
+def mlflow_client(out: Path):
+    from mlflow.tracking import MlflowClient
+
+    from dspark_ds.tracking import default_uri
+
+    return MlflowClient(tracking_uri=default_uri(str(out)))
+
+
+@pytest.mark.parametrize("prefix", ["a", "b"])
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_trains_and_loss_falls(runs, prefix, stage):
+    losses = runs["res"][f"{prefix}_{stage}"]["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    first, last = sum(losses[s] for s in (1, 2)) / 2, sum(losses[s] for s in (7, 8)) / 2
+    assert last < 0.97 * first, losses
+
+
+@pytest.mark.parametrize("prefix", ["a", "b"])
+def test_stages_agree(runs, prefix):
+    """Same data, same init, same world size: every ZeRO stage computes the same losses."""
+    ref = runs["res"][f"{prefix}_z0"]["losses"]
+    for stage in STAGES:
+        losses = runs["res"][f"{prefix}_{stage}"]["losses"]
+        for step in range(1, STEPS + 1):
+            assert losses[step] == pytest.approx(ref[step], rel=2e-4), (stage, step)
+
+
+def test_one_rank_equals_two_ranks(runs):
+    """A 2-rank ZeRO-3 step and a 1-rank ZeRO-0 step on the same global batch."""
+    ref = load_file(Path(runs["res"]["eq_ref"]["export_dir"]) / "model.safetensors")
+    two = load_file(Path(runs["res"]["eq_z3"]["export_dir"]) / "model.safetensors")
+    assert ref.keys() == two.keys()
+    for name in ref:
+        torch.testing.assert_close(two[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    one, two = runs["res"]["eq_ref"]["losses"][1], runs["res"]["eq_z3"]["losses"][1]
+    assert one == pytest.approx(two, rel=1e-6)
+
+
+def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
+    client = mlflow_client(runs["out"])
+    run = client.get_run(runs["res"]["b_z3"]["mlflow_run_id"])
+    params = run.data.params
+    assert params["train.lr"] == "0.003" and params["deepspeed.config"] == "zero3"
+    assert params["model.num_anchors"] == "8" and params["derived.world_size"] == "2"
+    assert run.data.tags["zero_stage"] == "3" and run.data.tags["world_size"] == "2"
+    assert "git_sha" in run.data.tags
+    hist = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in hist] == list(range(1, STEPS + 1))
+    assert hist[0].value == pytest.approx(runs["res"]["b_z3"]["losses"][1])
+    for key in ("train/ce_loss", "train/l1_loss", "train/tau_probabilistic", "train/lr",
+                "system/tokens_per_s", "system/peak_memory_mb", "val/loss",
+                "val/tau_probabilistic"):
+        assert client.get_metric_history(run.info.run_id, key), key
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"ds_config.json", "config.yaml", "export"} <= artifacts
+    assert run.info.status == "FINISHED"
+
+
+def test_unreachable_mlflow_does_not_stop_training(runs):
+    res = runs["res"]["a_nomlflow"]
+    assert res["mlflow_run_id"] is None and sorted(res["losses"]) == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["a_z0", "b_z2", "b_z3", "a_z3off"])
+def test_export_from_checkpoint_equals_live_weights(runs, name):
+    from dspark_ds.checkpoint import export_checkpoint
+    from dspark_ds.models import load_draft_model
+
+    out = runs["root"] / f"export_{name}"
+    export_checkpoint(runs["out"] / name, out)
+    live = load_file(Path(runs["res"][name]["export_dir"]) / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert live.keys() == got.keys()
+    for key in live:
+        assert torch.equal(live[key], got[key]), key
+    model = load_draft_model(out)
+    assert model.config.block_size == 4 and model.config.markov_rank == 16
+
+
+def test_resume_two_ranks_on_one(runs):
+    """B's ZeRO-3 2-rank checkpoint at step 4, continued on 1 rank: the same steps 5..8.
+
+    NOTE: the 1-rank run takes the whole global batch as one micro-batch; with gradient
+    accumulation instead, each micro-batch would be normalised on its own (not one global
+    weighted mean) and the losses would drift apart by ~1e-4."""
+    tag = runs["out"] / "b_z3" / "checkpoints" / "step_00000004"
+    assert (tag / "COMPLETE").exists()
+    res = train_many(runs["root"], [base_args(
+        runs["target"], runs["out"], "c_resume", "--deepspeed.config", "zero3",
+        "--data.batch_size", "4", "--checkpoint.resume", str(tag),
+        "--checkpoint.export_final", "false")], nproc=1)
+    losses, ref = res["c_resume"]["losses"], runs["res"]["b_z3"]["losses"]
+    assert sorted(losses) == [5, 6, 7, 8]
+    for step in losses:
+        assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
+    assert (runs["out"] / "b_z3" / "checkpoints" / "step_00000004_universal").is_dir()
+
+
+def read_log(run_dir: Path) -> dict[int, float]:
+    losses = {}
+    for line in (run_dir / "train_log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        losses[row["step"]] = row["loss"]  # a replayed step overwrites the earlier entry
+    return losses
+
+
+def test_preempt_then_resume_auto_continues_exactly(runs):
+    out, name = runs["out"], "sig"
+    argv = [sys.executable, "-m", "dspark_ds.cli", "train",
+            *base_args(runs["target"], out, name, "--deepspeed.config", "zero0",
+                       "--checkpoint.every_steps", "0")]
+    proc = subprocess.Popen(argv, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = out / name / "train_log.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and len(log.read_text().splitlines()) >= 3:
+            proc.send_signal(signal.SIGUSR1)  # Slurm's pre-emption warning
+            break
+        time.sleep(0.2)
+    output = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 75, output[-3000:]
+    assert (out / name / "REQUEUE").exists()
+    stopped_at = int((out / name / "REQUEUE").read_text())
+    assert 3 <= stopped_at < STEPS
+    run_id = (out / name / "mlflow_run_id").read_text().strip()
+
+    check(subprocess.run([*argv, "--checkpoint.resume", "auto"], env=_env(), cwd=REPO,
+                         capture_output=True, text=True, timeout=600))
+    assert not (out / name / "REQUEUE").exists()
+    got, ref = read_log(out / name), runs["res"]["a_z0"]["losses"]
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-7), step
+    # the resumed job continued the same MLflow run
+    assert (out / name / "mlflow_run_id").read_text().strip() == run_id
+    hist = mlflow_client(out).get_metric_history(run_id, "train/loss")
+    assert sorted({m.step for m in hist}) == list(range(1, STEPS + 1))
+
+
+def test_export_cli(runs):
+    out = runs["root"] / "export_cli"
+    proc = check(python(["-m", "dspark_ds.cli", "export", "--checkpoint",
+                         str(runs["out"] / "b_z3"), "--output_dir", str(out)]))
+    assert "wrote" in proc.stdout
+    live = load_file(Path(runs["res"]["b_z3"]["export_dir"]) / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert all(torch.equal(live[k], got[k]) for k in live)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 4

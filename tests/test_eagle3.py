@@ -23,6 +23,15 @@ from dspark_ds.models.io import build_eagle3_config as io_build_eagle3_config
 VOCAB, HIDDEN, LAYER_IDS = 96, 32, [0, 1, 2]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def target_config() -> Qwen3Config:
     return Qwen3Config(
         vocab_size=VOCAB,

@@ -17,6 +17,15 @@ from dspark_ds.models.io import build_draft_model
 LAYER_IDS = [0, 1, 2]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
     path = build_tiny_target(tmp_path_factory.mktemp("eagle3_target"))

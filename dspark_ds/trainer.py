@@ -342,8 +342,12 @@ class Trainer:
             from dspark_ds.eagle3_loss import eagle3_forward_and_loss
 
             inputs = {k: batch[k].to(self.engine.device) for k in BATCH_KEYS}
+            # NOTE: under ZeRO-3 the chunked loss's lm_head calls run outside the engine's
+            # forward and leave the gathered lm_head marked active; use full logits there.
+            impl = "reference" if self.engine.zero_stage == 3 else "auto"
             return eagle3_forward_and_loss(self.engine.model, inputs, forward=self.engine,
-                                           step_loss_decay=self.cfg.model.step_loss_decay)
+                                           step_loss_decay=self.cfg.model.step_loss_decay,
+                                           impl=impl)
         anchors, keep = sample_anchors(batch["loss_mask"], batch["sample_ids"],
                                        self.draft_config.num_anchors, self.cfg.train.seed,
                                        self.epoch)

@@ -1,0 +1,95 @@
+"""The ZeRO tuner: the estimate's structure on the Qwen3-8B DSpark recipe (8×80 GB), and on the
+tiny recipe its estimate within 30 % of its own measurement for every option it measures."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from dist_utils import check, python
+from tiny_models import build_tiny_target
+
+from dspark_ds import tuner
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "dspark_ds" / "recipes"
+GIB = 1024**3
+
+
+def _estimates(**kw) -> dict:
+    cfg = tuner.TunerConfig(recipe=str(RECIPES / "dspark_qwen3_8b.yaml"), **kw)
+    return tuner.run(cfg)
+
+
+def test_qwen3_8b_on_8x80gb(capsys):
+    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=80)
+    inv = result["inventory"]
+    # DSpark on Qwen3-8B: 5 target-sized layers + fc + Markov head (~1.1 B), frozen 2·V·H
+    assert 1.0e9 < inv["trainable"] < 1.25e9
+    assert inv["frozen"] == 2 * 151936 * 4096
+    est = {e["option"]: e for e in result["estimates"]}
+
+    def states(name):
+        dev = est[name]["device"]
+        return sum(dev.get(k, 0.0) for k in ("params", "params_working_set", "grads",
+                                              "optimizer_states"))
+
+    # each stage partitions more; offloading moves the optimizer states off the GPU
+    assert states("zero0") > states("zero1") > states("zero2") > states("zero3")
+    assert states("zero2+offload_opt") < states("zero2")
+    assert est["zero2+offload_opt"]["host_total_per_rank"] > 0
+    # bf16 ZeRO-2: our model states equal DeepSpeed's own estimator
+    assert states("zero2") == pytest.approx(est["zero2"]["deepspeed_states"], rel=0.01)
+    # the B·A·γ·V logits dominate the activations: 512 anchors × 7 × 151936
+    assert est["zero2"]["device"]["act_logits_softmax"] > 10 * GIB
+    assert result["recommended"] == "zero2"
+    text = capsys.readouterr().out
+    assert "recommended: zero2" in text and "zero3+offload_opt+param" in text
+
+
+def test_nothing_fits_says_what_to_change(capsys):
+    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=24)
+    assert result["recommended"] == "none"
+    assert not any(e["fits"] for e in result["estimates"])
+    assert "nothing fits" in capsys.readouterr().out
+
+
+def test_memory_pressure_moves_to_zero3():
+    # 40 GB GPUs: ZeRO-2 (~39.5 GiB) no longer fits with the reserve; ZeRO-3, which also
+    # partitions the params and the frozen embedding / lm_head, does and is the fastest left
+    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=40)
+    fits = {e["option"]: e["fits"] for e in result["estimates"]}
+    assert not fits["zero2"] and fits["zero3"]
+    assert result["recommended"] == "zero3"
+
+
+def test_bad_option_names_the_field(capsys):
+    assert tuner.main(["--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"),
+                       "--options", "[zero9]"]) == 2
+    assert "options: unknown ['zero9']" in capsys.readouterr().err
+    assert tuner.main(["--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"),
+                       "--gpus_per_node", "0"]) == 2
+    assert "gpus_per_node" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_estimate_within_30_percent_of_measurement(tmp_path):
+    target = build_tiny_target(tmp_path / "tiny_target")
+    out = tmp_path / "tuner.json"
+    proc = check(python([str(REPO / "tools" / "zero_tuner.py"), "--recipe",
+                         str(RECIPES / "tiny_cpu.yaml"), "--target_path", target,
+                         "--measure", "true", "--measure_steps", "2",
+                         "--output_json", str(out)], timeout_s=900, cwd=tmp_path))
+    result = json.loads(out.read_text())
+    measured = result["measured"]
+    est = {e["option"]: e for e in result["estimates"]}
+    assert set(measured) == set(tuner.OPTION_NAMES) - {"zero3+nvme"}, proc.stdout
+    for name, m in measured.items():
+        estimate = est[name]["device_total"] + est[name]["host_total_per_rank"]
+        ratio = estimate / m["peak_bytes"]
+        assert 0.7 <= ratio <= 1.3, (name, estimate, m, proc.stdout)
+        assert m["step_s"] > 0
+    assert "measured peak" in proc.stdout and "est/meas" in proc.stdout
+    print(result["text"], file=sys.stderr)

@@ -378,3 +378,25 @@ def checkpoint_trainable_fp32(tag_dir: str | Path) -> dict[str, torch.Tensor]:
         # NOTE: DeepSpeed's own checkpoints carry non-tensor objects; only load those we wrote.
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     return {k: v.float() for k, v in state.items()}
+
+
+# ---- memory estimates (for the ZeRO tuner) --------------------------------------------------------
+def deepspeed_model_states_estimate(stage: int, trainable_params: int, largest_layer_params: int,
+                                    gpus_per_node: int, nodes: int, offload_optimizer: bool,
+                                    offload_params: bool) -> tuple[int, int]:
+    """DeepSpeed's own estimate of the model states (bf16 params + Adam) as (host bytes per
+    node, bytes per GPU), from estimate_zero2/zero3_model_states_mem_needs."""
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            trainable_params, largest_layer_params, num_gpus_per_node=gpus_per_node,
+            num_nodes=nodes, cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_params and offload_optimizer, zero_init=True)
+        return int(cpu), int(gpu)
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cpu, gpu = estimate_zero2_model_states_mem_needs(
+        trainable_params, num_gpus_per_node=gpus_per_node, num_nodes=nodes,
+        cpu_offload=offload_optimizer)
+    return int(cpu), int(gpu)

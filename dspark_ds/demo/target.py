@@ -54,7 +54,7 @@ class DemoTargetConfig:
     """Key/value heads (GQA, like Qwen3)."""
     intermediate_size: int = 384
     """MLP width."""
-    max_steps: int = 800
+    max_steps: int = 1000
     """Optimizer steps."""
     batch_size: int = 16
     """Conversations per step (padded to the longest in the batch)."""

@@ -214,6 +214,8 @@ class Trainer:
             ds_config=self.ds_config, seed=cfg.train.seed, shared_weights=shared,
             lr_lambda=warmup_cosine(self.total_steps, warmup, cfg.train.min_lr_ratio),
             init_state=init_state, zero_init=cfg.deepspeed.zero_init)
+        # the target's own copies: export writes these (the engine may hold them in bf16)
+        self.shared = shared
         self.step, self.epoch = 0, 0
         self.resumed_from = None
         if resume_tag is not None:
@@ -332,6 +334,10 @@ class Trainer:
         state = self.engine.full_fp32_state_dict()
         out = self.run_dir / "export"
         if self.rank == 0:
+            names = self.engine.model.shared_parameter_names()
+            for name, weight in zip(names, self.shared):
+                if name in state:
+                    state[name] = weight.detach().float().cpu().clone()
             save_draft_model(self.engine.model, out, state_dict=state)
         dist.barrier()
         return out

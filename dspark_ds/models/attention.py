@@ -24,7 +24,7 @@ import torch.nn.functional as F
 ATTN_IMPLEMENTATIONS = ("dense", "blockwise", "flex")
 # Blocks per chunk of the blockwise path: small enough that the context cut follows the
 # anchors closely (sorted anchors), large enough that per-chunk overhead stays negligible.
-BLOCKWISE_CHUNK_BLOCKS = 32
+BLOCKWISE_CHUNK_BLOCKS = 16
 
 
 @dataclass
@@ -141,48 +141,125 @@ def blockwise_attend(
     block's own G x G scores) and one softmax, instead of [.., A*G, S + A*G].
     q [B, Hq, A*G, D], k/v [B, Hkv, S + A*G, D] -> [B, Hq, A*G, D].
     """
-    bsz, n_q_heads, q_len, head_dim = q.shape
-    n_kv_heads = k.shape[1]
-    groups = n_q_heads // n_kv_heads
-    G, S = mask.block_size, mask.seq_len
-    num_blocks = q_len // G
-    if k.shape[2] != S + q_len:
-        raise ValueError(f"blockwise attention: {k.shape[2]} keys, expected S + A*G = {S + q_len}")
-    # GQA without repeat_interleave: q head h uses kv head h // groups.
-    q6 = q.reshape(bsz, n_kv_heads, groups, num_blocks, G, head_dim)
-    k_ctx, v_ctx = k[:, :, :S], v[:, :, :S]
-    k_own = k[:, :, S:].reshape(bsz, n_kv_heads, 1, num_blocks, G, head_dim)
-    v_own = v[:, :, S:].reshape(bsz, n_kv_heads, 1, num_blocks, G, head_dim)
-    anchors, keep = mask.anchor_positions, mask.block_keep_mask
-    # NOTE: a dummy block (keep False) would see nothing: open its row to every key it is
-    # offered (finite softmax), then zero its output, as the dense path does.
-    max_ctx = torch.where(keep, anchors, torch.zeros_like(anchors)).clamp(max=S)
-    # One host sync for every chunk's context length (the largest anchor it holds).
-    chunk_max = torch.stack([c.max() for c in max_ctx.split(mask.chunk_blocks, dim=1)]).tolist()
-    outs = []
-    for i, a0 in enumerate(range(0, num_blocks, mask.chunk_blocks)):
-        a1 = min(a0 + mask.chunk_blocks, num_blocks)
-        c, ctx_len = a1 - a0, chunk_max[i]
-        q_c = q6[:, :, :, a0:a1]  # [B, Hkv, g, c, G, D]
-        own = q_c @ k_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
-        keep_c = keep[:, a0:a1].view(bsz, 1, 1, c, 1, 1)
-        if ctx_len > 0:
-            q_rows = q_c.reshape(bsz, n_kv_heads, groups * c * G, head_dim)
-            ctx = q_rows @ k_ctx[:, :, :ctx_len].transpose(-1, -2)
-            ctx = ctx.view(bsz, n_kv_heads, groups, c, G, ctx_len)
-            cols = torch.arange(ctx_len, device=q.device)
-            visible = (cols < anchors[:, a0:a1].view(bsz, 1, 1, c, 1, 1)) | ~keep_c
-            ctx = ctx.masked_fill(~visible, float("-inf"))
-            scores = torch.cat([ctx, own], dim=-1) * scaling
-        else:
-            scores = own * scaling
-        # Half-precision scores are normalised in fp32 (as SDPA does internally).
-        acc = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
-        probs = torch.softmax(scores, dim=-1, dtype=acc).to(q.dtype)
-        out = probs[..., ctx_len:] @ v_own[:, :, :, a0:a1]
-        if ctx_len > 0:
-            p_ctx = probs[..., :ctx_len].reshape(bsz, n_kv_heads, groups * c * G, ctx_len)
-            out = out + (p_ctx @ v_ctx[:, :, :ctx_len]).view_as(out)
-        outs.append(out * keep_c.to(out.dtype))
-    out = torch.cat(outs, dim=3)  # [B, Hkv, g, A, G, D]
-    return out.reshape(bsz, n_q_heads, q_len, head_dim)
+    if k.shape[2] != mask.seq_len + q.shape[2]:
+        raise ValueError(
+            f"blockwise attention: {k.shape[2]} keys, expected S + A*G = "
+            f"{mask.seq_len + q.shape[2]}"
+        )
+    save = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return _BlockwiseAttention.apply(q, k, v, mask, scaling, save)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Forward and a hand-written backward over the same chunks.
+
+    NOTE: with plain autograd, every chunk's `k[..., :L]` slice would get a full-size zero
+    gradient in backward (SliceBackward), summed chunk after chunk — more memory traffic
+    than the attention itself. Here the chunks accumulate straight into one dK / dV.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask: BlockwiseMask, scaling: float, save: bool):
+        lay = _Layout(q, k, mask)
+        qr, k_ctx, v_ctx, k_own, v_own = lay.split(q, k, v)
+        out = q.new_empty(lay.out_shape)
+        probs = []
+        for a0, a1, L in lay.chunks:
+            q_c = qr[:, :, :, a0:a1]
+            scores = q_c @ k_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
+            if L > 0:
+                s_ctx = lay.rows(q_c) @ k_ctx[:, :, :L].transpose(-1, -2)
+                s_ctx = s_ctx.view(*scores.shape[:-1], L)
+                s_ctx.masked_fill_(~lay.visible(a0, a1, L), float("-inf"))
+                scores = torch.cat([s_ctx, scores], dim=-1)
+            # Half-precision scores are normalised in fp32 (as SDPA does internally).
+            acc = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else None
+            p = torch.softmax(scores.mul_(scaling), dim=-1, dtype=acc).to(q.dtype)
+            o = p[..., L:] @ v_own[:, :, :, a0:a1]
+            if L > 0:
+                o += (lay.rows(p[..., :L]) @ v_ctx[:, :, :L]).view_as(o)
+            out[:, :, :, a0:a1] = o * lay.keep(a0, a1).to(o.dtype)
+            if save:
+                probs.append(p)
+        if save:
+            ctx.save_for_backward(q, k, v, out, *probs)
+            ctx.lay, ctx.scaling = lay, scaling
+        return out.view(lay.q_shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, *probs = ctx.saved_tensors
+        lay, scaling = ctx.lay, ctx.scaling
+        qr, k_ctx, v_ctx, k_own, v_own = lay.split(q, k, v)
+        d_out = grad_out.reshape(lay.out_shape)
+        dq = torch.empty_like(qr)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk_ctx, dv_ctx = dk[:, :, : lay.S], dv[:, :, : lay.S]
+        dk_own = dk[:, :, lay.S :].view(lay.own_shape)[:, :, 0]  # [B, Hkv, A, G, D]
+        dv_own = dv[:, :, lay.S :].view(lay.own_shape)[:, :, 0]
+        for (a0, a1, L), p in zip(lay.chunks, probs):
+            q_c = qr[:, :, :, a0:a1]
+            do = d_out[:, :, :, a0:a1] * lay.keep(a0, a1).to(d_out.dtype)
+            delta = (do * out[:, :, :, a0:a1]).sum(-1, keepdim=True)
+            dp = do @ v_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
+            if L > 0:
+                dp_ctx = (lay.rows(do) @ v_ctx[:, :, :L].transpose(-1, -2)).view(*dp.shape[:-1], L)
+                dp = torch.cat([dp_ctx, dp], dim=-1)
+            ds = dp.sub_(delta).mul_(p).mul_(scaling)  # masked entries have p = 0
+            ds_own, p_own = ds[..., L:], p[..., L:]
+            dq_c = ds_own @ k_own[:, :, :, a0:a1]
+            dk_own[:, :, a0:a1] += (ds_own.transpose(-1, -2) @ q_c).sum(2)
+            dv_own[:, :, a0:a1] += (p_own.transpose(-1, -2) @ do).sum(2)
+            if L > 0:
+                ds_ctx = lay.rows(ds[..., :L])
+                dq_c += (ds_ctx @ k_ctx[:, :, :L]).view_as(dq_c)
+                dk_ctx[:, :, :L] += ds_ctx.transpose(-1, -2) @ lay.rows(q_c)
+                dv_ctx[:, :, :L] += lay.rows(p[..., :L]).transpose(-1, -2) @ lay.rows(do)
+            dq[:, :, :, a0:a1] = dq_c
+        return dq.view(lay.q_shape), dk, dv, None, None, None
+
+
+class _Layout:
+    """Shapes and chunking of one blockwise attention call (GQA: q head h uses kv h // g)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, mask: BlockwiseMask):
+        bsz, n_q_heads, q_len, head_dim = q.shape
+        self.B, self.Hkv, self.D = bsz, k.shape[1], head_dim
+        self.g = n_q_heads // self.Hkv
+        self.G, self.S = mask.block_size, mask.seq_len
+        self.A = q_len // self.G
+        self.q_shape = q.shape
+        self.out_shape = (bsz, self.Hkv, self.g, self.A, self.G, head_dim)
+        self.own_shape = (bsz, self.Hkv, 1, self.A, self.G, head_dim)
+        self.anchors, self.keep_mask = mask.anchor_positions, mask.block_keep_mask
+        # NOTE: a dummy block (keep False) would see nothing: open its row to every key it is
+        # offered (finite softmax), then zero its output, as the dense path does.
+        max_ctx = torch.where(self.keep_mask, self.anchors, torch.zeros_like(self.anchors))
+        max_ctx = max_ctx.clamp(max=self.S)
+        splits = max_ctx.split(mask.chunk_blocks, dim=1)
+        lengths = torch.stack([c.max() for c in splits]).tolist()  # one host sync
+        starts = range(0, self.A, mask.chunk_blocks)
+        self.chunks = [(a0, a0 + c.shape[1], int(L)) for a0, c, L in zip(starts, splits, lengths)]
+
+    def split(self, q, k, v):
+        S = self.S
+        own = self.own_shape
+        return (
+            q.reshape(self.out_shape),
+            k[:, :, :S],
+            v[:, :, :S],
+            k[:, :, S:].reshape(own),
+            v[:, :, S:].reshape(own),
+        )
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, g, c, G, X] -> [B, Hkv, g*c*G, X] (every query row of the chunk)."""
+        return x.reshape(self.B, self.Hkv, -1, x.shape[-1])
+
+    def keep(self, a0: int, a1: int) -> torch.Tensor:
+        return self.keep_mask[:, a0:a1].view(self.B, 1, 1, a1 - a0, 1, 1)
+
+    def visible(self, a0: int, a1: int, L: int) -> torch.Tensor:
+        cols = torch.arange(L, device=self.anchors.device)
+        anchor = self.anchors[:, a0:a1].view(self.B, 1, 1, a1 - a0, 1, 1)
+        return (cols < anchor) | ~self.keep(a0, a1)

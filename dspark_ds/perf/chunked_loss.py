@@ -27,10 +27,11 @@ from torch import nn
 
 from dspark_ds.loss import LossPlan, SlotTerms, finish_loss, plan_loss
 
-# Anchors (blocks) per chunk. A chunk's [N, V] fp32 tensors (N = chunk × G) should stay in
-# the last-level cache on CPU (16 × 7 × 32 000 × 4 B ≈ 14 MB); on GPU larger chunks only
-# cut kernel-launch overhead. Measured with `dspark-ds bench` (README, Performance).
-DEFAULT_CHUNK_ANCHORS = 16
+# Anchors (blocks, over the whole micro-batch) per chunk. On CPU a chunk's [N, V] fp32
+# tensors (N = chunk × G; 32 × 7 × 32 000 × 4 B ≈ 29 MB) should roughly fit the last-level
+# cache, while N stays large enough for efficient matmuls (16-64 measured alike on a 2-core
+# EPYC, 32 best); on GPU larger chunks only cut kernel launches. See README, Performance.
+DEFAULT_CHUNK_ANCHORS = 32
 
 
 class _VocabChunks(torch.autograd.Function):
@@ -78,9 +79,16 @@ class _ChunkRunner:
     def draft_logits(self, hidden_cGH: torch.Tensor, prev_cG: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(hidden_cGH)
         markov = self.model.markov_head
-        if markov is not None:
-            logits = markov.apply_block_logits(logits, token_ids=prev_cG, hidden_states=hidden_cGH)
-        return logits
+        if markov is None:
+            return logits
+        if markov.init_state(hidden_cGH[..., 0, :]) is None:
+            # A stateless head (vanilla, gated): every slot's bias is the same `_step` on
+            # its own inputs, so all G slots go through at once. NOTE: the slot loop of
+            # apply_block_logits would, in backward, build a zero-filled [.., G, V] gradient
+            # per slot and run the W2 gradient G times with K = chunk rows.
+            _, bias = markov._step(None, prev_cG, hidden_cGH)
+            return logits + bias.to(logits.dtype)
+        return markov.apply_block_logits(logits, token_ids=prev_cG, hidden_states=hidden_cGH)
 
     def run(self, hidden_BAGH: torch.Tensor, params: tuple[torch.Tensor, ...]):
         plan = self.plan

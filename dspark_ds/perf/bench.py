@@ -1,0 +1,399 @@
+"""Training-step benchmark: step time, tokens/s, peak memory and achieved FLOP/s per variant.
+
+    python tools/bench.py                                    # the default shape, 4 variants
+    python tools/bench.py --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
+
+A variant is "<attention>/<loss>": attention dense | blockwise | flex, loss reference |
+chunked. Each variant runs in its own subprocess, so peak memory is that variant's alone
+(CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated), reported whole and as
+the part above the idle process (imports, model, batch). FLOPs count only what the math needs: linear layers, unmasked
+attention pairs, the logits (a frozen lm_head has no weight gradient, the target logits no
+backward); recomputation and masked work are not counted. The achieved rate is compared
+with a plain fp32 [2048 x 2048] matmul timed in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark_ds.perf.chunked_loss import DEFAULT_CHUNK_ANCHORS
+
+ATTN_CHOICES = ("dense", "blockwise", "flex")
+LOSS_CHOICES = ("reference", "chunked")
+
+
+@dataclass
+class TrainBenchConfig:
+    """Benchmark one training step (forward + backward + AdamW) of a random drafter."""
+
+    hidden_size: int = 256
+    """Hidden size of the drafter (and of the synthetic target)."""
+    num_draft_layers: int = 2
+    """Decoder layers of the drafter."""
+    num_attention_heads: int = 4
+    """Query heads (head_dim = hidden_size / num_attention_heads)."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA)."""
+    intermediate_size: int = 768
+    """MLP width."""
+    num_target_layers: int = 5
+    """Tapped target layers, so the context projection is (n·H -> H)."""
+    vocab_size: int = 32000
+    """Vocabulary size V."""
+    seq_len: int = 2048
+    """Sequence length S."""
+    num_anchors: int = 512
+    """Anchors (blocks) per sequence A."""
+    block_size: int = 7
+    """Block size γ."""
+    markov_rank: int = 64
+    """Markov rank r (0 = DFlash: no Markov and no confidence head)."""
+    markov_head_type: str = "vanilla"
+    """vanilla | gated | rnn."""
+    batch_size: int = 1
+    """Sequences per step."""
+    dtype: str = "float32"
+    """float32 | bfloat16."""
+    device: str = "cpu"
+    """cpu | cuda."""
+    variants: list[str] = field(
+        default_factory=lambda: [
+            "dense/reference",
+            "blockwise/reference",
+            "dense/chunked",
+            "blockwise/chunked",
+        ]
+    )
+    """Variants "<attention>/<loss>" to run side by side (dense/reference is what the
+    reference implementation does on CPU)."""
+    loss_chunk_anchors: int = DEFAULT_CHUNK_ANCHORS
+    """Anchors per chunk of the chunked loss."""
+    warmup_steps: int = 1
+    """Untimed steps first (allocator, optimizer state)."""
+    repeats: int = 3
+    """Timed steps; the step time is their median."""
+    num_threads: int = 2
+    """torch.set_num_threads in each variant's process (0 = leave torch's default)."""
+    json: str | None = None
+    """Write one JSON object per variant to this file (a JSON list)."""
+    seed: int = 0
+    """Seed of the weights, the batch and the anchors (the same for every variant)."""
+
+    def __post_init__(self) -> None:
+        for v in self.variants:
+            attn, _, loss = v.partition("/")
+            if attn not in ATTN_CHOICES or loss not in LOSS_CHOICES:
+                raise ValueError(
+                    f"variants: {v!r} is not '<attention>/<loss>' with attention in "
+                    f"{ATTN_CHOICES} and loss in {LOSS_CHOICES}"
+                )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("num_attention_heads: must divide hidden_size")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_key_value_heads: must divide num_attention_heads")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len: must be >= 2, got {self.seq_len}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype: float32 or bfloat16, got {self.dtype!r}")
+
+
+# ---- what runs inside one variant's process ------------------------------------------------
+def build_model(cfg: TrainBenchConfig):
+    import torch
+    from transformers import Qwen3Config
+
+    from dspark_ds.models import build_draft_config, build_draft_model
+
+    target = Qwen3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_target_layers + 1,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        max_position_embeddings=max(4096, 2 * cfg.seq_len),
+        tie_word_embeddings=False,
+    )
+    dspark = cfg.markov_rank > 0
+    draft_cfg = build_draft_config(
+        target,
+        target_layer_ids=list(range(cfg.num_target_layers)),
+        mask_token_id=cfg.vocab_size - 1,
+        num_draft_layers=cfg.num_draft_layers,
+        block_size=cfg.block_size,
+        num_anchors=cfg.num_anchors,
+        markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type,
+        confidence_head_alpha=1.0 if dspark else 0.0,
+        confidence_head_with_markov=dspark,
+    )
+    torch.manual_seed(cfg.seed)
+    model = build_draft_model(draft_cfg)
+    model.freeze_shared()
+    return model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).train()
+
+
+def build_batch(cfg: TrainBenchConfig, device: str):
+    import torch
+
+    from dspark_ds.models.common import sample_anchor_positions
+
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    B, S, H = cfg.batch_size, cfg.seq_len, cfg.hidden_size
+    loss_mask = torch.ones(B, S)
+    loss_mask[:, : min(16, S - 2)] = 0  # a short unsupervised prompt, like chat data
+    anchors, keep = sample_anchor_positions(loss_mask, cfg.num_anchors, generator=g)
+    batch = dict(
+        input_ids=torch.randint(0, cfg.vocab_size - 1, (B, S), generator=g),
+        loss_mask=loss_mask,
+        target_hidden_states=torch.randn(B, S, cfg.num_target_layers * H, generator=g),
+        target_last_hidden_states=torch.randn(B, S, H, generator=g),
+        anchor_positions=anchors,
+        block_keep_mask=keep,
+    )
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
+    if cfg.markov_rank > 0:  # DSpark defaults (spec §11)
+        return dict(
+            loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
+        )
+    return dict(
+        loss_decay_gamma=4.0, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0
+    )
+
+
+def step_flops(cfg: TrainBenchConfig, anchors, keep) -> float:
+    """FLOPs one training step needs (forward + backward), per the module docstring."""
+    B, S, H, G, V = cfg.batch_size, cfg.seq_len, cfg.hidden_size, cfg.block_size, cfg.vocab_size
+    D = H // cfg.num_attention_heads
+    Hq, Hkv, r = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.markov_rank
+    n_q = B * cfg.num_anchors * G  # draft tokens
+    n_c = B * S  # context tokens
+    kept = keep.bool()
+    # Unmasked (query, key) pairs: each slot of a kept block sees anchor context keys + G own.
+    pairs = float(((anchors.clamp(max=S) + G) * kept).sum()) * G
+    train = 3.0  # forward + backward (input and weight gradients)
+    per_layer = (
+        2 * n_q * H * (Hq * D + 2 * Hkv * D) * train  # q, k, v of draft tokens
+        + 2 * n_c * H * 2 * Hkv * D * train  # k, v of the context
+        + 2 * n_q * Hq * D * H * train  # o_proj
+        + 2 * n_q * H * cfg.intermediate_size * 3 * train  # gate, up, down
+        + 4 * pairs * D * Hq * train  # QK^T and PV over visible pairs only
+    )
+    flops = cfg.num_draft_layers * per_layer
+    flops += 2 * n_c * cfg.num_target_layers * H * H * 2.0  # fc: weight gradient only
+    flops += 2 * n_q * H * V * 2.0  # frozen lm_head on draft states: input gradient only
+    flops += 2 * n_q * H * V * 1.0  # aligned target logits (accept-rate metrics, L1): forward
+    if r > 0:
+        flops += 2 * n_q * r * V * train  # Markov W2
+        flops += 2 * n_q * (H + r) * train  # confidence head
+        if cfg.markov_head_type == "gated":
+            flops += 2 * n_q * (H + r) * r * train
+        elif cfg.markov_head_type == "rnn":
+            flops += 2 * n_q * (2 * r + H) * 3 * r * train
+    return flops
+
+
+def matmul_flops_per_s(device: str, size: int = 2048, repeats: int = 5) -> float:
+    """A plain fp32 [size x size] @ [size x size] rate, median of `repeats`."""
+    import torch
+
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    times = []
+    for i in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        if i:  # the first one warms up
+            times.append(time.perf_counter() - t0)
+    return 2.0 * size**3 / statistics.median(times)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _rss_bytes(field_name: str) -> int:
+    """VmRSS / VmHWM of this process from /proc (Linux), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
+def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
+    """Builds, warms up and times one variant in this process."""
+    import torch
+
+    from dspark_ds.perf.step import forward_and_loss
+
+    if cfg.num_threads > 0:
+        torch.set_num_threads(cfg.num_threads)
+    attn, _, loss_impl = variant.partition("/")
+    device = cfg.device
+    model = build_model(cfg)
+    model.attn_implementation = attn
+    batch = build_batch(cfg, device)
+    loss_args = loss_args_for(cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
+    matmul_rate = matmul_flops_per_s(device)
+
+    def step():
+        loss, metrics = forward_and_loss(
+            model, batch, loss_args, impl=loss_impl, chunk_anchors=cfg.loss_chunk_anchors
+        )
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item(), metrics
+
+    cuda = device.startswith("cuda")
+    # The idle process: imports, model, batch, optimizer (its state appears in step 1).
+    idle = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
+    first_loss, metrics = None, {}
+    for _ in range(cfg.warmup_steps):
+        first_loss, metrics = step()
+    times, cpu_times = [], []
+    for _ in range(cfg.repeats):
+        _sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss, metrics = step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+        first_loss = loss if first_loss is None else first_loss
+    # NOTE: the peak covers warm-up and timed steps (the process high-water mark), so a
+    # variant cannot look smaller because freed-but-retained heap hides its first step.
+    peak = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")
+    step_time = statistics.median(times)
+    flops = step_flops(cfg, batch["anchor_positions"].cpu(), batch["block_keep_mask"].cpu())
+    achieved = flops / step_time
+    return {
+        "variant": variant,
+        "step_time_s": step_time,
+        "step_times_s": times,
+        # CPU seconds of this process per step: less sensitive than wall time to other
+        # processes sharing the cores (wall time is the headline number).
+        "step_cpu_time_s": statistics.median(cpu_times),
+        "peak_memory_bytes": int(peak),
+        "peak_memory_kind": "cuda_max_allocated" if cuda else "process_peak_rss",
+        "idle_memory_bytes": int(idle),
+        # What the steps add on top of the idle process (activations, logits, gradients).
+        "step_peak_memory_bytes": int(peak - idle),
+        "tokens_per_s": metrics["supervised_tokens"] / step_time,
+        "supervised_tokens": metrics["supervised_tokens"],
+        "flops_per_step": flops,
+        "achieved_flops": achieved,
+        "matmul_flops": matmul_rate,
+        "achieved_flops_ratio": achieved / matmul_rate,
+        "loss_first_step": first_loss,
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+# ---- the driver ---------------------------------------------------------------------------
+def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
+    """Runs every variant in a fresh subprocess, prints the table, writes --json."""
+    from tqdm import tqdm
+
+    results = []
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(cfg.num_threads or os.cpu_count()))
+    for variant in tqdm(cfg.variants, desc="bench variants", unit="variant"):
+        child_cfg = dataclasses.replace(cfg, variants=[variant], json=None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dspark_ds.perf.bench", "--_child"],
+            input=json.dumps(dataclasses.asdict(child_cfg)),
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-5:]
+            # An out-of-memory kill (-9) is a result too: the variant does not fit.
+            results.append(
+                {"variant": variant, "error": " | ".join(tail) or f"rc {proc.returncode}"}
+            )
+            continue
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(format_table(cfg, results))
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
+    shape = (
+        f"H={cfg.hidden_size} layers={cfg.num_draft_layers} V={cfg.vocab_size} S={cfg.seq_len} "
+        f"A={cfg.num_anchors} γ={cfg.block_size} markov={cfg.markov_head_type}:{cfg.markov_rank} "
+        f"B={cfg.batch_size} {cfg.dtype} {cfg.device} threads={cfg.num_threads} "
+        f"chunk={cfg.loss_chunk_anchors}"
+    )
+    head = (
+        f"{'variant':<22}{'step s':>9}{'cpu s':>8}{'tokens/s':>10}{'peak MB':>10}{'step MB':>9}"
+        f"{'GFLOP/s':>9}{'matmul':>8}{'ratio':>7}{'loss':>10}"
+    )
+    lines = [shape, head, "-" * len(head)]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['variant']:<22}  FAILED: {r['error'][:120]}")
+            continue
+        lines.append(
+            f"{r['variant']:<22}{r['step_time_s']:>9.3f}{r['step_cpu_time_s']:>8.2f}"
+            f"{r['tokens_per_s']:>10.0f}"
+            f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['step_peak_memory_bytes'] / 2**20:>9.0f}"
+            f"{r['achieved_flops'] / 1e9:>9.1f}"
+            f"{r['matmul_flops'] / 1e9:>8.1f}{r['achieved_flops_ratio']:>7.2f}"
+            f"{r['loss_first_step']:>10.5f}"
+        )
+    return "\n".join(lines)
+
+
+def build_parser():
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(prog="tools/bench.py", description=TrainBenchConfig.__doc__)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML with these options")
+    parser.add_class_arguments(TrainBenchConfig, nested_key=None, fail_untyped=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--_child"]:  # one variant, config on stdin, result JSON on stdout
+        cfg = TrainBenchConfig(**json.loads(sys.stdin.read()))
+        print(json.dumps(run_variant(cfg, cfg.variants[0])), flush=True)
+        return 0
+    parser = build_parser()
+    ns = parser.instantiate(parser.parse_args(argv))
+    values = {f.name: ns[f.name] for f in dataclasses.fields(TrainBenchConfig) if f.name in ns}
+    try:
+        cfg = TrainBenchConfig(**values)
+    except ValueError as err:
+        print(f"bench: error: {err}", file=sys.stderr)
+        return 2
+    results = run_train_bench(cfg)
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,8 @@ inputs aligned with the target's features of the committed sequence."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny_models import build_tiny_target
@@ -100,3 +102,27 @@ def test_sampled_eagle3_decoding_runs_and_respects_the_budget(target):
     )
     assert out.shape[1] == 9 + 15 and stats.new_tokens == 15
     assert all(a <= p for a, p in zip(stats.accepted_per_round, stats.proposed_per_round))
+
+
+def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
+    """`dspark-ds eval` end to end on an Eagle3 directory: τ table, no calibration, results."""
+    from tiny_models import build_tiny_target
+
+    from dspark_ds.eval.config import EvalConfig
+    from dspark_ds.eval.runner import run_eval
+
+    target_dir = build_tiny_target(tmp_path / "target")  # same seed: the fixture's weights
+    save_draft_model(make_drafter(target, seed=6), tmp_path / "eagle3")
+    cfg = EvalConfig(
+        target=target_dir, drafter=str(tmp_path / "eagle3"), benchmarks=["gsm8k"],
+        max_samples=2, max_new_tokens=8, temperature=0.0, output_dir=str(tmp_path / "runs"),
+        dtype="float32", device="cpu",
+    )  # fmt: skip
+    cfg.tracking.enabled = False
+    payload = run_eval(cfg)
+    (row,) = payload["benchmarks"]
+    assert row["benchmark"] == "gsm8k" and row["num_prompts"] == 2
+    assert row["tau"] >= 1.0 and len(row["accept_rate_by_position"]) == 4  # γ = ttt_length
+    assert not payload["calibration"]  # no confidence head, nothing to calibrate
+    saved = json.loads((tmp_path / "runs" / "eval" / "results.json").read_text())
+    assert saved["benchmarks"][0]["rounds"] == row["rounds"]

@@ -255,11 +255,19 @@ class Estimate:
         return sum(self.host_per_rank.values())
 
 
-def _zero_section(option: ZeroOption) -> dict:
+def option_overrides(option: ZeroOption, run_cfg) -> dict:
+    """The recipe's own deepspeed.overrides (bucket sizes, NVMe path...) with the option's on
+    top."""
+    from dspark_ds.engine import _merge
+
+    return _merge(run_cfg.deepspeed.overrides or {}, option.overrides or {})
+
+
+def _zero_section(option: ZeroOption, run_cfg) -> dict:
     from dspark_ds.engine import SHIPPED_DS_CONFIGS, _merge
 
     cfg = json.loads((SHIPPED_DS_CONFIGS / f"{option.config}.json").read_text())
-    return _merge(cfg, option.overrides or {}).get("zero_optimization", {})
+    return _merge(cfg, option_overrides(option, run_cfg)).get("zero_optimization", {})
 
 
 def activation_bytes(inv: Inventory, run_cfg, device: str = "cuda") -> dict[str, float]:
@@ -314,7 +322,7 @@ def online_target_bytes(inv: Inventory, run_cfg) -> dict[str, float]:
 
 
 def estimate(option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig) -> Estimate:
-    zero = _zero_section(option)
+    zero = _zero_section(option, run_cfg)
     stage = int(zero.get("stage", 0))
     off_opt = zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     off_param = zero.get("offload_param", {}).get("device") in ("cpu", "nvme")
@@ -444,7 +452,8 @@ def measure(option: ZeroOption, run_cfg, steps: int, workdir: str) -> dict[str, 
     from dspark_ds.trainer import Trainer
 
     cfg = copy.deepcopy(run_cfg)
-    cfg.deepspeed.config, cfg.deepspeed.overrides = option.config, option.overrides
+    cfg.deepspeed.config = option.config
+    cfg.deepspeed.overrides = option_overrides(option, run_cfg) or None
     cfg.name = "tuner_" + option.name.replace("+", "_")
     cfg.output_dir = workdir
     cfg.tracking.enabled = False

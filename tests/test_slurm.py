@@ -20,7 +20,7 @@ from tiny_models import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"
-MAX_STEPS = 30
+MAX_STEPS = 60  # NOTE: enough for both signals to land mid-run on an idle machine
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -54,7 +54,7 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, log: Path, timeout_s:
         if proc.poll() is not None:
             pytest.fail(f"sbatch --wait ended ({proc.returncode}) while waiting for {what}:\n"
                         f"{log.read_text() if log.exists() else ''}")
-        time.sleep(0.2)
+        time.sleep(0.1)
     pytest.fail(f"timed out waiting for {what}:\n{log.read_text() if log.exists() else ''}")
 
 
@@ -81,15 +81,15 @@ def test_train_sbatch_preempt_requeue_resume(slurm_cluster, tiny_target, tmp_pat
     log = tmp_path / f"{name}-{job_id}.out"
 
     # 1) the pre-emption warning (what --signal=B:USR1@300 sends), mid-run
-    wait_for(lambda: len(steps_logged(run_dir)) >= 2, "2 trained steps", proc, log)
+    wait_for(lambda: len(steps_logged(run_dir)) >= 1, "a trained step", proc, log)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
     wait_for(lambda: cluster.job(job_id).get("Restarts") == "1"
              and "resumed from" in log.read_text(), "the requeued job to resume", proc, log)
     first_resume = int(re.findall(r"resumed from \S+ at step (\d+)", log.read_text())[0])
 
     # 2) an outside requeue (SIGTERM to every process of the job) in the requeued job
-    wait_for(lambda: max(steps_logged(run_dir), default=0) >= first_resume + 2,
-             "2 more steps after the resume", proc, log)
+    wait_for(lambda: max(steps_logged(run_dir), default=0) > first_resume,
+             "a step after the resume", proc, log)
     cluster.run("scontrol", "requeue", str(job_id))
 
     try:

@@ -7,7 +7,7 @@ import torch
 
 from dspark_ds.loss import compute_dspark_loss
 from dspark_ds.models.common import sample_anchor_positions
-from dspark_ds.perf import PerfConfig, forward_and_loss
+from dspark_ds.perf import PerfConfig, forward_and_loss, resolve_loss_impl
 from tests.drafters import DFLASH, random_batch, tiny_drafter
 
 DSPARK_ARGS = dict(
@@ -97,3 +97,12 @@ def test_bad_options_name_the_field():
         forward_and_loss(model, _batch(model), DSPARK_ARGS, impl="chunked", chunk_anchors=0)
     with pytest.raises(ValueError, match="perf.attn_implementation"):
         PerfConfig(attn_implementation="sparse")
+
+
+def test_auto_is_chunked_except_under_zero3():
+    model = tiny_drafter()
+    assert resolve_loss_impl(model, "auto") == "chunked"
+    assert resolve_loss_impl(model, "reference") == "reference"
+    model.fc.weight.ds_id = 0  # what ZeRO-3 attaches to a partitioned parameter
+    assert resolve_loss_impl(model, "auto") == "reference"
+    assert resolve_loss_impl(model, "chunked") == "chunked"

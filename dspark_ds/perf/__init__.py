@@ -2,7 +2,7 @@
 
 from .chunked_loss import DEFAULT_CHUNK_ANCHORS, chunked_dspark_loss
 from .config import LOSS_IMPLEMENTATIONS, PerfConfig
-from .step import apply_perf_config, forward_and_loss
+from .step import apply_perf_config, forward_and_loss, resolve_loss_impl
 
 __all__ = [
     "DEFAULT_CHUNK_ANCHORS",
@@ -11,4 +11,5 @@ __all__ = [
     "apply_perf_config",
     "chunked_dspark_loss",
     "forward_and_loss",
+    "resolve_loss_impl",
 ]

@@ -18,7 +18,8 @@ class PerfConfig:
     loss_impl: str = "auto"
     """"reference": full [B, A, G, V] logits (the golden-tested path); "chunked": the
     vocabulary-sized work a few anchors at a time, same loss and gradients with
-    O(loss_chunk_anchors × G × V) memory; "auto" = chunked."""
+    O(loss_chunk_anchors × G × V) memory; "auto" = chunked (reference under ZeRO-3, whose
+    partitioned parameters the chunked path does not handle)."""
 
     loss_chunk_anchors: int = DEFAULT_CHUNK_ANCHORS
     """Anchors (blocks, over the whole micro-batch) per chunk of the chunked loss. Small

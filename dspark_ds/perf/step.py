@@ -22,6 +22,21 @@ def apply_perf_config(model: nn.Module, cfg: PerfConfig) -> nn.Module:
     return model
 
 
+def resolve_loss_impl(model: nn.Module, impl: str) -> str:
+    """ "auto" -> "chunked", except under ZeRO-3 (partitioned parameters), where "reference".
+
+    NOTE: the chunked loss hands autograd full-shape gradients for the head parameters it
+    differentiates itself; ZeRO-3 partitions parameters (they carry `ds_id`) and expects
+    its own gather / reduce-scatter hooks around every use, so it keeps the plain path.
+    """
+    if impl not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    return "reference" if zero3 else "chunked"
+
+
 def forward_and_loss(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -35,10 +50,10 @@ def forward_and_loss(
     batch: the target-features dict (input_ids, loss_mask, target_hidden_states,
     target_last_hidden_states; anchor_positions / block_keep_mask optional). loss_args: the
     keyword arguments of `compute_dspark_loss` (loss_decay_gamma, ce_loss_alpha,
-    l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "auto" (chunked).
+    l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "auto" (chunked,
+    or reference under ZeRO-3: see `resolve_loss_impl`).
     """
-    if impl not in LOSS_IMPLEMENTATIONS:
-        raise ValueError(f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {impl!r}")
+    impl = resolve_loss_impl(model, impl)
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise ValueError(f"batch: missing {missing} (needs {BATCH_KEYS})")

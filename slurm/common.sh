@@ -15,8 +15,9 @@
 #   DSPARK_SRUN_ARGS     extra srun options (e.g. "--cpu-bind=cores")
 #   DSPARK_TORCHRUN_ARGS extra torchrun options
 #   DSPARK_MAX_REQUEUES  give up requeueing after this many restarts (default 20)
-#   DSPARK_FORWARD_SIGNAL  signal passed on to the job step on Slurm's USR1 warning (default:
-#                        USR1 under srun, TERM under torchrun, which only forwards TERM)
+#   DSPARK_FORWARD_SIGNAL  signal passed on to the job step's tasks on Slurm's USR1 warning
+#                        (default: USR1 under srun; TERM under torchrun, which passes TERM on
+#                        to its workers and waits up to 30 s for them to save and exit)
 #
 # Pre-emption: `#SBATCH --signal=B:USR1@<s>` sends USR1 to this batch shell <s> seconds before
 # the time limit (`scancel --signal=USR1 --batch <job>` does the same by hand). The shell passes
@@ -43,13 +44,20 @@ _dspark_log() { echo "[slurm $(date +%T)] $*" >&2; }
 _dspark_on_usr1() {
   _dspark_preempted=1
   _dspark_log "USR1: pre-emption / time-limit warning; the job step checkpoints and stops"
-  if [[ -n $_dspark_child ]]; then kill -s "$DSPARK_FORWARD_SIGNAL" "$_dspark_child" 2>/dev/null || true; fi
+  if [[ -n $_dspark_child ]]; then
+    # NOTE: `scancel --signal` (no --batch) reaches every task of every step on every node
+    # without stopping them. Signalling srun itself would not do for torchrun: srun answers a
+    # TERM by killing the step, before anything is saved.
+    scancel --signal="$DSPARK_FORWARD_SIGNAL" "$SLURM_JOB_ID" 2>/dev/null ||
+      kill -s "$DSPARK_FORWARD_SIGNAL" "$_dspark_child" 2>/dev/null || true
+  fi
 }
 
 _dspark_on_term() {
   _dspark_stopped=1
+  # NOTE: Slurm sends the same TERM to every process of the job steps itself (then KILL after
+  # KillWait); passing it to srun too would make srun kill the step before it has saved.
   _dspark_log "TERM: Slurm is stopping the job (scancel / scontrol requeue / time limit)"
-  if [[ -n $_dspark_child ]]; then kill -TERM "$_dspark_child" 2>/dev/null || true; fi
 }
 
 # NOTE: trap first: a USR1 that reaches a shell without a handler kills it outright.

@@ -153,9 +153,11 @@ def blockwise_attend(
 class _BlockwiseAttention(torch.autograd.Function):
     """Forward and a hand-written backward over the same chunks.
 
-    NOTE: with plain autograd, every chunk's `k[..., :L]` slice would get a full-size zero
-    gradient in backward (SliceBackward), summed chunk after chunk — more memory traffic
-    than the attention itself. Here the chunks accumulate straight into one dK / dV.
+    Backward recomputes each chunk's scores from q, k and the saved per-row log-sum-exp
+    (flash-attention style) instead of keeping every chunk's probabilities alive.
+    NOTE: with plain autograd, every chunk's `k[..., :L]` slice would also get a full-size
+    zero gradient (SliceBackward), summed chunk after chunk — more memory traffic than the
+    attention itself. Here the chunks accumulate straight into one dK / dV.
     """
 
     @staticmethod
@@ -163,32 +165,25 @@ class _BlockwiseAttention(torch.autograd.Function):
         lay = _Layout(q, k, mask)
         qr, k_ctx, v_ctx, k_own, v_own = lay.split(q, k, v)
         out = q.new_empty(lay.out_shape)
-        probs = []
+        # Half-precision scores are normalised in fp32 (as SDPA does internally).
+        acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        lse = torch.empty(lay.out_shape[:-1], dtype=acc, device=q.device)
         for a0, a1, L in lay.chunks:
-            q_c = qr[:, :, :, a0:a1]
-            scores = q_c @ k_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
-            if L > 0:
-                s_ctx = lay.rows(q_c) @ k_ctx[:, :, :L].transpose(-1, -2)
-                s_ctx = s_ctx.view(*scores.shape[:-1], L)
-                s_ctx.masked_fill_(~lay.visible(a0, a1, L), float("-inf"))
-                scores = torch.cat([s_ctx, scores], dim=-1)
-            # Half-precision scores are normalised in fp32 (as SDPA does internally).
-            acc = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else None
-            p = torch.softmax(scores.mul_(scaling), dim=-1, dtype=acc).to(q.dtype)
+            scores = lay.scores(qr, k_ctx, k_own, a0, a1, L, scaling).to(acc)
+            lse[:, :, :, a0:a1] = torch.logsumexp(scores, dim=-1)
+            p = torch.softmax(scores, dim=-1).to(q.dtype)
             o = p[..., L:] @ v_own[:, :, :, a0:a1]
             if L > 0:
                 o += (lay.rows(p[..., :L]) @ v_ctx[:, :, :L]).view_as(o)
             out[:, :, :, a0:a1] = o * lay.keep(a0, a1).to(o.dtype)
-            if save:
-                probs.append(p)
         if save:
-            ctx.save_for_backward(q, k, v, out, *probs)
+            ctx.save_for_backward(q, k, v, out, lse)
             ctx.lay, ctx.scaling = lay, scaling
         return out.view(lay.q_shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, *probs = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
         lay, scaling = ctx.lay, ctx.scaling
         qr, k_ctx, v_ctx, k_own, v_own = lay.split(q, k, v)
         d_out = grad_out.reshape(lay.out_shape)
@@ -197,8 +192,10 @@ class _BlockwiseAttention(torch.autograd.Function):
         dk_ctx, dv_ctx = dk[:, :, : lay.S], dv[:, :, : lay.S]
         dk_own = dk[:, :, lay.S :].view(lay.own_shape)[:, :, 0]  # [B, Hkv, A, G, D]
         dv_own = dv[:, :, lay.S :].view(lay.own_shape)[:, :, 0]
-        for (a0, a1, L), p in zip(lay.chunks, probs):
+        for a0, a1, L in lay.chunks:
             q_c = qr[:, :, :, a0:a1]
+            scores = lay.scores(qr, k_ctx, k_own, a0, a1, L, scaling)
+            p = (scores.to(lse.dtype) - lse[:, :, :, a0:a1, :, None]).exp_().to(q.dtype)
             do = d_out[:, :, :, a0:a1] * lay.keep(a0, a1).to(d_out.dtype)
             delta = (do * out[:, :, :, a0:a1]).sum(-1, keepdim=True)
             dp = do @ v_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
@@ -251,6 +248,17 @@ class _Layout:
             k[:, :, S:].reshape(own),
             v[:, :, S:].reshape(own),
         )
+
+    def scores(self, qr, k_ctx, k_own, a0: int, a1: int, L: int, scaling: float):
+        """Scaled scores of chunk [a0, a1): [B, Hkv, g, c, G, L + G], hidden keys -inf."""
+        q_c = qr[:, :, :, a0:a1]
+        scores = q_c @ k_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
+        if L > 0:
+            s_ctx = self.rows(q_c) @ k_ctx[:, :, :L].transpose(-1, -2)
+            s_ctx = s_ctx.view(*scores.shape[:-1], L)
+            s_ctx.masked_fill_(~self.visible(a0, a1, L), float("-inf"))
+            scores = torch.cat([s_ctx, scores], dim=-1)
+        return scores.mul_(scaling)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Hkv, g, c, G, X] -> [B, Hkv, g*c*G, X] (every query row of the chunk)."""

@@ -15,10 +15,12 @@ Estimate, per GPU (bytes; b = 2 under bf16, 4 under fp32; N = data-parallel worl
   grads, ZeRO-3 also the params (except those below stage3_param_persistence_threshold);
   offload_optimizer moves the fp32 states to host RAM, offload_param the params. DeepSpeed's own
   estimators (estimate_zero2/zero3_model_states_mem_needs) are shown beside ours for bf16.
-- frozen drafter embedding + lm_head (2·V·H, compute dtype; partitioned under ZeRO-3, plus the
-  gathered lm_head while it is used).
-- the online target's weights (whole on every GPU) and its forward (no grad): the tapped layers
-  and one layer's working set.
+- the frozen embedding + lm_head (2·V·H): with the target in the job (online / hybrid) the
+  drafter uses the target's own Parameters, counted once with the target; offline a copy in the
+  compute dtype. ZeRO-3 partitions them (and the in-job target) and gathers the lm_head / one
+  target layer while in use.
+- the in-job target's weights (whole on every GPU under ZeRO-0/1/2) and its forward (no grad):
+  the tapped layers and one layer's working set.
 - DeepSpeed's buffers: ZeRO-1/2 gradient buckets (reduce_bucket_size elements, twice with
   overlap_comm), ZeRO-3 reduce + prefetch buckets.
 - activations of one micro-batch (B × S): features in, the context projection, per draft layer
@@ -298,13 +300,12 @@ def activation_bytes(inv: Inventory, run_cfg, device: str = "cuda") -> dict[str,
     rows = B * Q
     if chunked:
         rows = min(rows, int(getattr(perf, "loss_chunk_anchors", 64)) * G)
-    # saved at the end of the forward: Markov-corrected draft logits and aligned target logits
-    # (compute dtype), the fp32 log-softmax (CE), softmax of draft and target and their
-    # difference (L1), plus the fp32 copy of the draft logits under bf16; the backward adds
-    # one fp32 gradient of the same size while it frees the saved tensors
-    logits_fwd = rows * V * (2 * b + 4 * 4 + (4 if b == 2 else 0))
-    logits_bwd = rows * V * 4
-    out["logits_softmax"] = logits_fwd + logits_bwd
+    # at the peak (inside the L1 term): the Markov-corrected draft logits and the aligned target
+    # logits (compute dtype), the fp32 log-softmax saved by the CE, the softmaxes of draft and
+    # target and their difference (fp32), plus the fp32 copy of the draft logits under bf16.
+    # The backward frees these saved tensors as it creates the logits' gradients, so it does
+    # not add another full set.
+    out["logits_softmax"] = rows * V * (2 * b + 4 * 4 + (4 if b == 2 else 0))
     out["markov_confidence"] = B * Q * (2 * inv.markov_rank + H) * b
     return out
 
@@ -353,12 +354,16 @@ def estimate(option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig) -> E
     else:
         dev["optimizer_states"] = opt_states
 
-    # frozen embedding + lm_head: compute dtype, partitioned under ZeRO-3 (+ gathered when used)
+    # frozen embedding + lm_head. With the target in the job (online / hybrid / synthetic) the
+    # drafter uses the target's own two Parameters (one copy, counted with the target, which
+    # ZeRO-3 partitions like the drafter); offline it holds a copy in the compute dtype.
+    target = online_target_bytes(inv, run_cfg)
+    in_job = "target_weights" in target
     if stage == 3:
-        part = inv.frozen * b / N
-        (host if off_param else dev)["frozen_embed_lm_head"] = part
+        if not in_job:
+            (host if off_param else dev)["frozen_embed_lm_head"] = inv.frozen * b / N
         dev["frozen_gathered"] = inv.frozen / 2 * b  # the lm_head, gathered while in use
-    else:
+    elif not in_job:
         dev["frozen_embed_lm_head"] = inv.frozen * b
 
     # DeepSpeed buffers
@@ -375,8 +380,12 @@ def estimate(option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig) -> E
         dev["ds_grad_buckets"] = rbs * b if contiguous else 0.0
         dev["ds_prefetch"] = min(prefetch, P_part) * b
 
-    target = online_target_bytes(inv, run_cfg)
-    if "target_weights" in target:
+    if in_job and stage == 3:
+        (host if off_param else dev)["target_weights"] = target["target_weights"] / N
+        # one decoder layer gathered at a time while the target runs
+        layer = (inv.target_params - inv.frozen) / max(inv.target_layers, 1)
+        dev["target_gathered_layer"] = layer * target["target_weights"] / inv.target_params
+    elif in_job:
         dev["target_weights"] = target["target_weights"]
     acts = activation_bytes(inv, run_cfg, cfg.device or "cuda")
     # the target's forward ends (its transient freed) before the drafter's begins: the peak

@@ -50,16 +50,16 @@ def test_qwen3_8b_on_8x80gb(capsys):
 
 
 def test_nothing_fits_says_what_to_change(capsys):
-    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=24)
+    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=16)
     assert result["recommended"] == "none"
     assert not any(e["fits"] for e in result["estimates"])
     assert "nothing fits" in capsys.readouterr().out
 
 
 def test_memory_pressure_moves_to_zero3():
-    # 40 GB GPUs: ZeRO-2 (~39.5 GiB) no longer fits with the reserve; ZeRO-3, which also
-    # partitions the params and the frozen embedding / lm_head, does and is the fastest left
-    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=40)
+    # 36 GB GPUs: ZeRO-2 (~37 GiB) no longer fits; ZeRO-3, which also partitions the target
+    # (with the shared embedding / lm_head) and the drafter, does and is the fastest left
+    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=36)
     fits = {e["option"]: e["fits"] for e in result["estimates"]}
     assert not fits["zero2"] and fits["zero3"]
     assert result["recommended"] == "zero3"

@@ -191,7 +191,10 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
         curves["STS"] = out["sts"]
         report.write_json(out_dir / "confidence_temperatures.json", {cal.CONFIG_KEY: temps})
         if c.write_to_drafter:
-            out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
+            try:
+                out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
+            except OSError as err:
+                print(f"[eval] WARNING: could not store STS temperatures in {cfg.drafter}: {err}")
     out["threshold_sweep"] = cal.threshold_sweep(all_records, c.thresholds, temps_G)
     out["threshold_sweep_temperatures"] = temps_G.tolist() if temps_G is not None else None
     report.plot_reliability(out_dir / "reliability_diagram.png", curves)

@@ -1,0 +1,179 @@
+"""`dspark-ds demo` configuration: the whole pipeline on CPU in minutes, nothing downloaded.
+
+    dspark-ds demo --output_dir runs/demo                     # the measured demo
+    dspark-ds demo --output_dir /tmp/d --budget.max_steps 40  # a smaller budget
+
+Every drafter (DSpark, DFlash, Eagle3) gets the same data and the same budget
+(`budget.*`: steps, batch, learning-rate schedule, ZeRO stage, ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dspark_ds.demo.target import DemoTargetConfig
+
+DRAFTERS = ("dspark", "dflash", "eagle3")
+
+
+@dataclass
+class DemoDataConfig:
+    """The drafters' training data: prompts of the synthetic corpus answered by the target."""
+
+    num_train_prompts: int = 1536
+    """Prompts (the first rows of the target's own corpus) whose answers the target regenerates
+    for drafter training."""
+    num_heldout_prompts: int = 48
+    """Held-out prompts (an independent stream of the same generator) for the evaluation."""
+    max_length: int = 128
+    """Prompt + answer tokens (the corpus' longest conversation is ~110)."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: `dspark-ds build-cache` once, every drafter reads the cache; online: the target
+    runs inside each training job."""
+    temperature: float = 0.7
+    """Regeneration temperature (the paper's 0.7)."""
+    top_p: float = 0.8
+    """Regeneration nucleus (the paper's 0.8)."""
+    top_k: int = 20
+    """Regeneration top-k (the paper's 20)."""
+    max_new_tokens: int = 96
+    """Answer length cap during regeneration."""
+    regenerate_batch_size: int = 64
+    """Conversations generated together per rank."""
+
+    def validate(self) -> None:
+        for name in ("num_train_prompts", "num_heldout_prompts", "max_length", "max_new_tokens",
+                     "regenerate_batch_size"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.mode not in ("offline", "online"):
+            raise ValueError(f"data.mode: must be offline | online, got {self.mode!r}")
+
+
+@dataclass
+class DemoBudgetConfig:
+    """The training budget every drafter gets (same steps, batch, schedule and engine)."""
+
+    max_steps: int = 240
+    """Optimizer steps per drafter."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all ranks."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on each rank (accumulation fills the rest)."""
+    lr: float = 3e-3
+    """Peak learning rate (linear warmup, cosine decay to 0); Eagle3 uses the same, as in the
+    paper's comparison (one schedule for every drafter)."""
+    warmup_ratio: float = 0.05
+    """Warmup share of the steps."""
+    zero: str = "zero3"
+    """DeepSpeed config (a shipped name or a JSON path)."""
+    nproc: int | None = None
+    """Training (and regeneration / cache) ranks; None = 2 when the machine has >= 2 cores,
+    else 1."""
+    seed: int = 0
+    """Seed of the drafter init, anchor sampling and data order."""
+
+    def validate(self) -> None:
+        for name in ("max_steps", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"budget.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"budget.lr: must be > 0, got {self.lr}")
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"budget.nproc: must be >= 1 or null, got {self.nproc}")
+        if self.global_batch_size % (self.micro_batch_size * self.world_size):
+            raise ValueError(
+                f"budget.global_batch_size: {self.global_batch_size} is not a multiple of "
+                f"budget.micro_batch_size × ranks = {self.micro_batch_size} × {self.world_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc or (2 if (os.cpu_count() or 1) >= 2 else 1)
+
+
+@dataclass
+class DemoDrafterConfig:
+    """Drafter shapes (sized to the tiny target as the paper's are to Qwen3)."""
+
+    num_draft_layers: int = 2
+    """DSpark / DFlash backbone layers."""
+    block_size: int = 7
+    """γ: tokens drafted per round (Eagle3: ttt_length); the paper's 7."""
+    num_anchors: int = 16
+    """Anchor blocks per training sequence (DSpark / DFlash)."""
+    markov_rank: int = 64
+    """DSpark's Markov head rank (DFlash: 0)."""
+    eagle3_layers: int = 1
+    """Eagle3 layers (the paper's baseline has one)."""
+
+    def validate(self) -> None:
+        for name in ("num_draft_layers", "block_size", "num_anchors", "markov_rank",
+                     "eagle3_layers"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class DemoEvalConfig:
+    """Real speculative decoding of the held-out prompts."""
+
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Sampling temperatures (0 = greedy)."""
+    max_new_tokens: int = 96
+    """Generation budget per prompt."""
+    seed: int = 0
+    """Seed of each prompt's sampling generator."""
+
+    def validate(self) -> None:
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ValueError(f"eval.temperatures: need >= 1 value, all >= 0, got "
+                             f"{self.temperatures}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"eval.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class DemoConfig:
+    """`dspark-ds demo`: corpus → tokenizer + tiny target → regenerate → cache → DSpark, DFlash
+    and Eagle3 trained with DeepSpeed → speculative decoding at T = 0 and T = 1 → MLflow."""
+
+    output_dir: str = "runs/demo"
+    """Everything the demo writes: data, runs, mlflow.db, summary.json, summary.txt."""
+    target: DemoTargetConfig = field(default_factory=DemoTargetConfig)
+    """The tiny target (trained once, then cached under ~/.cache/dspark-ds)."""
+    data: DemoDataConfig = field(default_factory=DemoDataConfig)
+    """Drafter training data and held-out prompts."""
+    drafter: DemoDrafterConfig = field(default_factory=DemoDrafterConfig)
+    """Drafter shapes."""
+    budget: DemoBudgetConfig = field(default_factory=DemoBudgetConfig)
+    """The training budget every drafter gets."""
+    eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
+    """Speculative-decoding evaluation."""
+    drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))
+    """Which drafters to train and compare (dspark, dflash, eagle3)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None = sqlite:///<output_dir>/mlflow.db."""
+    experiment: str = "dspark-ds-demo"
+    """MLflow experiment of every run the demo makes."""
+    num_threads: int = 1
+    """torch threads of the demo process (evaluation) and of each rank.
+
+    NOTE: tiny models gain nothing from intra-op threads, and on a 2-core machine 2 ranks with
+    several threads each oversubscribe it (often 10x slower)."""
+
+    def validate(self) -> None:
+        if not self.output_dir:
+            raise ValueError("output_dir: is required")
+        unknown = [d for d in self.drafters if d not in DRAFTERS]
+        if unknown or not self.drafters or len(set(self.drafters)) != len(self.drafters):
+            raise ValueError(f"drafters: choose distinct names from {list(DRAFTERS)}, got "
+                             f"{self.drafters}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        self.data.validate()
+        self.budget.validate()
+        self.drafter.validate()
+        self.eval.validate()

@@ -2,9 +2,11 @@
 
 - `build_ds_config`: a JSON from `ds_configs/` (or a path) with its "auto" keys filled from the
   run (batch sizes, clipping, precision, AdamW); explicit keys must agree with the run.
-- `DrafterEngine.build`: the drafter (inside `deepspeed.zero.Init` under ZeRO-3), its frozen
-  embedding / lm_head copied from the target, wrapped by `deepspeed.initialize`. Frozen
-  parameters are never given to the optimizer and never written into checkpoints.
+- `DrafterEngine.build`: the drafter (inside `deepspeed.zero.Init` under ZeRO-3) wrapped by
+  `deepspeed.initialize`; its frozen embedding / lm_head are the target's own Parameters when
+  the target runs in the job (online / hybrid / synthetic: see "the target inside the job"
+  below), copies of the target's tensors otherwise (offline). Frozen parameters are never
+  given to the optimizer and never written into checkpoints.
 - save / load (incl. DeepSpeed's universal checkpoint for a different world size) and the fp32
   weights of a checkpoint or of the live model, for export.
 """
@@ -168,6 +170,61 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
+# ---- the target inside the job (online / hybrid mode) ----------------------------------------
+# The drafter's `embed_tokens.weight` and `lm_head.weight` ARE the target's Parameter objects
+# (`dspark_ds.target.share_embeddings_and_head`): one copy in memory, frozen, so never handed to
+# the optimizer (it only gets requires_grad parameters) nor saved (exclude_frozen_parameters).
+#   ZeRO-0/1/2: the target is a plain module, replicated on every rank.
+#   ZeRO-3: `DrafterEngine.build` first gives the target to an optimizer-less DeepSpeed engine
+#     (DeepSpeed's ZeRO-3 inference mode, same ds config): its parameters are partitioned across
+#     ranks like the drafter's, and the hooks that engine puts on every submodule all-gather a
+#     layer's weights just for that layer's forward, so calling `target(...)` (under no_grad,
+#     taps are forward hooks) works unchanged. The drafter is then built inside zero.Init and
+#     takes the two already-partitioned Parameters; its own engine's hooks gather them for the
+#     drafter's forward. Either engine re-partitions them after use.
+# NOTE: DeepSpeed casts a bf16 engine's parameters in place (`p.data = p.data.to(bf16)`): a
+# shared Parameter in another dtype would silently change the target's embedding (and leave it
+# unlike the rest of the target). So the target must already be in the compute dtype; anything
+# else is refused (`check_target_dtype`).
+def precision_dtype(precision: str) -> torch.dtype:
+    """train.precision -> the compute dtype of the drafter (and of an in-job target)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def check_target_dtype(target_dtype: torch.dtype, precision: str) -> None:
+    """Online / hybrid mode: the target must compute in the drafter's dtype (see above)."""
+    want = precision_dtype(precision)
+    if target_dtype != want:
+        have, need = (str(d).removeprefix("torch.") for d in (target_dtype, want))
+        raise ValueError(
+            f"target.dtype: the drafter shares the target's embedding and lm_head, so the "
+            f"target must be in the training compute dtype; train.precision={precision} needs "
+            f"target.dtype={need}, got {have}")
+
+
+def target_load_device(ds_config: dict, device: torch.device) -> torch.device:
+    """Where to load an in-job target: host memory under ZeRO-3 (the engine then moves each
+    parameter's partition to `device`, so no rank ever holds the whole target on `device`)."""
+    return torch.device("cpu") if zero_stage(ds_config) == 3 else device
+
+
+def _shard_target(target: nn.Module, ds_config: dict):
+    """ZeRO-3: partition the frozen target with an optimizer-less engine; returns the engine."""
+    from deepspeed.accelerator import get_accelerator
+
+    cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
+    cfg.get("checkpoint", {}).pop("load_universal", None)  # nothing is ever loaded into it
+    # NOTE: partition first, parameter by parameter onto the device (deepspeed.initialize alone
+    # would move the whole module there before partitioning it); buffers are not partitioned.
+    deepspeed.zero.Init(module=target, config_dict_or_path=cfg)
+    device = torch.device(get_accelerator().current_device_name())
+    for buf in target.buffers():
+        buf.data = buf.data.to(device)
+    target_engine, _, _, _ = deepspeed.initialize(model=target, config=cfg)
+    target_engine.eval()
+    return target_engine
+
+
 # ---- the engine -----------------------------------------------------------------------------
 @torch.no_grad()
 def _init_module_like_drafter(module: nn.Module, std: float) -> None:
@@ -185,11 +242,12 @@ def _init_module_like_drafter(module: nn.Module, std: float) -> None:
 class DrafterEngine:
     """A drafter wrapped by a DeepSpeed engine, plus the save / load / export helpers."""
 
-    def __init__(self, ds_engine, model: nn.Module, ds_config: dict):
+    def __init__(self, ds_engine, model: nn.Module, ds_config: dict, target_engine=None):
         self.ds = ds_engine
         self.model = model
         self.ds_config = ds_config
         self.zero_stage = zero_stage(ds_config)
+        self.target_engine = target_engine  # ZeRO-3 + a target in the job: owns its partitions
 
     @classmethod
     def build(
@@ -198,16 +256,37 @@ class DrafterEngine:
         *,
         ds_config: dict,
         seed: int,
-        shared_weights: tuple[torch.Tensor, torch.Tensor],
         lr_lambda: Callable[[int], float],
+        target: nn.Module | None = None,
+        shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
         init_state: dict[str, torch.Tensor] | None = None,
         zero_init: bool | None = None,
     ) -> DrafterEngine:
-        """`make_model` builds a random drafter; `shared_weights` = (embedding, lm_head) of the
-        target; `init_state` optionally replaces the random trainable weights."""
+        """`make_model` builds a random drafter; `init_state` optionally replaces its random
+        trainable weights. Exactly one of: `target`, the frozen target running in the job (a
+        `FrozenTarget`), whose embedding / lm_head Parameters the drafter then shares and which
+        is partitioned under ZeRO-3; `shared_weights` = (embedding, lm_head) tensors of a target
+        not in the job, copied into the drafter."""
+        from dspark_ds.target import share_embeddings_and_head
+
+        if (target is None) == (shared_weights is None):
+            raise ValueError("DrafterEngine.build: pass exactly one of target / shared_weights")
         stage = zero_stage(ds_config)
         use_zero_init = (stage == 3) if zero_init is None else (zero_init and stage == 3)
-        embed, head = shared_weights
+        target_engine = None
+        if target is not None:
+            check_target_dtype(target.dtype, "bf16" if ds_config.get("bf16", {}).get(
+                "enabled") is True else "fp32")
+            if stage == 3:
+                if not use_zero_init:
+                    # NOTE: DeepSpeed would take the drafter for a zero.Init model (it holds
+                    # partitioned Parameters) and skip its cast and device move.
+                    raise ValueError("deepspeed.zero_init: false is not supported with a target "
+                                     "in the job under ZeRO-3 (its shared embedding and lm_head "
+                                     "are partitioned); leave it unset")
+                target_engine = _shard_target(target, ds_config)
+        # NOTE: the drafter's own embedding / lm_head are initialised (and dropped when shared)
+        # so that the random draws of every other module do not depend on the mode.
         if use_zero_init:
             with deepspeed.zero.Init(config_dict_or_path=ds_config):
                 model = make_model()
@@ -225,12 +304,13 @@ class DrafterEngine:
                             full = f"{name}.{pname}" if name else pname
                             if init_state is not None and full in init_state:
                                 p.data.copy_(init_state[full].to(p.dtype))
-            with deepspeed.zero.GatheredParameters(
-                [model.embed_tokens.weight, model.lm_head.weight], modifier_rank=0
-            ):
-                if rank == 0:
-                    model.initialize_embeddings_and_head(embed, head)
-            model.freeze_shared()
+            if target is None:
+                with deepspeed.zero.GatheredParameters(
+                    [model.embed_tokens.weight, model.lm_head.weight], modifier_rank=0
+                ):
+                    if rank == 0:
+                        model.initialize_embeddings_and_head(*shared_weights)
+                model.freeze_shared()
         else:
             model = make_model()
             torch.manual_seed(seed)
@@ -241,7 +321,10 @@ class DrafterEngine:
                     for key, value in init_state.items():
                         if key in own:
                             own[key].copy_(value.to(own[key].dtype))
-            model.initialize_embeddings_and_head(embed, head)
+            if target is None:
+                model.initialize_embeddings_and_head(*shared_weights)
+        if target is not None:
+            share_embeddings_and_head(model, target)
         trainable = [p for p in model.parameters() if p.requires_grad]
         ds_engine, _, _, _ = deepspeed.initialize(
             model=model,
@@ -249,7 +332,7 @@ class DrafterEngine:
             config=ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
-        return cls(ds_engine, model, ds_config)
+        return cls(ds_engine, model, ds_config, target_engine)
 
     # ---- the step ---------------------------------------------------------------------------
     def __call__(self, **batch):
@@ -325,13 +408,18 @@ class DrafterEngine:
 
         rank = dist.get_rank()
         out: dict[str, torch.Tensor] = {}
-        for name, param in self.model.named_parameters():
-            full = safe_get_full_fp32_param(param) if param.requires_grad else None
-            if full is None:
-                with deepspeed.zero.GatheredParameters([param]):
-                    full = param.data.detach().float().clone()
+        seen: dict[int, torch.Tensor] = {}
+        # NOTE: remove_duplicate=False: a tied target shares ONE Parameter as embedding and
+        # lm_head; its partitioned state_dict entry would be empty under ZeRO-3.
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if id(param) not in seen:  # collective: every rank gathers each Parameter once
+                full = safe_get_full_fp32_param(param) if param.requires_grad else None
+                if full is None:
+                    with deepspeed.zero.GatheredParameters([param]):
+                        full = param.data.detach().float().clone()
+                seen[id(param)] = full.detach().float().cpu() if rank == 0 else full[:0]
             if rank == 0:
-                out[name] = full.detach().float().cpu().clone()
+                out[name] = seen[id(param)].clone()
         if rank != 0:
             return None
         # persistent buffers (e.g. Gemma4's layer_scalar) are saved too; ZeRO never shards them

@@ -217,10 +217,13 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
     the drafter, and keep the target in the same dtype (a cast of the drafter casts the shared
     tensors too).
     """
+    def shape(p: torch.Tensor) -> tuple[int, ...]:  # a ZeRO-3 partitioned Parameter: ds_shape
+        return tuple(getattr(p, "ds_shape", p.shape))
+
     for name, module, weight in (("embed_tokens", drafter.embed_tokens, target.embed_weight),
                                  ("lm_head", drafter.lm_head, target.lm_head_weight)):
-        if tuple(module.weight.shape) != tuple(weight.shape):
-            raise ValueError(f"{name}: target weight {tuple(weight.shape)} != drafter "
-                             f"{tuple(module.weight.shape)}")
+        if shape(module.weight) != shape(weight):
+            raise ValueError(f"{name}: target weight {shape(weight)} != drafter "
+                             f"{shape(module.weight)}")
         weight.requires_grad_(False)
         module.weight = weight

@@ -166,21 +166,27 @@ class Trainer:
         self.cfg = cfg.validate()
         # config-level failures (exit 2) come before any process group exists
         self.draft_config = make_draft_config(cfg)
+        # the target runs in the job (features online, synthetic data) and then lends the
+        # drafter its embedding and lm_head (engine.py: "the target inside the job")
+        needs_target = cfg.data.mode != "offline" or cfg.train.synthetic_samples > 0
+        if needs_target:
+            eng_lib.check_target_dtype(cfg.target.torch_dtype, cfg.train.precision)
         self.rank, self.world, local_rank = eng_lib.init_distributed(cfg.deepspeed.backend)
         self.device = eng_lib.device_for(local_rank)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         ckpt.seed_everything(cfg.train.seed)
 
-        # the target: needed online (features) and for the shared embedding / lm_head
+        self.ds_config = eng_lib.build_ds_config(
+            cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size,
+            world_size=self.world, use_gpu=self.device.type == "cuda")
         from dspark_ds.target import load_target
 
-        needs_target = cfg.data.mode != "offline" or cfg.train.synthetic_samples > 0
-        self.target = load_target(cfg.target, self.device) if needs_target else None
-        if self.target is not None:
-            shared = (self.target.embed_weight.detach(), self.target.lm_head_weight.detach())
-        else:
-            shared = ckpt.target_shared_weights(cfg.target.path)
+        self.target = load_target(cfg.target, eng_lib.target_load_device(
+            self.ds_config, self.device)) if needs_target else None
+        # offline: the target's tensors, copied into the drafter; export writes these (a bf16
+        # engine holds its copies rounded). Online the drafter holds the target's own weights.
+        self.shared = None if needs_target else ckpt.target_shared_weights(cfg.target.path)
 
         self.source = build_batch_source(cfg, rank=self.rank, world_size=self.world,
                                          target=self.target, draft_config=self.draft_config)
@@ -189,9 +195,6 @@ class Trainer:
                                              split="val")
         self.val_start = self.val_source.state_dict() if self.val_source is not None else None
 
-        self.ds_config = eng_lib.build_ds_config(
-            cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size,
-            world_size=self.world, use_gpu=self.device.type == "cuda")
         self.grad_accum = int(self.ds_config["gradient_accumulation_steps"])
         self.steps_per_epoch = len(self.source) // self.grad_accum
         if self.steps_per_epoch == 0:
@@ -211,11 +214,10 @@ class Trainer:
             init_state = load_draft_model(cfg.model.init_from).state_dict()
         self.engine = eng_lib.DrafterEngine.build(
             lambda: build_draft_model(self.draft_config),
-            ds_config=self.ds_config, seed=cfg.train.seed, shared_weights=shared,
+            ds_config=self.ds_config, seed=cfg.train.seed, target=self.target,
+            shared_weights=self.shared,
             lr_lambda=warmup_cosine(self.total_steps, warmup, cfg.train.min_lr_ratio),
             init_state=init_state, zero_init=cfg.deepspeed.zero_init)
-        # the target's own copies: export writes these (the engine may hold them in bf16)
-        self.shared = shared
         self.step, self.epoch = 0, 0
         self.resumed_from = None
         if resume_tag is not None:
@@ -334,8 +336,9 @@ class Trainer:
         state = self.engine.full_fp32_state_dict()
         out = self.run_dir / "export"
         if self.rank == 0:
+            # online, `state` already holds the target's own (shared) weights
             names = self.engine.model.shared_parameter_names()
-            for name, weight in zip(names, self.shared):
+            for name, weight in zip(names, self.shared or ()):
                 if name in state:
                     state[name] = weight.detach().float().cpu().clone()
             save_draft_model(self.engine.model, out, state_dict=state)

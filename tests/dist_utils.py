@@ -94,17 +94,44 @@ def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+def target_facts(trainer) -> dict | None:
+    """How the in-job target is held on this rank (None offline): whether the drafter's
+    embedding / lm_head are the target's Parameters, and how many target weights this rank
+    stores (a ZeRO-3 partition: ds_tensor) and has materialised right now (param.data)."""
+    target = trainer.target
+    if target is None:
+        return None
+    drafter, params = trainer.engine.model, list(target.parameters())
+    return {
+        "shares": drafter.embed_tokens.weight is target.embed_weight
+        and drafter.lm_head.weight is target.lm_head_weight,
+        "frozen": not any(p.requires_grad for p in params),
+        "full_numel": sum(int(getattr(p, "ds_numel", p.numel())) for p in params),
+        "local_numel": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel()
+                           for p in params),
+        "materialized_numel": sum(p.data.numel() for p in params),
+    }
+
+
 def train_many(runs: list[list[str]], result_file: str) -> None:
-    """Each entry: the argv of `dspark-ds train`. Rank 0 writes {name: losses} to result_file."""
+    """Each entry: the argv of `dspark-ds train`. Rank 0 writes {name: losses, ...} to
+    result_file (with `target_facts` of every rank, after the run)."""
+    import torch.distributed as dist
+
     from dspark_ds.cli import parse_config
-    from dspark_ds.trainer import train
+    from dspark_ds.trainer import Trainer
 
     results = {}
     for argv in runs:
         cfg = parse_config("train", argv)
-        res = train(cfg)
+        trainer = Trainer(cfg)
+        res = trainer.run()
+        facts = [None] * dist.get_world_size()
+        dist.all_gather_object(facts, target_facts(trainer))
         results[cfg.name] = {"losses": res.losses, "export_dir": res.export_dir,
-                             "mlflow_run_id": res.mlflow_run_id, "val": res.val_metrics}
+                             "mlflow_run_id": res.mlflow_run_id, "val": res.val_metrics,
+                             "target": facts}
+        del trainer
     if int(os.environ.get("RANK", 0)) == 0:
         Path(result_file).write_text(json.dumps(results))
 

@@ -6,6 +6,8 @@ Launches are grouped to keep the suite short (each process imports deepspeed onc
   C  1 process : resume B's ZeRO-3 step-4 checkpoint on 1 rank (universal checkpoint)
   D  1 process : SIGUSR1 mid-run (exit 75), then `--resume auto` (2 launches)
   E  `dspark-ds export` from B's ZeRO-3 checkpoint
+Every run is online (synthetic sequences, features from the target in the job): the drafter
+shares the target's embedding / lm_head Parameters; B's ZeRO-3 runs partition the target.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 import torch
 from dist_utils import REPO, _env, check, free_port, python, torchrun
 from safetensors.torch import load_file
-from tiny_models import build_tiny_target
+from tiny_models import build_tiny_target, write_chat_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -35,6 +37,10 @@ def base_args(target: Path, out: Path, name: str, *extra: str) -> list[str]:
             "--name", name, "--train.max_steps", str(STEPS), "--train.progress_bar", "false",
             "--checkpoint.every_steps", "4", "--checkpoint.keep_last", "2", *extra]
 
+
+# ZeRO-3 with nothing kept whole: every weight (the target's too) is released after its use
+NO_PERSIST = ["--deepspeed.overrides",
+              json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}})]
 
 # the 1-rank vs 2-rank equality: same global batch (4), one step, a clip that never bites; a
 # large AdamW eps makes the update proportional to the gradient (Adam alone would hide a wrong
@@ -71,12 +77,17 @@ def runs(tmp_path_factory):
                          "--tracking.uri", f"http://127.0.0.1:{free_port()}",
                          "--train.max_steps", "2", "--checkpoint.save_final", "false",
                          "--checkpoint.export_final", "false"))
-    two = [base_args(target, out, f"b_{k}", "--deepspeed.config", v) for k, v in STAGES.items()]
+    two = [base_args(target, out, f"b_{k}", "--deepspeed.config", v,
+                     *(NO_PERSIST if k == "z3" else [])) for k, v in STAGES.items()]
     two.append(base_args(target, out, "eq_z3", "--deepspeed.config", "zero3",
                          "--data.batch_size", "2", *EQ))
+    # a tied target (one Parameter is embedding and lm_head) shared under ZeRO-3
+    tied = Path(build_tiny_target(root / "tied", tie_word_embeddings=True))
+    two.append(base_args(tied, out, "b_z3_tied", "--deepspeed.config", "zero3", *NO_PERSIST,
+                         "--train.max_steps", "2", "--checkpoint.save_final", "false"))
     res = train_many(out, one, nproc=1)
     res.update(train_many(out, two, nproc=2))
-    return {"root": root, "target": target, "out": out, "res": res}
+    return {"root": root, "target": target, "tied": tied, "out": out, "res": res}
 
 
 def mlflow_client(out: Path):
@@ -229,3 +240,87 @@ def test_export_cli(runs):
     assert all(torch.equal(live[k], got[k]) for k in live)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 4
+
+
+def test_online_target_shared_and_partitioned_under_zero3(runs):
+    """The drafter's embedding / lm_head are the target's frozen Parameters at every stage;
+    under ZeRO-3 each rank stores only its partition of the target (nothing left gathered
+    after the run), and the losses equal the replicated (ZeRO-2) run's."""
+    res = runs["res"]
+    for name in ("b_z0", "b_z2", "b_z3", "b_z3off", "a_z0", "a_z3", "b_z3_tied"):
+        assert all(f["shares"] and f["frozen"] for f in res[name]["target"]), name
+    for rank_facts in res["b_z2"]["target"]:  # replicated
+        assert rank_facts["local_numel"] == rank_facts["materialized_numel"] == rank_facts[
+            "full_numel"]
+    for name in ("b_z3", "b_z3_tied"):
+        facts = res[name]["target"]
+        full = facts[0]["full_numel"]
+        assert len(facts) == 2 and full > 10_000
+        for rank_facts in facts:
+            assert rank_facts["local_numel"] <= full // 2 + 64, (name, rank_facts)
+            assert rank_facts["materialized_numel"] == 0, (name, rank_facts)
+        assert sum(f["local_numel"] for f in facts) >= full
+    for step in range(1, STEPS + 1):
+        assert res["b_z3"]["losses"][step] == pytest.approx(res["b_z2"]["losses"][step],
+                                                            rel=2e-4), step
+
+
+@pytest.mark.parametrize("name", ["b_z2", "b_z3"])
+def test_shared_weights_not_in_checkpoints_but_exported(runs, name):
+    from dspark_ds.checkpoint import target_shared_weights
+    from dspark_ds.engine import checkpoint_trainable_fp32
+
+    trainable = checkpoint_trainable_fp32(runs["out"] / name / "checkpoints" / "step_00000008")
+    assert "fc.weight" in trainable
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(trainable)
+    live = load_file(Path(runs["res"][name]["export_dir"]) / "model.safetensors")
+    embed, head = target_shared_weights(str(runs["target"]))
+    assert torch.equal(live["embed_tokens.weight"], embed.float())
+    assert torch.equal(live["lm_head.weight"], head.float())
+
+
+def test_tied_target_export_under_zero3(runs):
+    from dspark_ds.checkpoint import target_shared_weights
+
+    live = load_file(Path(runs["res"]["b_z3_tied"]["export_dir"]) / "model.safetensors")
+    embed, head = target_shared_weights(str(runs["tied"]))
+    assert torch.equal(embed, head)
+    assert torch.equal(live["embed_tokens.weight"], embed.float())
+    assert torch.equal(live["lm_head.weight"], embed.float())
+
+
+def test_target_dtype_must_match_precision_online(tmp_path):
+    from dspark_ds.cli import parse_config
+    from dspark_ds.trainer import Trainer
+
+    target = build_tiny_target(tmp_path / "target")
+    cfg = parse_config("train", base_args(Path(target), tmp_path, "dtype", "--train.precision",
+                                          "bf16"))
+    with pytest.raises(ValueError, match="target.dtype: .*train.precision=bf16 needs "
+                                         "target.dtype=bfloat16, got float32"):
+        Trainer(cfg)
+
+
+def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path):
+    """Hybrid mode, ZeRO-3, 2 ranks, real (prepared) data: epoch 0 runs the partitioned target,
+    whose every forward all-gathers weights (a collective), so the samples left out of epoch 0
+    must cost both ranks the same number of forwards; epoch 1 reads the completed cache."""
+    from dspark_ds.data.cache import TargetCache
+    from dspark_ds.data.config import DataConfig, PrepareConfig
+    from dspark_ds.data.tokens import prepare
+
+    target = Path(build_tiny_target(tmp_path / "target"))
+    jsonl = write_chat_jsonl(tmp_path / "chat.jsonl", 17, seed=2)
+    prep = tmp_path / "prep"
+    prepare(PrepareConfig(data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=72),
+                          output_dir=str(prep)))
+    res = train_many(tmp_path / "runs", [base_args(
+        target, tmp_path / "runs", "hyb", "--deepspeed.config", "zero3", *NO_PERSIST,
+        "--train.synthetic_samples", "0", "--data.mode", "hybrid", "--data.paths", f"[{prep}]",
+        "--data.cache_dir", str(tmp_path / "cache"), "--data.max_length", "72",
+        "--tracking.enabled", "false")], nproc=2)
+    cache = TargetCache(tmp_path / "cache")
+    assert len(cache) % 4, "the test needs samples left out of epoch 0 (global batch 4)"
+    losses = res["hyb"]["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))  # epoch 1 (steps 5..8) from the cache
+    assert all(f["shares"] and f["materialized_numel"] == 0 for f in res["hyb"]["target"])

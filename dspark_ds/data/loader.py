@@ -99,9 +99,13 @@ class HybridCacheWriter:
         dist.barrier()
         written = {i for s in cache_lib.completed_shards(self.cache_dir).values()
                    for i in s["sample_ids"]}
-        missing = [i for i in range(len(store)) if i not in written][self.rank::self.world]
-        if missing:
-            feats = cache_lib.compute_features(provider, store, missing, batch_size,
+        todo = [i for i in range(len(store)) if i not in written]
+        missing = todo[self.rank::self.world]
+        if todo:
+            # NOTE: the same number of target forwards on every rank (the short share padded
+            # with a repeat): a ZeRO-3 partitioned target all-gathers weights in each forward.
+            even = missing + todo[:1] * (-(-len(todo) // self.world) - len(missing))
+            feats = cache_lib.compute_features(provider, store, even, batch_size,
                                                pad_token_id)
             self.buffer = [feats[i] for i in missing]
             self.flush()

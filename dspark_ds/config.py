@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal
 
 from dspark_ds.data.config import DataConfig
+from dspark_ds.perf.config import PerfConfig
 from dspark_ds.target import TargetConfig
 
 
@@ -229,6 +230,8 @@ class TrainRunConfig:
     """Checkpoint cadence, retention and resume."""
     eval: ValidationConfig = field(default_factory=ValidationConfig)
     """Periodic validation."""
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    """How the step computes attention and the loss (same results, different cost)."""
 
     @property
     def run_dir(self) -> str:

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from dspark_ds import checkpoint as ckpt
 from dspark_ds.batches import build_batch_source
 from dspark_ds.config import TrainRunConfig, flatten
-from dspark_ds.loss import compute_dspark_loss
 from dspark_ds.models import build_draft_config, build_draft_model, sample_anchor_positions
 from dspark_ds.models.io import draft_config_dict
 
@@ -218,6 +217,10 @@ class Trainer:
             shared_weights=self.shared,
             lr_lambda=warmup_cosine(self.total_steps, warmup, cfg.train.min_lr_ratio),
             init_state=init_state, zero_init=cfg.deepspeed.zero_init)
+        if cfg.model.kind == "dspark":
+            from dspark_ds.perf import apply_perf_config
+
+            apply_perf_config(self.engine.model, cfg.perf)
         self.step, self.epoch = 0, 0
         self.resumed_from = None
         if resume_tag is not None:
@@ -360,12 +363,18 @@ class Trainer:
         anchors, keep = sample_anchors(batch["loss_mask"], batch["sample_ids"],
                                        self.draft_config.num_anchors, self.cfg.train.seed,
                                        self.epoch)
+        from dspark_ds.perf import forward_and_loss
+
         inputs = {k: batch[k].to(self.engine.device) for k in BATCH_KEYS}
-        out = self.engine(**inputs, anchor_positions=anchors, block_keep_mask=keep)
+        inputs.update(anchor_positions=anchors, block_keep_mask=keep)
         m = self.cfg.model
-        return compute_dspark_loss(out, loss_decay_gamma=m.loss_decay_gamma,
-                                   ce_loss_alpha=m.ce_loss_alpha, l1_loss_alpha=m.l1_loss_alpha,
-                                   confidence_head_alpha=m.confidence_head_alpha)
+        loss_args = dict(loss_decay_gamma=m.loss_decay_gamma, ce_loss_alpha=m.ce_loss_alpha,
+                         l1_loss_alpha=m.l1_loss_alpha,
+                         confidence_head_alpha=m.confidence_head_alpha)
+        # "auto": the chunked loss (no [B, A, G, V] tensors), the reference one under ZeRO-3
+        return forward_and_loss(self.engine.model, inputs, loss_args, impl=self.cfg.perf.loss_impl,
+                                chunk_anchors=self.cfg.perf.loss_chunk_anchors,
+                                forward=self.engine)
 
     def validate(self) -> dict[str, float]:
         if self.val_source is None:

@@ -209,7 +209,10 @@ class DSparkDraftModel(nn.Module):
         anchor_positions: torch.Tensor | None = None,
         block_keep_mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
-    ) -> DSparkForwardOutput:
+        return_hidden: bool = False,
+    ) -> DSparkForwardOutput | DSparkHiddenOutput:
+        """Full logits, or with `return_hidden` the `forward_hidden` result (so a DeepSpeed
+        engine, which only calls `forward`, can feed the chunked loss)."""
         feats = self.forward_hidden(
             input_ids,
             target_hidden_states,
@@ -219,6 +222,8 @@ class DSparkDraftModel(nn.Module):
             block_keep_mask=block_keep_mask,
             generator=generator,
         )
+        if return_hidden:
+            return feats
         hidden_BAGH = feats.hidden
         aligned = None
         if feats.target_prev_hidden is not None:

@@ -44,6 +44,7 @@ def forward_and_loss(
     impl: str = "auto",
     chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
     generator: torch.Generator | None = None,
+    forward=None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(loss to backpropagate, metrics) for one micro-batch, as `compute_dspark_loss(model(..))`.
 
@@ -51,17 +52,19 @@ def forward_and_loss(
     target_last_hidden_states; anchor_positions / block_keep_mask optional). loss_args: the
     keyword arguments of `compute_dspark_loss` (loss_decay_gamma, ce_loss_alpha,
     l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "auto" (chunked,
-    or reference under ZeRO-3: see `resolve_loss_impl`).
+    or reference under ZeRO-3: see `resolve_loss_impl`). forward: what runs the model (a
+    DeepSpeed engine, called with keyword arguments); None = `model` itself, whose heads the
+    chunked loss reads either way.
     """
     impl = resolve_loss_impl(model, impl)
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
         raise ValueError(f"batch: missing {missing} (needs {BATCH_KEYS})")
-    kwargs = {k: batch[k] for k in OPTIONAL_BATCH_KEYS if batch.get(k) is not None}
-    args = (batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"])
+    forward = forward if forward is not None else model
+    kwargs = {k: batch[k] for k in (*BATCH_KEYS, *OPTIONAL_BATCH_KEYS) if batch.get(k) is not None}
     if impl == "reference":
-        out = model(*args, **kwargs, generator=generator)
+        out = forward(**kwargs, generator=generator)
         return compute_dspark_loss(out, **loss_args)
-    feats = model.forward_hidden(*args, **kwargs, generator=generator)
+    feats = forward(**kwargs, generator=generator, return_hidden=True)
     conf = model.predict_confidence(feats.hidden, feats.prev_token_ids)
     return chunked_dspark_loss(model, feats, conf, chunk_anchors=chunk_anchors, **loss_args)

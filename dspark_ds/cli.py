@@ -39,6 +39,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                  "estimate the size of a target cache before building it (`estimate cache`)"),
     "bench": ("dspark_ds.perf.bench:TrainBenchConfig", "dspark_ds.perf.bench:run_train_bench",
               "training-step throughput and memory of the drafter variants"),
+    "bench-decode": ("dspark_ds.eval.config:BenchConfig", "dspark_ds.eval.bench:run_bench",
+                     "tokens/s of speculative decoding against the target alone"),
 }
 # `dspark-ds estimate cache ...` reads as English; the word is optional.
 SUBCOMMAND_WORDS = {"estimate": "cache"}

@@ -44,7 +44,7 @@ def test_help_lists_subcommands_and_field_docs(capsys):
     code, text = run(capsys, "--help")
     assert code == 0
     for name in ("prepare", "regenerate", "build-cache", "train", "eval", "export", "demo",
-                 "estimate", "bench"):
+                 "estimate", "bench", "bench-decode"):
         assert name in text
     code, text = run(capsys, "train", "--help")
     assert code == 0

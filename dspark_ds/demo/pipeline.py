@@ -93,6 +93,10 @@ class DemoPipeline:
         env.update(DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                    OMP_NUM_THREADS=str(self.cfg.num_threads),
                    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")  # fmt: skip
+        # NOTE: DeepSpeed's ZeRO-3 calls deprecated torch.distributed collectives every step;
+        # their FutureWarnings would bury the progress bars of the demo.
+        warn = "ignore::FutureWarning"
+        env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), warn) if w)
         # the subprocesses import this very package, wherever it was imported from
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

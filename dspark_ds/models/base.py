@@ -80,7 +80,49 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
-class DSparkDraftModel(nn.Module):
+class TargetSharedWeights:
+    """Init and the frozen embedding / lm_head shared with the target, for every drafter kind.
+
+    The class using it has `config`, `embed_tokens` and `lm_head`.
+    """
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+
+    @torch.no_grad()
+    def initialize_embeddings_and_head(
+        self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, freeze: bool = True
+    ) -> None:
+        """Copies the target's embedding and lm_head (spec §2) and freezes them."""
+        for name, dst, src in (
+            ("embed_tokens", self.embed_tokens.weight, embed_weight),
+            ("lm_head", self.lm_head.weight, lm_head_weight),
+        ):
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(
+                    f"{name}: target weight {tuple(src.shape)} != drafter {tuple(dst.shape)}"
+                )
+            dst.copy_(src.detach().to(dst.dtype))
+        if freeze:
+            self.freeze_shared()
+
+    def freeze_shared(self) -> None:
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @staticmethod
+    def shared_parameter_names() -> tuple[str, ...]:
+        """Parameters copied from the target, frozen, and never in a training checkpoint."""
+        return ("embed_tokens.weight", "lm_head.weight")
+
+
+class DSparkDraftModel(TargetSharedWeights, nn.Module):
     """Base class; see the module docstring. Construct through a backend or `from_config`."""
 
     architecture: str = ""
@@ -143,44 +185,6 @@ class DSparkDraftModel(nn.Module):
     def interchange_config_dict(data: dict, config) -> dict:
         """Family fix-ups of the config.json dict `save_draft_model` writes."""
         return data
-
-    # ---- set-up ------------------------------------------------------------------------
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, nn.Embedding):
-                module.weight.normal_(0.0, std)
-
-    @torch.no_grad()
-    def initialize_embeddings_and_head(
-        self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, freeze: bool = True
-    ) -> None:
-        """Copies the target's embedding and lm_head (spec §2) and freezes them."""
-        for name, dst, src in (
-            ("embed_tokens", self.embed_tokens.weight, embed_weight),
-            ("lm_head", self.lm_head.weight, lm_head_weight),
-        ):
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(
-                    f"{name}: target weight {tuple(src.shape)} != drafter {tuple(dst.shape)}"
-                )
-            dst.copy_(src.detach().to(dst.dtype))
-        if freeze:
-            self.freeze_shared()
-
-    def freeze_shared(self) -> None:
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
-
-    @staticmethod
-    def shared_parameter_names() -> tuple[str, ...]:
-        """Parameters copied from the target, frozen, and never in a training checkpoint."""
-        return ("embed_tokens.weight", "lm_head.weight")
 
     # ---- the shared backbone ---------------------------------------------------------
     def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from .attention import attend
-from .base import apply_rope
+from .base import TargetSharedWeights, apply_rope
 from .common import DraftKVCache, validate_target_layer_ids
 from .markov import sample_from_logits
 
@@ -258,7 +258,7 @@ class Qwen3Eagle3DecoderLayer(nn.Module):
 
 
 # ---- the family-independent model ------------------------------------------------------------
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(TargetSharedWeights, nn.Module):
     """Base class; a backend supplies its layer, norm, rotary embedding and logits."""
 
     architecture: str = ""
@@ -316,40 +316,6 @@ class Eagle3DraftModel(nn.Module):
         return self.head_logits(self.norm(hidden))
 
     # ---- set-up (the same contract as DSparkDraftModel) --------------------------------------
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-
-    @torch.no_grad()
-    def initialize_embeddings_and_head(
-        self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, freeze: bool = True
-    ) -> None:
-        """Copies the target's embedding and lm_head and freezes them (as for DSpark)."""
-        for name, dst, src in (
-            ("embed_tokens", self.embed_tokens.weight, embed_weight),
-            ("lm_head", self.lm_head.weight, lm_head_weight),
-        ):
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(
-                    f"{name}: target weight {tuple(src.shape)} != drafter {tuple(dst.shape)}"
-                )
-            dst.copy_(src.detach().to(dst.dtype))
-        if freeze:
-            self.freeze_shared()
-
-    def freeze_shared(self) -> None:
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
-
-    @staticmethod
-    def shared_parameter_names() -> tuple[str, ...]:
-        return ("embed_tokens.weight", "lm_head.weight")
-
     @staticmethod
     def interchange_config_dict(data: dict, config) -> dict:
         """config.json as the reference writes it (without the runtime `block_size` alias)."""

@@ -272,7 +272,9 @@ def _zero_section(option: ZeroOption, run_cfg) -> dict:
     return _merge(cfg, option_overrides(option, run_cfg)).get("zero_optimization", {})
 
 
-def activation_bytes(inv: Inventory, run_cfg, device: str = "cuda") -> dict[str, float]:
+def activation_bytes(
+    inv: Inventory, run_cfg, device: str = "cuda", stage: int = 2
+) -> dict[str, float]:
     """Peak activation memory of one micro-batch (forward saved tensors + the largest backward
     transient), by component."""
     b = 2 if run_cfg.train.precision == "bf16" else 4
@@ -288,15 +290,20 @@ def activation_bytes(inv: Inventory, run_cfg, device: str = "cuda") -> dict[str,
     out["context_proj"] = B * S * H * b * 3  # fc out, norm in/out
     per_layer_tokens = B * Q * (6 * H + 2 * qd + 3 * F) * b  # norms, q, attn out, mlp
     per_layer_kv = B * (S + Q) * 4 * kv * b  # k, v before / after norm + rope
-    if device == "cuda":
-        # flex_attention keeps only the output and a log-sum-exp per query and head
+    perf = getattr(run_cfg, "perf", None)
+    attn = getattr(perf, "attn_implementation", "auto")
+    if device == "cuda" or attn in ("auto", "blockwise"):
+        # flex_attention (CUDA) and the blockwise kernel (elsewhere) keep only the output and
+        # a log-sum-exp per query and head; probabilities are recomputed in backward
         per_layer_attn = B * Q * (qd * b + inv.heads * 4)
     else:
         # scores + probabilities (fp32) over [context; own block] for every draft token
         per_layer_attn = B * inv.heads * Q * (S + G) * 4 * 2
     out["draft_layers"] = inv.draft_layers * (per_layer_tokens + per_layer_kv + per_layer_attn)
-    perf = getattr(run_cfg, "perf", None)
-    chunked = perf is not None and getattr(perf, "loss_impl", "reference") in ("auto", "chunked")
+    # the trainer's rule (dspark_ds.perf.resolve_loss_impl): "auto" is chunked except under
+    # ZeRO-3, whose partitioned parameters the chunked loss does not handle
+    loss_impl = getattr(perf, "loss_impl", "reference")
+    chunked = loss_impl == "chunked" or (loss_impl == "auto" and stage != 3)
     rows = B * Q
     if chunked:
         rows = min(rows, int(getattr(perf, "loss_chunk_anchors", 64)) * G)
@@ -305,7 +312,10 @@ def activation_bytes(inv: Inventory, run_cfg, device: str = "cuda") -> dict[str,
     # target and their difference (fp32), plus the fp32 copy of the draft logits under bf16.
     # The backward frees these saved tensors as it creates the logits' gradients, so it does
     # not add another full set.
-    out["logits_softmax"] = rows * V * (2 * b + 4 * 4 + (4 if b == 2 else 0))
+    # The chunked loss (perf/chunked_loss.py) works in place: per chunk the draft and target
+    # logits, p_d and p_t (fp32; the gradient overwrites them), plus the fp32 copy under bf16.
+    fp32_buffers = 2 if chunked else 4
+    out["logits_softmax"] = rows * V * (2 * b + 4 * fp32_buffers + (4 if b == 2 else 0))
     out["markov_confidence"] = B * Q * (2 * inv.markov_rank + H) * b
     return out
 
@@ -387,7 +397,7 @@ def estimate(option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig) -> E
         dev["target_gathered_layer"] = layer * target["target_weights"] / inv.target_params
     elif in_job:
         dev["target_weights"] = target["target_weights"]
-    acts = activation_bytes(inv, run_cfg, cfg.device or "cuda")
+    acts = activation_bytes(inv, run_cfg, cfg.device or "cuda", stage)
     # the target's forward ends (its transient freed) before the drafter's begins: the peak
     # holds whichever phase is larger (the features it produced are part of both)
     if target.get("target_forward", 0.0) > sum(acts.values()) - acts["features_in"]:

@@ -42,8 +42,10 @@ def test_qwen3_8b_on_8x80gb(capsys):
     assert est["zero2+offload_opt"]["host_total_per_rank"] > 0
     # bf16 ZeRO-2: our model states equal DeepSpeed's own estimator
     assert states("zero2") == pytest.approx(est["zero2"]["deepspeed_states"], rel=0.01)
-    # the B·A·γ·V logits dominate the activations: 512 anchors × 7 × 151936
-    assert est["zero2"]["device"]["act_logits_softmax"] > 10 * GIB
+    # the B·A·γ·V logits dominate the activations of the full-logit loss (ZeRO-3's path:
+    # 512 anchors × 7 × 151936); the chunked loss that ZeRO-0..2 use holds 32 anchors' worth
+    assert est["zero3"]["device"]["act_logits_softmax"] > 10 * GIB
+    assert est["zero2"]["device"]["act_logits_softmax"] < 1 * GIB
     assert result["recommended"] == "zero2"
     text = capsys.readouterr().out
     assert "recommended: zero2" in text and "zero3+offload_opt+param" in text
@@ -57,9 +59,9 @@ def test_nothing_fits_says_what_to_change(capsys):
 
 
 def test_memory_pressure_moves_to_zero3():
-    # 36 GB GPUs: ZeRO-2 (~37 GiB) no longer fits; ZeRO-3, which also partitions the target
+    # 24 GB GPUs: ZeRO-2 (~23.7 GiB) no longer fits; ZeRO-3, which also partitions the target
     # (with the shared embedding / lm_head) and the drafter, does and is the fastest left
-    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=36)
+    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=24)
     fits = {e["option"]: e["fits"] for e in result["estimates"]}
     assert not fits["zero2"] and fits["zero3"]
     assert result["recommended"] == "zero3"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,11 +53,14 @@ def _worker(rank: int, world: int, init_file: str, result_file: str):
 
 
 @pytest.mark.distributed
-def test_two_rank_gradients_equal_single_process(tmp_path):
-    result = tmp_path / "rank0.pt"
+def test_two_rank_gradients_equal_single_process():
+    # NOTE: not pytest's tmp_path: a concurrent pytest session may rotate that folder away
+    # while the ranks still rendezvous through the file in it.
+    work = Path(tempfile.mkdtemp(prefix="dspark-dist-"))
+    result = work / "rank0.pt"
     mp.start_processes(
         _worker,
-        args=(2, str(tmp_path / "init"), str(result)),
+        args=(2, str(work / "init"), str(result)),
         nprocs=2,
         join=True,
         start_method="spawn",

@@ -49,6 +49,8 @@ def _worker(rank: int, world: int, init_file: str, result_file: str):
         g /= world
     if rank == 0:
         torch.save({"grads": grads, "metrics": metrics}, result_file)
+    # NOTE: leave together: a rank tearing gloo down while the other still talks aborts it
+    dist.barrier()
     dist.destroy_process_group()
 
 

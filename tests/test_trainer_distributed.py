@@ -206,7 +206,9 @@ def test_preempt_then_resume_auto_continues_exactly(runs):
     log = out / name / "train_log.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
-        if log.exists() and len(log.read_text().splitlines()) >= 3:
+        # NOTE: signal at the first logged step: on an idle machine the remaining steps take
+        # well under a second, and a signal after the last step rightly ends with exit 0
+        if log.exists() and len(log.read_text().splitlines()) >= 1:
             proc.send_signal(signal.SIGUSR1)  # Slurm's pre-emption warning
             break
         time.sleep(0.2)
@@ -214,7 +216,7 @@ def test_preempt_then_resume_auto_continues_exactly(runs):
     assert proc.returncode == 75, output[-3000:]
     assert (out / name / "REQUEUE").exists()
     stopped_at = int((out / name / "REQUEUE").read_text())
-    assert 3 <= stopped_at < STEPS
+    assert 1 <= stopped_at < STEPS
     run_id = (out / name / "mlflow_run_id").read_text().strip()
 
     check(subprocess.run([*argv, "--checkpoint.resume", "auto"], env=_env(), cwd=REPO,

@@ -81,10 +81,23 @@ class DraftAttention(nn.Module):
 
 
 class TargetSharedWeights:
-    """Init and the frozen embedding / lm_head shared with the target, for every drafter kind.
+    """What every drafter kind (DSpark, Eagle3) shares: the backend hooks that build its
+    layers, init, and the frozen embedding / lm_head shared with the target.
 
     The class using it has `config`, `embed_tokens` and `lm_head`.
     """
+
+    def make_embedding(self) -> nn.Module:
+        return nn.Embedding(int(self.config.vocab_size), int(self.config.hidden_size))
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_norm(self, dim: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_rotary(self) -> nn.Module:
+        raise NotImplementedError
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -159,19 +172,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             self.confidence_head = ConfidenceHead(hidden + extra)
         self.reset_parameters()
 
-    # ---- what a backend provides ----------------------------------------------------
-    def make_embedding(self) -> nn.Module:
-        return nn.Embedding(int(self.config.vocab_size), int(self.config.hidden_size))
-
-    def make_layer(self, layer_idx: int) -> nn.Module:
-        raise NotImplementedError
-
-    def make_norm(self, dim: int) -> nn.Module:
-        raise NotImplementedError
-
-    def make_rotary(self) -> nn.Module:
-        raise NotImplementedError
-
+    # ---- what a backend provides (see TargetSharedWeights for the layer hooks) -------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 

@@ -289,19 +289,7 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         self.lm_head = nn.Linear(hidden, int(config.vocab_size), bias=False)
         self.reset_parameters()
 
-    # ---- what a backend provides -------------------------------------------------------------
-    def make_embedding(self) -> nn.Module:
-        return nn.Embedding(int(self.config.vocab_size), int(self.config.hidden_size))
-
-    def make_layer(self, layer_idx: int) -> nn.Module:
-        raise NotImplementedError
-
-    def make_norm(self, dim: int) -> nn.Module:
-        raise NotImplementedError
-
-    def make_rotary(self) -> nn.Module:
-        raise NotImplementedError
-
+    # ---- what a backend provides (layer hooks: TargetSharedWeights) ---------------------------
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Logits of an already normed state through the shared lm_head (a backend adds its
         final-logit soft-capping here)."""

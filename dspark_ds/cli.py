@@ -18,6 +18,8 @@ import importlib
 import json
 import sys
 
+from dspark_ds.launch import close_process_group
+
 # name -> (config class, entry function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "prepare": ("dspark_ds.data.config:PrepareConfig", "dspark_ds.data.tokens:prepare",
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         # config problems found while setting up (cache mismatch, batch divisibility, ...)
         return _fail(str(err))
+    close_process_group()
     return 0
 
 

@@ -140,6 +140,20 @@ def prepare_env(env: MutableMapping[str, str] | None = None) -> LaunchInfo:
     return info
 
 
+def close_process_group() -> None:
+    """Destroy the default process group if this process joined one.
+
+    Every entry point calls it once its work succeeded. A gloo process that reaches interpreter
+    shutdown with its group alive can abort in C++ teardown ("terminate called without an active
+    exception", SIGABRT): the job's work is done, yet the launcher reports a failure and
+    `srun --kill-on-bad-exit` kills the other ranks. Not called on errors: destroying a group
+    while other ranks are still inside a collective can hang.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -642,12 +642,15 @@ def run(cfg: TunerConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from jsonargparse import ArgumentParser
 
+    from dspark_ds.launch import close_process_group
+
     parser = ArgumentParser(prog="zero_tuner", description=TunerConfig.__doc__,
                             exit_on_error=False)
     parser.add_class_arguments(TunerConfig, nested_key=None)
     try:
         ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
         run(TunerConfig(**{k: v for k, v in vars(ns).items() if k != "__path__"}))
+        close_process_group()
     except SystemExit as err:
         return int(err.code or 0)
     except (ValueError, TypeError) as err:

@@ -119,6 +119,7 @@ def train_many(runs: list[list[str]], result_file: str) -> None:
     import torch.distributed as dist
 
     from dspark_ds.cli import parse_config
+    from dspark_ds.launch import close_process_group
     from dspark_ds.trainer import Trainer
 
     results = {}
@@ -134,6 +135,7 @@ def train_many(runs: list[list[str]], result_file: str) -> None:
         del trainer
     if int(os.environ.get("RANK", 0)) == 0:
         Path(result_file).write_text(json.dumps(results))
+    close_process_group()
 
 
 if __name__ == "__main__":

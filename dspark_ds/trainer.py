@@ -219,9 +219,16 @@ class Trainer:
             lr_lambda=warmup_cosine(self.total_steps, warmup, cfg.train.min_lr_ratio),
             init_state=init_state, zero_init=cfg.deepspeed.zero_init)
         if cfg.model.kind == "dspark":
-            from dspark_ds.perf import apply_perf_config
+            from dspark_ds.perf import apply_perf_config, resolve_loss_impl
 
             apply_perf_config(self.engine.model, cfg.perf)
+            self.loss_impl = resolve_loss_impl(self.engine.model, cfg.perf.loss_impl)
+        else:
+            # NOTE: under ZeRO-3 the chunked Eagle3 loss's lm_head calls run outside the
+            # engine's forward and leave the gathered lm_head marked active; full logits there.
+            self.loss_impl = "reference" if self.engine.zero_stage == 3 else "chunked"
+        print0(f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
+               f"loss {self.loss_impl}, world size {self.world}")
         self.step, self.epoch = 0, 0
         self.resumed_from = None
         if resume_tag is not None:
@@ -240,7 +247,8 @@ class Trainer:
             params.update({"derived.world_size": self.world, "derived.grad_accum": self.grad_accum,
                            "derived.total_steps": self.total_steps,
                            "derived.warmup_steps": warmup,
-                           "derived.zero_stage": self.engine.zero_stage})
+                           "derived.zero_stage": self.engine.zero_stage,
+                           "derived.loss_impl": self.loss_impl})
             self.tracker.log_params(params)
             self.tracker.log_dict(self.ds_config, "ds_config.json")
             self.tracker.log_text(self.config_yaml(), "config.yaml")
@@ -355,12 +363,9 @@ class Trainer:
             from dspark_ds.eagle3_loss import eagle3_forward_and_loss
 
             inputs = {k: batch[k].to(self.engine.device) for k in BATCH_KEYS}
-            # NOTE: under ZeRO-3 the chunked loss's lm_head calls run outside the engine's
-            # forward and leave the gathered lm_head marked active; use full logits there.
-            impl = "reference" if self.engine.zero_stage == 3 else "auto"
             return eagle3_forward_and_loss(self.engine.model, inputs, forward=self.engine,
                                            step_loss_decay=self.cfg.model.step_loss_decay,
-                                           impl=impl)
+                                           impl=self.loss_impl)
         anchors, keep = sample_anchors(batch["loss_mask"], batch["sample_ids"],
                                        self.draft_config.num_anchors, self.cfg.train.seed,
                                        self.epoch)
@@ -372,8 +377,8 @@ class Trainer:
         loss_args = dict(loss_decay_gamma=m.loss_decay_gamma, ce_loss_alpha=m.ce_loss_alpha,
                          l1_loss_alpha=m.l1_loss_alpha,
                          confidence_head_alpha=m.confidence_head_alpha)
-        # "auto": the chunked loss (no [B, A, G, V] tensors), the reference one under ZeRO-3
-        return forward_and_loss(self.engine.model, inputs, loss_args, impl=self.cfg.perf.loss_impl,
+        # "auto": the chunked loss (no [B, A, G, V] tensors), in its recompute form under ZeRO-3
+        return forward_and_loss(self.engine.model, inputs, loss_args, impl=self.loss_impl,
                                 chunk_anchors=self.cfg.perf.loss_chunk_anchors,
                                 forward=self.engine)
 

@@ -300,10 +300,11 @@ def activation_bytes(
         # scores + probabilities (fp32) over [context; own block] for every draft token
         per_layer_attn = B * inv.heads * Q * (S + G) * 4 * 2
     out["draft_layers"] = inv.draft_layers * (per_layer_tokens + per_layer_kv + per_layer_attn)
-    # the trainer's rule (dspark_ds.perf.resolve_loss_impl): "auto" is chunked except under
-    # ZeRO-3, whose partitioned parameters the chunked loss does not handle
+    # the trainer's rule (dspark_ds.perf.resolve_loss_impl): "auto" is chunked, in its
+    # recompute form under ZeRO-3
     loss_impl = getattr(perf, "loss_impl", "reference")
-    chunked = loss_impl == "chunked" or (loss_impl == "auto" and stage != 3)
+    chunked = loss_impl != "reference"
+    recompute = loss_impl == "recompute" or (chunked and stage == 3)
     rows = B * Q
     if chunked:
         rows = min(rows, int(getattr(perf, "loss_chunk_anchors", 64)) * G)
@@ -312,9 +313,10 @@ def activation_bytes(
     # target and their difference (fp32), plus the fp32 copy of the draft logits under bf16.
     # The backward frees these saved tensors as it creates the logits' gradients, so it does
     # not add another full set.
-    # The chunked loss (perf/chunked_loss.py) works in place: per chunk the draft and target
-    # logits, p_d and p_t (fp32; the gradient overwrites them), plus the fp32 copy under bf16.
-    fp32_buffers = 2 if chunked else 4
+    # The fused chunked loss (perf/chunked_loss.py) works in place: per chunk the draft and
+    # target logits, p_d and p_t (fp32; the gradient overwrites them), plus the fp32 copy under
+    # bf16; its recompute form holds what the reference path holds, for one chunk.
+    fp32_buffers = 2 if chunked and not recompute else 4
     out["logits_softmax"] = rows * V * (2 * b + 4 * fp32_buffers + (4 if b == 2 else 0))
     out["markov_confidence"] = B * Q * (2 * inv.markov_rank + H) * b
     return out

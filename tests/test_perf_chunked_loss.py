@@ -1,4 +1,5 @@
-"""The chunked loss equals the reference loss: value, every metric, every gradient."""
+"""The chunked losses (fused and recompute) equal the reference loss: value, every metric,
+every gradient."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def _run(model, batch, loss_args, impl, chunk):
     return loss.detach(), metrics, grads
 
 
-def _assert_same(model, batch, loss_args, chunk):
+def _assert_same(model, batch, loss_args, chunk, impl="chunked"):
     ref_loss, ref_metrics, ref_grads = _run(model, batch, loss_args, "reference", chunk)
-    loss, metrics, grads = _run(model, batch, loss_args, "chunked", chunk)
+    loss, metrics, grads = _run(model, batch, loss_args, impl, chunk)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert set(metrics) == set(ref_metrics)
     for name, value in ref_metrics.items():
@@ -50,40 +51,48 @@ def _assert_same(model, batch, loss_args, chunk):
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
 
 
+IMPLS = ["chunked", "recompute"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
 @pytest.mark.parametrize("chunk", [1, 4, 100])
-def test_chunked_equals_reference_dspark(head, chunk):
+def test_chunked_equals_reference_dspark(head, chunk, impl):
     model = tiny_drafter(markov_head_type=head)
-    _assert_same(model, _batch(model), DSPARK_ARGS, chunk)
+    _assert_same(model, _batch(model), DSPARK_ARGS, chunk, impl)
 
 
-def test_chunked_equals_reference_dflash():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_equals_reference_dflash(impl):
     model = tiny_drafter(**DFLASH)
     batch = _batch(model)
-    _assert_same(model, batch, DFLASH_ARGS, 5)
+    _assert_same(model, batch, DFLASH_ARGS, 5, impl)
     # DFlash batches may come without target_last_hidden_states at all.
     batch.pop("target_last_hidden_states")
-    _assert_same(model, batch, DFLASH_ARGS, 5)
+    _assert_same(model, batch, DFLASH_ARGS, 5, impl)
 
 
-def test_chunked_equals_reference_confidence_without_l1():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_equals_reference_confidence_without_l1(impl):
     model = tiny_drafter(confidence_head_with_markov=False)
     args = dict(DSPARK_ARGS, l1_loss_alpha=0.0)
-    _assert_same(model, _batch(model), args, 3)
+    _assert_same(model, _batch(model), args, 3, impl)
 
 
-def test_chunked_trainable_lm_head_gets_its_gradient():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_trainable_lm_head_gets_its_gradient(impl):
     """compute_logits' own parameters are differentiated too (not only the Markov head)."""
     model = tiny_drafter()
     model.lm_head.requires_grad_(True)
-    _assert_same(model, _batch(model), DSPARK_ARGS, 4)
+    _assert_same(model, _batch(model), DSPARK_ARGS, 4, impl)
 
 
-def test_chunked_without_grad_gives_the_same_metrics():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_without_grad_gives_the_same_metrics(impl):
     model = tiny_drafter()
     batch = _batch(model)
     with torch.no_grad():
-        loss, metrics = forward_and_loss(model, batch, DSPARK_ARGS, impl="chunked", chunk_anchors=2)
+        loss, metrics = forward_and_loss(model, batch, DSPARK_ARGS, impl=impl, chunk_anchors=2)
         ref = compute_dspark_loss(model(**batch), **DSPARK_ARGS)
     assert loss.item() == pytest.approx(ref[0].item(), rel=1e-5)
     assert metrics["tau_probabilistic"] == pytest.approx(ref[1]["tau_probabilistic"], rel=1e-5)
@@ -99,10 +108,35 @@ def test_bad_options_name_the_field():
         PerfConfig(attn_implementation="sparse")
 
 
-def test_auto_is_chunked_except_under_zero3():
+def test_auto_is_chunked_and_recompute_under_zero3():
     model = tiny_drafter()
     assert resolve_loss_impl(model, "auto") == "chunked"
     assert resolve_loss_impl(model, "reference") == "reference"
+    assert resolve_loss_impl(model, "recompute") == "recompute"
     model.fc.weight.ds_id = 0  # what ZeRO-3 attaches to a partitioned parameter
-    assert resolve_loss_impl(model, "auto") == "reference"
-    assert resolve_loss_impl(model, "chunked") == "chunked"
+    assert resolve_loss_impl(model, "auto") == "recompute"
+    assert resolve_loss_impl(model, "chunked") == "recompute"
+    assert resolve_loss_impl(model, "reference") == "reference"
+
+
+def test_recompute_keeps_no_vocab_sized_tensor_for_backward():
+    """What autograd saves between forward and backward is O(chunk·G·V), not O(A·G·V): the
+    recompute path stores each chunk's inputs only; the reference path stores full logits."""
+    model = tiny_drafter()
+    batch = _batch(model)
+    vocab = model.config.vocab_size
+
+    def largest_saved(impl):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() if t.shape[-1:] == (vocab,) else 0)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            forward_and_loss(model, batch, DSPARK_ARGS, impl=impl, chunk_anchors=1)
+        return max(sizes)
+
+    slots = batch["anchor_positions"].numel() * model.block_size
+    assert largest_saved("reference") >= slots * vocab
+    assert largest_saved("recompute") <= model.block_size * vocab

@@ -134,6 +134,10 @@ def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
     params = run.data.params
     assert params["train.lr"] == "0.003" and params["deepspeed.config"] == "zero3"
     assert params["model.num_anchors"] == "8" and params["derived.world_size"] == "2"
+    # ZeRO-3: the chunked loss in its recompute form (partitioned head weights)
+    assert params["derived.loss_impl"] == "recompute"
+    assert client.get_run(runs["res"]["a_z0"]["mlflow_run_id"]).data.params[
+        "derived.loss_impl"] == "chunked"
     assert run.data.tags["zero_stage"] == "3" and run.data.tags["world_size"] == "2"
     assert "git_sha" in run.data.tags
     hist = client.get_metric_history(run.info.run_id, "train/loss")

@@ -42,17 +42,17 @@ def test_qwen3_8b_on_8x80gb(capsys):
     assert est["zero2+offload_opt"]["host_total_per_rank"] > 0
     # bf16 ZeRO-2: our model states equal DeepSpeed's own estimator
     assert states("zero2") == pytest.approx(est["zero2"]["deepspeed_states"], rel=0.01)
-    # the B·A·γ·V logits dominate the activations of the full-logit loss (ZeRO-3's path:
-    # 512 anchors × 7 × 151936); the chunked loss that ZeRO-0..2 use holds 32 anchors' worth
-    assert est["zero3"]["device"]["act_logits_softmax"] > 10 * GIB
-    assert est["zero2"]["device"]["act_logits_softmax"] < 1 * GIB
+    # the chunked loss holds 32 of the 512 anchors' B·γ·V logits: fused at ZeRO-0..2 (the
+    # gradient overwrites them), in its recompute form (the reference's buffers) at ZeRO-3
+    assert est["zero2"]["device"]["act_logits_softmax"] < est["zero3"]["device"]["act_logits_softmax"]
+    assert est["zero3"]["device"]["act_logits_softmax"] < 1 * GIB
     assert result["recommended"] == "zero2"
     text = capsys.readouterr().out
     assert "recommended: zero2" in text and "zero3+offload_opt+param" in text
 
 
 def test_nothing_fits_says_what_to_change(capsys):
-    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=16)
+    result = _estimates(nodes=1, gpus_per_node=8, gpu_memory_gb=8)
     assert result["recommended"] == "none"
     assert not any(e["fits"] for e in result["estimates"])
     assert "nothing fits" in capsys.readouterr().out

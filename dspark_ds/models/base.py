@@ -9,7 +9,9 @@ Shape legend: B batch, S sequence, A anchors, G block size (γ), V vocab, H hidd
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -215,9 +217,15 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         block_keep_mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         return_hidden: bool = False,
-    ) -> DSparkForwardOutput | DSparkHiddenOutput:
-        """Full logits, or with `return_hidden` the `forward_hidden` result (so a DeepSpeed
-        engine, which only calls `forward`, can feed the chunked loss)."""
+        head_fn: Callable[[nn.Module, DSparkHiddenOutput], Any] | None = None,
+    ) -> DSparkForwardOutput | DSparkHiddenOutput | Any:
+        """Full logits; with `return_hidden` the `forward_hidden` result; with `head_fn`,
+        `head_fn(self, forward_hidden result)`.
+
+        `head_fn` lets the chunked losses (dspark_ds.perf) call the heads (lm_head, Markov,
+        confidence) inside this forward: under a DeepSpeed ZeRO-3 engine, which only calls
+        `forward`, that is where the heads' partitioned parameters are gathered.
+        """
         feats = self.forward_hidden(
             input_ids,
             target_hidden_states,
@@ -227,6 +235,8 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             block_keep_mask=block_keep_mask,
             generator=generator,
         )
+        if head_fn is not None:
+            return head_fn(self, feats)
         if return_hidden:
             return feats
         hidden_BAGH = feats.hidden

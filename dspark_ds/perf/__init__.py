@@ -1,6 +1,6 @@
 """Performance: the chunked loss, the training-step entry point and the benchmark."""
 
-from .chunked_loss import DEFAULT_CHUNK_ANCHORS, chunked_dspark_loss
+from .chunked_loss import DEFAULT_CHUNK_ANCHORS, chunked_dspark_loss, recompute_dspark_loss
 from .config import LOSS_IMPLEMENTATIONS, PerfConfig
 from .step import apply_perf_config, forward_and_loss, resolve_loss_impl
 
@@ -11,5 +11,6 @@ __all__ = [
     "apply_perf_config",
     "chunked_dspark_loss",
     "forward_and_loss",
+    "recompute_dspark_loss",
     "resolve_loss_impl",
 ]

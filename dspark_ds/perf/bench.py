@@ -4,10 +4,10 @@
     python tools/bench.py --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
 
 A variant is "<attention>/<loss>": attention dense | blockwise | flex, loss reference |
-chunked. Each variant runs in its own subprocess, so peak memory is that variant's alone
-(CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated), reported whole and as
-the part above the idle process (imports, model, batch). FLOPs count only what the math needs: linear layers, unmasked
-attention pairs, the logits (a frozen lm_head has no weight gradient, the target logits no
+chunked | recompute. Each variant runs in its own subprocess, so peak memory is that
+variant's alone (CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated), reported
+whole and as the part above the idle process (imports, model, batch). FLOPs count only what
+the math needs: linear layers, unmasked attention pairs, the logits (a frozen lm_head has no weight gradient, the target logits no
 backward); recomputation and masked work are not counted. The achieved rate is compared
 with a plain fp32 [2048 x 2048] matmul timed in the same process.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from dspark_ds.perf.chunked_loss import DEFAULT_CHUNK_ANCHORS
 
 ATTN_CHOICES = ("dense", "blockwise", "flex")
-LOSS_CHOICES = ("reference", "chunked")
+LOSS_CHOICES = ("reference", "chunked", "recompute")
 
 
 @dataclass

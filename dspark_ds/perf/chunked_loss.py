@@ -23,15 +23,33 @@ Shape legend: B batch, A anchors, G block size, V vocab, H hidden, N = rows of a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from dspark_ds.loss import LossPlan, SlotTerms, finish_loss, plan_loss
+from dspark_ds.loss import LossPlan, SlotTerms, finish_loss, l1_distance, plan_loss
 
 # Anchors (blocks, over the whole micro-batch) per chunk. On CPU a chunk's [N, V] fp32
 # tensors (N = chunk × G; 32 × 7 × 32 000 × 4 B ≈ 29 MB) should roughly fit the last-level
 # cache, while N stays large enough for efficient matmuls (16-64 measured alike on a 2-core
 # EPYC, 32 best); on GPU larger chunks only cut kernel launches. See README, Performance.
 DEFAULT_CHUNK_ANCHORS = 32
+
+
+def draft_logits(model: nn.Module, hidden_cGH: torch.Tensor, prev_cG: torch.Tensor) -> torch.Tensor:
+    """Draft logits + Markov bias of a chunk of blocks ([c, G, H], [c, G] -> [c, G, V])."""
+    logits = model.compute_logits(hidden_cGH)
+    markov = model.markov_head
+    if markov is None:
+        return logits
+    if markov.init_state(hidden_cGH[..., 0, :]) is None:
+        # A stateless head (vanilla, gated): every slot's bias is the same `_step` on
+        # its own inputs, so all G slots go through at once. NOTE: the slot loop of
+        # apply_block_logits would, in backward, build a zero-filled [.., G, V] gradient
+        # per slot and run the W2 gradient G times with K = chunk rows.
+        _, bias = markov._step(None, prev_cG, hidden_cGH)
+        return logits + bias.to(logits.dtype)
+    return markov.apply_block_logits(logits, token_ids=prev_cG, hidden_states=hidden_cGH)
 
 
 class _VocabChunks(torch.autograd.Function):
@@ -76,20 +94,6 @@ class _ChunkRunner:
         self.chunk_anchors = chunk_anchors
         self.with_grad = with_grad
 
-    def draft_logits(self, hidden_cGH: torch.Tensor, prev_cG: torch.Tensor) -> torch.Tensor:
-        logits = self.model.compute_logits(hidden_cGH)
-        markov = self.model.markov_head
-        if markov is None:
-            return logits
-        if markov.init_state(hidden_cGH[..., 0, :]) is None:
-            # A stateless head (vanilla, gated): every slot's bias is the same `_step` on
-            # its own inputs, so all G slots go through at once. NOTE: the slot loop of
-            # apply_block_logits would, in backward, build a zero-filled [.., G, V] gradient
-            # per slot and run the W2 gradient G times with K = chunk rows.
-            _, bias = markov._step(None, prev_cG, hidden_cGH)
-            return logits + bias.to(logits.dtype)
-        return markov.apply_block_logits(logits, token_ids=prev_cG, hidden_states=hidden_cGH)
-
     def run(self, hidden_BAGH: torch.Tensor, params: tuple[torch.Tensor, ...]):
         plan = self.plan
         bsz, num_blocks, G, H = hidden_BAGH.shape
@@ -115,7 +119,7 @@ class _ChunkRunner:
             r0, r1 = b0 * G, b1 * G
             h = hidden[b0:b1].detach().requires_grad_(self.with_grad)
             with torch.set_grad_enabled(self.with_grad):
-                logits = self.draft_logits(h, prev[b0:b1])
+                logits = draft_logits(self.model, h, prev[b0:b1])
             target_logits = None
             if target_state is not None:
                 # Differentiable only if compute_logits has trainable parameters (a frozen
@@ -213,6 +217,21 @@ def _slot_terms_and_grad(
     return grad, grad_target
 
 
+def _plan(feats, confidence_pred, chunk_anchors: int, *loss_args) -> LossPlan:
+    if chunk_anchors < 1:
+        raise ValueError(f"loss_chunk_anchors: must be >= 1, got {chunk_anchors}")
+    decay, ce_alpha, l1_alpha, conf_alpha = loss_args
+    return plan_loss(
+        feats.eval_mask,
+        has_aligned=feats.target_prev_hidden is not None,
+        has_confidence=confidence_pred is not None,
+        loss_decay_gamma=decay,
+        ce_loss_alpha=ce_alpha,
+        l1_loss_alpha=l1_alpha,
+        confidence_head_alpha=conf_alpha,
+    )
+
+
 def chunked_dspark_loss(
     model: nn.Module,
     feats,
@@ -229,17 +248,8 @@ def chunked_dspark_loss(
     Same loss, metrics and gradients as the reference path (to fp32 rounding). The caller
     backpropagates once (no retain_graph / double backward).
     """
-    if chunk_anchors < 1:
-        raise ValueError(f"loss_chunk_anchors: must be >= 1, got {chunk_anchors}")
-    plan = plan_loss(
-        feats.eval_mask,
-        has_aligned=feats.target_prev_hidden is not None,
-        has_confidence=confidence_pred is not None,
-        loss_decay_gamma=loss_decay_gamma,
-        ce_loss_alpha=ce_loss_alpha,
-        l1_loss_alpha=l1_loss_alpha,
-        confidence_head_alpha=confidence_head_alpha,
-    )
+    plan = _plan(feats, confidence_pred, chunk_anchors, loss_decay_gamma, ce_loss_alpha,
+                 l1_loss_alpha, confidence_head_alpha)
     # Every trainable parameter is offered to the chunk's autograd.grad (unused ones get
     # None), so a backend whose compute_logits has its own parameters stays correct.
     params = tuple(p for p in model.parameters() if p.requires_grad)
@@ -265,4 +275,76 @@ def chunked_dspark_loss(
         block_keep_mask=feats.block_keep_mask,
         confidence_pred=confidence_pred,
         main_loss=main,
+    )
+
+
+def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH):
+    """Per-slot CE, L1 and greedy hits of a chunk of blocks, with plain autograd ops."""
+    logits = draft_logits(model, hidden_cGH, prev_cG)
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    ids = ids_cG.reshape(-1)
+    ce = F.cross_entropy(flat, ids, reduction="none")
+    with torch.no_grad():
+        hit = flat.argmax(-1) == ids
+    l1 = None
+    if target_state_cGH is not None:
+        target = model.compute_logits(target_state_cGH)
+        l1 = l1_distance(flat, target.reshape(flat.shape))
+    return ce, l1, hit
+
+
+def recompute_dspark_loss(
+    model: nn.Module,
+    feats,
+    confidence_pred: torch.Tensor | None,
+    *,
+    chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
+    loss_decay_gamma: float | None = 4.0,
+    ce_loss_alpha: float = 0.1,
+    l1_loss_alpha: float = 0.9,
+    confidence_head_alpha: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`chunked_dspark_loss` for ZeRO-3: the same chunks, differentiated by plain autograd,
+    each chunk under `torch.utils.checkpoint` (its V-sized tensors recomputed in backward).
+
+    Every parameter is reached through a module call (lm_head, Markov, confidence), forward
+    and recompute alike, so ZeRO-3's hooks gather and release partitioned weights as in any
+    activation-checkpointed model; the fused path instead hands autograd gradients of
+    parameters it differentiated itself. The price: the chunk's logits are computed twice.
+    Live memory stays O(chunk × G × V). Run it inside the model's forward (`head_fn`).
+    """
+    plan = _plan(feats, confidence_pred, chunk_anchors, loss_decay_gamma, ce_loss_alpha,
+                 l1_loss_alpha, confidence_head_alpha)
+    bsz, num_blocks, G, H = feats.hidden.shape
+    hidden = feats.hidden.reshape(bsz * num_blocks, G, H)
+    prev = feats.prev_token_ids.reshape(-1, G)
+    ids = feats.target_ids.reshape(-1, G)
+    target_state = feats.target_prev_hidden
+    if target_state is not None:
+        target_state = target_state.reshape(bsz * num_blocks, G, -1)
+    recompute = torch.is_grad_enabled()
+    ce, l1, hit = [], [], []
+    for b0 in range(0, hidden.shape[0], chunk_anchors):
+        chunk = slice(b0, b0 + chunk_anchors)
+        args = (model, hidden[chunk], prev[chunk], ids[chunk],
+                None if target_state is None else target_state[chunk])
+        if recompute:
+            out = torch.utils.checkpoint.checkpoint(_chunk_terms, *args, use_reentrant=False)
+        else:
+            out = _chunk_terms(*args)
+        ce.append(out[0])
+        l1.append(out[1])
+        hit.append(out[2])
+    shape = feats.target_ids.shape
+    terms = SlotTerms(
+        ce=torch.cat(ce).view(shape),
+        l1=None if target_state is None else torch.cat(l1).view(shape),
+        greedy_hit=torch.cat(hit).view(shape),
+    )
+    return finish_loss(
+        plan,
+        terms,
+        eval_mask=feats.eval_mask,
+        block_keep_mask=feats.block_keep_mask,
+        confidence_pred=confidence_pred,
     )

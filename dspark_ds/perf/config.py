@@ -8,7 +8,7 @@ from dspark_ds.models.attention import ATTN_IMPLEMENTATIONS
 
 from .chunked_loss import DEFAULT_CHUNK_ANCHORS
 
-LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")
+LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked", "recompute")
 
 
 @dataclass
@@ -18,8 +18,10 @@ class PerfConfig:
     loss_impl: str = "auto"
     """"reference": full [B, A, G, V] logits (the golden-tested path); "chunked": the
     vocabulary-sized work a few anchors at a time, same loss and gradients with
-    O(loss_chunk_anchors × G × V) memory; "auto" = chunked (reference under ZeRO-3, whose
-    partitioned parameters the chunked path does not handle)."""
+    O(loss_chunk_anchors × G × V) memory, each chunk's gradient computed in closed form as it
+    goes; "recompute": the same chunks under activation checkpointing (logits computed twice;
+    what "chunked" becomes under ZeRO-3, whose partitioned head weights only module calls
+    may touch); "auto" = "chunked"."""
 
     loss_chunk_anchors: int = DEFAULT_CHUNK_ANCHORS
     """Anchors (blocks, over the whole micro-batch) per chunk of the chunked loss. Small

@@ -9,7 +9,7 @@ from torch import nn
 
 from dspark_ds.loss import compute_dspark_loss
 
-from .chunked_loss import DEFAULT_CHUNK_ANCHORS, chunked_dspark_loss
+from .chunked_loss import DEFAULT_CHUNK_ANCHORS, chunked_dspark_loss, recompute_dspark_loss
 from .config import LOSS_IMPLEMENTATIONS, PerfConfig
 
 BATCH_KEYS = ("input_ids", "target_hidden_states", "loss_mask")
@@ -23,18 +23,19 @@ def apply_perf_config(model: nn.Module, cfg: PerfConfig) -> nn.Module:
 
 
 def resolve_loss_impl(model: nn.Module, impl: str) -> str:
-    """ "auto" -> "chunked", except under ZeRO-3 (partitioned parameters), where "reference".
+    """ "auto" -> "chunked"; "chunked" -> "recompute" under ZeRO-3 (partitioned parameters).
 
-    NOTE: the chunked loss hands autograd full-shape gradients for the head parameters it
-    differentiates itself; ZeRO-3 partitions parameters (they carry `ds_id`) and expects
-    its own gather / reduce-scatter hooks around every use, so it keeps the plain path.
+    NOTE: the fused chunked loss hands autograd full-shape gradients for the head parameters
+    it differentiates itself; ZeRO-3 partitions parameters (they carry `ds_id`) and gathers /
+    reduce-scatters them only around module calls and their backward, which the recompute
+    form (plain autograd under activation checkpointing) keeps to.
     """
     if impl not in LOSS_IMPLEMENTATIONS:
         raise ValueError(f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {impl!r}")
-    if impl != "auto":
-        return impl
+    if impl == "auto":
+        impl = "chunked"
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
-    return "reference" if zero3 else "chunked"
+    return "recompute" if impl == "chunked" and zero3 else impl
 
 
 def forward_and_loss(
@@ -51,8 +52,8 @@ def forward_and_loss(
     batch: the target-features dict (input_ids, loss_mask, target_hidden_states,
     target_last_hidden_states; anchor_positions / block_keep_mask optional). loss_args: the
     keyword arguments of `compute_dspark_loss` (loss_decay_gamma, ce_loss_alpha,
-    l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "auto" (chunked,
-    or reference under ZeRO-3: see `resolve_loss_impl`). forward: what runs the model (a
+    l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "recompute" |
+    "auto" (see `resolve_loss_impl`). forward: what runs the model (a
     DeepSpeed engine, called with keyword arguments); None = `model` itself, whose heads the
     chunked loss reads either way.
     """
@@ -65,6 +66,11 @@ def forward_and_loss(
     if impl == "reference":
         out = forward(**kwargs, generator=generator)
         return compute_dspark_loss(out, **loss_args)
-    feats = forward(**kwargs, generator=generator, return_hidden=True)
-    conf = model.predict_confidence(feats.hidden, feats.prev_token_ids)
-    return chunked_dspark_loss(model, feats, conf, chunk_anchors=chunk_anchors, **loss_args)
+    loss_fn = chunked_dspark_loss if impl == "chunked" else recompute_dspark_loss
+
+    def heads(drafter: nn.Module, feats) -> tuple[torch.Tensor, dict[str, float]]:
+        # runs inside the model's forward (see DSparkDraftModel.forward's head_fn)
+        conf = drafter.predict_confidence(feats.hidden, feats.prev_token_ids)
+        return loss_fn(drafter, feats, conf, chunk_anchors=chunk_anchors, **loss_args)
+
+    return forward(**kwargs, generator=generator, head_fn=heads)

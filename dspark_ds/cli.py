@@ -18,7 +18,7 @@ import importlib
 import json
 import sys
 
-from dspark_ds.launch import close_process_group
+from dspark_ds.launch import leave_distributed
 
 # name -> (config class, entry function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         # config problems found while setting up (cache mismatch, batch divisibility, ...)
         return _fail(str(err))
-    close_process_group()
+    except SystemExit as err:  # the trainer's requeue exit (75), every rank together
+        leave_distributed(int(err.code or 0))
+        raise
+    leave_distributed(0)
     return 0
 
 

@@ -140,18 +140,33 @@ def prepare_env(env: MutableMapping[str, str] | None = None) -> LaunchInfo:
     return info
 
 
-def close_process_group() -> None:
-    """Destroy the default process group if this process joined one.
+def leave_distributed(code: int = 0) -> None:
+    """End a multi-rank process that finished (or is leaving for requeue) in good order.
 
-    Every entry point calls it once its work succeeded. A gloo process that reaches interpreter
-    shutdown with its group alive can abort in C++ teardown ("terminate called without an active
-    exception", SIGABRT): the job's work is done, yet the launcher reports a failure and
-    `srun --kill-on-bad-exit` kills the other ranks. Not called on errors: destroying a group
-    while other ranks are still inside a collective can hang.
+    All ranks meet at a barrier, destroy the process group, flush their output and leave with
+    `os._exit(code)`. Skipping interpreter shutdown is deliberate: DeepSpeed keeps its process
+    groups in module globals, so their gloo backends would be destroyed during finalization,
+    where their worker threads can abort the process ("terminate called without an active
+    exception", SIGABRT) after the job's work is done — the launcher then reports a failure and
+    `srun --kill-on-bad-exit` kills the other ranks. Not called on errors (a barrier or a
+    destroy while other ranks sit in a collective can hang). A world of one returns normally.
     """
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_world_size() == 1:
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # what mpi4py's exit hook would do; mpirun counts a rank without it failed
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _free_port() -> int:

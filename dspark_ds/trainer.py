@@ -25,7 +25,6 @@ import torch.distributed as dist
 from dspark_ds import checkpoint as ckpt
 from dspark_ds.batches import build_batch_source
 from dspark_ds.config import TrainRunConfig, flatten
-from dspark_ds.launch import close_process_group
 from dspark_ds.models import build_draft_config, build_draft_model, sample_anchor_positions
 from dspark_ds.models.io import draft_config_dict
 
@@ -484,7 +483,6 @@ class Trainer:
                     # `srun --kill-on-bad-exit` stops the whole step at the first exit 75.
                     self.tracker.finish(status)
                     dist.barrier()
-                    close_process_group()
                     raise SystemExit(REQUEUE_EXIT_CODE)
             if cfg.checkpoint.save_final:
                 self.save()

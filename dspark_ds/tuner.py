@@ -644,7 +644,7 @@ def run(cfg: TunerConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from jsonargparse import ArgumentParser
 
-    from dspark_ds.launch import close_process_group
+    from dspark_ds.launch import leave_distributed
 
     parser = ArgumentParser(prog="zero_tuner", description=TunerConfig.__doc__,
                             exit_on_error=False)
@@ -652,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
         run(TunerConfig(**{k: v for k, v in vars(ns).items() if k != "__path__"}))
-        close_process_group()
+        leave_distributed(0)
     except SystemExit as err:
         return int(err.code or 0)
     except (ValueError, TypeError) as err:

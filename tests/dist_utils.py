@@ -37,6 +37,7 @@ def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["DS_ACCELERATOR"] = "cpu"
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a crashing rank prints where each thread was
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env.update(extra or {})
     return env
@@ -119,7 +120,7 @@ def train_many(runs: list[list[str]], result_file: str) -> None:
     import torch.distributed as dist
 
     from dspark_ds.cli import parse_config
-    from dspark_ds.launch import close_process_group
+    from dspark_ds.launch import leave_distributed
     from dspark_ds.trainer import Trainer
 
     results = {}
@@ -135,7 +136,7 @@ def train_many(runs: list[list[str]], result_file: str) -> None:
         del trainer
     if int(os.environ.get("RANK", 0)) == 0:
         Path(result_file).write_text(json.dumps(results))
-    close_process_group()
+    leave_distributed(0)
 
 
 if __name__ == "__main__":

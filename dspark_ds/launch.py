@@ -17,6 +17,7 @@ practice: `srun torchrun`, `mpirun` inside an sbatch allocation.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -161,8 +162,6 @@ def leave_distributed(code: int = 0) -> None:
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()  # what mpi4py's exit hook would do; mpirun counts a rank without it failed
-    import logging
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

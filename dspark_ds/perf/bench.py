@@ -7,9 +7,10 @@ A variant is "<attention>/<loss>": attention dense | blockwise | flex, loss refe
 chunked | recompute. Each variant runs in its own subprocess, so peak memory is that
 variant's alone (CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated), reported
 whole and as the part above the idle process (imports, model, batch). FLOPs count only what
-the math needs: linear layers, unmasked attention pairs, the logits (a frozen lm_head has no weight gradient, the target logits no
-backward); recomputation and masked work are not counted. The achieved rate is compared
-with a plain fp32 [2048 x 2048] matmul timed in the same process.
+the math needs: linear layers, unmasked attention pairs, the logits (a frozen lm_head has no
+weight gradient, the target logits no backward); recomputation and masked work are not
+counted. The achieved rate is compared with a plain fp32 [2048 x 2048] matmul timed in the
+same process.
 """
 
 from __future__ import annotations

@@ -13,36 +13,71 @@ naming the dotted option.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
-import json
 import sys
-
-from dspark_ds.launch import leave_distributed
 
 # name -> (config class, entry function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "prepare": ("dspark_ds.data.config:PrepareConfig", "dspark_ds.data.tokens:prepare",
-                "normalise and tokenise chat jsonl (loss mask = assistant tokens)"),
-    "regenerate": ("dspark_ds.data.config:RegenerateConfig",
-                   "dspark_ds.data.regeneration:regenerate",
-                   "let the target rewrite every assistant answer"),
-    "build-cache": ("dspark_ds.data.config:BuildCacheConfig", "dspark_ds.data.cache:build_cache",
-                    "run the target once and store its features (offline mode)"),
-    "train": ("dspark_ds.config:TrainRunConfig", "dspark_ds.trainer:train",
-              "train a drafter with DeepSpeed (ZeRO 0-3, offload), tracked in MLflow"),
-    "eval": ("dspark_ds.eval.config:EvalConfig", "dspark_ds.eval.runner:run_eval",
-             "speculative decoding against the target: τ, calibration, plots"),
-    "export": ("dspark_ds.config:ExportConfig", "dspark_ds.cli:run_export",
-               "training checkpoint (any ZeRO stage) -> interchange directory"),
-    "demo": ("dspark_ds.demo.config:DemoConfig", "dspark_ds.demo.pipeline:run_demo",
-             "the whole pipeline on CPU in minutes, nothing downloaded"),
-    "estimate": ("dspark_ds.data.config:EstimateCacheConfig", "dspark_ds.data.cache:estimate_cache",
-                 "estimate the size of a target cache before building it (`estimate cache`)"),
-    "bench": ("dspark_ds.perf.bench:TrainBenchConfig", "dspark_ds.perf.bench:run_train_bench",
-              "training-step throughput and memory of the drafter variants"),
-    "bench-decode": ("dspark_ds.eval.config:BenchConfig", "dspark_ds.eval.bench:run_bench",
-                     "tokens/s of speculative decoding against the target alone"),
+    "prepare": (
+        "dspark_ds.data.config:PrepareConfig",
+        "dspark_ds.data.tokens:prepare",
+        "normalise and tokenise chat jsonl (loss mask = assistant tokens)",
+    ),
+    "regenerate": (
+        "dspark_ds.data.config:RegenerateConfig",
+        "dspark_ds.data.regeneration:regenerate",
+        "let the target rewrite every assistant answer",
+    ),
+    "build-cache": (
+        "dspark_ds.data.config:BuildCacheConfig",
+        "dspark_ds.data.cache:build_cache",
+        "run the target once and store its features (offline mode)",
+    ),
+    "train": (
+        "dspark_ds.config:TrainRunConfig",
+        "dspark_ds.train.trainer:train",
+        "train a drafter with DeepSpeed (ZeRO 0-3, offload), tracked in MLflow",
+    ),
+    "eval": (
+        "dspark_ds.eval.config:EvalConfig",
+        "dspark_ds.eval.runner:run_eval",
+        "speculative decoding against the target: τ, calibration, plots",
+    ),
+    "export": (
+        "dspark_ds.config:ExportConfig",
+        "dspark_ds.train.checkpoint:run_export",
+        "training checkpoint (any ZeRO stage) -> interchange directory",
+    ),
+    "demo": (
+        "dspark_ds.demo.config:DemoConfig",
+        "dspark_ds.demo.pipeline:run_demo",
+        "the whole pipeline on CPU in minutes, nothing downloaded",
+    ),
+    "estimate": (
+        "dspark_ds.data.config:EstimateCacheConfig",
+        "dspark_ds.data.cache:estimate_cache",
+        "estimate the size of a target cache before building it (`estimate cache`)",
+    ),
+    "bench": (
+        "dspark_ds.perf.bench:TrainBenchConfig",
+        "dspark_ds.perf.bench:run_train_bench",
+        "training-step throughput and memory of the drafter variants",
+    ),
+    "tune": (
+        "dspark_ds.tune.tuner:TunerConfig",
+        "dspark_ds.tune.tuner:run",
+        "per-GPU memory of every ZeRO stage x offload option; which fit, which is fastest",
+    ),
+    "compare": (
+        "dspark_ds.tracking.compare:CompareConfig",
+        "dspark_ds.tracking.compare:run_compare",
+        "MLflow runs side by side: differing params, final / best metrics, plots",
+    ),
+    "bench-decode": (
+        "dspark_ds.eval.config:BenchConfig",
+        "dspark_ds.eval.bench:run_bench",
+        "tokens/s of speculative decoding against the target alone",
+    ),
 }
 # `dspark-ds estimate cache ...` reads as English; the word is optional.
 SUBCOMMAND_WORDS = {"estimate": "cache"}
@@ -53,61 +88,22 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def to_plain(cfg) -> dict:
-    """A config dataclass as plain YAML/JSON-able data."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-
-
-def dump_config(cfg) -> str:
-    import yaml
-
-    return yaml.safe_dump(to_plain(cfg), sort_keys=False)
-
-
-def build_parser(name: str, config_cls):
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
-
-    # field docstrings (the string under each dataclass field) become the --help text
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    doc = (config_cls.__doc__ or "").strip().splitlines()[0]
-    parser = ArgumentParser(prog=f"dspark-ds {name}", description=doc, exit_on_error=False)
-    parser.add_argument("--config", action=ActionConfigFile,
-                        help="YAML recipe; later flags override it (--train.lr 1e-4)")
-    parser.add_class_arguments(config_cls, nested_key=None, fail_untyped=False)
-    return parser
-
-
 def parse_config(name: str, argv: list[str]):
-    """argv (after the subcommand) → a validated config instance. Raises ValueError /
-    SystemExit(2) with the option's name."""
+    """argv (after the subcommand) → a validated config instance of that subcommand. Raises
+    ValueError / SystemExit(2) with the option's name."""
+    from dspark_ds.config import parse
+
     config_path, _, _ = SUBCOMMANDS[name]
-    config_cls = _import(config_path)
-    parser = build_parser(name, config_cls)
-    ns = parser.parse_args(argv)
-    ns = parser.instantiate(ns)
-    values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
-    cfg = config_cls(**values)
-    if hasattr(cfg, "validate"):
-        cfg.validate()
-    return cfg
-
-
-def run_export(cfg):
-    """`dspark-ds export`: any ZeRO stage's checkpoint → interchange directory."""
-    import torch
-
-    from dspark_ds.checkpoint import export_checkpoint
-
-    out = export_checkpoint(cfg.checkpoint, cfg.output_dir, target_path=cfg.target_path,
-                            dtype=getattr(torch, cfg.dtype))
-    print(f"[export] wrote {out}")
-    return out
+    return parse(_import(config_path), argv, prog=f"dspark-ds {name}")
 
 
 def _usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
-    lines = ["usage: dspark-ds <subcommand> [--config recipe.yaml] [--section.option value ...]",
-             "", "subcommands:"]
+    lines = [
+        "usage: dspark-ds <subcommand> [--config recipe.yaml] [--section.option value ...]",
+        "",
+        "subcommands:",
+    ]
     lines += [f"  {n:<{width}}  {h}" for n, (_, _, h) in SUBCOMMANDS.items()]
     lines += ["", "`dspark-ds <subcommand> --help` lists every option with its documentation."]
     return "\n".join(lines)
@@ -140,15 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(err.code or 0)
     except (argparse.ArgumentError, ValueError, TypeError) as err:
         return _fail(_parse_error_text(err))
+    from dspark_ds.distributed import leave
+
     try:
         entry(cfg)
     except ValueError as err:
         # config problems found while setting up (cache mismatch, batch divisibility, ...)
         return _fail(str(err))
     except SystemExit as err:  # the trainer's requeue exit (75), every rank together
-        leave_distributed(int(err.code or 0))
+        leave(int(err.code or 0))
         raise
-    leave_distributed(0)
+    leave(0)
     return 0
 
 

@@ -8,6 +8,8 @@ imported from next to their code (`data.DataConfig`, `target.TargetConfig`). Eve
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal
@@ -321,3 +323,45 @@ def _flatten_dict(d: dict, prefix: str) -> dict[str, object]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+# ---- parse / dump --------------------------------------------------------------------------
+def build_parser(config_cls, prog: str):
+    """A jsonargparse parser over `config_cls`: `--config recipe.yaml`, dotted flags, and the
+    field docstrings as --help."""
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    doc = (config_cls.__doc__ or "").strip().splitlines()[0]
+    parser = ArgumentParser(prog=prog, description=doc, exit_on_error=False)
+    parser.add_argument(
+        "--config",
+        action=ActionConfigFile,
+        help="YAML recipe; later flags override it (--train.lr 1e-4)",
+    )
+    parser.add_class_arguments(config_cls, nested_key=None, fail_untyped=False)
+    return parser
+
+
+def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
+    """argv → a validated `config_cls` instance. Raises ValueError / SystemExit(2) naming the
+    option."""
+    parser = build_parser(config_cls, prog)
+    ns = parser.instantiate(parser.parse_args(argv))
+    values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
+    cfg = config_cls(**values)
+    if hasattr(cfg, "validate"):
+        cfg.validate()
+    return cfg
+
+
+def to_plain(cfg) -> dict:
+    """A config dataclass as plain YAML/JSON-able data."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def dump_config(cfg) -> str:
+    """A config dataclass as YAML (what `--print_config` shows and checkpoints keep)."""
+    import yaml
+
+    return yaml.safe_dump(to_plain(cfg), sort_keys=False)

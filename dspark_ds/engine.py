@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -96,7 +95,7 @@ def build_ds_config(
         elif current != value and not (isinstance(value, list) and list(current) == value):
             raise ValueError(
                 f"deepspeed.config: {path.name} sets {keys}={current!r} but {option} gives "
-                f"{value!r}; set it to \"auto\" or change {option}"
+                f'{value!r}; set it to "auto" or change {option}'
             )
 
     fill("train_batch_size", train.global_batch_size, "train.global_batch_size")
@@ -108,7 +107,9 @@ def build_ds_config(
         raise ValueError("deepspeed.config: fp16 is not supported; use train.precision bf16")
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     if optimizer.get("type", "").lower() not in ("adamw", "adam"):
-        raise ValueError(f"deepspeed.config: optimizer.type must be AdamW, got {optimizer['type']!r}")
+        raise ValueError(
+            f"deepspeed.config: optimizer.type must be AdamW, got {optimizer['type']!r}"
+        )
     optimizer["type"] = "AdamW"
     fill("optimizer.params.lr", float(train.lr), "train.lr")
     fill("optimizer.params.betas", [float(b) for b in train.betas], "train.betas")
@@ -136,38 +137,6 @@ def zero_stage(ds_config: dict) -> int:
 def optimizer_offloaded(ds_config: dict) -> bool:
     device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
     return device in ("cpu", "nvme")
-
-
-# ---- distributed ----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
-    """Joins (or creates) the process group; returns (rank, world_size, local_rank).
-
-    Works under torchrun / the deepspeed launcher (RANK, WORLD_SIZE...), under `srun` (SLURM_*),
-    under `mpirun` (DeepSpeed's MPI discovery through mpi4py) and as a plain single process;
-    `dspark_ds.launch` decides which.
-    """
-    from dspark_ds.launch import prepare_env
-
-    info = prepare_env()
-    use_gpu = torch.cuda.is_available()
-    if use_gpu:
-        torch.cuda.set_device(info.local_rank)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend or ("nccl" if use_gpu else "gloo"),
-                                   auto_mpi_discovery=info.launcher == "mpi",
-                                   distributed_port=info.master_port)
-    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK",
-                                                                      info.local_rank))
-
-
-def device_for(local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 # ---- the target inside the job (online / hybrid mode) ----------------------------------------
@@ -199,7 +168,8 @@ def check_target_dtype(target_dtype: torch.dtype, precision: str) -> None:
         raise ValueError(
             f"target.dtype: the drafter shares the target's embedding and lm_head, so the "
             f"target must be in the training compute dtype; train.precision={precision} needs "
-            f"target.dtype={need}, got {have}")
+            f"target.dtype={need}, got {have}"
+        )
 
 
 def target_load_device(ds_config: dict, device: torch.device) -> torch.device:
@@ -275,15 +245,18 @@ class DrafterEngine:
         use_zero_init = (stage == 3) if zero_init is None else (zero_init and stage == 3)
         target_engine = None
         if target is not None:
-            check_target_dtype(target.dtype, "bf16" if ds_config.get("bf16", {}).get(
-                "enabled") is True else "fp32")
+            check_target_dtype(
+                target.dtype, "bf16" if ds_config.get("bf16", {}).get("enabled") is True else "fp32"
+            )
             if stage == 3:
                 if not use_zero_init:
                     # NOTE: DeepSpeed would take the drafter for a zero.Init model (it holds
                     # partitioned Parameters) and skip its cast and device move.
-                    raise ValueError("deepspeed.zero_init: false is not supported with a target "
-                                     "in the job under ZeRO-3 (its shared embedding and lm_head "
-                                     "are partitioned); leave it unset")
+                    raise ValueError(
+                        "deepspeed.zero_init: false is not supported with a target "
+                        "in the job under ZeRO-3 (its shared embedding and lm_head "
+                        "are partitioned); leave it unset"
+                    )
                 target_engine = _shard_target(target, ds_config)
         # NOTE: the drafter's own embedding / lm_head are initialised (and dropped when shared)
         # so that the random draws of every other module do not depend on the mode.
@@ -433,9 +406,17 @@ class DrafterEngine:
 def convert_to_universal(tag_dir: str | Path, out_dir: str | Path) -> None:
     """DeepSpeed's ds_to_universal (a ZeRO-1/2/3 checkpoint loadable on any world size)."""
     cmd = [
-        sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder", str(tag_dir), "--output_folder", str(out_dir),
-        "--num_extract_workers", "1", "--num_merge_workers", "1",
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tag_dir),
+        "--output_folder",
+        str(out_dir),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -469,22 +450,36 @@ def checkpoint_trainable_fp32(tag_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 # ---- memory estimates (for the ZeRO tuner) --------------------------------------------------------
-def deepspeed_model_states_estimate(stage: int, trainable_params: int, largest_layer_params: int,
-                                    gpus_per_node: int, nodes: int, offload_optimizer: bool,
-                                    offload_params: bool) -> tuple[int, int]:
+def deepspeed_model_states_estimate(
+    stage: int,
+    trainable_params: int,
+    largest_layer_params: int,
+    gpus_per_node: int,
+    nodes: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+) -> tuple[int, int]:
     """DeepSpeed's own estimate of the model states (bf16 params + Adam) as (host bytes per
     node, bytes per GPU), from estimate_zero2/zero3_model_states_mem_needs."""
     if stage == 3:
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            trainable_params, largest_layer_params, num_gpus_per_node=gpus_per_node,
-            num_nodes=nodes, cpu_offload=offload_optimizer,
-            cpu_offload_params=offload_params and offload_optimizer, zero_init=True)
+            trainable_params,
+            largest_layer_params,
+            num_gpus_per_node=gpus_per_node,
+            num_nodes=nodes,
+            cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_params and offload_optimizer,
+            zero_init=True,
+        )
         return int(cpu), int(gpu)
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     cpu, gpu = estimate_zero2_model_states_mem_needs(
-        trainable_params, num_gpus_per_node=gpus_per_node, num_nodes=nodes,
-        cpu_offload=offload_optimizer)
+        trainable_params,
+        num_gpus_per_node=gpus_per_node,
+        num_nodes=nodes,
+        cpu_offload=offload_optimizer,
+    )
     return int(cpu), int(gpu)

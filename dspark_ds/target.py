@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from dspark_ds.distributed import local_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,16 +78,16 @@ def text_config(config):
 def config_sha256(config) -> str:
     """A stable hash of a target's architecture/weights-relevant config (for cache manifests)."""
     d = config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype",
-                     "_attn_implementation_autoset", "_commit_hash"):
+    for volatile in (
+        "_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "_attn_implementation_autoset",
+        "_commit_hash",
+    ):
         d.pop(volatile, None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 class FrozenTarget(nn.Module):
@@ -106,8 +107,9 @@ class FrozenTarget(nn.Module):
         self.hidden_size = int(tcfg.hidden_size)
         self.num_layers = int(tcfg.num_hidden_layers)
         self.vocab_size = int(tcfg.vocab_size)
-        self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(
-            self.num_layers)
+        self.layer_ids = (
+            list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
+        )
         validate_layer_ids(self.layer_ids, self.num_layers)
         self.decoder = model.get_decoder()
         self._taps: dict[int, torch.Tensor] = {}
@@ -120,6 +122,7 @@ class FrozenTarget(nn.Module):
         def fn(_module, _inputs, output):
             if layer_id in self.layer_ids:
                 self._taps[layer_id] = output[0] if isinstance(output, tuple) else output
+
         return fn
 
     @classmethod
@@ -128,14 +131,17 @@ class FrozenTarget(nn.Module):
 
         if not cfg.path:
             raise ValueError("target.path is required (a local directory or a hub id)")
-        kwargs = {"dtype": cfg.torch_dtype, "revision": cfg.revision,
-                  "trust_remote_code": cfg.trust_remote_code}
+        kwargs = {
+            "dtype": cfg.torch_dtype,
+            "revision": cfg.revision,
+            "trust_remote_code": cfg.trust_remote_code,
+        }
         if cfg.attn_implementation:
             kwargs["attn_implementation"] = cfg.attn_implementation
         model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
         target = cls(model, cfg.layer_ids)
         target.name_or_path = cfg.path
-        return target.to(device or cfg.device or default_device())
+        return target.to(device or cfg.device or local_device())
 
     def train(self, mode: bool = True):  # noqa: ARG002 - the target never leaves eval mode
         return super().train(False)
@@ -189,8 +195,11 @@ class TargetFeatureProvider:
         device = self.target.device
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         attn = batch.get("attention_mask")
-        attn = (input_ids.new_ones(input_ids.shape) if attn is None
-                else attn.to(device, non_blocking=True))
+        attn = (
+            input_ids.new_ones(input_ids.shape)
+            if attn is None
+            else attn.to(device, non_blocking=True)
+        )
         hidden, last = self.target(input_ids, attention_mask=attn)
         keep = attn.unsqueeze(-1).to(hidden.dtype)
         out = dict(batch)
@@ -217,13 +226,17 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
     the drafter, and keep the target in the same dtype (a cast of the drafter casts the shared
     tensors too).
     """
+
     def shape(p: torch.Tensor) -> tuple[int, ...]:  # a ZeRO-3 partitioned Parameter: ds_shape
         return tuple(getattr(p, "ds_shape", p.shape))
 
-    for name, module, weight in (("embed_tokens", drafter.embed_tokens, target.embed_weight),
-                                 ("lm_head", drafter.lm_head, target.lm_head_weight)):
+    for name, module, weight in (
+        ("embed_tokens", drafter.embed_tokens, target.embed_weight),
+        ("lm_head", drafter.lm_head, target.lm_head_weight),
+    ):
         if shape(module.weight) != shape(weight):
-            raise ValueError(f"{name}: target weight {shape(weight)} != drafter "
-                             f"{shape(module.weight)}")
+            raise ValueError(
+                f"{name}: target weight {shape(weight)} != drafter {shape(module.weight)}"
+            )
         weight.requires_grad_(False)
         module.weight = weight

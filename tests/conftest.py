@@ -1,4 +1,8 @@
-"""Shared fixtures. Tests are CPU-only; DeepSpeed runs with DS_ACCELERATOR=cpu."""
+"""Shared fixtures. Tests are CPU-only; DeepSpeed runs with DS_ACCELERATOR=cpu.
+
+Helpers shared by several test modules live in tests/helpers/ and are imported as
+`from helpers.<module> import ...` (pytest puts tests/ on sys.path).
+"""
 
 from __future__ import annotations
 
@@ -20,22 +24,10 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def shared_dir() -> Path | None:
-    """`../shared` next to the checkout (or $DSPARK_SHARED), where the golden files live."""
-    candidates = [os.environ.get("DSPARK_SHARED"), REPO.parent / "shared"]
-    for c in candidates:
-        if c and (Path(c) / "golden").is_dir():
-            return Path(c)
-    return None
+GOLDEN = REPO / "tests" / "golden"
 
 
 @pytest.fixture
-def golden_dir():
-    root = shared_dir()
-    if root is None:
-        pytest.skip(
-            "golden files not found: expected ../shared/golden next to the checkout or $DSPARK_SHARED"
-        )
-    return root / "golden"
+def golden_dir() -> Path:
+    """The reference implementation's golden folders (tests/golden, see its README)."""
+    return GOLDEN

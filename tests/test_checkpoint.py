@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_ds import checkpoint as ckpt
+from dspark_ds.train import checkpoint as ckpt
 
 
 def fake_tag(root, step, complete=True):

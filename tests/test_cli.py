@@ -23,8 +23,10 @@ def run(capsys, *argv):
         (["--train.lr", "-1"], "train.lr"),
         (["--train.precision", "fp8"], "train.precision"),
         (["--data.batch_size", "0"], "data.batch_size"),
-        (["--model.confidence_head_with_markov", "true", "--model.markov_rank", "0"],
-         "model.confidence_head_with_markov"),
+        (
+            ["--model.confidence_head_with_markov", "true", "--model.markov_rank", "0"],
+            "model.confidence_head_with_markov",
+        ),
         (["--checkpoint.keep_last", "0"], "checkpoint.keep_last"),
         (["--target.path", ""], "target.path"),
     ],
@@ -43,8 +45,18 @@ def test_unknown_subcommand_exits_2(capsys):
 def test_help_lists_subcommands_and_field_docs(capsys):
     code, text = run(capsys, "--help")
     assert code == 0
-    for name in ("prepare", "regenerate", "build-cache", "train", "eval", "export", "demo",
-                 "estimate", "bench", "bench-decode"):
+    for name in (
+        "prepare",
+        "regenerate",
+        "build-cache",
+        "train",
+        "eval",
+        "export",
+        "demo",
+        "estimate",
+        "bench",
+        "bench-decode",
+    ):
         assert name in text
     code, text = run(capsys, "train", "--help")
     assert code == 0
@@ -56,14 +68,23 @@ def test_print_config_and_overrides(capsys):
     code, text = run(capsys, "train", "--config", RECIPE, "--train.lr", "1e-4", "--print_config")
     assert code == 0
     assert "lr: 0.0001" in text and "synthetic_samples: 256" in text
-    cfg = parse_config("train", ["--config", RECIPE, "--train.lr", "2e-4",
-                                 "--deepspeed.config", "zero3"])
+    cfg = parse_config(
+        "train", ["--config", RECIPE, "--train.lr", "2e-4", "--deepspeed.config", "zero3"]
+    )
     assert cfg.train.lr == 2e-4 and cfg.deepspeed.config == "zero3"
     assert cfg.model.num_anchors == 8  # from the recipe
 
 
 def test_setup_errors_exit_2(capsys, tmp_path):
     # found while setting up, before any process group or model exists
-    code, text = run(capsys, "train", "--config", RECIPE, "--target.path", str(tmp_path / "nope"),
-                     "--output_dir", str(tmp_path))
+    code, text = run(
+        capsys,
+        "train",
+        "--config",
+        RECIPE,
+        "--target.path",
+        str(tmp_path / "nope"),
+        "--output_dir",
+        str(tmp_path),
+    )
     assert code == 2 and "target.path" in text

@@ -1,40 +1,71 @@
-"""tools/compare_runs.py on two real tiny training runs (DSpark vs DFlash heads) in one MLflow
+"""`dspark-ds compare` on two real tiny training runs (DSpark vs DFlash heads) in one MLflow
 store: the differing params, both τ values, the overlay plots; and its error handling."""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
-from dist_utils import check, python
-from tiny_models import build_tiny_target
+
+from dspark_ds.cli import main as cli_main
+
+from helpers.dist import check, python
+from helpers.tiny_models import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import compare_runs  # noqa: E402
 
 TINY = str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")
-DFLASH = ["--model.markov_rank", "0", "--model.confidence_head_alpha", "0",
-          "--model.confidence_head_with_markov", "false", "--model.ce_loss_alpha", "1.0",
-          "--model.l1_loss_alpha", "0.0"]
+DFLASH = [
+    "--model.markov_rank",
+    "0",
+    "--model.confidence_head_alpha",
+    "0",
+    "--model.confidence_head_with_markov",
+    "false",
+    "--model.ce_loss_alpha",
+    "1.0",
+    "--model.l1_loss_alpha",
+    "0.0",
+]
 
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("compare")
     target = build_tiny_target(root / "target")
-    common = ["--config", TINY, "--target.path", target, "--output_dir", str(root / "runs"),
-              "--train.max_steps", "3", "--train.progress_bar", "false",
-              "--checkpoint.every_steps", "0", "--checkpoint.export_final", "false",
-              "--eval.every_steps", "0", "--eval.num_batches", "1"]
-    spec = {"runs": [[*common, "--name", "dspark"], [*common, "--name", "dflash", *DFLASH]],
-            "result_file": str(root / "result.json")}
+    common = [
+        "--config",
+        TINY,
+        "--target.path",
+        target,
+        "--output_dir",
+        str(root / "runs"),
+        "--train.max_steps",
+        "3",
+        "--train.progress_bar",
+        "false",
+        "--checkpoint.every_steps",
+        "0",
+        "--checkpoint.export_final",
+        "false",
+        "--eval.every_steps",
+        "0",
+        "--eval.num_batches",
+        "1",
+    ]
+    spec = {
+        "runs": [[*common, "--name", "dspark"], [*common, "--name", "dflash", *DFLASH]],
+        "result_file": str(root / "result.json"),
+    }
     (root / "spec.json").write_text(json.dumps(spec))
-    check(python([str(REPO / "tests" / "dist_utils.py"), "train-many", str(root / "spec.json")],
-                 timeout_s=900))
+    check(
+        python(
+            [str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(root / "spec.json")],
+            timeout_s=900,
+        )
+    )
     result = json.loads((root / "result.json").read_text())
     return root, f"sqlite:///{root / 'runs' / 'mlflow.db'}", result
 
@@ -43,7 +74,7 @@ def two_runs(tmp_path_factory):
 def test_compare_two_real_runs(two_runs, capsys):
     root, uri, result = two_runs
     out_dir = root / "plots"
-    assert compare_runs.main(["--tracking_uri", uri, "--out_dir", str(out_dir)]) == 0
+    assert cli_main(["compare", "--tracking_uri", uri, "--out_dir", str(out_dir)]) == 0
     text = capsys.readouterr().out
     assert "2 run(s)" in text
 
@@ -61,8 +92,9 @@ def test_compare_two_real_runs(two_runs, capsys):
     header = next(line for line in text.splitlines() if line.startswith("metric "))
     order = re.findall(r"\((\w{8})\)", header)
     ids = {r["mlflow_run_id"][:8]: r["mlflow_run_id"] for r in result.values()}
-    expected = [client.get_metric_history(ids[o], "train/tau_probabilistic")[-1].value
-                for o in order]
+    expected = [
+        client.get_metric_history(ids[o], "train/tau_probabilistic")[-1].value for o in order
+    ]
     assert len(shown) == 2 and shown == pytest.approx(expected, rel=1e-3), text
     assert all(1.0 <= t <= 1 + 4 for t in shown)  # 1 + γ at most (γ = 4)
     assert "val/tau_probabilistic" in rows
@@ -76,12 +108,28 @@ def test_compare_two_real_runs(two_runs, capsys):
 def test_select_by_id_prefix_and_filter(two_runs, capsys):
     _, uri, result = two_runs
     rid = result["dflash"]["mlflow_run_id"]
-    assert compare_runs.main(["--tracking_uri", uri, "--run_ids", f"[{rid[:8]}]",
-                              "--out_dir", "null"]) == 0
+    assert (
+        cli_main(
+            ["compare", "--tracking_uri", uri, "--run_ids", f"[{rid[:8]}]", "--out_dir", "null"]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "1 run(s)" in text and rid[:8] in text and "plots:" not in text
-    assert compare_runs.main(["--tracking_uri", uri, "--filter",
-                              "params.`model.markov_rank` = '16'", "--out_dir", "null"]) == 0
+    assert (
+        cli_main(
+            [
+                "compare",
+                "--tracking_uri",
+                uri,
+                "--filter",
+                "params.`model.markov_rank` = '16'",
+                "--out_dir",
+                "null",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "1 run(s)" in text and result["dspark"]["mlflow_run_id"][:8] in text
 
@@ -89,9 +137,9 @@ def test_select_by_id_prefix_and_filter(two_runs, capsys):
 @pytest.mark.slow
 def test_errors_name_the_option(two_runs, capsys):
     _, uri, _ = two_runs
-    assert compare_runs.main(["--tracking_uri", uri, "--experiment", "[nope]"]) == 2
+    assert cli_main(["compare", "--tracking_uri", uri, "--experiment", "[nope]"]) == 2
     assert "experiment: 'nope' does not exist" in capsys.readouterr().err
-    assert compare_runs.main(["--tracking_uri", uri, "--filter", "params.x ~~ 1"]) == 2
+    assert cli_main(["compare", "--tracking_uri", uri, "--filter", "params.x ~~ 1"]) == 2
     assert "filter:" in capsys.readouterr().err
-    assert compare_runs.main(["--tracking_uri", uri, "--run_ids", "[zz]"]) == 2
+    assert cli_main(["compare", "--tracking_uri", uri, "--run_ids", "[zz]"]) == 2
     assert "run_ids:" in capsys.readouterr().err

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build_tiny_target, write_chat_jsonl
 
 from dspark_ds.data.cache import (
     CacheError,
@@ -23,6 +22,8 @@ from dspark_ds.data.loader import build_train_loader
 from dspark_ds.data.tokens import TokenStore, prepare
 from dspark_ds.target import TargetConfig, load_target
 
+from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+
 LAYERS = [-1, 1, 2]
 
 
@@ -31,17 +32,28 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
     target = build_tiny_target(root / "target")
     jsonl = write_chat_jsonl(root / "chat.jsonl", 14, seed=1)
-    prepare(PrepareConfig(data=DataConfig(paths=[jsonl], tokenizer=target, max_length=48),
-                          output_dir=str(root / "prep")))
+    prepare(
+        PrepareConfig(
+            data=DataConfig(paths=[jsonl], tokenizer=target, max_length=48),
+            output_dir=str(root / "prep"),
+        )
+    )
     return root, target
 
 
 def make_cfg(env, cache_dir, dtype="float32", per_shard=4):
     root, target = env
-    data = DataConfig(paths=[str(root / "prep")], mode="offline", cache_dir=str(cache_dir),
-                      cache_dtype=dtype, samples_per_shard=per_shard, num_workers=0)
-    return BuildCacheConfig(data=data, target=TargetConfig(path=target, layer_ids=LAYERS,
-                                                           dtype="float32"), batch_size=3)
+    data = DataConfig(
+        paths=[str(root / "prep")],
+        mode="offline",
+        cache_dir=str(cache_dir),
+        cache_dtype=dtype,
+        samples_per_shard=per_shard,
+        num_workers=0,
+    )
+    return BuildCacheConfig(
+        data=data, target=TargetConfig(path=target, layer_ids=LAYERS, dtype="float32"), batch_size=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +73,13 @@ def test_cache_holds_the_targets_features(env, built):
     store = TokenStore.load(root / "prep")
     assert manifest["num_samples"] == len(store) == 14 and len(manifest["shards"]) == 4
     assert manifest["layer_ids"] == LAYERS and manifest["hidden_size"] == 32
-    assert manifest["target"]["vocab_size"] == 384 and len(manifest["target"]["config_sha256"]) == 64
+    assert (
+        manifest["target"]["vocab_size"] == 384 and len(manifest["target"]["config_sha256"]) == 64
+    )
     for shard in manifest["shards"]:
         assert len(shard["sha256"]) == 64 and shard["lengths"] == [
-            store.lengths[i] for i in shard["sample_ids"]]
+            store.lengths[i] for i in shard["sample_ids"]
+        ]
     cache = TargetCache(cache_dir)
     target = load_target(TargetConfig(path=target_dir, layer_ids=LAYERS, dtype="float32"))
     for i in (0, 7, 13):
@@ -106,10 +121,12 @@ def test_refuses_damaged_or_mismatched_cache(env, built, tmp_path):
             (d / "manifest.json").unlink()
         return d
 
-    for how, why in (("missing", "shards/000002.safetensors is missing"),
-                     ("truncated", "shards/000002.safetensors is truncated"),
-                     ("corrupt", "shards/000002.safetensors fails its sha256"),
-                     ("no_manifest", "no manifest.json")):
+    for how, why in (
+        ("missing", "shards/000002.safetensors is missing"),
+        ("truncated", "shards/000002.safetensors is truncated"),
+        ("corrupt", "shards/000002.safetensors fails its sha256"),
+        ("no_manifest", "no manifest.json"),
+    ):
         with pytest.raises(CacheError, match=why):
             TargetCache(damaged(how))
     # verify="size" (for multi-TB caches) skips hashing: a same-size corruption gets through.
@@ -182,8 +199,12 @@ def test_estimate_matches_the_built_size(env, built):
     assert est["num_tokens"] == manifest["num_tokens"]
     header_overhead = 1024 * len(manifest["shards"])
     assert est["total_bytes"] <= manifest["total_bytes"] <= est["total_bytes"] + header_overhead
-    quick = estimate_cache(dataclasses.replace(
-        EstimateCacheConfig(target=cfg.target, dtype="bfloat16"), num_samples=1000,
-        mean_tokens=10.0))
+    quick = estimate_cache(
+        dataclasses.replace(
+            EstimateCacheConfig(target=cfg.target, dtype="bfloat16"),
+            num_samples=1000,
+            mean_tokens=10.0,
+        )
+    )
     assert quick["total_bytes"] == 10_000 * (4 + 1 + 4 * 32 * 2)
     assert json.loads(json.dumps(quick))["human"].endswith("MiB")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from tiny_models import build_tiny_tokenizer, chat_rows
 
 from dspark_ds.data.chat import ChatTokenizer, load_tokenizer, spans_to_token_mask
+
+from helpers.tiny_models import build_tiny_tokenizer, chat_rows
 
 CONV = [
     {"role": "system", "content": "Be brief."},
@@ -17,11 +18,16 @@ CONV = [
 
 # (text, trained?) runs of the rendered conversation: the golden segmentation.
 QWEN3_GOLDEN = [
-    ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
-     "<|im_start|>assistant\n", 0),
+    (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        0,
+    ),
     ("Hello there!<|im_end|>", 1),
-    ("\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
-     0),
+    (
+        "\n<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        0,
+    ),
     ("Blue.<|im_end|>", 1),
     ("\n", 0),
 ]
@@ -54,9 +60,10 @@ def runs(tok, ids, mask):
     return out
 
 
-@pytest.mark.parametrize("name,golden", [("qwen3", QWEN3_GOLDEN),
-                                         ("qwen3_nomarkers", QWEN3_GOLDEN),
-                                         ("gemma", GEMMA_GOLDEN)])
+@pytest.mark.parametrize(
+    "name,golden",
+    [("qwen3", QWEN3_GOLDEN), ("qwen3_nomarkers", QWEN3_GOLDEN), ("gemma", GEMMA_GOLDEN)],
+)
 def test_golden_segmentation(tokenizers, name, golden):
     chat = ChatTokenizer(tokenizers[name], max_length=4096)
     assert chat.use_markers == (name == "qwen3")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import build_tiny_tokenizer, chat_rows, write_chat_jsonl
 
 from dspark_ds.data.config import DataConfig, PrepareConfig
 from dspark_ds.data.formats import DataError, ReadStats, normalise_row, read_conversations
 from dspark_ds.data.tokens import TokenStore, prepare
+
+from helpers.tiny_models import build_tiny_tokenizer, chat_rows, write_chat_jsonl
 
 
 def test_three_layouts_normalise_to_messages():
@@ -18,22 +19,31 @@ def test_three_layouts_normalise_to_messages():
     turns = chat_rows(1, "turns", seed=1, system=False)[0]
     assert normalise_row(share, "f:1") == msgs
     assert normalise_row(turns, "f:1") == [m for m in msgs if m["role"] == "user"]
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                       {"type": "text", "text": "b"}]}]}
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ]
+    }
     assert normalise_row(parts, "f:1") == [{"role": "user", "content": "ab"}]
 
 
-@pytest.mark.parametrize("line,why", [
-    ("{not json", "invalid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"text": "x"}', "no 'messages'"),
-    ('{"messages": []}', "non-empty list"),
-    ('{"messages": [{"role": "alien", "content": "x"}]}', "unknown role"),
-    ('{"messages": [{"role": "user"}]}', "role/content"),
-    ('{"messages": [{"role": "assistant", "content": "x"}]}', "start with a user turn"),
-    ('{"messages": [{"role": "user", "content": 3}]}', "must be a string"),
-    ('{"turns": [1]}', "list of strings"),
-])
+@pytest.mark.parametrize(
+    "line,why",
+    [
+        ("{not json", "invalid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"text": "x"}', "no 'messages'"),
+        ('{"messages": []}', "non-empty list"),
+        ('{"messages": [{"role": "alien", "content": "x"}]}', "unknown role"),
+        ('{"messages": [{"role": "user"}]}', "role/content"),
+        ('{"messages": [{"role": "assistant", "content": "x"}]}', "start with a user turn"),
+        ('{"messages": [{"role": "user", "content": 3}]}', "must be a string"),
+        ('{"turns": [1]}', "list of strings"),
+    ],
+)
 def test_malformed_row_error_names_file_and_line(tmp_path, line, why):
     path = tmp_path / "bad.jsonl"
     good = json.dumps(chat_rows(1)[0])

@@ -6,13 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import build_tiny_target, write_chat_jsonl
 
 from dspark_ds.data.cache import TargetCache, build_cache
 from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig
 from dspark_ds.data.loader import build_train_loader, epoch_batches
 from dspark_ds.data.tokens import prepare
 from dspark_ds.target import TargetConfig, load_target, share_embeddings_and_head
+
+from helpers.tiny_models import build_tiny_target, write_chat_jsonl
 
 LAYERS = [-1, 1, 2]
 N = 16  # samples after prepare (max_length 72 keeps >= 2 assistant tokens in each)
@@ -30,8 +31,9 @@ def test_epoch_batches_deterministic_disjoint_and_balanced():
     assert all(len(b) == 4 for r in per_rank for b in r)
 
     def padding(batches):
-        return sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b)
-                   for b in batches)
+        return sum(
+            len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in batches
+        )
 
     grouped = epoch_batches(lengths, 4, 0, 1, seed=0, epoch=0, length_grouping=64)
     plain = epoch_batches(lengths, 4, 0, 1, seed=0, epoch=0, length_grouping=1)
@@ -44,10 +46,21 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("loader")
     target_dir = build_tiny_target(root / "target")
     jsonl = write_chat_jsonl(root / "chat.jsonl", 16, seed=2)
-    prepare(PrepareConfig(data=DataConfig(paths=[jsonl], tokenizer=target_dir, max_length=72),
-                          output_dir=str(root / "prep")))
-    data = DataConfig(paths=[str(root / "prep")], mode="offline", cache_dir=str(root / "cache"),
-                      batch_size=3, num_workers=0, samples_per_shard=5, seed=11)
+    prepare(
+        PrepareConfig(
+            data=DataConfig(paths=[jsonl], tokenizer=target_dir, max_length=72),
+            output_dir=str(root / "prep"),
+        )
+    )
+    data = DataConfig(
+        paths=[str(root / "prep")],
+        mode="offline",
+        cache_dir=str(root / "cache"),
+        batch_size=3,
+        num_workers=0,
+        samples_per_shard=5,
+        seed=11,
+    )
     tcfg = TargetConfig(path=target_dir, layer_ids=LAYERS, dtype="float32")
     build_cache(BuildCacheConfig(data=data, target=tcfg, batch_size=4))
     assert len(TargetCache(data.cache_dir)) == N
@@ -77,19 +90,31 @@ def assert_same_batches(xs, ys):
 def step_loss(batch, target, seed=0):
     """One DSpark training step (forward + loss + backward) on a drafter sharing the target's
     embedding and lm_head; returns the loss."""
-    from dspark_ds.loss import compute_dspark_loss
-    from dspark_ds.models import build_draft_config, build_draft_model
+    from dspark_ds.drafters import build_draft_config, build_draft_model
+    from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 
     torch.manual_seed(seed)
-    cfg = build_draft_config(target.config, target_layer_ids=LAYERS, mask_token_id=3,
-                             num_draft_layers=1, block_size=4, num_anchors=8, markov_rank=8)
+    cfg = build_draft_config(
+        target.config,
+        target_layer_ids=LAYERS,
+        mask_token_id=3,
+        num_draft_layers=1,
+        block_size=4,
+        num_anchors=8,
+        markov_rank=8,
+    )
     drafter = build_draft_model(cfg)
     share_embeddings_and_head(drafter, target)
-    out = drafter(batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"],
-                  batch["target_last_hidden_states"],
-                  generator=torch.Generator().manual_seed(seed))
-    loss, metrics = compute_dspark_loss(out, loss_decay_gamma=4.0, ce_loss_alpha=0.1,
-                                        l1_loss_alpha=0.9, confidence_head_alpha=1.0)
+    out = drafter(
+        batch["input_ids"],
+        batch["target_hidden_states"],
+        batch["loss_mask"],
+        batch["target_last_hidden_states"],
+        generator=torch.Generator().manual_seed(seed),
+    )
+    loss, metrics = compute_dspark_loss(
+        out, loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
+    )
     loss.backward()
     assert drafter.fc.weight.grad is not None and target.embed_weight.grad is None
     return loss.item()
@@ -97,12 +122,15 @@ def step_loss(batch, target, seed=0):
 
 def test_offline_online_hybrid_give_identical_batches_and_loss(env, tmp_path):
     root, data, target = env
-    offline = run_epochs(build_train_loader(data, 0, 1, None, hidden_size=32, layer_ids=LAYERS,
-                                            vocab_size=384))
-    online = run_epochs(build_train_loader(dataclasses.replace(data, mode="online"), 0, 1,
-                                           target, layer_ids=LAYERS))
-    hybrid_cfg = dataclasses.replace(data, mode="hybrid", cache_dir=str(tmp_path / "hyb"),
-                                     samples_per_shard=2)
+    offline = run_epochs(
+        build_train_loader(data, 0, 1, None, hidden_size=32, layer_ids=LAYERS, vocab_size=384)
+    )
+    online = run_epochs(
+        build_train_loader(dataclasses.replace(data, mode="online"), 0, 1, target, layer_ids=LAYERS)
+    )
+    hybrid_cfg = dataclasses.replace(
+        data, mode="hybrid", cache_dir=str(tmp_path / "hyb"), samples_per_shard=2
+    )
     hybrid_loader = build_train_loader(hybrid_cfg, 0, 1, target)
     assert [hybrid_loader.source_for(e) for e in (0, 1)] == ["target", "cache"]
     hybrid = run_epochs(hybrid_loader)
@@ -115,8 +143,9 @@ def test_offline_online_hybrid_give_identical_batches_and_loss(env, tmp_path):
     a, b = TargetCache(data.cache_dir), TargetCache(tmp_path / "hyb")
     assert len(a) == len(b) == N
     for i in range(N):
-        torch.testing.assert_close(a[i]["target_hidden_states"], b[i]["target_hidden_states"],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            a[i]["target_hidden_states"], b[i]["target_hidden_states"], atol=1e-5, rtol=1e-5
+        )
     losses = [step_loss(batches[1], target) for batches in (offline, online, hybrid)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) == pytest.approx(losses[2], rel=1e-5)
     assert losses[0] > 0
@@ -137,7 +166,8 @@ def test_resume_continues_the_same_order(env):
     second.set_epoch(0)  # the trainer re-enters the epoch it stopped in
     rest = run_epochs(second, epochs=(0, 1))
     assert [b["sample_ids"].tolist() for b in full] == [s.tolist() for s in seen] + [
-        b["sample_ids"].tolist() for b in rest]
+        b["sample_ids"].tolist() for b in rest
+    ]
     with pytest.raises(ValueError, match="world_size"):
         second.load_state_dict({**state, "world_size": 2})
 
@@ -145,8 +175,9 @@ def test_resume_continues_the_same_order(env):
 def test_workers_and_ranks(env):
     _, data, _ = env
     zero = run_epochs(build_train_loader(data, 1, 2), epochs=(0,))
-    two = run_epochs(build_train_loader(dataclasses.replace(data, num_workers=2), 1, 2),
-                     epochs=(0,))
+    two = run_epochs(
+        build_train_loader(dataclasses.replace(data, num_workers=2), 1, 2), epochs=(0,)
+    )
     assert_same_batches(zero, two)
     other = run_epochs(build_train_loader(data, 0, 2), epochs=(0,))
     assert len(other) == len(zero) == N // 6
@@ -157,8 +188,9 @@ def test_workers_and_ranks(env):
 
 def test_hybrid_resumed_mid_epoch_still_completes_the_cache(env, tmp_path):
     _, data, target = env
-    cfg = dataclasses.replace(data, mode="hybrid", cache_dir=str(tmp_path / "hyb"),
-                              samples_per_shard=2)
+    cfg = dataclasses.replace(
+        data, mode="hybrid", cache_dir=str(tmp_path / "hyb"), samples_per_shard=2
+    )
     first = build_train_loader(cfg, 0, 1, target)
     first.set_epoch(0)
     it = iter(first)
@@ -175,5 +207,9 @@ def test_hybrid_resumed_mid_epoch_still_completes_the_cache(env, tmp_path):
     assert len(cache) == N
     for i in range(N):
         assert torch.equal(cache[i]["input_ids"], ref[i]["input_ids"])
-        torch.testing.assert_close(cache[i]["target_last_hidden_states"],
-                                   ref[i]["target_last_hidden_states"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            cache[i]["target_last_hidden_states"],
+            ref[i]["target_last_hidden_states"],
+            atol=1e-5,
+            rtol=1e-5,
+        )

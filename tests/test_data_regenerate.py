@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
-from tiny_models import build_tiny_target, write_chat_jsonl
 
 from dspark_ds.data.config import DataConfig, RegenerateConfig
 from dspark_ds.data.formats import read_conversations
 from dspark_ds.data.regeneration import merge_parts, read_part, regenerate
 from dspark_ds.target import TargetConfig
+
+from helpers.tiny_models import build_tiny_target, write_chat_jsonl
 
 NUM_ROWS = 9
 
@@ -32,9 +33,14 @@ def env(tmp_path_factory):
 
 def make_cfg(env, out: Path) -> RegenerateConfig:
     _, target, src = env
-    return RegenerateConfig(data=DataConfig(paths=[src], max_length=256),
-                            target=TargetConfig(path=target, dtype="float32", device="cpu"),
-                            output=str(out), batch_size=3, max_new_tokens=6, seed=1)
+    return RegenerateConfig(
+        data=DataConfig(paths=[src], max_length=256),
+        target=TargetConfig(path=target, dtype="float32", device="cpu"),
+        output=str(out),
+        batch_size=3,
+        max_new_tokens=6,
+        seed=1,
+    )
 
 
 def check_output(env, out: Path):
@@ -52,8 +58,13 @@ def check_output(env, out: Path):
 
 
 def _rank_main(rank: int, world: int, port: int, cfg: RegenerateConfig) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_RANK=str(rank),
+    )
     counts = regenerate(cfg)
     Path(f"{cfg.output}.counts{rank}").write_text(json.dumps(counts))
 
@@ -70,8 +81,9 @@ def test_two_ranks_write_every_sample_exactly_once(env, tmp_path):
     cfg = make_cfg(env, tmp_path / "regen.jsonl")
     mp.spawn(_rank_main, args=(2, free_port(), cfg), nprocs=2, join=True)
     check_output(env, tmp_path / "regen.jsonl")
-    parts = [read_part(tmp_path / "regen.jsonl.parts" / f"part-{r:05d}-of-00002.jsonl")
-             for r in range(2)]
+    parts = [
+        read_part(tmp_path / "regen.jsonl.parts" / f"part-{r:05d}-of-00002.jsonl") for r in range(2)
+    ]
     assert [sorted(r["id"] for r in p) for p in parts] == [[0, 2, 4, 6, 8], [1, 3, 5, 7]]
     total = json.loads((tmp_path / "regen.jsonl.counts0").read_text())
     assert total == {"written": NUM_ROWS, "failed": 0, "skipped": 0}

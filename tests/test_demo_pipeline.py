@@ -42,10 +42,10 @@ SMOKE_ARGS = [
 def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dspark_ds.drafters import load_draft_model
     from dspark_ds.eval.benchmarks import encode_prompt, load_benchmark
     from dspark_ds.eval.decoding import speculative_generate, target_generate
-    from dspark_ds.models import load_draft_model
-    from dspark_ds.tracking import read_run
+    from dspark_ds.tracking.mlflow import read_run
 
     monkeypatch.setenv("DSPARK_DS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "demo"
@@ -66,8 +66,18 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     assert 0.0 <= summary["drafters"]["dspark"]["T1"]["calibration"]["raw"]["ece"] <= 1.0
     assert "calibration" not in summary["drafters"]["dflash"]["T1"]
     stages = summary["stage_seconds"]
-    for name in ("corpus", "target", "regenerate", "prepare", "build-cache", "train-dspark",
-                 "train-dflash", "train-eagle3", "eval-dspark-T0", "eval-eagle3-T1"):
+    for name in (
+        "corpus",
+        "target",
+        "regenerate",
+        "prepare",
+        "build-cache",
+        "train-dspark",
+        "train-dflash",
+        "train-eagle3",
+        "eval-dspark-T0",
+        "eval-eagle3-T1",
+    ):
         assert stages[name] >= 0.0, name
     assert summary["target"]["from_cache"] is False
     assert set(summary["tau_ratio_dspark_over_dflash"]) == {"T0", "T1"}
@@ -95,10 +105,12 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
         drafter = load_draft_model(out / "runs" / kind / "export", dtype=torch.float32)
         for turns in prompts[:3]:
             ids = encode_prompt(tok, turns, None)
-            spec, stats = speculative_generate(target, drafter, ids, max_new_tokens=20,
-                                               temperature=0.0, stop_token_ids=eos)
-            ref = target_generate(target, ids, max_new_tokens=20, temperature=0.0,
-                                  stop_token_ids=eos)
+            spec, stats = speculative_generate(
+                target, drafter, ids, max_new_tokens=20, temperature=0.0, stop_token_ids=eos
+            )
+            ref = target_generate(
+                target, ids, max_new_tokens=20, temperature=0.0, stop_token_ids=eos
+            )
             assert spec.tolist() == ref.tolist(), kind
             assert stats.rounds > 0
 
@@ -123,8 +135,17 @@ def test_demo_config_from_cli_and_defaults():
     [
         (["--drafters", "[medusa]"], "drafters"),
         (["--budget.max_steps", "0"], "budget.max_steps"),
-        (["--budget.global_batch_size", "6", "--budget.micro_batch_size", "4",
-          "--budget.nproc", "1"], "budget.global_batch_size"),
+        (
+            [
+                "--budget.global_batch_size",
+                "6",
+                "--budget.micro_batch_size",
+                "4",
+                "--budget.nproc",
+                "1",
+            ],
+            "budget.global_batch_size",
+        ),
         (["--eval.temperatures", "[-1.0]"], "eval.temperatures"),
         (["--data.mode", "hybrid"], "data.mode"),
     ],
@@ -139,8 +160,10 @@ def test_format_summary_table():
     summary = {
         "temperatures": [1.0],
         "drafters": {
-            "dspark": {"T1": {**row, "calibration": {"raw": {"ece": 0.05, "auroc": 0.8}}},
-                       "stage_seconds": {"train-dspark": 12.0}},
+            "dspark": {
+                "T1": {**row, "calibration": {"raw": {"ece": 0.05, "auroc": 0.8}}},
+                "stage_seconds": {"train-dspark": 12.0},
+            },
             "dflash": {"T1": {**row, "tau": 2.0}, "stage_seconds": {"train-dflash": 11.0}},
         },
         "tau_ratio_dspark_over_dflash": {"T1": 1.25},

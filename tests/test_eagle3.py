@@ -10,26 +10,17 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dspark_ds.eagle3_loss import compute_eagle3_loss
-from dspark_ds.models import load_draft_model, save_draft_model
-from dspark_ds.models.eagle3 import (
+from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.loss import compute_eagle3_loss
+from dspark_ds.drafters.eagle3.model import (
     Qwen3Eagle3Model,
     build_eagle3_config,
     build_ttt_eval_mask,
 )
-from dspark_ds.models.io import build_draft_model
-from dspark_ds.models.io import build_eagle3_config as io_build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
+from dspark_ds.drafters.io import build_eagle3_config as io_build_eagle3_config
 
 VOCAB, HIDDEN, LAYER_IDS = 96, 32, [0, 1, 2]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def target_config() -> Qwen3Config:
@@ -107,8 +98,12 @@ class NaiveEagle3:
     def layer(self, li, tok, h, pos, keys, values):
         """One position through layer li; appends its key/value, attends over all of `keys`."""
         w = lambda n: self.sd[f"layers.{li}.{n}"]  # noqa: E731
-        x = torch.cat([rms(self.sd["embed_tokens.weight"][tok], w("input_layernorm.weight"), self.eps),
-                       rms(h, w("hidden_norm.weight"), self.eps)])
+        x = torch.cat(
+            [
+                rms(self.sd["embed_tokens.weight"][tok], w("input_layernorm.weight"), self.eps),
+                rms(h, w("hidden_norm.weight"), self.eps),
+            ]
+        )
         q = (w("self_attn.q_proj.weight") @ x).view(self.nh, self.hd)
         k = (w("self_attn.k_proj.weight") @ x).view(self.nkv, self.hd)
         v = (w("self_attn.v_proj.weight") @ x).view(self.nkv, self.hd)
@@ -206,8 +201,10 @@ def test_eval_mask_and_labels():
     model = make_model()
     batch = make_batch()
     out = model(**batch)
-    assert torch.equal(out.target_ids[:, :, 1], torch.cat(
-        [batch["input_ids"][:, 3:], torch.zeros(2, 3, dtype=torch.long)], dim=1))
+    assert torch.equal(
+        out.target_ids[:, :, 1],
+        torch.cat([batch["input_ids"][:, 3:], torch.zeros(2, 3, dtype=torch.long)], dim=1),
+    )
 
 
 def test_flex_kernel_matches_dense():
@@ -232,7 +229,9 @@ def test_train_serve_parity_with_cache(num_layers):
             cache = model.new_cache()
             # Context in two chunks (a prefill then a round's verified tokens).
             split = max(t // 2, 1) if t > 0 else 1
-            hidden = model.extend(model.project_context(feats[:, :split]), ids[:, 1 : split + 1], cache)
+            hidden = model.extend(
+                model.project_context(feats[:, :split]), ids[:, 1 : split + 1], cache
+            )
             if t + 1 > split:
                 hidden = model.extend(
                     model.project_context(feats[:, split : t + 1]), ids[:, split + 1 : t + 2], cache
@@ -257,7 +256,9 @@ def test_propose_greedy_chain_and_cache_crop():
     start = 5
     with torch.no_grad():
         tokens, logits = model.propose(
-            context_features=feats[:, :start], next_token_ids=ids[:, 1 : start + 1], start=start,
+            context_features=feats[:, :start],
+            next_token_ids=ids[:, 1 : start + 1],
+            start=start,
             cache=cache,
         )
         assert tokens.shape == (1, 4) and logits.shape == (1, 4, VOCAB)
@@ -271,13 +272,18 @@ def test_propose_greedy_chain_and_cache_crop():
         # A second round continues from the cropped cache; a stop token ends the chain.
         stop = {int(tokens[0, 0])}
         more, _ = model.propose(
-            context_features=feats[:, start : start + 1], next_token_ids=ids[:, start + 1 : start + 2],
-            start=start + 1, cache=cache, num_tokens=3, stop_token_ids=stop,
+            context_features=feats[:, start : start + 1],
+            next_token_ids=ids[:, start + 1 : start + 2],
+            start=start + 1,
+            cache=cache,
+            num_tokens=3,
+            stop_token_ids=stop,
         )
         assert cache.seq_length == start + 1 and 1 <= more.shape[1] <= 3
         with pytest.raises(ValueError, match="context_features"):
-            model.propose(context_features=feats[:, :2], next_token_ids=ids[:, 1:3], start=9,
-                          cache=cache)
+            model.propose(
+                context_features=feats[:, :2], next_token_ids=ids[:, 1:3], start=9, cache=cache
+            )
 
 
 def test_save_load_round_trip_and_reference_names(tmp_path):
@@ -294,10 +300,20 @@ def test_save_load_round_trip_and_reference_names(tmp_path):
     # The reference's parameter names (deepspec/modeling/eagle3/qwen3/modeling.py).
     expected = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight"} | {
         f"layers.0.{n}.weight"
-        for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm",
-                  "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "self_attn.q_norm", "self_attn.k_norm",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        for n in (
+            "hidden_norm",
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
     }
     assert names == expected
     assert model.state_dict()["layers.0.self_attn.q_proj.weight"].shape == (32, 2 * HIDDEN)
@@ -354,7 +370,9 @@ def test_config_errors_name_the_field():
     model = build_draft_model(cfg)
     with pytest.raises(ValueError, match="target_hidden_states"):
         model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, HIDDEN), torch.ones(1, 4))
-    out = model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 3 * HIDDEN), torch.ones(1, 4))
+    out = model(
+        torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, 3 * HIDDEN), torch.ones(1, 4)
+    )
     with pytest.raises(ValueError, match="target_logits"):
         compute_eagle3_loss(out)
 
@@ -369,12 +387,17 @@ def test_incremental_rounds_match_a_fresh_cache():
         for start in (3, 4, 7, 12):  # 1, 3 and 5 newly verified positions per round
             cached = cache.seq_length
             tokens, logits = model.propose(
-                context_features=feats[:, cached:start], next_token_ids=ids[:, cached + 1 : start + 1],
-                start=start, cache=cache, temperature=0.0,
+                context_features=feats[:, cached:start],
+                next_token_ids=ids[:, cached + 1 : start + 1],
+                start=start,
+                cache=cache,
+                temperature=0.0,
             )
             fresh_tokens, fresh_logits = model.propose(
-                context_features=feats[:, :start], next_token_ids=ids[:, 1 : start + 1],
-                start=start, cache=model.new_cache(),
+                context_features=feats[:, :start],
+                next_token_ids=ids[:, 1 : start + 1],
+                start=start,
+                cache=model.new_cache(),
             )
             assert torch.equal(tokens, fresh_tokens)
             torch.testing.assert_close(logits, fresh_logits, rtol=1e-4, atol=1e-5)
@@ -382,7 +405,7 @@ def test_incremental_rounds_match_a_fresh_cache():
 
 
 def test_chunked_loss_matches_reference_loss_metrics_and_gradients():
-    from dspark_ds.eagle3_loss import eagle3_forward_and_loss
+    from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
 
     model = make_model(num_draft_layers=1).train()
     model.freeze_shared()

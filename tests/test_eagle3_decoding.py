@@ -7,25 +7,17 @@ import json
 
 import pytest
 import torch
-from tiny_models import build_tiny_target
 from transformers import AutoModelForCausalLM
 
+from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.model import Qwen3Eagle3Model, build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.target_step import tap_layers
-from dspark_ds.models import load_draft_model, save_draft_model
-from dspark_ds.models.eagle3 import Qwen3Eagle3Model, build_eagle3_config
-from dspark_ds.models.io import build_draft_model
+
+from helpers.tiny_models import build_tiny_target
 
 LAYER_IDS = [0, 1, 2]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +67,14 @@ def test_rounds_feed_the_drafter_the_committed_features_and_tokens(target, monke
     original = drafter.propose
 
     def recording_propose(**kw):
-        calls.append((kw["cache"].seq_length, kw["start"], kw["context_features"].clone(),
-                      kw["next_token_ids"].clone()))
+        calls.append(
+            (
+                kw["cache"].seq_length,
+                kw["start"],
+                kw["context_features"].clone(),
+                kw["next_token_ids"].clone(),
+            )
+        )
         return original(**kw)
 
     monkeypatch.setattr(drafter, "propose", recording_propose)
@@ -106,10 +104,10 @@ def test_sampled_eagle3_decoding_runs_and_respects_the_budget(target):
 
 def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
     """`dspark-ds eval` end to end on an Eagle3 directory: τ table, no calibration, results."""
-    from tiny_models import build_tiny_target
-
     from dspark_ds.eval.config import EvalConfig
     from dspark_ds.eval.runner import run_eval
+
+    from helpers.tiny_models import build_tiny_target
 
     target_dir = build_tiny_target(tmp_path / "target")  # same seed: the fixture's weights
     save_draft_model(make_drafter(target, seed=6), tmp_path / "eagle3")

@@ -9,22 +9,15 @@ import pytest
 import torch
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
-from dspark_ds.eagle3_loss import eagle3_forward_and_loss
-from dspark_ds.models import load_draft_model, save_draft_model
-from dspark_ds.models.eagle3 import build_eagle3_config
-from dspark_ds.models.eagle3_gemma4 import Gemma4Eagle3Model
-from dspark_ds.models.io import build_draft_model
-from tests.test_gemma4 import VOCAB, tiny_gemma4_target_config, tiny_gemma4_text
+from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.gemma4 import Gemma4Eagle3Model
+from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
+from dspark_ds.drafters.eagle3.model import build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
+
+from helpers.gemma4 import VOCAB, tiny_gemma4_target_config, tiny_gemma4_text
 
 LAYER_IDS = [0, 1, 2]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def gemma4_eagle3(seed: int = 0, num_draft_layers: int = 1, target_config=None, **text_kw):

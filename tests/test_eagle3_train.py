@@ -7,12 +7,13 @@ import math
 
 import pytest
 import torch
-from dist_utils import check, python
-from tiny_models import build_tiny_target
 
 from dspark_ds.config import DrafterConfig
-from dspark_ds.models import load_draft_model
-from dspark_ds.models.eagle3 import Qwen3Eagle3Model
+from dspark_ds.drafters import load_draft_model
+from dspark_ds.drafters.eagle3.model import Qwen3Eagle3Model
+
+from helpers.dist import check, python
+from helpers.tiny_models import build_tiny_target
 
 
 def test_eagle3_config_section_checks_its_own_fields():
@@ -35,7 +36,9 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
     ]  # fmt: skip
     check(python(argv, timeout_s=900))
     run = out / "eagle3_tiny_cpu"
-    losses = [json.loads(line)["loss"] for line in (run / "train_log.jsonl").read_text().splitlines()]
+    losses = [
+        json.loads(line)["loss"] for line in (run / "train_log.jsonl").read_text().splitlines()
+    ]
     assert len(losses) == 4 and all(math.isfinite(x) and x > 0 for x in losses)
 
     # The live export is a reference-format Qwen3Eagle3Model directory.
@@ -59,8 +62,13 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out}/mlflow.db")
     run_id = (run / "mlflow_run_id").read_text().strip()
     metrics = client.get_run(run_id).data.metrics
-    for key in ("train/loss", "train/tau_probabilistic", "train/accept_rate_at_3", "train/ploss_0",
-                "val/tau_greedy"):
+    for key in (
+        "train/loss",
+        "train/tau_probabilistic",
+        "train/accept_rate_at_3",
+        "train/ploss_0",
+        "val/tau_greedy",
+    ):
         assert key in metrics, (key, sorted(metrics))
     assert 1.0 <= metrics["train/tau_probabilistic"] <= 5.0
 
@@ -69,7 +77,7 @@ def test_eagle3_variant_of_a_dspark_run_changes_only_the_model_section():
     from dataclasses import asdict
 
     from dspark_ds.cli import parse_config
-    from dspark_ds.eagle3_recipe import eagle3_run_config
+    from dspark_ds.drafters.eagle3.recipe import eagle3_run_config
 
     base = parse_config("train", ["--config", "dspark_ds/recipes/dspark_qwen3_4b.yaml"])
     e3 = eagle3_run_config(base)
@@ -88,7 +96,7 @@ def test_eagle3_recipes_are_the_dspark_recipes_with_the_eagle3_model(family):
     from dataclasses import asdict
 
     from dspark_ds.cli import parse_config
-    from dspark_ds.eagle3_recipe import eagle3_run_config
+    from dspark_ds.drafters.eagle3.recipe import eagle3_run_config
 
     base = parse_config("train", ["--config", f"dspark_ds/recipes/dspark_{family}.yaml"])
     recipe = parse_config("train", ["--config", f"dspark_ds/recipes/eagle3_{family}.yaml"])

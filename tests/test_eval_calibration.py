@@ -8,19 +8,12 @@ import math
 
 import pytest
 import torch
-from eval_helpers import random_drafter, tiny_target
 
+from dspark_ds.drafters import load_draft_model, save_draft_model
 from dspark_ds.eval import calibration as cal
 from dspark_ds.eval import speculative_generate
-from dspark_ds.models import load_draft_model, save_draft_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from helpers.evaluation import random_drafter, tiny_target
 
 
 def _naive_ece(p, y, bins):
@@ -28,7 +21,11 @@ def _naive_ece(p, y, bins):
     for b in range(bins):
         sel = [i for i in range(len(p)) if min(int(p[i] * bins), bins - 1) == b]
         if sel:
-            total += len(sel) / len(p) * abs(sum(p[i] for i in sel) / len(sel) - sum(y[i] for i in sel) / len(sel))
+            total += (
+                len(sel)
+                / len(p)
+                * abs(sum(p[i] for i in sel) / len(sel) - sum(y[i] for i in sel) / len(sel))
+            )
     return total
 
 
@@ -44,7 +41,9 @@ def test_metrics_match_naive_references():
     p = (torch.rand(300, generator=g) * 10).round() / 10  # ties on purpose
     y = (torch.rand(300, generator=g) < p).double()
     pl, yl = p.tolist(), y.tolist()
-    assert cal.expected_calibration_error(p, y, 10) == pytest.approx(_naive_ece(pl, yl, 10), abs=1e-12)
+    assert cal.expected_calibration_error(p, y, 10) == pytest.approx(
+        _naive_ece(pl, yl, 10), abs=1e-12
+    )
     assert cal.auroc(p, y) == pytest.approx(_naive_auroc(pl, yl), abs=1e-12)
     assert cal.brier_score(p, y) == pytest.approx(sum((a - b) ** 2 for a, b in zip(pl, yl)) / 300)
     assert math.isnan(cal.auroc(p, torch.ones(300)))
@@ -98,8 +97,12 @@ def test_threshold_sweep_matches_a_naive_replay():
             verify.append(cut + 1)
         assert row["tau"] == pytest.approx(sum(tokens) / 4)
         assert row["accepted_fraction"] == pytest.approx(sum(kept) / sum(accepted))
-        assert row["verify_tokens_saved"] == pytest.approx(1 - sum(verify) / sum(len(lg) + 1 for lg in logits))
-    assert rows[0]["tau"] == pytest.approx(sum(committed) / 4) and rows[0]["verify_tokens_saved"] == 0
+        assert row["verify_tokens_saved"] == pytest.approx(
+            1 - sum(verify) / sum(len(lg) + 1 for lg in logits)
+        )
+    assert (
+        rows[0]["tau"] == pytest.approx(sum(committed) / 4) and rows[0]["verify_tokens_saved"] == 0
+    )
 
 
 def test_temperatures_in_config_json_are_applied_by_the_decoding_loop(tmp_path):
@@ -119,9 +122,14 @@ def test_temperatures_in_config_json_are_applied_by_the_decoding_loop(tmp_path):
     loaded = load_draft_model(tmp_path / "d")
     assert list(loaded.config.confidence_temperatures) == temps
     save_draft_model(loaded, tmp_path / "resaved")  # survives export / re-save
-    assert json.loads((tmp_path / "resaved" / "config.json").read_text())["confidence_temperatures"] == temps
+    assert (
+        json.loads((tmp_path / "resaved" / "config.json").read_text())["confidence_temperatures"]
+        == temps
+    )
     for thr in (0.3, 0.5, 0.7):
-        _, stats = speculative_generate(target, loaded, prompt, max_new_tokens=12, confidence_threshold=thr)
+        _, stats = speculative_generate(
+            target, loaded, prompt, max_new_tokens=12, confidence_threshold=thr
+        )
         scaled = torch.sigmoid(first_round_logits / torch.tensor(temps))
         below = (scaled < thr).nonzero()
         expected = int(below[0]) if below.numel() else 4

@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eval_helpers import random_drafter, tiny_target
 
+from dspark_ds.drafters import load_draft_model
 from dspark_ds.eval import speculative_generate, target_generate
 from dspark_ds.eval.target_step import TargetDecoder, tap_layers
-from dspark_ds.models import load_draft_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: intra-op threads only add contention on a shared 2-core runner.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from helpers.evaluation import random_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +41,9 @@ def _hf_greedy(target, prompt, n):
         ("rnn", 8, True, 0.45),
     ],
 )
-def test_greedy_speculative_equals_greedy_target(target, markov_head_type, markov_rank, confidence, threshold):
+def test_greedy_speculative_equals_greedy_target(
+    target, markov_head_type, markov_rank, confidence, threshold
+):
     drafter = random_drafter(
         target, markov_rank=markov_rank, markov_head_type=markov_head_type, confidence=confidence,
         block_size=4, markov_std=0.5 if markov_rank else None,
@@ -103,16 +97,21 @@ def test_greedy_drafter_that_matches_the_target_is_fully_accepted(target, monkey
 def test_stop_token_and_budget(target):
     drafter = random_drafter(target, markov_rank=8, block_size=4)
     prompt = _prompt(1)
-    ref = target_generate(target, prompt, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
+    ref = target_generate(target, prompt, max_new_tokens=30)[0, prompt.shape[1] :].tolist()
     stop = ref[12]
     first = ref.index(stop)
-    out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=30, stop_token_ids=[stop])
-    assert out[0, prompt.shape[1]:].tolist() == ref[: first + 1]
+    out, stats = speculative_generate(
+        target, drafter, prompt, max_new_tokens=30, stop_token_ids=[stop]
+    )
+    assert out[0, prompt.shape[1] :].tolist() == ref[: first + 1]
     assert stats.new_tokens == first + 1
-    assert target_generate(target, prompt, max_new_tokens=30, stop_token_ids=[stop]).tolist() == out.tolist()
+    assert (
+        target_generate(target, prompt, max_new_tokens=30, stop_token_ids=[stop]).tolist()
+        == out.tolist()
+    )
     for budget in (1, 2, 5):
         out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=budget)
-        assert out[0, prompt.shape[1]:].tolist() == ref[:budget]
+        assert out[0, prompt.shape[1] :].tolist() == ref[:budget]
         assert stats.rounds == budget - 1 - sum(stats.accepted_per_round)
 
 
@@ -121,7 +120,9 @@ def test_bad_arguments_are_refused(target):
     with pytest.raises(ValueError, match="max_new_tokens"):
         speculative_generate(target, drafter, _prompt(0), max_new_tokens=0)
     with pytest.raises(ValueError, match="confidence_threshold"):
-        speculative_generate(target, drafter, _prompt(0), max_new_tokens=4, confidence_threshold=2.0)
+        speculative_generate(
+            target, drafter, _prompt(0), max_new_tokens=4, confidence_threshold=2.0
+        )
     with pytest.raises(ValueError, match="input_ids"):
         speculative_generate(target, drafter, torch.zeros(2, 3, dtype=torch.long), max_new_tokens=4)
     last_layer = random_drafter(target, layer_ids=(0, 2))
@@ -150,7 +151,9 @@ def test_train_serve_parity(target, markov_head_type):
         feats = features(prefix)
         ids = torch.full((1, block), mask_id)
         ids[0, 0] = prefix[0, p1]
-        drafter.forward_draft_block(context_features=feats[:, :p1], block_input_ids=ids, start=p1, cache=cache)
+        drafter.forward_draft_block(
+            context_features=feats[:, :p1], block_input_ids=ids, start=p1, cache=cache
+        )
         assert cache.seq_length == p1
         ids[0, 0] = prefix[0, p]
         hidden = drafter.forward_draft_block(
@@ -208,5 +211,7 @@ def test_golden_reference_drafter_decodes(golden_dir):
     assert stats.rounds >= 1 and stats.proposed_per_round[0] == cfg.block_size
     assert len(stats.confidence_logits_per_round[0]) == cfg.block_size  # its confidence head ran
     g = torch.Generator().manual_seed(0)
-    out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=24, temperature=1.0, generator=g)
+    out, stats = speculative_generate(
+        target, drafter, prompt, max_new_tokens=24, temperature=1.0, generator=g
+    )
     assert stats.new_tokens == 24 and out.shape == (1, 36)

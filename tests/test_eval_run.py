@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from eval_helpers import random_drafter
-from tiny_models import build_tiny_target
 
 from dspark_ds.config import TrackingConfig
+from dspark_ds.drafters import save_draft_model
 from dspark_ds.eval import EvalConfig, run_eval, speculative_generate
 from dspark_ds.eval.benchmarks import (
     DEFAULT_BENCHMARKS,
@@ -22,16 +21,9 @@ from dspark_ds.eval.benchmarks import (
     shard,
 )
 from dspark_ds.eval.runner import stop_token_ids
-from dspark_ds.models import save_draft_model
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+from helpers.evaluation import random_drafter
+from helpers.tiny_models import build_tiny_target
 
 # ---- benchmarks -----------------------------------------------------------------------------
 
@@ -47,7 +39,9 @@ def test_shared_copy_matches_the_packaged_one(golden_dir):
     if not shared.is_dir():
         pytest.skip("no ../shared/data/eval_datasets")
     for name in DEFAULT_BENCHMARKS:
-        assert load_benchmark(benchmark_path(name, shared)) == load_benchmark(benchmark_path(name, None))
+        assert load_benchmark(benchmark_path(name, shared)) == load_benchmark(
+            benchmark_path(name, None)
+        )
 
 
 def test_bad_rows_name_file_and_line(tmp_path):
@@ -80,7 +74,10 @@ def test_prompts_are_chat_templated(tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     ids = encode_prompt(tok, ["What is 2 + 3?", "and then?"], {"enable_thinking": False})
     text = tok.decode(ids[0])
-    assert text == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert (
+        text
+        == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
     assert ids.shape[0] == 1 and ids.dtype == torch.long
 
 
@@ -116,7 +113,7 @@ def _cfg(root, target_dir, **kw) -> EvalConfig:
 def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
     from transformers import AutoTokenizer
 
-    from dspark_ds.tracking import list_artifacts, read_run
+    from dspark_ds.tracking.mlflow import list_artifacts, read_run
 
     root, target_dir, target = setup
     cfg = _cfg(root, target_dir, name="greedy", measure_baseline=True)
@@ -130,7 +127,7 @@ def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
 
     # Recompute τ of one benchmark independently, with the public decoding API.
     tok = AutoTokenizer.from_pretrained(target_dir)
-    drafter = __import__("dspark_ds.models", fromlist=["x"]).load_draft_model(root / "draft")
+    drafter = __import__("dspark_ds.drafters", fromlist=["x"]).load_draft_model(root / "draft")
     rows = select_prompts(load_benchmark(root / "data" / "chat.jsonl"), 5, 0)
     committed = rounds = 0
     for turns in rows:
@@ -146,7 +143,9 @@ def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
     assert chat["baseline_tokens_per_s"] > 0 and chat["speedup"] > 0
     accept = chat["accept_rate_by_position"]
     assert len(accept) == 4 and all(a is None or 0 <= a <= 1 for a in accept)
-    assert payload["average"]["tau"] == pytest.approx((chat["tau"] + payload["benchmarks"][1]["tau"]) / 2)
+    assert payload["average"]["tau"] == pytest.approx(
+        (chat["tau"] + payload["benchmarks"][1]["tau"]) / 2
+    )
 
     calib = payload["calibration"]
     assert calib["split"]["fit_prompts"] == 6 and calib["split"]["held_out_prompts"] == 4
@@ -187,10 +186,23 @@ def test_sts_written_to_the_drafter_and_threshold_run(setup, tmp_path):
     written = json.loads((drafter_copy / "config.json").read_text())["confidence_temperatures"]
     assert written == payload["calibration"]["sts"]["temperatures"]
     # A thresholded run uses them, and skips calibration (its proposals are cut).
-    cut = run_eval(_cfg(root, target_dir, name="cut", drafter=str(drafter_copy), temperature=1.0,
-                        benchmarks=["chat"], confidence_threshold=0.9, tracking=TrackingConfig(enabled=False)))
+    cut = run_eval(
+        _cfg(
+            root,
+            target_dir,
+            name="cut",
+            drafter=str(drafter_copy),
+            temperature=1.0,
+            benchmarks=["chat"],
+            confidence_threshold=0.9,
+            tracking=TrackingConfig(enabled=False),
+        )
+    )
     assert "skipped" in cut["calibration"]
-    assert cut["benchmarks"][0]["mean_proposal_length"] < payload["benchmarks"][0]["mean_proposal_length"]
+    assert (
+        cut["benchmarks"][0]["mean_proposal_length"]
+        < payload["benchmarks"][0]["mean_proposal_length"]
+    )
 
 
 def test_bad_options_name_the_field(setup):
@@ -206,7 +218,7 @@ def test_bad_options_name_the_field(setup):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_split_the_prompts_through_the_cli(setup):
-    from dist_utils import check, torchrun
+    from helpers.dist import check, torchrun
 
     root, target_dir, _ = setup
     single = run_eval(_cfg(root, target_dir, name="one", tracking=TrackingConfig(enabled=False)))
@@ -218,6 +230,10 @@ def test_two_ranks_split_the_prompts_through_the_cli(setup):
     two = json.loads((root / "runs" / "two" / "results.json").read_text())
     for a, b in zip(single["benchmarks"], two["benchmarks"]):
         assert (a["benchmark"], a["num_prompts"], a["rounds"], a["new_tokens"]) == (
-            b["benchmark"], b["num_prompts"], b["rounds"], b["new_tokens"])
+            b["benchmark"],
+            b["num_prompts"],
+            b["rounds"],
+            b["new_tokens"],
+        )
         assert a["tau"] == pytest.approx(b["tau"])
         assert a["accept_rate_by_position"] == pytest.approx(b["accept_rate_by_position"])

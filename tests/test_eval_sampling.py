@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eval_helpers import chi_square_pvalue, exact_continuation_probs, random_drafter, tiny_target
 
 from dspark_ds.eval import speculative_generate, verify
 
+from helpers.evaluation import (
+    chi_square_pvalue,
+    exact_continuation_probs,
+    random_drafter,
+    tiny_target,
+)
+
 ALPHA = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: intra-op threads only add contention on a shared 2-core runner.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ---- the verifier alone ---------------------------------------------------------------------
@@ -98,7 +95,7 @@ def _sample_counts(models, num_samples: int) -> tuple[torch.Tensor, int]:
         out, stats = speculative_generate(
             target, drafter, prompt, max_new_tokens=NUM_NEW, temperature=1.0, generator=g
         )
-        counts[tuple(out[0, prompt.shape[1]:].tolist())] += 1
+        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
         accepted += sum(stats.accepted_per_round)
     return counts, accepted
 

@@ -11,60 +11,15 @@ import torch
 from transformers import Gemma4Config
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
-from dspark_ds.loss import compute_dspark_loss
-from dspark_ds.models import build_draft_config, build_draft_model, load_draft_model
-from dspark_ds.models.attention import ATTN_IMPLEMENTATIONS
-from dspark_ds.models.gemma4 import Gemma4DSparkModel, full_attention_dims
-from dspark_ds.models.io import save_draft_model
-from tests.drafters import DFLASH, MASK_ID, VOCAB, random_batch, tiny_drafter
-from tests.test_models_golden import check_golden, run_golden
+from dspark_ds.drafters import build_draft_config, build_draft_model, load_draft_model
+from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
+from dspark_ds.drafters.dspark.gemma4 import Gemma4DSparkModel, full_attention_dims
+from dspark_ds.drafters.dspark.loss import compute_dspark_loss
+from dspark_ds.drafters.io import save_draft_model
 
-CAP = 5.0  # small softcap so that it visibly bends the tiny model's logits
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead (10x+ on a loaded 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_gemma4_text(**overrides) -> dict:
-    """A dense Gemma4 text config with distinct sliding / full-attention head shapes."""
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        global_head_dim=16,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        hidden_size_per_layer_input=0,
-        final_logit_softcapping=CAP,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=8,
-        max_position_embeddings=256,
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {
-                "rope_type": "proportional",
-                "partial_rotary_factor": 0.5,
-                "rope_theta": 1_000_000.0,
-            },
-        },
-    )
-    kw.update(overrides)
-    return kw
-
-
-def tiny_gemma4_target_config(**overrides) -> Gemma4Config:
-    """The multimodal wrapper a Gemma4 checkpoint's config.json describes (text only here)."""
-    return Gemma4Config(text_config=tiny_gemma4_text(**overrides))
+from helpers.drafters import DFLASH, MASK_ID, VOCAB, random_batch, tiny_drafter
+from helpers.gemma4 import CAP, greedy_without_cache, tiny_gemma4_target_config, tiny_gemma4_text
+from helpers.golden import check_golden, run_golden
 
 
 def gemma4_drafter(seed: int = 0, **draft_kw):
@@ -98,7 +53,7 @@ def test_gemma4_golden_through_the_training_loss_path(golden_dir):
     the golden loss and metrics, and its gradients equal the reference path's."""
     from safetensors.torch import load_file
 
-    from dspark_ds.perf import forward_and_loss
+    from dspark_ds.drafters.dspark.step import forward_and_loss
 
     folder = golden_dir / "gemma4_vanilla"
     expected = json.loads((folder / "expected.json").read_text())
@@ -407,17 +362,6 @@ def test_gemma4_attention_implementations_agree(impl):
 
 # ---- decoding against a real Gemma4 target ------------------------------------------------
 @torch.no_grad()
-def greedy_without_cache(target, input_ids: torch.Tensor, max_new_tokens: int, stops: set[int]):
-    """Plain greedy decoding with a full forward per token: no KV cache to get wrong."""
-    ids = input_ids
-    for _ in range(max_new_tokens):
-        nxt = target(input_ids=ids).logits[0, -1].argmax()
-        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-        if int(nxt) in stops:
-            break
-    return ids
-
-
 def test_lossless_greedy_decoding_on_a_sliding_window_gemma4_target():
     """Speculative greedy == plain greedy on a Gemma4 target whose sliding-window layers are
     shorter than the text, with drafts fully accepted, partly accepted and rejected."""

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import check, torchrun
-from tests.test_gemma4 import greedy_without_cache
-from tests.tiny_models import build_tiny_tokenizer, write_chat_jsonl
+from helpers.dist import check, torchrun
+from helpers.gemma4 import greedy_without_cache
+from helpers.tiny_models import build_tiny_tokenizer, write_chat_jsonl
 
 LAYER_IDS = [0, 1, 2]  # of 4 target layers; the last one is refused at evaluation
 
@@ -54,24 +54,15 @@ def build_tiny_gemma4_target(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tiny_gemma4_target_end_to_end(tmp_path, one_thread):
+def test_tiny_gemma4_target_end_to_end(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ds.cli import main as cli_main
+    from dspark_ds.drafters import load_draft_model
+    from dspark_ds.drafters.dspark.gemma4 import Gemma4DSparkModel
     from dspark_ds.eval.decoding import speculative_generate
-    from dspark_ds.models import load_draft_model
-    from dspark_ds.models.gemma4 import Gemma4DSparkModel
 
     target_dir = build_tiny_gemma4_target(tmp_path / "target")
     data = write_chat_jsonl(tmp_path / "train.jsonl", 16)

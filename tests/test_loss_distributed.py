@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dspark_ds.loss import compute_dspark_loss
-from dspark_ds.models.common import sample_anchor_positions
-from tests.drafters import random_batch, tiny_drafter
+from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.loss import compute_dspark_loss
+
+from helpers.drafters import random_batch, tiny_drafter
 
 LOSS_ARGS = dict(
     loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
-from dspark_ds.models import build_draft_config, load_draft_model, save_draft_model
-from tests.drafters import DFLASH, MASK_ID, random_batch, tiny_drafter, tiny_qwen3_config
+from dspark_ds.drafters import build_draft_config, load_draft_model, save_draft_model
+
+from helpers.drafters import DFLASH, MASK_ID, random_batch, tiny_drafter, tiny_qwen3_config
 
 
 @pytest.mark.parametrize(

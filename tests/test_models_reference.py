@@ -7,9 +7,14 @@ import math
 import pytest
 import torch
 
-from dspark_ds.models.attention import dense_block_mask
-from dspark_ds.models.common import build_eval_mask, build_label_indices, sample_anchor_positions
-from tests.drafters import DFLASH, random_batch, tiny_drafter
+from dspark_ds.drafters.common.attention import dense_block_mask
+from dspark_ds.drafters.common.blocks import (
+    build_eval_mask,
+    build_label_indices,
+    sample_anchor_positions,
+)
+
+from helpers.drafters import DFLASH, random_batch, tiny_drafter
 
 HEADS = [
     dict(markov_head_type="vanilla"),

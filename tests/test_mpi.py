@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurm_cluster import ensure_installed
-from tiny_models import build_tiny_target
+
+from helpers.slurm_cluster import ensure_installed
+from helpers.tiny_models import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"
@@ -28,8 +29,11 @@ def _mpi_ready() -> str | None:
         return why
     probe = [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"]
     if subprocess.run(probe, capture_output=True).returncode != 0:
-        pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "mpi4py>=4.0"],
-                             capture_output=True, text=True)
+        pip = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "mpi4py>=4.0"],
+            capture_output=True,
+            text=True,
+        )
         if pip.returncode != 0:
             return f"mpi4py is not importable and `pip install mpi4py` failed: {pip.stderr[-500:]}"
         if subprocess.run(probe, capture_output=True).returncode != 0:
@@ -43,22 +47,60 @@ def test_mpirun_two_ranks_train_tiny(tmp_path):
         pytest.skip(f"no MPI: {why}")
     target = build_tiny_target(tmp_path / "tiny_target")
     out = tmp_path / "runs"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # the ranks must come from MPI, not from us
-    from dist_utils import free_port
+    from helpers.dist import free_port
 
-    mpirun = [shutil.which("mpirun") or "mpirun", "-np", "2", "--oversubscribe",
-              "--mca", "btl", "self,tcp", "-x", "DS_ACCELERATOR", "-x", "OMP_NUM_THREADS",
-              "-x", "PYTHONPATH", "-x", f"MASTER_PORT={free_port()}"]
+    mpirun = [
+        shutil.which("mpirun") or "mpirun",
+        "-np",
+        "2",
+        "--oversubscribe",
+        "--mca",
+        "btl",
+        "self,tcp",
+        "-x",
+        "DS_ACCELERATOR",
+        "-x",
+        "OMP_NUM_THREADS",
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        f"MASTER_PORT={free_port()}",
+    ]
     if os.geteuid() == 0:
         mpirun.insert(1, "--allow-run-as-root")
-    cmd = [*mpirun, sys.executable, "-m", "dspark_ds.cli", "train", "--config", str(TINY),
-           "--target.path", target, "--output_dir", str(out), "--name", "mpi_tiny",
-           "--train.max_steps", "4", "--train.progress_bar", "false",
-           "--checkpoint.every_steps", "0", "--eval.every_steps", "0"]
+    cmd = [
+        *mpirun,
+        sys.executable,
+        "-m",
+        "dspark_ds.cli",
+        "train",
+        "--config",
+        str(TINY),
+        "--target.path",
+        target,
+        "--output_dir",
+        str(out),
+        "--name",
+        "mpi_tiny",
+        "--train.max_steps",
+        "4",
+        "--train.progress_bar",
+        "false",
+        "--checkpoint.every_steps",
+        "0",
+        "--eval.every_steps",
+        "0",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
@@ -71,7 +113,9 @@ def test_mpirun_two_ranks_train_tiny(tmp_path):
     assert json.loads((tag / "meta.json").read_text())["world_size"] == 2, log
     # one ZeRO-2 optimizer partition per MPI rank: both ranks were in the same group
     assert sorted(p.name for p in tag.glob("*optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
 
     from mlflow.tracking import MlflowClient
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_ds.models.attention import BlockwiseMask, attend, dense_block_mask
-from tests.drafters import random_batch, tiny_drafter
+from dspark_ds.drafters.common.attention import BlockwiseMask, attend, dense_block_mask
+
+from helpers.drafters import random_batch, tiny_drafter
 
 
 @pytest.mark.parametrize("chunk_blocks", [1, 2, 32])

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dspark_ds.perf.bench import TrainBenchConfig, main, step_flops
+from dspark_ds.cli import main
+from dspark_ds.perf.bench import TrainBenchConfig, step_flops
 
 
 def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
@@ -18,7 +19,7 @@ def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
         "--variants=[dense/reference, blockwise/chunked]", "--loss_chunk_anchors=2",
         f"--json={out}",
     ]  # fmt: skip
-    assert main(argv) == 0
+    assert main(["bench", *argv]) == 0
     results = json.loads(out.read_text())
     assert [r["variant"] for r in results] == ["dense/reference", "blockwise/chunked"]
     for r in results:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_ds.loss import compute_dspark_loss
-from dspark_ds.models.common import sample_anchor_positions
-from dspark_ds.perf import PerfConfig, forward_and_loss, resolve_loss_impl
-from tests.drafters import DFLASH, random_batch, tiny_drafter
+from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.loss import compute_dspark_loss
+from dspark_ds.drafters.dspark.step import forward_and_loss, resolve_loss_impl
+from dspark_ds.perf import PerfConfig
+
+from helpers.drafters import DFLASH, random_batch, tiny_drafter
 
 DSPARK_ARGS = dict(
     loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0

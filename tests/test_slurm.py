@@ -1,4 +1,4 @@
-"""slurm/train.sbatch on a real one-node Slurm cluster (tests/slurm_cluster.py), 2 tasks:
+"""slurm/train.sbatch on a real one-node Slurm cluster (tests/helpers/slurm_cluster.py), 2 tasks:
 `sbatch --wait` trains the tiny recipe; mid-run a USR1 pre-emption warning makes the trainer
 checkpoint and the script requeue the job; in the requeued job an outside `scontrol requeue`
 does the same through SIGTERM; the second requeue finishes. Every step is trained exactly once,
@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
-from tiny_models import build_tiny_target
+
+from helpers.slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
+from helpers.tiny_models import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"
@@ -32,9 +33,13 @@ def tiny_target(tmp_path_factory) -> str:
 
 def job_env(workdir: Path) -> dict[str, str]:
     return {
-        "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "PYTHON": sys.executable, "DSPARK_WORKDIR": str(workdir),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        "PYTHON": sys.executable,
+        "DSPARK_WORKDIR": str(workdir),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
 
@@ -52,8 +57,10 @@ def wait_for(predicate, what: str, proc: subprocess.Popen, log: Path, timeout_s:
         if predicate():
             return
         if proc.poll() is not None:
-            pytest.fail(f"sbatch --wait ended ({proc.returncode}) while waiting for {what}:\n"
-                        f"{log.read_text() if log.exists() else ''}")
+            pytest.fail(
+                f"sbatch --wait ended ({proc.returncode}) while waiting for {what}:\n"
+                f"{log.read_text() if log.exists() else ''}"
+            )
         time.sleep(0.1)
     pytest.fail(f"timed out waiting for {what}:\n{log.read_text() if log.exists() else ''}")
 
@@ -63,33 +70,67 @@ def test_train_sbatch_preempt_requeue_resume(slurm_cluster, tiny_target, tmp_pat
     out_dir, run_dir = tmp_path / "runs", tmp_path / "runs" / "slurm_tiny"
     log_pattern = tmp_path / "%x-%j.out"
     name = f"dspark-test-{os.getpid()}"
-    cmd = ["sbatch", "--wait", f"--job-name={name}", "--nodes=1",
-           "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", "--time=15",
-           f"--output={log_pattern}", str(REPO / "slurm" / "train.sbatch"),
-           "--config", str(TINY), "--target.path", tiny_target, "--output_dir", str(out_dir),
-           "--name", "slurm_tiny", "--train.max_steps", str(MAX_STEPS),
-           "--train.progress_bar", "false", "--checkpoint.every_steps", "0",
-           "--eval.every_steps", "0"]
+    cmd = [
+        "sbatch",
+        "--wait",
+        f"--job-name={name}",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--cpus-per-task=1",
+        "--gpus-per-node=0",
+        "--time=15",
+        f"--output={log_pattern}",
+        str(REPO / "slurm" / "train.sbatch"),
+        "--config",
+        str(TINY),
+        "--target.path",
+        tiny_target,
+        "--output_dir",
+        str(out_dir),
+        "--name",
+        "slurm_tiny",
+        "--train.max_steps",
+        str(MAX_STEPS),
+        "--train.progress_bar",
+        "false",
+        "--checkpoint.every_steps",
+        "0",
+        "--eval.every_steps",
+        "0",
+    ]
     env = cluster.env | job_env(tmp_path)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     # NOTE: sbatch's "Submitted batch job N" may sit in its stdout buffer until it exits
-    wait_for(lambda: bool(cluster.run("squeue", "-h", f"--name={name}", "-o", "%i").strip()),
-             "the job to be queued", proc, tmp_path / "none")
+    wait_for(
+        lambda: bool(cluster.run("squeue", "-h", f"--name={name}", "-o", "%i").strip()),
+        "the job to be queued",
+        proc,
+        tmp_path / "none",
+    )
     job_id = int(cluster.run("squeue", "-h", f"--name={name}", "-o", "%i").split()[0])
     log = tmp_path / f"{name}-{job_id}.out"
 
     # 1) the pre-emption warning (what --signal=B:USR1@300 sends), mid-run
     wait_for(lambda: len(steps_logged(run_dir)) >= 1, "a trained step", proc, log)
     cluster.run("scancel", "--signal=USR1", "--batch", str(job_id))
-    wait_for(lambda: cluster.job(job_id).get("Restarts") == "1"
-             and "resumed from" in log.read_text(), "the requeued job to resume", proc, log)
+    wait_for(
+        lambda: cluster.job(job_id).get("Restarts") == "1" and "resumed from" in log.read_text(),
+        "the requeued job to resume",
+        proc,
+        log,
+    )
     first_resume = int(re.findall(r"resumed from \S+ at step (\d+)", log.read_text())[0])
 
     # 2) an outside requeue (SIGTERM to every process of the job) in the requeued job
-    wait_for(lambda: max(steps_logged(run_dir), default=0) > first_resume,
-             "a step after the resume", proc, log)
+    wait_for(
+        lambda: max(steps_logged(run_dir), default=0) > first_resume,
+        "a step after the resume",
+        proc,
+        log,
+    )
     cluster.run("scontrol", "requeue", str(job_id))
 
     try:

@@ -9,21 +9,41 @@ from pathlib import Path
 
 import pytest
 
-from dspark_ds.launch import discover, prepare_env, slurm_default_port
+from dspark_ds.distributed import discover, prepare_env, slurm_default_port
 
 REPO = Path(__file__).resolve().parents[1]
 
 # what `srun` sets in task 1 of a 2-node x 2-task step (seen with slurm 22.05)
-SRUN_TASK = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
-             "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0",
-             "SLURM_JOB_NODELIST": "gpu01", "SLURM_STEP_NODELIST": "gpu01"}
+SRUN_TASK = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NODELIST": "gpu01",
+    "SLURM_STEP_NODELIST": "gpu01",
+}
 # the batch shell of the same job: SLURM_PROCID=0 and SLURM_NTASKS=4 but no step
-BATCH_SHELL = {"SLURM_JOB_ID": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
-               "SLURM_JOB_NODELIST": "gpu01"}
-OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "PMIX_RANK": "1"}
-TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0",
-            "MASTER_PORT": "29400"}
+BATCH_SHELL = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_JOB_NODELIST": "gpu01",
+}
+OPEN_MPI = {
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "PMIX_RANK": "1",
+}
+TORCHRUN = {
+    "RANK": "5",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "n0",
+    "MASTER_PORT": "29400",
+}
 
 
 def test_srun_task_gets_env_from_slurm():
@@ -85,8 +105,18 @@ def test_sbatch_headers_and_syntax(name):
     path = REPO / "slurm" / f"{name}.sbatch"
     text = path.read_text()
     headers = dict(re.findall(r"^#SBATCH --([a-z-]+)(?:=(\S+))?", text, flags=re.M))
-    for key in ("job-name", "nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time",
-                "output", "signal", "requeue", "open-mode"):
+    for key in (
+        "job-name",
+        "nodes",
+        "ntasks-per-node",
+        "gpus-per-node",
+        "cpus-per-task",
+        "time",
+        "output",
+        "signal",
+        "requeue",
+        "open-mode",
+    ):
         assert key in headers, (name, key)
     assert "%j" in headers["output"]
     assert re.fullmatch(r"B:USR1@\d+", headers["signal"])
@@ -95,6 +125,11 @@ def test_sbatch_headers_and_syntax(name):
 
 
 def test_common_refuses_to_run_outside_slurm(tmp_path):
-    proc = subprocess.run(["bash", str(REPO / "slurm" / "common.sh")], capture_output=True,
-                          text=True, env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", str(REPO / "slurm" / "common.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "sbatch" in proc.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_target
 
 from dspark_ds.target import (
     FrozenTarget,
@@ -14,6 +13,8 @@ from dspark_ds.target import (
     load_target,
     share_embeddings_and_head,
 )
+
+from helpers.tiny_models import build_tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +29,7 @@ def test_taps_match_hf_hidden_states(target_dir):
     ref = target.model(ids, output_hidden_states=True)
     hs = ref.hidden_states
     assert hidden.shape == (2, 17, 4 * 32) and last.shape == (2, 17, 32)
-    torch.testing.assert_close(hidden, torch.cat([hs[0], hs[1], hs[3], hs[4]], -1),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(hidden, torch.cat([hs[0], hs[1], hs[3], hs[4]], -1), rtol=0, atol=0)
     # The final normed state is what the lm_head consumes.
     torch.testing.assert_close(target.model.lm_head(last), ref.logits, rtol=1e-6, atol=1e-6)
 
@@ -44,8 +44,12 @@ def test_frozen_eval_no_grad(target_dir):
 
 
 def test_layer_id_validation(target_dir):
-    for bad, why in (([2, 1], "strictly increasing"), ([-2, 1], "out of range"),
-                     ([0, 4], "out of range"), ([], "empty")):
+    for bad, why in (
+        ([2, 1], "strictly increasing"),
+        ([-2, 1], "out of range"),
+        ([0, 4], "out of range"),
+        ([], "empty"),
+    ):
         with pytest.raises(ValueError, match=why):
             load_target(TargetConfig(path=target_dir, layer_ids=bad, dtype="float32"))
     with pytest.raises(ValueError, match="target.dtype"):
@@ -58,21 +62,30 @@ def test_provider_zeroes_padding_and_matches_unpadded(target_dir):
     target = load_target(TargetConfig(path=target_dir, layer_ids=[-1, 1], dtype="float32"))
     ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 0, 0]])
     attn = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    out = TargetFeatureProvider(target)({"input_ids": ids, "loss_mask": attn,
-                                         "attention_mask": attn})
+    out = TargetFeatureProvider(target)(
+        {"input_ids": ids, "loss_mask": attn, "attention_mask": attn}
+    )
     assert out["target_hidden_states"][1, 3:].abs().sum() == 0
     alone, alone_last = target(ids[1:, :3])
     torch.testing.assert_close(out["target_hidden_states"][1, :3], alone[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out["target_last_hidden_states"][1, :3], alone_last[0],
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        out["target_last_hidden_states"][1, :3], alone_last[0], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_drafter_shares_target_embedding_and_head(target_dir):
-    from dspark_ds.models import build_draft_config, build_draft_model
+    from dspark_ds.drafters import build_draft_config, build_draft_model
 
     target = load_target(TargetConfig(path=target_dir, layer_ids=[-1, 1, 2], dtype="float32"))
-    cfg = build_draft_config(target.config, target_layer_ids=[-1, 1, 2], mask_token_id=3,
-                             num_draft_layers=1, block_size=4, num_anchors=4, markov_rank=4)
+    cfg = build_draft_config(
+        target.config,
+        target_layer_ids=[-1, 1, 2],
+        mask_token_id=3,
+        num_draft_layers=1,
+        block_size=4,
+        num_anchors=4,
+        markov_rank=4,
+    )
     drafter = build_draft_model(cfg)
     share_embeddings_and_head(drafter, target)
     assert drafter.embed_tokens.weight is target.embed_weight

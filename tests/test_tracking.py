@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import warnings
 
-from dist_utils import free_port
+from dspark_ds.tracking.mlflow import Tracker, default_uri, list_artifacts, metric_history, read_run
 
-from dspark_ds.tracking import Tracker, default_uri, list_artifacts, metric_history, read_run
+from helpers.dist import free_port
 
 
 def test_log_then_resume_same_run(tmp_path):
@@ -36,8 +36,14 @@ def test_log_then_resume_same_run(tmp_path):
 
 
 def test_other_ranks_and_disabled_do_nothing(tmp_path):
-    t = Tracker.for_rank(1, enabled=True, uri=default_uri(str(tmp_path)), experiment="e",
-                         run_name="r", run_dir=str(tmp_path / "r"))
+    t = Tracker.for_rank(
+        1,
+        enabled=True,
+        uri=default_uri(str(tmp_path)),
+        experiment="e",
+        run_name="r",
+        run_dir=str(tmp_path / "r"),
+    )
     assert not t.enabled and t.run_id is None
     t.log_metrics({"x": 1.0}, step=1)
     t.finish()
@@ -47,8 +53,15 @@ def test_other_ranks_and_disabled_do_nothing(tmp_path):
 def test_unreachable_server_warns_and_goes_on(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t = Tracker.for_rank(0, enabled=True, uri=f"http://127.0.0.1:{free_port()}",
-                             experiment="e", run_name="r", run_dir=str(tmp_path), timeout_s=2)
+        t = Tracker.for_rank(
+            0,
+            enabled=True,
+            uri=f"http://127.0.0.1:{free_port()}",
+            experiment="e",
+            run_name="r",
+            run_dir=str(tmp_path),
+            timeout_s=2,
+        )
     assert not t.enabled and t.run_id is None
     assert any("training continues" in str(w.message) for w in caught)
     t.log_metrics({"train/loss": 1.0}, step=1)  # no exception

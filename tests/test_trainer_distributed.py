@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import REPO, _env, check, free_port, python, torchrun
 from safetensors.torch import load_file
-from tiny_models import build_tiny_target, write_chat_jsonl
+
+from helpers.dist import REPO, _env, check, free_port, python, torchrun
+from helpers.tiny_models import build_tiny_target, write_chat_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -33,20 +34,48 @@ STEPS = 8
 
 
 def base_args(target: Path, out: Path, name: str, *extra: str) -> list[str]:
-    return ["--config", RECIPE, "--target.path", str(target), "--output_dir", str(out),
-            "--name", name, "--train.max_steps", str(STEPS), "--train.progress_bar", "false",
-            "--checkpoint.every_steps", "4", "--checkpoint.keep_last", "2", *extra]
+    return [
+        "--config",
+        RECIPE,
+        "--target.path",
+        str(target),
+        "--output_dir",
+        str(out),
+        "--name",
+        name,
+        "--train.max_steps",
+        str(STEPS),
+        "--train.progress_bar",
+        "false",
+        "--checkpoint.every_steps",
+        "4",
+        "--checkpoint.keep_last",
+        "2",
+        *extra,
+    ]
 
 
 # ZeRO-3 with nothing kept whole: every weight (the target's too) is released after its use
-NO_PERSIST = ["--deepspeed.overrides",
-              json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}})]
+NO_PERSIST = [
+    "--deepspeed.overrides",
+    json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}),
+]
 
 # the 1-rank vs 2-rank equality: same global batch (4), one step, a clip that never bites; a
 # large AdamW eps makes the update proportional to the gradient (Adam alone would hide a wrong
 # gradient scale)
-EQ = ["--train.max_steps", "1", "--train.max_grad_norm", "1e6", "--train.eps", "1.0",
-      "--train.lr", "0.05", "--checkpoint.save_final", "false"]
+EQ = [
+    "--train.max_steps",
+    "1",
+    "--train.max_grad_norm",
+    "1e6",
+    "--train.eps",
+    "1.0",
+    "--train.lr",
+    "0.05",
+    "--checkpoint.save_final",
+    "false",
+]
 
 
 def train_many(out: Path, runs: list[list[str]], nproc: int):
@@ -54,7 +83,7 @@ def train_many(out: Path, runs: list[list[str]], nproc: int):
     spec = out / f"spec_{nproc}.json"
     result = out / f"result_{nproc}.json"
     spec.write_text(json.dumps({"runs": runs, "result_file": str(result)}))
-    argv = [str(REPO / "tests" / "dist_utils.py"), "train-many", str(spec)]
+    argv = [str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(spec)]
     t0 = time.time()
     proc = torchrun(argv, nproc=nproc) if nproc > 1 else python(argv)
     check(proc)
@@ -71,20 +100,55 @@ def runs(tmp_path_factory):
     target = Path(build_tiny_target(root / "target"))
     out = root / "runs"
     one = [base_args(target, out, f"a_{k}", "--deepspeed.config", v) for k, v in STAGES.items()]
-    one.append(base_args(target, out, "eq_ref", "--deepspeed.config", "zero0",
-                         "--data.batch_size", "4", *EQ))
-    one.append(base_args(target, out, "a_nomlflow", "--deepspeed.config", "zero0",
-                         "--tracking.uri", f"http://127.0.0.1:{free_port()}",
-                         "--train.max_steps", "2", "--checkpoint.save_final", "false",
-                         "--checkpoint.export_final", "false"))
-    two = [base_args(target, out, f"b_{k}", "--deepspeed.config", v,
-                     *(NO_PERSIST if k == "z3" else [])) for k, v in STAGES.items()]
-    two.append(base_args(target, out, "eq_z3", "--deepspeed.config", "zero3",
-                         "--data.batch_size", "2", *EQ))
+    one.append(
+        base_args(
+            target, out, "eq_ref", "--deepspeed.config", "zero0", "--data.batch_size", "4", *EQ
+        )
+    )
+    one.append(
+        base_args(
+            target,
+            out,
+            "a_nomlflow",
+            "--deepspeed.config",
+            "zero0",
+            "--tracking.uri",
+            f"http://127.0.0.1:{free_port()}",
+            "--train.max_steps",
+            "2",
+            "--checkpoint.save_final",
+            "false",
+            "--checkpoint.export_final",
+            "false",
+        )
+    )
+    two = [
+        base_args(
+            target, out, f"b_{k}", "--deepspeed.config", v, *(NO_PERSIST if k == "z3" else [])
+        )
+        for k, v in STAGES.items()
+    ]
+    two.append(
+        base_args(
+            target, out, "eq_z3", "--deepspeed.config", "zero3", "--data.batch_size", "2", *EQ
+        )
+    )
     # a tied target (one Parameter is embedding and lm_head) shared under ZeRO-3
     tied = Path(build_tiny_target(root / "tied", tie_word_embeddings=True))
-    two.append(base_args(tied, out, "b_z3_tied", "--deepspeed.config", "zero3", *NO_PERSIST,
-                         "--train.max_steps", "2", "--checkpoint.save_final", "false"))
+    two.append(
+        base_args(
+            tied,
+            out,
+            "b_z3_tied",
+            "--deepspeed.config",
+            "zero3",
+            *NO_PERSIST,
+            "--train.max_steps",
+            "2",
+            "--checkpoint.save_final",
+            "false",
+        )
+    )
     res = train_many(out, one, nproc=1)
     res.update(train_many(out, two, nproc=2))
     return {"root": root, "target": target, "tied": tied, "out": out, "res": res}
@@ -93,7 +157,7 @@ def runs(tmp_path_factory):
 def mlflow_client(out: Path):
     from mlflow.tracking import MlflowClient
 
-    from dspark_ds.tracking import default_uri
+    from dspark_ds.tracking.mlflow import default_uri
 
     return MlflowClient(tracking_uri=default_uri(str(out)))
 
@@ -136,16 +200,25 @@ def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
     assert params["model.num_anchors"] == "8" and params["derived.world_size"] == "2"
     # ZeRO-3: the chunked loss in its recompute form (partitioned head weights)
     assert params["derived.loss_impl"] == "recompute"
-    assert client.get_run(runs["res"]["a_z0"]["mlflow_run_id"]).data.params[
-        "derived.loss_impl"] == "chunked"
+    assert (
+        client.get_run(runs["res"]["a_z0"]["mlflow_run_id"]).data.params["derived.loss_impl"]
+        == "chunked"
+    )
     assert run.data.tags["zero_stage"] == "3" and run.data.tags["world_size"] == "2"
     assert "git_sha" in run.data.tags
     hist = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in hist] == list(range(1, STEPS + 1))
     assert hist[0].value == pytest.approx(runs["res"]["b_z3"]["losses"][1])
-    for key in ("train/ce_loss", "train/l1_loss", "train/tau_probabilistic", "train/lr",
-                "system/tokens_per_s", "system/peak_memory_mb", "val/loss",
-                "val/tau_probabilistic"):
+    for key in (
+        "train/ce_loss",
+        "train/l1_loss",
+        "train/tau_probabilistic",
+        "train/lr",
+        "system/tokens_per_s",
+        "system/peak_memory_mb",
+        "val/loss",
+        "val/tau_probabilistic",
+    ):
         assert client.get_metric_history(run.info.run_id, key), key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"ds_config.json", "config.yaml", "export"} <= artifacts
@@ -159,8 +232,8 @@ def test_unreachable_mlflow_does_not_stop_training(runs):
 
 @pytest.mark.parametrize("name", ["a_z0", "b_z2", "b_z3", "a_z3off"])
 def test_export_from_checkpoint_equals_live_weights(runs, name):
-    from dspark_ds.checkpoint import export_checkpoint
-    from dspark_ds.models import load_draft_model
+    from dspark_ds.drafters import load_draft_model
+    from dspark_ds.train.checkpoint import export_checkpoint
 
     out = runs["root"] / f"export_{name}"
     export_checkpoint(runs["out"] / name, out)
@@ -181,10 +254,25 @@ def test_resume_two_ranks_on_one(runs):
     weighted mean) and the losses would drift apart by ~1e-4."""
     tag = runs["out"] / "b_z3" / "checkpoints" / "step_00000004"
     assert (tag / "COMPLETE").exists()
-    res = train_many(runs["root"], [base_args(
-        runs["target"], runs["out"], "c_resume", "--deepspeed.config", "zero3",
-        "--data.batch_size", "4", "--checkpoint.resume", str(tag),
-        "--checkpoint.export_final", "false")], nproc=1)
+    res = train_many(
+        runs["root"],
+        [
+            base_args(
+                runs["target"],
+                runs["out"],
+                "c_resume",
+                "--deepspeed.config",
+                "zero3",
+                "--data.batch_size",
+                "4",
+                "--checkpoint.resume",
+                str(tag),
+                "--checkpoint.export_final",
+                "false",
+            )
+        ],
+        nproc=1,
+    )
     losses, ref = res["c_resume"]["losses"], runs["res"]["b_z3"]["losses"]
     assert sorted(losses) == [5, 6, 7, 8]
     for step in losses:
@@ -202,11 +290,24 @@ def read_log(run_dir: Path) -> dict[int, float]:
 
 def test_preempt_then_resume_auto_continues_exactly(runs):
     out, name = runs["out"], "sig"
-    argv = [sys.executable, "-m", "dspark_ds.cli", "train",
-            *base_args(runs["target"], out, name, "--deepspeed.config", "zero0",
-                       "--checkpoint.every_steps", "0")]
-    proc = subprocess.Popen(argv, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "dspark_ds.cli",
+        "train",
+        *base_args(
+            runs["target"],
+            out,
+            name,
+            "--deepspeed.config",
+            "zero0",
+            "--checkpoint.every_steps",
+            "0",
+        ),
+    ]
+    proc = subprocess.Popen(
+        argv, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     log = out / name / "train_log.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
@@ -223,8 +324,16 @@ def test_preempt_then_resume_auto_continues_exactly(runs):
     assert 1 <= stopped_at < STEPS
     run_id = (out / name / "mlflow_run_id").read_text().strip()
 
-    check(subprocess.run([*argv, "--checkpoint.resume", "auto"], env=_env(), cwd=REPO,
-                         capture_output=True, text=True, timeout=600))
+    check(
+        subprocess.run(
+            [*argv, "--checkpoint.resume", "auto"],
+            env=_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
     assert not (out / name / "REQUEUE").exists()
     got, ref = read_log(out / name), runs["res"]["a_z0"]["losses"]
     assert sorted(got) == list(range(1, STEPS + 1))
@@ -238,8 +347,19 @@ def test_preempt_then_resume_auto_continues_exactly(runs):
 
 def test_export_cli(runs):
     out = runs["root"] / "export_cli"
-    proc = check(python(["-m", "dspark_ds.cli", "export", "--checkpoint",
-                         str(runs["out"] / "b_z3"), "--output_dir", str(out)]))
+    proc = check(
+        python(
+            [
+                "-m",
+                "dspark_ds.cli",
+                "export",
+                "--checkpoint",
+                str(runs["out"] / "b_z3"),
+                "--output_dir",
+                str(out),
+            ]
+        )
+    )
     assert "wrote" in proc.stdout
     live = load_file(Path(runs["res"]["b_z3"]["export_dir"]) / "model.safetensors")
     got = load_file(out / "model.safetensors")
@@ -256,8 +376,11 @@ def test_online_target_shared_and_partitioned_under_zero3(runs):
     for name in ("b_z0", "b_z2", "b_z3", "b_z3off", "a_z0", "a_z3", "b_z3_tied"):
         assert all(f["shares"] and f["frozen"] for f in res[name]["target"]), name
     for rank_facts in res["b_z2"]["target"]:  # replicated
-        assert rank_facts["local_numel"] == rank_facts["materialized_numel"] == rank_facts[
-            "full_numel"]
+        assert (
+            rank_facts["local_numel"]
+            == rank_facts["materialized_numel"]
+            == rank_facts["full_numel"]
+        )
     for name in ("b_z3", "b_z3_tied"):
         facts = res[name]["target"]
         full = facts[0]["full_numel"]
@@ -267,14 +390,15 @@ def test_online_target_shared_and_partitioned_under_zero3(runs):
             assert rank_facts["materialized_numel"] == 0, (name, rank_facts)
         assert sum(f["local_numel"] for f in facts) >= full
     for step in range(1, STEPS + 1):
-        assert res["b_z3"]["losses"][step] == pytest.approx(res["b_z2"]["losses"][step],
-                                                            rel=2e-4), step
+        assert res["b_z3"]["losses"][step] == pytest.approx(
+            res["b_z2"]["losses"][step], rel=2e-4
+        ), step
 
 
 @pytest.mark.parametrize("name", ["b_z2", "b_z3"])
 def test_shared_weights_not_in_checkpoints_but_exported(runs, name):
-    from dspark_ds.checkpoint import target_shared_weights
     from dspark_ds.engine import checkpoint_trainable_fp32
+    from dspark_ds.train.checkpoint import target_shared_weights
 
     trainable = checkpoint_trainable_fp32(runs["out"] / name / "checkpoints" / "step_00000008")
     assert "fc.weight" in trainable
@@ -286,7 +410,7 @@ def test_shared_weights_not_in_checkpoints_but_exported(runs, name):
 
 
 def test_tied_target_export_under_zero3(runs):
-    from dspark_ds.checkpoint import target_shared_weights
+    from dspark_ds.train.checkpoint import target_shared_weights
 
     live = load_file(Path(runs["res"]["b_z3_tied"]["export_dir"]) / "model.safetensors")
     embed, head = target_shared_weights(str(runs["tied"]))
@@ -297,13 +421,16 @@ def test_tied_target_export_under_zero3(runs):
 
 def test_target_dtype_must_match_precision_online(tmp_path):
     from dspark_ds.cli import parse_config
-    from dspark_ds.trainer import Trainer
+    from dspark_ds.train.trainer import Trainer
 
     target = build_tiny_target(tmp_path / "target")
-    cfg = parse_config("train", base_args(Path(target), tmp_path, "dtype", "--train.precision",
-                                          "bf16"))
-    with pytest.raises(ValueError, match="target.dtype: .*train.precision=bf16 needs "
-                                         "target.dtype=bfloat16, got float32"):
+    cfg = parse_config(
+        "train", base_args(Path(target), tmp_path, "dtype", "--train.precision", "bf16")
+    )
+    with pytest.raises(
+        ValueError,
+        match="target.dtype: .*train.precision=bf16 needs target.dtype=bfloat16, got float32",
+    ):
         Trainer(cfg)
 
 
@@ -318,13 +445,38 @@ def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path):
     target = Path(build_tiny_target(tmp_path / "target"))
     jsonl = write_chat_jsonl(tmp_path / "chat.jsonl", 17, seed=2)
     prep = tmp_path / "prep"
-    prepare(PrepareConfig(data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=72),
-                          output_dir=str(prep)))
-    res = train_many(tmp_path / "runs", [base_args(
-        target, tmp_path / "runs", "hyb", "--deepspeed.config", "zero3", *NO_PERSIST,
-        "--train.synthetic_samples", "0", "--data.mode", "hybrid", "--data.paths", f"[{prep}]",
-        "--data.cache_dir", str(tmp_path / "cache"), "--data.max_length", "72",
-        "--tracking.enabled", "false")], nproc=2)
+    prepare(
+        PrepareConfig(
+            data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=72),
+            output_dir=str(prep),
+        )
+    )
+    res = train_many(
+        tmp_path / "runs",
+        [
+            base_args(
+                target,
+                tmp_path / "runs",
+                "hyb",
+                "--deepspeed.config",
+                "zero3",
+                *NO_PERSIST,
+                "--train.synthetic_samples",
+                "0",
+                "--data.mode",
+                "hybrid",
+                "--data.paths",
+                f"[{prep}]",
+                "--data.cache_dir",
+                str(tmp_path / "cache"),
+                "--data.max_length",
+                "72",
+                "--tracking.enabled",
+                "false",
+            )
+        ],
+        nproc=2,
+    )
     cache = TargetCache(tmp_path / "cache")
     assert len(cache) % 4, "the test needs samples left out of epoch 0 (global batch 4)"
     losses = res["hyb"]["losses"]

@@ -12,22 +12,35 @@ from dspark_ds.data.config import (
     RegenerateConfig,
 )
 
-__all__ = ["BuildCacheConfig", "DataConfig", "EstimateCacheConfig", "PrepareConfig",
-           "RegenerateConfig", "build_cache", "build_train_loader", "estimate_cache", "prepare",
-           "regenerate"]
+__all__ = [
+    "BuildCacheConfig",
+    "DataConfig",
+    "EstimateCacheConfig",
+    "PrepareConfig",
+    "RegenerateConfig",
+    "build_cache",
+    "build_train_loader",
+    "estimate_cache",
+    "prepare",
+    "regenerate",
+]
 
 
 def __getattr__(name):  # lazy: importing the configs must not load transformers
     if name in ("build_cache", "estimate_cache"):
         from dspark_ds.data import cache
+
         return getattr(cache, name)
     if name == "build_train_loader":
         from dspark_ds.data.loader import build_train_loader
+
         return build_train_loader
     if name == "prepare":
         from dspark_ds.data.tokens import prepare
+
         return prepare
     if name == "regenerate":
         from dspark_ds.data.regeneration import regenerate
+
         return regenerate
     raise AttributeError(name)

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save as st_save
 from tqdm import tqdm
 
-from dspark_ds.data import dist
+from dspark_ds import distributed as dist
 from dspark_ds.data.collate import FEATURE_KEYS, Collator, split_batch
 from dspark_ds.data.config import BuildCacheConfig, EstimateCacheConfig
 from dspark_ds.data.tokens import TokenStore, atomic_write_text, load_samples
@@ -83,8 +83,9 @@ def _sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def write_shard(cache_dir: str | Path, name: str, samples: list[dict], storage: str,
-                num_taps: int) -> dict:
+def write_shard(
+    cache_dir: str | Path, name: str, samples: list[dict], storage: str, num_taps: int
+) -> dict:
     """Write one shard (+ sidecar) atomically; ``samples`` in the order they are stored."""
     shard_dir = Path(cache_dir) / "shards"
     shard_dir.mkdir(parents=True, exist_ok=True)
@@ -107,10 +108,16 @@ def write_shard(cache_dir: str | Path, name: str, samples: list[dict], storage: 
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    sidecar = {"name": name, "file": f"shards/{name}.safetensors",
-               "sample_ids": [int(s["sample_id"]) for s in samples], "lengths": lengths,
-               "offsets": offsets, "num_tokens": sum(lengths), "bytes": len(blob),
-               "sha256": hashlib.sha256(blob).hexdigest()}
+    sidecar = {
+        "name": name,
+        "file": f"shards/{name}.safetensors",
+        "sample_ids": [int(s["sample_id"]) for s in samples],
+        "lengths": lengths,
+        "offsets": offsets,
+        "num_tokens": sum(lengths),
+        "bytes": len(blob),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+    }
     atomic_write_text(shard_dir / f"{name}.json", json.dumps(sidecar))
     return sidecar
 
@@ -129,16 +136,26 @@ def completed_shards(cache_dir: str | Path) -> dict[str, dict]:
 def make_header(target: FrozenTarget, store: TokenStore, storage: str) -> dict:
     tcfg = text_config(target.config)
     return {
-        "format": CACHE_FORMAT, "version": CACHE_VERSION,
-        "target": {"path": str(getattr(target, "name_or_path", "")),
-                   "config_sha256": config_sha256(target.config),
-                   "model_type": tcfg.model_type, "hidden_size": target.hidden_size,
-                   "num_hidden_layers": target.num_layers, "vocab_size": target.vocab_size},
-        "layer_ids": list(target.layer_ids), "hidden_size": target.hidden_size,
-        "dtype": storage, "feature_dtype": str(target.dtype).removeprefix("torch."),
-        "dataset": {"fingerprint": store.meta.get("fingerprint"), "num_samples": len(store),
-                    "num_tokens": int(sum(store.lengths)),
-                    "pad_token_id": store.meta.get("pad_token_id", 0)},
+        "format": CACHE_FORMAT,
+        "version": CACHE_VERSION,
+        "target": {
+            "path": str(getattr(target, "name_or_path", "")),
+            "config_sha256": config_sha256(target.config),
+            "model_type": tcfg.model_type,
+            "hidden_size": target.hidden_size,
+            "num_hidden_layers": target.num_layers,
+            "vocab_size": target.vocab_size,
+        },
+        "layer_ids": list(target.layer_ids),
+        "hidden_size": target.hidden_size,
+        "dtype": storage,
+        "feature_dtype": str(target.dtype).removeprefix("torch."),
+        "dataset": {
+            "fingerprint": store.meta.get("fingerprint"),
+            "num_samples": len(store),
+            "num_tokens": int(sum(store.lengths)),
+            "pad_token_id": store.meta.get("pad_token_id", 0),
+        },
     }
 
 
@@ -153,13 +170,16 @@ def begin_build(cache_dir: str | Path, header: dict) -> bool:
         old = json.loads(build.read_text())
         if old != header:
             diff = sorted(k for k in set(old) | set(header) if old.get(k) != header.get(k))
-            raise CacheError(f"{cache_dir} holds a cache of a different build (differs in "
-                             f"{diff}); use another cache_dir or delete it")
+            raise CacheError(
+                f"{cache_dir} holds a cache of a different build (differs in "
+                f"{diff}); use another cache_dir or delete it"
+            )
     else:
         atomic_write_text(build, json.dumps(header, indent=2, sort_keys=True))
     manifest = cache_dir / "manifest.json"
     return manifest.exists() and all(
-        json.loads(manifest.read_text()).get(k) == v for k, v in header.items())
+        json.loads(manifest.read_text()).get(k) == v for k, v in header.items()
+    )
 
 
 def finalize(cache_dir: str | Path) -> dict:
@@ -174,29 +194,42 @@ def finalize(cache_dir: str | Path) -> dict:
     if (seen != 1).any():
         missing = (seen == 0).nonzero().flatten().tolist()
         dup = (seen > 1).nonzero().flatten().tolist()
-        raise CacheError(f"{cache_dir}: shards do not cover the data set exactly once "
-                         f"(missing samples {missing[:10]}…, duplicated {dup[:10]}…)")
-    manifest = {**header, "num_samples": n, "num_tokens": sum(s["num_tokens"] for s in shards),
-                "total_bytes": sum(s["bytes"] for s in shards), "shards": shards}
+        raise CacheError(
+            f"{cache_dir}: shards do not cover the data set exactly once "
+            f"(missing samples {missing[:10]}…, duplicated {dup[:10]}…)"
+        )
+    manifest = {
+        **header,
+        "num_samples": n,
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "total_bytes": sum(s["bytes"] for s in shards),
+        "shards": shards,
+    }
     atomic_write_text(cache_dir / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
 
-def compute_features(provider: Callable[[dict], dict], store: TokenStore, sample_ids: list[int],
-                     batch_size: int, pad_token_id: int = 0) -> dict[int, dict]:
+def compute_features(
+    provider: Callable[[dict], dict],
+    store: TokenStore,
+    sample_ids: list[int],
+    batch_size: int,
+    pad_token_id: int = 0,
+) -> dict[int, dict]:
     """Run the target over ``sample_ids`` (longest first, fixed batches) → per-sample features."""
     collate = Collator(pad_token_id)
     order = sorted(sample_ids, key=lambda i: (-store.lengths[i], i))
     out = {}
     for k in range(0, len(order), batch_size):
-        batch = provider(collate([store[i] for i in order[k:k + batch_size]]))
+        batch = provider(collate([store[i] for i in order[k : k + batch_size]]))
         for s in split_batch(batch):
             out[s["sample_id"]] = s
     return out
 
 
-def build_cache(cfg: BuildCacheConfig, on_shard_written: Callable[[dict], None] | None = None
-                ) -> dict | None:
+def build_cache(
+    cfg: BuildCacheConfig, on_shard_written: Callable[[dict], None] | None = None
+) -> dict | None:
     """``dspark-ds build-cache``: every rank writes its shards; returns the manifest (rank 0).
 
     Shard ``k`` holds samples ``[k·S, (k+1)·S)`` and belongs to rank ``k % world``, so the cache
@@ -205,14 +238,14 @@ def build_cache(cfg: BuildCacheConfig, on_shard_written: Callable[[dict], None] 
 
     if not cfg.data.cache_dir:
         raise ValueError("data.cache_dir is required (the output directory)")
-    dist.maybe_init_process_group()
+    dist.init("gloo", always=False, timeout_s=1800)
     rank, world = dist.rank_and_world()
     store = load_samples(cfg.data, cfg.target.path)
     target = load_target(cfg.target)
     storage = cfg.data.cache_dtype if cfg.data.cache_dtype != "auto" else cfg.target.dtype
     header = make_header(target, store, storage)
     if begin_build(cfg.data.cache_dir, header):
-        dist.print_rank0(f"[build-cache] {cfg.data.cache_dir} is already complete")
+        dist.print0(f"[build-cache] {cfg.data.cache_dir} is already complete")
         return json.loads((Path(cfg.data.cache_dir) / "manifest.json").read_text())
     per_shard = cfg.data.samples_per_shard
     num_shards = math.ceil(len(store) / per_shard)
@@ -220,31 +253,48 @@ def build_cache(cfg: BuildCacheConfig, on_shard_written: Callable[[dict], None] 
     todo = [k for k in range(rank, num_shards, world) if f"{k:06d}" not in done]
     provider = TargetFeatureProvider(target)
     pad = header["dataset"]["pad_token_id"]
-    counts = {"shards_written": 0, "shards_skipped": len(range(rank, num_shards, world)) - len(todo)}
-    bar = tqdm(total=sum(min(per_shard, len(store) - k * per_shard) for k in todo),
-               desc=f"build-cache rank {rank}", unit="sample", disable=rank != 0)
+    counts = {
+        "shards_written": 0,
+        "shards_skipped": len(range(rank, num_shards, world)) - len(todo),
+    }
+    bar = tqdm(
+        total=sum(min(per_shard, len(store) - k * per_shard) for k in todo),
+        desc=f"build-cache rank {rank}",
+        unit="sample",
+        disable=rank != 0,
+    )
     for k in todo:
         ids = list(range(k * per_shard, min(len(store), (k + 1) * per_shard)))
         feats = compute_features(provider, store, ids, cfg.batch_size, pad)
-        sidecar = write_shard(cfg.data.cache_dir, f"{k:06d}", [feats[i] for i in ids], storage,
-                              len(target.layer_ids))
+        sidecar = write_shard(
+            cfg.data.cache_dir, f"{k:06d}", [feats[i] for i in ids], storage, len(target.layer_ids)
+        )
         counts["shards_written"] += 1
         bar.update(len(ids))
         if on_shard_written is not None:
             on_shard_written(sidecar)
     bar.close()
-    print(f"[build-cache rank {rank}] shards written: {counts['shards_written']}, already "
-          f"complete: {counts['shards_skipped']}", flush=True)
+    print(
+        f"[build-cache rank {rank}] shards written: {counts['shards_written']}, already "
+        f"complete: {counts['shards_skipped']}",
+        flush=True,
+    )
     dist.barrier()
     manifest = None
     if rank == 0 or not dist.has_group():
         if dist.has_group() or len(completed_shards(cfg.data.cache_dir)) == num_shards:
             manifest = finalize(cfg.data.cache_dir)
-            print(f"[build-cache] manifest written: {manifest['num_samples']} samples, "
-                  f"{manifest['total_bytes'] / 2**20:.1f} MiB in {num_shards} shards", flush=True)
+            print(
+                f"[build-cache] manifest written: {manifest['num_samples']} samples, "
+                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {num_shards} shards",
+                flush=True,
+            )
         else:
-            print(f"[build-cache rank {rank}] other ranks still running; the last one to finish "
-                  "writes the manifest", flush=True)
+            print(
+                f"[build-cache rank {rank}] other ranks still running; the last one to finish "
+                "writes the manifest",
+                flush=True,
+            )
     dist.barrier()
     return manifest
 
@@ -259,8 +309,10 @@ class TargetCache:
         self.cache_dir = Path(cache_dir)
         path = self.cache_dir / "manifest.json"
         if not path.exists():
-            raise CacheError(f"{self.cache_dir}: no manifest.json — the cache was never built or "
-                             "its build did not finish; rerun build-cache to complete it")
+            raise CacheError(
+                f"{self.cache_dir}: no manifest.json — the cache was never built or "
+                "its build did not finish; rerun build-cache to complete it"
+            )
         self.manifest = m = json.loads(path.read_text())
         if m.get("format") != CACHE_FORMAT or m.get("version") != CACHE_VERSION:
             raise CacheError(f"{path}: not a {CACHE_FORMAT} v{CACHE_VERSION} manifest")
@@ -276,8 +328,10 @@ class TargetCache:
             self._where[ids, 1] = torch.tensor(s["offsets"], dtype=torch.int64)
             self._where[ids, 2] = torch.tensor(s["lengths"], dtype=torch.int64)
         self.lengths = self._where[:, 2].tolist()
-        self.meta = {"pad_token_id": m["dataset"].get("pad_token_id", 0),
-                     "fingerprint": m["dataset"].get("fingerprint")}
+        self.meta = {
+            "pad_token_id": m["dataset"].get("pad_token_id", 0),
+            "fingerprint": m["dataset"].get("fingerprint"),
+        }
         self._files: OrderedDict = OrderedDict()
 
     def _verify(self, verify: str) -> None:
@@ -289,29 +343,46 @@ class TargetCache:
             if not p.exists():
                 errors.append(f"shard {s['file']} is missing")
             elif (size := p.stat().st_size) != s["bytes"]:
-                errors.append(f"shard {s['file']} is truncated or altered ({size} bytes, "
-                              f"manifest says {s['bytes']})")
+                errors.append(
+                    f"shard {s['file']} is truncated or altered ({size} bytes, "
+                    f"manifest says {s['bytes']})"
+                )
             elif verify == "sha256" and k % world == rank and _sha256_file(p) != s["sha256"]:
                 errors.append(f"shard {s['file']} fails its sha256 checksum")
         errors = sorted({e for rank_errors in dist.all_gather_object(errors) for e in rank_errors})
         if errors:
-            raise CacheError(f"{self.cache_dir}: " + "; ".join(errors[:5]) + (
-                f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""))
+            raise CacheError(
+                f"{self.cache_dir}: "
+                + "; ".join(errors[:5])
+                + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else "")
+            )
 
-    def check_compatible(self, *, hidden_size: int | None = None,
-                         layer_ids: list[int] | None = None, vocab_size: int | None = None,
-                         target_config_sha256: str | None = None) -> None:
+    def check_compatible(
+        self,
+        *,
+        hidden_size: int | None = None,
+        layer_ids: list[int] | None = None,
+        vocab_size: int | None = None,
+        target_config_sha256: str | None = None,
+    ) -> None:
         """Refuse (CacheError naming the field) a cache built for another drafter / target."""
         t = self.manifest["target"]
-        checks = [("hidden size", hidden_size, self.hidden_size),
-                  ("target_layer_ids", list(layer_ids) if layer_ids is not None else None,
-                   self.layer_ids),
-                  ("vocab size", vocab_size, t["vocab_size"]),
-                  ("target config (sha256)", target_config_sha256, t["config_sha256"])]
+        checks = [
+            ("hidden size", hidden_size, self.hidden_size),
+            (
+                "target_layer_ids",
+                list(layer_ids) if layer_ids is not None else None,
+                self.layer_ids,
+            ),
+            ("vocab size", vocab_size, t["vocab_size"]),
+            ("target config (sha256)", target_config_sha256, t["config_sha256"]),
+        ]
         for what, want, have in checks:
             if want is not None and want != have:
-                raise CacheError(f"{self.cache_dir}: cache {what} is {have}, but the drafter / "
-                                 f"target expects {want}; rebuild the cache or fix the config")
+                raise CacheError(
+                    f"{self.cache_dir}: cache {what} is {have}, but the drafter / "
+                    f"target expects {want}; rebuild the cache or fix the config"
+                )
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -333,11 +404,14 @@ class TargetCache:
     def __getitem__(self, i: int) -> dict:
         k, a, n = self._where[i].tolist()
         f = self._file(k)
-        sample = {"sample_id": i, "input_ids": f.get_slice("input_ids")[a:a + n].long(),
-                  "loss_mask": f.get_slice("loss_mask")[a:a + n].long()}
+        sample = {
+            "sample_id": i,
+            "input_ids": f.get_slice("input_ids")[a : a + n].long(),
+            "loss_mask": f.get_slice("loss_mask")[a : a + n].long(),
+        }
         for key in FEATURE_KEYS:
-            scale = f.get_slice(key + "_scale")[a:a + n] if self.storage == "fp8" else None
-            sample[key] = decode(f.get_slice(key)[a:a + n], scale, self.out_dtype)
+            scale = f.get_slice(key + "_scale")[a : a + n] if self.storage == "fp8" else None
+            sample[key] = decode(f.get_slice(key)[a : a + n], scale, self.out_dtype)
         return sample
 
 
@@ -352,8 +426,13 @@ def estimate_cache(cfg: EstimateCacheConfig) -> dict:
 
     if not cfg.target.path:
         raise ValueError("target.path is required (only its config.json is read)")
-    tcfg = text_config(AutoConfig.from_pretrained(cfg.target.path, revision=cfg.target.revision,
-                                                  trust_remote_code=cfg.target.trust_remote_code))
+    tcfg = text_config(
+        AutoConfig.from_pretrained(
+            cfg.target.path,
+            revision=cfg.target.revision,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+    )
     layers = cfg.target.layer_ids or default_layer_ids(tcfg.num_hidden_layers)
     validate_layer_ids(layers, tcfg.num_hidden_layers)
     if cfg.num_samples is not None and cfg.mean_tokens is not None:
@@ -363,12 +442,21 @@ def estimate_cache(cfg: EstimateCacheConfig) -> dict:
         num_samples, num_tokens = len(store), int(sum(store.lengths))
     per_token = bytes_per_token(tcfg.hidden_size, len(layers), cfg.dtype)
     total = num_tokens * per_token
-    result = {"num_samples": num_samples, "num_tokens": num_tokens, "hidden_size":
-              tcfg.hidden_size, "layer_ids": layers, "dtype": cfg.dtype,
-              "bytes_per_token": per_token, "total_bytes": total, "human": human_bytes(total)}
-    dist.print_rank0(f"[estimate cache] {num_samples} samples, {num_tokens} tokens x {per_token} "
-                     f"B/token ({len(layers)} layers + final state, H={tcfg.hidden_size}, "
-                     f"{cfg.dtype}) = {result['human']}")
+    result = {
+        "num_samples": num_samples,
+        "num_tokens": num_tokens,
+        "hidden_size": tcfg.hidden_size,
+        "layer_ids": layers,
+        "dtype": cfg.dtype,
+        "bytes_per_token": per_token,
+        "total_bytes": total,
+        "human": human_bytes(total),
+    }
+    dist.print0(
+        f"[estimate cache] {num_samples} samples, {num_tokens} tokens x {per_token} "
+        f"B/token ({len(layers)} layers + final state, H={tcfg.hidden_size}, "
+        f"{cfg.dtype}) = {result['human']}"
+    )
     return result
 
 

@@ -25,8 +25,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
 
     tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if not getattr(tok, "is_fast", False):
-        raise ValueError(f"tokenizer {name_or_path!r} is not a fast tokenizer; loss masks need "
-                         "character offsets")
+        raise ValueError(
+            f"tokenizer {name_or_path!r} is not a fast tokenizer; loss masks need character offsets"
+        )
     if not tok.chat_template:
         raise ValueError(f"tokenizer {name_or_path!r} has no chat template")
     return tok
@@ -57,20 +58,32 @@ def spans_to_token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, i
 class ChatTokenizer:
     """``messages`` → (``input_ids``, ``loss_mask``), truncated to ``max_length``."""
 
-    def __init__(self, tokenizer, max_length: int, enable_thinking: bool = False,
-                 system_prompt: str | None = None, use_generation_markers: bool | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        max_length: int,
+        enable_thinking: bool = False,
+        system_prompt: str | None = None,
+        use_generation_markers: bool | None = None,
+    ):
         self.tok = tokenizer
         self.max_length = max_length
         self.template_kwargs = {"enable_thinking": enable_thinking}
         self.system_prompt = system_prompt
         has_markers = bool(_GENERATION_RE.search(tokenizer.chat_template or ""))
-        self.use_markers = has_markers if use_generation_markers is None else (
-            use_generation_markers and has_markers)
+        self.use_markers = (
+            has_markers
+            if use_generation_markers is None
+            else (use_generation_markers and has_markers)
+        )
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tokenize=False,
-                                            add_generation_prompt=add_generation_prompt,
-                                            **self.template_kwargs)
+        return self.tok.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
 
     def with_system(self, messages: list[dict]) -> list[dict]:
         if self.system_prompt and messages[0]["role"] != "system":
@@ -91,15 +104,17 @@ class ChatTokenizer:
                 content = content.strip()
                 start = text.find(content, search_from)
             if start < 0:
-                raise DataError(f"{where}: assistant message {i} not found in the rendered chat "
-                                "template (the template rewrites it); use a template with "
-                                "{% generation %} markers")
+                raise DataError(
+                    f"{where}: assistant message {i} not found in the rendered chat "
+                    "template (the template rewrites it); use a template with "
+                    "{% generation %} markers"
+                )
             end = start + len(content)
             # The end-of-turn text the template emits right after this answer.
             alone = self.render(messages[: i + 1])
-            eot = alone[alone.rfind(content) + len(content):].rstrip()
-            n = _common_prefix_len(text[end:end + len(eot)], eot)
-            end += len(text[end:end + n].rstrip())
+            eot = alone[alone.rfind(content) + len(content) :].rstrip()
+            n = _common_prefix_len(text[end : end + len(eot)], eot)
+            end += len(text[end : end + n].rstrip())
             spans.append((start, end))
             pos = end
         return spans
@@ -108,15 +123,20 @@ class ChatTokenizer:
         messages = self.with_system(messages)
         if self.use_markers:
             out = self.tok.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                **self.template_kwargs)
+                messages,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **self.template_kwargs,
+            )
             ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         else:
             text = self.render(messages)
             enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
             ids = list(enc["input_ids"])
-            mask = spans_to_token_mask(enc["offset_mapping"],
-                                       self.assistant_spans(messages, text, where))
+            mask = spans_to_token_mask(
+                enc["offset_mapping"], self.assistant_spans(messages, text, where)
+            )
         return ids[: self.max_length], mask[: self.max_length]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:

@@ -20,8 +20,12 @@ class Collator:
         input_ids = torch.full((bsz, seq), self.pad_token_id, dtype=torch.long)
         loss_mask = torch.zeros(bsz, seq, dtype=torch.long)
         attention_mask = torch.zeros(bsz, seq, dtype=torch.long)
-        batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask,
-                 "sample_ids": torch.tensor([int(s["sample_id"]) for s in samples])}
+        batch = {
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "attention_mask": attention_mask,
+            "sample_ids": torch.tensor([int(s["sample_id"]) for s in samples]),
+        }
         for key in FEATURE_KEYS:
             if key in samples[0]:
                 f = samples[0][key]
@@ -41,9 +45,11 @@ def split_batch(batch: dict) -> list[dict]:
     """Inverse of the collator for feature batches: per-sample unpadded tensors on the CPU."""
     out = []
     for b, n in enumerate(batch["attention_mask"].sum(-1).tolist()):
-        s = {"sample_id": int(batch["sample_ids"][b]),
-             "input_ids": batch["input_ids"][b, :n].cpu(),
-             "loss_mask": batch["loss_mask"][b, :n].cpu()}
+        s = {
+            "sample_id": int(batch["sample_ids"][b]),
+            "input_ids": batch["input_ids"][b, :n].cpu(),
+            "loss_mask": batch["loss_mask"][b, :n].cpu(),
+        }
         for key in FEATURE_KEYS:
             s[key] = batch[key][b, :n].cpu()
         out.append(s)

@@ -63,8 +63,9 @@ class DataConfig:
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if self.cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"data.cache_dtype must be one of {CACHE_DTYPES}, "
-                             f"got {self.cache_dtype!r}")
+            raise ValueError(
+                f"data.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}"
+            )
 
 
 @dataclass

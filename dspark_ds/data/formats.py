@@ -18,9 +18,14 @@ from dataclasses import dataclass, field
 
 _ROLE_ALIASES = {
     "system": "system",
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
-    "bard": "assistant", "bing": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "model": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
 }
 
 
@@ -53,8 +58,11 @@ def _content(value, where: str) -> str:
     if isinstance(value, list):  # OpenAI content parts
         texts = []
         for part in value:
-            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(
-                    part.get("text"), str):
+            if (
+                isinstance(part, dict)
+                and part.get("type", "text") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 texts.append(part["text"])
             else:
                 raise DataError(f"{where}: only text content parts are supported, got {part!r:.80}")
@@ -89,8 +97,9 @@ def normalise_row(obj, where: str) -> list[dict]:
             raise DataError(f"{where}: 'turns' must be a non-empty list of strings")
         messages = [{"role": "user", "content": t} for t in turns]
     else:
-        raise DataError(f"{where}: no 'messages', 'conversations' or 'turns' field "
-                        f"(keys: {sorted(obj)[:8]})")
+        raise DataError(
+            f"{where}: no 'messages', 'conversations' or 'turns' field (keys: {sorted(obj)[:8]})"
+        )
     for j, m in enumerate(messages):
         if m["role"] == "system" and j != 0:
             raise DataError(f"{where}: a system message is only allowed first (message {j})")
@@ -103,8 +112,9 @@ def normalise_row(obj, where: str) -> list[dict]:
     return messages
 
 
-def read_conversations(paths: list[str], skip_bad_rows: bool = False,
-                       stats: ReadStats | None = None) -> Iterator[Row]:
+def read_conversations(
+    paths: list[str], skip_bad_rows: bool = False, stats: ReadStats | None = None
+) -> Iterator[Row]:
     """Yield normalised rows of ``paths`` in order; bad rows raise or are counted in ``stats``."""
     stats = stats if stats is not None else ReadStats()
     index = 0
@@ -118,8 +128,9 @@ def read_conversations(paths: list[str], skip_bad_rows: bool = False,
                     try:
                         obj = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise DataError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") \
-                            from None
+                        raise DataError(
+                            f"{where}: invalid JSON ({e.msg} at column {e.colno})"
+                        ) from None
                     messages = normalise_row(obj, where)
                 except DataError as e:
                     if not skip_bad_rows:

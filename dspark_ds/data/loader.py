@@ -16,16 +16,23 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from dspark_ds import distributed as dist
 from dspark_ds.data import cache as cache_lib
-from dspark_ds.data import dist
 from dspark_ds.data.collate import Collator, split_batch
 from dspark_ds.data.config import DataConfig
 from dspark_ds.data.tokens import TokenStore, load_samples
 from dspark_ds.target import FrozenTarget, TargetFeatureProvider
 
 
-def epoch_batches(lengths: list[int], batch_size: int, rank: int, world: int, seed: int,
-                  epoch: int, length_grouping: int = 64) -> list[list[int]]:
+def epoch_batches(
+    lengths: list[int],
+    batch_size: int,
+    rank: int,
+    world: int,
+    seed: int,
+    epoch: int,
+    length_grouping: int = 64,
+) -> list[list[int]]:
     """This rank's micro-batches (sample indices) for ``epoch``, deterministic.
 
     A seeded permutation is cut into global batches of ``batch_size · world`` (the tail that
@@ -40,12 +47,16 @@ def epoch_batches(lengths: list[int], batch_size: int, rank: int, world: int, se
     perm = perm[: num_steps * global_bs]
     window = global_bs * length_grouping
     if length_grouping > 1:
-        perm = [i for w in range(0, len(perm), window)
-                for i in sorted(perm[w:w + window], key=lambda j: -lengths[j])]
-    global_batches = [perm[k * global_bs:(k + 1) * global_bs] for k in range(num_steps)]
-    order = torch.randperm(num_steps, generator=g).tolist() if length_grouping > 1 else range(
-        num_steps)
-    return [global_batches[k][rank * batch_size:(rank + 1) * batch_size] for k in order]
+        perm = [
+            i
+            for w in range(0, len(perm), window)
+            for i in sorted(perm[w : w + window], key=lambda j: -lengths[j])
+        ]
+    global_batches = [perm[k * global_bs : (k + 1) * global_bs] for k in range(num_steps)]
+    order = (
+        torch.randperm(num_steps, generator=g).tolist() if length_grouping > 1 else range(num_steps)
+    )
+    return [global_batches[k][rank * batch_size : (rank + 1) * batch_size] for k in order]
 
 
 class _Subset(torch.utils.data.Dataset):
@@ -67,13 +78,16 @@ class HybridCacheWriter:
     rank 0 writes the manifest. Needs ``cache_dir`` on a file system every rank sees.
     """
 
-    def __init__(self, cache_dir: str, header: dict, samples_per_shard: int, storage: str,
-                 num_taps: int):
+    def __init__(
+        self, cache_dir: str, header: dict, samples_per_shard: int, storage: str, num_taps: int
+    ):
         self.cache_dir, self.storage, self.num_taps = cache_dir, storage, num_taps
         self.per_shard = samples_per_shard
         self.rank, self.world = dist.rank_and_world()
         self.complete = cache_lib.begin_build(cache_dir, header)
-        mine = [n for n in cache_lib.completed_shards(cache_dir) if n.startswith(f"h{self.rank:05d}-")]
+        mine = [
+            n for n in cache_lib.completed_shards(cache_dir) if n.startswith(f"h{self.rank:05d}-")
+        ]
         self.next_shard = len(mine)
         self.buffer: list[dict] = []
 
@@ -87,8 +101,13 @@ class HybridCacheWriter:
     def flush(self) -> None:
         if self.buffer:
             self.buffer.sort(key=lambda s: s["sample_id"])
-            cache_lib.write_shard(self.cache_dir, f"h{self.rank:05d}-{self.next_shard:06d}",
-                                  self.buffer, self.storage, self.num_taps)
+            cache_lib.write_shard(
+                self.cache_dir,
+                f"h{self.rank:05d}-{self.next_shard:06d}",
+                self.buffer,
+                self.storage,
+                self.num_taps,
+            )
             self.next_shard += 1
             self.buffer = []
 
@@ -97,16 +116,16 @@ class HybridCacheWriter:
             return
         self.flush()
         dist.barrier()
-        written = {i for s in cache_lib.completed_shards(self.cache_dir).values()
-                   for i in s["sample_ids"]}
+        written = {
+            i for s in cache_lib.completed_shards(self.cache_dir).values() for i in s["sample_ids"]
+        }
         todo = [i for i in range(len(store)) if i not in written]
-        missing = todo[self.rank::self.world]
+        missing = todo[self.rank :: self.world]
         if todo:
             # NOTE: the same number of target forwards on every rank (the short share padded
             # with a repeat): a ZeRO-3 partitioned target all-gathers weights in each forward.
             even = missing + todo[:1] * (-(-len(todo) // self.world) - len(missing))
-            feats = cache_lib.compute_features(provider, store, even, batch_size,
-                                               pad_token_id)
+            feats = cache_lib.compute_features(provider, store, even, batch_size, pad_token_id)
             self.buffer = [feats[i] for i in missing]
             self.flush()
         dist.barrier()
@@ -124,9 +143,16 @@ class TrainLoader:
     next iteration continues with the next batch of the same order.
     """
 
-    def __init__(self, cfg: DataConfig, rank: int, world_size: int, samples: TokenStore | None,
-                 cache: cache_lib.TargetCache | None, provider: TargetFeatureProvider | None,
-                 writer: HybridCacheWriter | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        rank: int,
+        world_size: int,
+        samples: TokenStore | None,
+        cache: cache_lib.TargetCache | None,
+        provider: TargetFeatureProvider | None,
+        writer: HybridCacheWriter | None = None,
+    ):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.samples, self.cache, self.provider, self.writer = samples, cache, provider, writer
         ref = samples if samples is not None else cache
@@ -141,8 +167,15 @@ class TrainLoader:
 
     def batches(self, epoch: int | None = None) -> list[list[int]]:
         e = self.epoch if epoch is None else epoch
-        return epoch_batches(self.lengths, self.cfg.batch_size, self.rank, self.world,
-                             self.cfg.seed, e, self.cfg.length_grouping)
+        return epoch_batches(
+            self.lengths,
+            self.cfg.batch_size,
+            self.rank,
+            self.world,
+            self.cfg.seed,
+            e,
+            self.cfg.length_grouping,
+        )
 
     def __len__(self) -> int:
         return len(self.lengths) // (self.cfg.batch_size * self.world)
@@ -152,22 +185,33 @@ class TrainLoader:
             self.epoch, self.position = epoch, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.cfg.seed,
-                "world_size": self.world, "num_samples": len(self.lengths)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.cfg.seed,
+            "world_size": self.world,
+            "num_samples": len(self.lengths),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        for key, have in (("world_size", self.world), ("num_samples", len(self.lengths)),
-                          ("seed", self.cfg.seed)):
+        for key, have in (
+            ("world_size", self.world),
+            ("num_samples", len(self.lengths)),
+            ("seed", self.cfg.seed),
+        ):
             if state.get(key, have) != have:
-                raise ValueError(f"cannot resume the data order: checkpoint has {key}="
-                                 f"{state[key]}, this run has {have}")
+                raise ValueError(
+                    f"cannot resume the data order: checkpoint has {key}="
+                    f"{state[key]}, this run has {have}"
+                )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
     def _open_cache(self) -> cache_lib.TargetCache:
         if self.cache is None:
             if self.writer is not None and self.samples is not None:
-                self.writer.finish(self.samples, self.provider, self.cfg.batch_size,
-                                   self.pad_token_id)
+                self.writer.finish(
+                    self.samples, self.provider, self.cfg.batch_size, self.pad_token_id
+                )
             self.cache = cache_lib.TargetCache(self.cfg.cache_dir, self.cfg.cache_verify)
             check_cache_matches(self.cache, self.samples)
         return self.cache
@@ -175,18 +219,25 @@ class TrainLoader:
     def __iter__(self) -> Iterator[dict]:
         from_cache = self.source_for(self.epoch) == "cache"
         dataset = self._open_cache() if from_cache else self.samples
-        todo = self.batches()[self.position:]
-        loader = DataLoader(_Subset(dataset), batch_sampler=todo, collate_fn=Collator(
-            self.pad_token_id), num_workers=self.cfg.num_workers,
-            pin_memory=torch.cuda.is_available(), persistent_workers=False)
+        todo = self.batches()[self.position :]
+        loader = DataLoader(
+            _Subset(dataset),
+            batch_sampler=todo,
+            collate_fn=Collator(self.pad_token_id),
+            num_workers=self.cfg.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=False,
+        )
         for batch in loader:
             if not from_cache:
                 batch = self.provider(batch)
                 if self.writer is not None:
                     self.writer.add(batch)
             elif self.provider is not None:  # same device as online batches
-                batch = {k: v.to(self.provider.target.device, non_blocking=True)
-                         for k, v in batch.items()}
+                batch = {
+                    k: v.to(self.provider.target.device, non_blocking=True)
+                    for k, v in batch.items()
+                }
             self.position += 1
             yield batch
         if not from_cache and self.writer is not None:
@@ -196,14 +247,22 @@ class TrainLoader:
 def check_cache_matches(cache: cache_lib.TargetCache, samples: TokenStore | None) -> None:
     fp = samples.meta.get("fingerprint") if samples is not None else None
     if fp is not None and cache.meta["fingerprint"] not in (None, fp):
-        raise cache_lib.CacheError(f"{cache.cache_dir}: the cache was built from another data "
-                                   "set (fingerprint differs from data.paths)")
+        raise cache_lib.CacheError(
+            f"{cache.cache_dir}: the cache was built from another data "
+            "set (fingerprint differs from data.paths)"
+        )
 
 
-def build_train_loader(cfg: DataConfig, rank: int | None = None, world_size: int | None = None,
-                       target: FrozenTarget | None = None, *, hidden_size: int | None = None,
-                       layer_ids: list[int] | None = None, vocab_size: int | None = None
-                       ) -> TrainLoader:
+def build_train_loader(
+    cfg: DataConfig,
+    rank: int | None = None,
+    world_size: int | None = None,
+    target: FrozenTarget | None = None,
+    *,
+    hidden_size: int | None = None,
+    layer_ids: list[int] | None = None,
+    vocab_size: int | None = None,
+) -> TrainLoader:
     """The training loader of this rank for ``cfg.mode``.
 
     ``target`` (a FrozenTarget on the training device) is required for online and hybrid
@@ -223,16 +282,24 @@ def build_train_loader(cfg: DataConfig, rank: int | None = None, world_size: int
         samples = load_samples(cfg, getattr(target, "name_or_path", None))
         if target is not None:
             if layer_ids is not None and list(layer_ids) != list(target.layer_ids):
-                raise ValueError(f"target.layer_ids {target.layer_ids} != drafter "
-                                 f"target_layer_ids {list(layer_ids)}")
+                raise ValueError(
+                    f"target.layer_ids {target.layer_ids} != drafter "
+                    f"target_layer_ids {list(layer_ids)}"
+                )
         if cfg.mode == "hybrid":
-            storage = cfg.cache_dtype if cfg.cache_dtype != "auto" else str(
-                target.dtype).removeprefix("torch.")
+            storage = (
+                cfg.cache_dtype
+                if cfg.cache_dtype != "auto"
+                else str(target.dtype).removeprefix("torch.")
+            )
             header = cache_lib.make_header(target, samples, storage)
-            writer = HybridCacheWriter(cfg.cache_dir, header, cfg.samples_per_shard, storage,
-                                       len(target.layer_ids))
+            writer = HybridCacheWriter(
+                cfg.cache_dir, header, cfg.samples_per_shard, storage, len(target.layer_ids)
+            )
             if (Path(cfg.cache_dir) / "manifest.json").exists() and writer.complete:
                 manifest = json.loads((Path(cfg.cache_dir) / "manifest.json").read_text())
-                dist.print_rank0(f"[data] hybrid cache complete ({manifest['num_samples']} "
-                                 "samples); epochs >= 1 read it")
+                dist.print0(
+                    f"[data] hybrid cache complete ({manifest['num_samples']} "
+                    "samples); epochs >= 1 read it"
+                )
     return TrainLoader(cfg, rank, world_size, samples, cache, provider, writer)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark_ds.data import dist
+from dspark_ds import distributed as dist
 from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
@@ -66,16 +66,21 @@ class _Generator:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros_like(ids)
         for b, p in enumerate(prompts):  # NOTE: left padding, so every row ends at the prompt
-            ids[b, width - len(p):] = torch.tensor(p)
-            attn[b, width - len(p):] = 1
+            ids[b, width - len(p) :] = torch.tensor(p)
+            attn[b, width - len(p) :] = 1
         torch.manual_seed(seed)
         sample = self.cfg.temperature > 0
         out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-            max_new_tokens=self.cfg.max_new_tokens, do_sample=sample,
+            input_ids=ids.to(self.device),
+            attention_mask=attn.to(self.device),
+            max_new_tokens=self.cfg.max_new_tokens,
+            do_sample=sample,
             temperature=self.cfg.temperature if sample else None,
-            top_p=self.cfg.top_p if sample else None, top_k=self.cfg.top_k if sample else None,
-            pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+            top_p=self.cfg.top_p if sample else None,
+            top_k=self.cfg.top_k if sample else None,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids,
+        )
         answers = []
         for row in out[:, width:].tolist():
             hit_eos = self.eos_ids in row
@@ -90,8 +95,15 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
     convs = []
     for row in rows:
         system, users = _prompt(row.messages)
-        convs.append({"id": row.index, "source": row.source, "messages": list(system),
-                      "users": users, "truncated": 0})
+        convs.append(
+            {
+                "id": row.index,
+                "source": row.source,
+                "messages": list(system),
+                "users": users,
+                "truncated": 0,
+            }
+        )
     for turn in range(max(len(c["users"]) for c in convs)):
         active = [c for c in convs if turn < len(c["users"]) and "error" not in c]
         if not active:
@@ -99,8 +111,9 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
         for c in active:
             c["messages"].append({"role": "user", "content": c["users"][turn]})
         try:
-            answers = gen.answer([c["messages"] for c in active], cfg.seed * 1_000_003
-                                 + active[0]["id"] * 101 + turn)
+            answers = gen.answer(
+                [c["messages"] for c in active], cfg.seed * 1_000_003 + active[0]["id"] * 101 + turn
+            )
         except (RuntimeError, ValueError) as e:  # e.g. OOM on an outlier: retry one by one
             if len(active) == 1:
                 active[0]["error"] = f"generation failed: {e}"[:500]
@@ -108,8 +121,9 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
             answers = []
             for c in active:
                 try:
-                    answers += gen.answer([c["messages"]], cfg.seed * 1_000_003 + c["id"] * 101
-                                          + turn)
+                    answers += gen.answer(
+                        [c["messages"]], cfg.seed * 1_000_003 + c["id"] * 101 + turn
+                    )
                 except (RuntimeError, ValueError) as e2:
                     answers.append((None, str(e2)[:500]))
         for c, (text, hit_eos) in zip(active, answers):
@@ -143,22 +157,25 @@ def merge_parts(output: str, world: int) -> dict:
             records[rec["id"]] = rec
     good = [records[i] for i in sorted(records) if "error" not in records[i]]
     bad = [records[i] for i in sorted(records) if "error" in records[i]]
-    atomic_write_text(output, "".join(json.dumps({"id": r["id"], "source": r["source"],
-                                                  "messages": r["messages"]}) + "\n"
-                                      for r in good))
+    atomic_write_text(
+        output,
+        "".join(
+            json.dumps({"id": r["id"], "source": r["source"], "messages": r["messages"]}) + "\n"
+            for r in good
+        ),
+    )
     atomic_write_text(f"{output}.failed.jsonl", "".join(json.dumps(r) + "\n" for r in bad))
     return {"written": len(good), "failed": len(bad)}
 
 
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges."""
-    from dspark_ds.target import default_device
 
     if not cfg.output:
         raise ValueError("output is required (the jsonl to write)")
     if not cfg.target.path:
         raise ValueError("target.path is required")
-    dist.maybe_init_process_group()
+    dist.init("gloo", always=False, timeout_s=1800)
     rank, world = dist.rank_and_world()
     part = _part_path(cfg.output, rank, world)
     part.parent.mkdir(parents=True, exist_ok=True)
@@ -166,13 +183,19 @@ def regenerate(cfg: RegenerateConfig) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    device = torch.device(cfg.target.device) if cfg.target.device else default_device()
-    model = AutoModelForCausalLM.from_pretrained(
-        cfg.target.path, dtype=cfg.target.torch_dtype, revision=cfg.target.revision,
-        trust_remote_code=cfg.target.trust_remote_code).to(device).eval()
+    device = torch.device(cfg.target.device) if cfg.target.device else dist.local_device()
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            cfg.target.path,
+            dtype=cfg.target.torch_dtype,
+            revision=cfg.target.revision,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+        .to(device)
+        .eval()
+    )
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, cfg.target.trust_remote_code)
-    chat = ChatTokenizer(tok, cfg.data.max_length, cfg.data.enable_thinking,
-                         cfg.data.system_prompt)
+    chat = ChatTokenizer(tok, cfg.data.max_length, cfg.data.enable_thinking, cfg.data.system_prompt)
     gen = _Generator(cfg, chat, model, device)
 
     stats = ReadStats()
@@ -183,37 +206,54 @@ def regenerate(cfg: RegenerateConfig) -> dict:
             continue
         if row.index in done:
             counts["already_done"] += 1
-        elif len(chat.prompt_ids(_prompt(row.messages)[0] + [
-                {"role": "user", "content": _prompt(row.messages)[1][0]}])) >= cfg.data.max_length:
+        elif (
+            len(
+                chat.prompt_ids(
+                    _prompt(row.messages)[0]
+                    + [{"role": "user", "content": _prompt(row.messages)[1][0]}]
+                )
+            )
+            >= cfg.data.max_length
+        ):
             counts["skipped"] += 1  # the prompt alone exceeds max_length
         else:
             mine.append(row)
     counts["skipped"] += stats.bad if rank == 0 else 0
-    with open(part, "a", encoding="utf-8") as f, tqdm(
-            total=len(mine), desc=f"regenerate rank {rank}", unit="row",
-            disable=rank != 0) as bar:
+    with (
+        open(part, "a", encoding="utf-8") as f,
+        tqdm(total=len(mine), desc=f"regenerate rank {rank}", unit="row", disable=rank != 0) as bar,
+    ):
         for k in range(0, len(mine), cfg.batch_size):
-            for rec in _regenerate_batch(gen, mine[k:k + cfg.batch_size], cfg):
+            for rec in _regenerate_batch(gen, mine[k : k + cfg.batch_size], cfg):
                 counts["failed" if "error" in rec else "written"] += 1
                 f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
             bar.update(min(cfg.batch_size, len(mine) - k))
             bar.set_postfix(written=counts["written"], failed=counts["failed"])
-    print(f"[regenerate rank {rank}/{world}] written {counts['written']}, failed "
-          f"{counts['failed']}, skipped {counts['skipped']}, already done "
-          f"{counts['already_done']}", flush=True)
+    print(
+        f"[regenerate rank {rank}/{world}] written {counts['written']}, failed "
+        f"{counts['failed']}, skipped {counts['skipped']}, already done "
+        f"{counts['already_done']}",
+        flush=True,
+    )
     atomic_write_text(part.with_suffix(".done"), json.dumps(counts))
 
     dist.barrier()
     total = None
-    all_done = all(_part_path(cfg.output, r, world).with_suffix(".done").exists()
-                   for r in range(world))
-    if (rank == 0 if dist.has_group() else all_done):
+    all_done = all(
+        _part_path(cfg.output, r, world).with_suffix(".done").exists() for r in range(world)
+    )
+    if rank == 0 if dist.has_group() else all_done:
         total = merge_parts(cfg.output, world)
-        total["skipped"] = sum(json.loads(_part_path(cfg.output, r, world).with_suffix(
-            ".done").read_text())["skipped"] for r in range(world))
-        print(f"[regenerate] {cfg.output}: written {total['written']}, failed "
-              f"{total['failed']}, skipped {total['skipped']}", flush=True)
+        total["skipped"] = sum(
+            json.loads(_part_path(cfg.output, r, world).with_suffix(".done").read_text())["skipped"]
+            for r in range(world)
+        )
+        print(
+            f"[regenerate] {cfg.output}: written {total['written']}, failed "
+            f"{total['failed']}, skipped {total['skipped']}",
+            flush=True,
+        )
     dist.barrier()
     return total if total is not None else counts

@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import DataConfig, PrepareConfig
-from dspark_ds.data.dist import print_rank0, rank_and_world
 from dspark_ds.data.formats import ReadStats, read_conversations
+from dspark_ds.distributed import print0, rank_and_world
 
 TOKENS_FILE = "tokens.safetensors"
 META_FILE = "meta.json"
@@ -41,10 +41,21 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 class TokenStore:
     """N variable-length samples as flat arrays + offsets (in memory or memory-mapped)."""
 
-    def __init__(self, input_ids: torch.Tensor | None, loss_mask: torch.Tensor | None,
-                 offsets: torch.Tensor, meta: dict, path: str | None = None):
+    def __init__(
+        self,
+        input_ids: torch.Tensor | None,
+        loss_mask: torch.Tensor | None,
+        offsets: torch.Tensor,
+        meta: dict,
+        path: str | None = None,
+    ):
         self._ids, self._mask, self.offsets, self.meta, self.path = (
-            input_ids, loss_mask, offsets, meta, path)
+            input_ids,
+            loss_mask,
+            offsets,
+            meta,
+            path,
+        )
         self._file = None
         self.lengths = (offsets[1:] - offsets[:-1]).tolist()
 
@@ -64,8 +75,10 @@ class TokenStore:
         directory = Path(directory)
         meta_path = directory / META_FILE
         if not meta_path.exists():
-            raise FileNotFoundError(f"{directory} is not a prepared data set (no {META_FILE}); "
-                                    "run `dspark-ds prepare` first")
+            raise FileNotFoundError(
+                f"{directory} is not a prepared data set (no {META_FILE}); "
+                "run `dspark-ds prepare` first"
+            )
         meta = json.loads(meta_path.read_text())
         with safe_open(str(directory / TOKENS_FILE), framework="pt") as f:
             offsets = f.get_tensor("offsets")
@@ -75,8 +88,9 @@ class TokenStore:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tmp = directory / f".{TOKENS_FILE}.tmp"
-        save_file({"input_ids": self._ids, "loss_mask": self._mask, "offsets": self.offsets},
-                  str(tmp))
+        save_file(
+            {"input_ids": self._ids, "loss_mask": self._mask, "offsets": self.offsets}, str(tmp)
+        )
         os.replace(tmp, directory / TOKENS_FILE)
         atomic_write_text(directory / META_FILE, json.dumps(self.meta, indent=2))
 
@@ -106,8 +120,9 @@ def fingerprint(ids: torch.Tensor, mask: torch.Tensor, offsets: torch.Tensor) ->
     return h.hexdigest()
 
 
-def tokenize_conversations(cfg: DataConfig, tokenizer_path: str, progress: bool = True
-                           ) -> tuple[TokenStore, dict]:
+def tokenize_conversations(
+    cfg: DataConfig, tokenizer_path: str, progress: bool = True
+) -> tuple[TokenStore, dict]:
     """Read + normalise + tokenise ``cfg.paths`` → (TokenStore, counts)."""
     tok = load_tokenizer(tokenizer_path)
     chat = ChatTokenizer(tok, cfg.max_length, cfg.enable_thinking, cfg.system_prompt)
@@ -124,14 +139,24 @@ def tokenize_conversations(cfg: DataConfig, tokenizer_path: str, progress: bool 
         samples.append((ids, mask))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     meta = {
-        "format": "dspark-ds-tokens", "version": 1, "tokenizer": tokenizer_path,
-        "max_length": cfg.max_length, "enable_thinking": cfg.enable_thinking,
-        "system_prompt": cfg.system_prompt, "generation_markers": chat.use_markers,
-        "pad_token_id": int(pad_id if pad_id is not None else 0), "vocab_size": len(tok),
+        "format": "dspark-ds-tokens",
+        "version": 1,
+        "tokenizer": tokenizer_path,
+        "max_length": cfg.max_length,
+        "enable_thinking": cfg.enable_thinking,
+        "system_prompt": cfg.system_prompt,
+        "generation_markers": chat.use_markers,
+        "pad_token_id": int(pad_id if pad_id is not None else 0),
+        "vocab_size": len(tok),
         "sources": [str(p) for p in cfg.paths],
     }
-    counts = {"rows": stats.rows, "bad_rows": stats.bad, "skipped_few_loss_tokens": too_short,
-              "truncated": int(truncated), "samples": len(samples)}
+    counts = {
+        "rows": stats.rows,
+        "bad_rows": stats.bad,
+        "skipped_few_loss_tokens": too_short,
+        "truncated": int(truncated),
+        "samples": len(samples),
+    }
     if stats.errors:
         counts["first_errors"] = stats.errors
     return TokenStore.from_samples(samples, meta), counts
@@ -159,7 +184,9 @@ def prepare(cfg: PrepareConfig) -> dict:
     store, counts = tokenize_conversations(cfg.data, cfg.data.tokenizer)
     store.meta["counts"] = counts
     store.save(cfg.output_dir)
-    print_rank0(f"[prepare] {counts['samples']} samples, {store.meta['num_tokens']} tokens -> "
-                f"{cfg.output_dir} (bad rows skipped: {counts['bad_rows']}, too few assistant "
-                f"tokens: {counts['skipped_few_loss_tokens']}, truncated: {counts['truncated']})")
+    print0(
+        f"[prepare] {counts['samples']} samples, {store.meta['num_tokens']} tokens -> "
+        f"{cfg.output_dir} (bad rows skipped: {counts['bad_rows']}, too few assistant "
+        f"tokens: {counts['skipped_few_loss_tokens']}, truncated: {counts['truncated']})"
+    )
     return counts

@@ -129,8 +129,9 @@ class DemoEvalConfig:
 
     def validate(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
-            raise ValueError(f"eval.temperatures: need >= 1 value, all >= 0, got "
-                             f"{self.temperatures}")
+            raise ValueError(
+                f"eval.temperatures: need >= 1 value, all >= 0, got {self.temperatures}"
+            )
         if self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
 
@@ -169,8 +170,9 @@ class DemoConfig:
             raise ValueError("output_dir: is required")
         unknown = [d for d in self.drafters if d not in DRAFTERS]
         if unknown or not self.drafters or len(set(self.drafters)) != len(self.drafters):
-            raise ValueError(f"drafters: choose distinct names from {list(DRAFTERS)}, got "
-                             f"{self.drafters}")
+            raise ValueError(
+                f"drafters: choose distinct names from {list(DRAFTERS)}, got {self.drafters}"
+            )
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         self.data.validate()

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,14 +32,9 @@ from pathlib import Path
 import yaml
 
 from dspark_ds.demo.config import DemoConfig
+from dspark_ds.distributed import free_port
 
 _LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _temp_key(t: float) -> str:
@@ -55,8 +49,10 @@ class _Stages:
         self._t0 = time.perf_counter()
 
     def run(self, name: str, what: str, fn, *args, **kwargs):
-        print(f"\n{'=' * 78}\n[demo] stage {len(self.seconds) + 1}: {name} — {what}\n{'=' * 78}",
-              flush=True)
+        print(
+            f"\n{'=' * 78}\n[demo] stage {len(self.seconds) + 1}: {name} — {what}\n{'=' * 78}",
+            flush=True,
+        )
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         self.seconds[name] = time.perf_counter() - t0
@@ -112,14 +108,20 @@ class DemoPipeline:
         """`torchrun --nproc_per_node N -m dspark_ds.cli <subcommand> --config <yaml>`; the
         output goes to the console and to logs/<stage>.log."""
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                "-m", "dspark_ds.cli", subcommand, "--config", str(config)]  # fmt: skip
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{stage}.log"
         print("[demo] $ " + " ".join(cmd[1:]), flush=True)
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, env=self._env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+            proc = subprocess.Popen(
+                cmd,
+                env=self._env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
             assert proc.stdout is not None
             for line in proc.stdout:
                 log.write(line)
@@ -137,16 +139,24 @@ class DemoPipeline:
         d = self.cfg.data
         # NOTE: the drafters' prompts are the first rows of the target's own corpus (same seed);
         # held-out prompts come from the generator's independent held-out stream.
-        train, heldout = make_corpus(self.cfg.target.seed, d.num_train_prompts,
-                                     d.num_heldout_prompts)
+        train, heldout = make_corpus(
+            self.cfg.target.seed, d.num_train_prompts, d.num_heldout_prompts
+        )
         write_jsonl(train, self.data_dir / "prompts.jsonl")
         write_jsonl(heldout, self.data_dir / "heldout.jsonl")
         bench = self.data_dir / "bench"
         # the eval's benchmark layout: {"turns": [first user turn]}
-        write_jsonl([{"turns": [m["content"] for m in r["messages"] if m["role"] == "user"]}
-                     for r in heldout], bench / "demo.jsonl")  # type: ignore[misc]
-        print(f"[demo] {len(train)} training prompts, {len(heldout)} held-out prompts -> "
-              f"{self.data_dir}")
+        write_jsonl(
+            [
+                {"turns": [m["content"] for m in r["messages"] if m["role"] == "user"]}
+                for r in heldout
+            ],
+            bench / "demo.jsonl",
+        )  # type: ignore[misc]
+        print(
+            f"[demo] {len(train)} training prompts, {len(heldout)} held-out prompts -> "
+            f"{self.data_dir}"
+        )
         return {"train_prompts": len(train), "heldout_prompts": len(heldout)}
 
     def train_target(self) -> dict:
@@ -155,10 +165,12 @@ class DemoPipeline:
         self.target = ensure_demo_target(self.cfg.target)
         r = self.target.report
         state = "cached" if self.target.from_cache else "trained now"
-        print(f"[demo] target ({state}): {self.target.path}\n"
-              f"[demo]   {r.get('num_parameters', 0) / 1e6:.2f} M parameters, final loss "
-              f"{r.get('final_loss', float('nan')):.3f}, assistant entropy "
-              f"{r.get('probe', {}).get('assistant_entropy_nats', float('nan')):.3f} nats")
+        print(
+            f"[demo] target ({state}): {self.target.path}\n"
+            f"[demo]   {r.get('num_parameters', 0) / 1e6:.2f} M parameters, final loss "
+            f"{r.get('final_loss', float('nan')):.3f}, assistant entropy "
+            f"{r.get('probe', {}).get('assistant_entropy_nats', float('nan')):.3f} nats"
+        )
         return {"path": str(self.target.path), "from_cache": self.target.from_cache}
 
     def regenerate(self) -> None:
@@ -172,8 +184,7 @@ class DemoPipeline:
             "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
             "top_p": d.top_p, "top_k": d.top_k, "seed": self.cfg.budget.seed,
         }  # fmt: skip
-        self._launch("regenerate", "regenerate", self._write_config("regenerate", cfg),
-                     self.nproc)
+        self._launch("regenerate", "regenerate", self._write_config("regenerate", cfg), self.nproc)
         if not out.is_file() or not out.stat().st_size:
             raise RuntimeError(f"regenerate wrote no rows to {out}")
 
@@ -199,8 +210,9 @@ class DemoPipeline:
             "target": {"path": str(self.target.path), "dtype": "float32", "device": "cpu"},
             "batch_size": 32,
         }  # fmt: skip
-        self._launch("build-cache", "build-cache", self._write_config("build-cache", cfg),
-                     self.nproc)
+        self._launch(
+            "build-cache", "build-cache", self._write_config("build-cache", cfg), self.nproc
+        )
 
     def train_config(self, kind: str) -> dict:
         """The `dspark-ds train` config of one drafter; only `model` differs between them."""
@@ -220,8 +232,13 @@ class DemoPipeline:
             "eagle3": {"kind": "eagle3", "num_draft_layers": dr.eagle3_layers,
                        "ttt_length": dr.block_size, "step_loss_decay": 0.8},
         }  # fmt: skip
-        data = {"mode": c.data.mode, "max_length": c.data.max_length,
-                "batch_size": b.micro_batch_size, "num_workers": 0, "seed": b.seed}
+        data = {
+            "mode": c.data.mode,
+            "max_length": c.data.max_length,
+            "batch_size": b.micro_batch_size,
+            "num_workers": 0,
+            "seed": b.seed,
+        }
         if c.data.mode == "offline":
             data["cache_dir"] = str(self.data_dir / "cache")
         else:
@@ -248,9 +265,12 @@ class DemoPipeline:
     def train(self, kind: str) -> dict:
         run_dir = self.runs_dir / kind
         shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts fresh (and a new MLflow run)
-        self._launch(f"train-{kind}", "train", self._write_config(f"train-{kind}",
-                                                                  self.train_config(kind)),
-                     self.nproc)
+        self._launch(
+            f"train-{kind}",
+            "train",
+            self._write_config(f"train-{kind}", self.train_config(kind)),
+            self.nproc,
+        )
         export = run_dir / "export"
         if not (export / "config.json").is_file():
             raise RuntimeError(f"training {kind} exported nothing to {export}")
@@ -259,7 +279,7 @@ class DemoPipeline:
         log = run_dir / "train_log.jsonl"
         if log.is_file():
             losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if line]
-            tail = losses[-max(1, len(losses) // 10):]
+            tail = losses[-max(1, len(losses) // 10) :]
             info.update(steps=len(losses), first_loss=losses[0], final_loss=sum(tail) / len(tail))
         self.train_info[kind] = info
         return info
@@ -294,7 +314,8 @@ class DemoPipeline:
         if "raw" in calib:
             row["calibration"] = {
                 variant: {k: calib[variant]["pooled"][k] for k in ("ece", "auroc", "brier")}
-                for variant in ("raw", "sts") if variant in calib
+                for variant in ("raw", "sts")
+                if variant in calib
             }
         self.evals.setdefault(kind, {})[_temp_key(temperature)] = row
         return row
@@ -309,23 +330,40 @@ class DemoPipeline:
         # a rerun into the same directory redoes every stage (the target stays cached)
         for sub in ("data", "runs", "configs", "logs"):
             shutil.rmtree(self.out / sub, ignore_errors=True)
-        print(f"[demo] output {self.out}; {self.nproc} rank(s); MLflow {self.uri} "
-              f"(experiment {cfg.experiment!r})", flush=True)
+        print(
+            f"[demo] output {self.out}; {self.nproc} rank(s); MLflow {self.uri} "
+            f"(experiment {cfg.experiment!r})",
+            flush=True,
+        )
         s.run("corpus", "synthetic chat corpus from the seed", self.corpus)
-        s.run("target", "tokenizer + tiny Qwen3 target (cached after the first run)",
-              self.train_target)
-        s.run("regenerate", f"the target answers the prompts ({self.nproc} rank(s))",
-              self.regenerate)
+        s.run(
+            "target",
+            "tokenizer + tiny Qwen3 target (cached after the first run)",
+            self.train_target,
+        )
+        s.run(
+            "regenerate", f"the target answers the prompts ({self.nproc} rank(s))", self.regenerate
+        )
         s.run("prepare", "chat template + assistant loss masks", self.prepare)
         if cfg.data.mode == "offline":
             s.run("build-cache", "target features, once, for every drafter", self.build_cache)
         for kind in cfg.drafters:
-            s.run(f"train-{kind}", f"{_LABELS[kind]} with DeepSpeed {cfg.budget.zero}, "
-                  f"{self.nproc} rank(s), {cfg.budget.max_steps} steps", self.train, kind)
+            s.run(
+                f"train-{kind}",
+                f"{_LABELS[kind]} with DeepSpeed {cfg.budget.zero}, "
+                f"{self.nproc} rank(s), {cfg.budget.max_steps} steps",
+                self.train,
+                kind,
+            )
         for kind in cfg.drafters:
             for t in cfg.eval.temperatures:
-                s.run(f"eval-{kind}-{_temp_key(t)}", f"{_LABELS[kind]} speculative decoding "
-                      f"at T = {t:g}", self.evaluate, kind, t)
+                s.run(
+                    f"eval-{kind}-{_temp_key(t)}",
+                    f"{_LABELS[kind]} speculative decoding at T = {t:g}",
+                    self.evaluate,
+                    kind,
+                    t,
+                )
         summary = self.summary()
         text = format_summary(summary)
         print("\n" + text, flush=True)
@@ -342,7 +380,8 @@ class DemoPipeline:
             entry = dict(self.evals.get(kind, {}))
             entry["train"] = self.train_info.get(kind, {})
             entry["stage_seconds"] = {
-                k: v for k, v in self.stages.seconds.items()
+                k: v
+                for k, v in self.stages.seconds.items()
                 if k == f"train-{kind}" or k.startswith(f"eval-{kind}-")
             }
             drafters[kind] = entry
@@ -376,12 +415,17 @@ class DemoPipeline:
     def log_summary(self, summary: dict, text: str) -> None:
         """One MLflow run with the comparison: metrics per drafter × temperature, stage times,
         the table and summary.json as artifacts."""
-        from dspark_ds.tracking import Tracker
+        from dspark_ds.tracking.mlflow import Tracker
 
         run_dir = self.runs_dir / "summary"
         shutil.rmtree(run_dir, ignore_errors=True)
-        tracker = Tracker(enabled=True, uri=self.uri, experiment=self.cfg.experiment,
-                          run_name="demo-summary", run_dir=str(run_dir))
+        tracker = Tracker(
+            enabled=True,
+            uri=self.uri,
+            experiment=self.cfg.experiment,
+            run_name="demo-summary",
+            run_dir=str(run_dir),
+        )
         try:
             metrics: dict[str, float] = {}
             for kind, entry in summary["drafters"].items():
@@ -400,13 +444,24 @@ class DemoPipeline:
                 metrics[f"seconds/{name}"] = sec
             for t, r in summary["tau_ratio_dspark_over_dflash"].items():
                 metrics[f"tau_ratio_dspark_over_dflash/{t}"] = r
-            tracker.log_params({"drafters": ",".join(self.cfg.drafters), "ranks": self.nproc,
-                                "zero": self.cfg.budget.zero,
-                                "max_steps": self.cfg.budget.max_steps,
-                                "target_from_cache": summary["target"]["from_cache"]})
+            tracker.log_params(
+                {
+                    "drafters": ",".join(self.cfg.drafters),
+                    "ranks": self.nproc,
+                    "zero": self.cfg.budget.zero,
+                    "max_steps": self.cfg.budget.max_steps,
+                    "target_from_cache": summary["target"]["from_cache"],
+                }
+            )
             tracker.set_tags({"kind": "demo-summary", "demo": "true"})
-            tracker.log_metrics({k: float(v) for k, v in metrics.items()
-                                 if v is not None and math.isfinite(float(v))}, step=0)
+            tracker.log_metrics(
+                {
+                    k: float(v)
+                    for k, v in metrics.items()
+                    if v is not None and math.isfinite(float(v))
+                },
+                step=0,
+            )
             tracker.log_text(text, "summary.txt")
             tracker.log_dict(_finite(summary), "summary.json")
         finally:
@@ -461,12 +516,16 @@ def format_summary(summary: dict) -> str:
     for t, r in summary["tau_ratio_dspark_over_dflash"].items():
         lines.append(f"tau(DSpark) / tau(DFlash) at T = {t[1:]}: {r:.3f}")
     lines.append("")
-    lines.append("stage wall times (s): " + ", ".join(
-        f"{k} {v:.1f}" for k, v in summary["stage_seconds"].items()))
+    lines.append(
+        "stage wall times (s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in summary["stage_seconds"].items())
+    )
     target = summary["target"]
-    lines.append(f"total {summary['total_seconds']:.1f} s; target "
-                 f"{'from cache' if target['from_cache'] else 'trained in this run'}; "
-                 f"{summary['ranks']} rank(s)")
+    lines.append(
+        f"total {summary['total_seconds']:.1f} s; target "
+        f"{'from cache' if target['from_cache'] else 'trained in this run'}; "
+        f"{summary['ranks']} rank(s)"
+    )
     return "\n".join(lines)
 
 

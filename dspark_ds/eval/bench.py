@@ -54,7 +54,9 @@ def run_bench(cfg: BenchConfig) -> dict:
         totals["speculative"][1] += spec_s
         committed += sum(stats.committed_per_round)
         rounds += stats.rounds
-    result = {mode: {"tokens": n, "seconds": s, "tokens_per_s": n / s} for mode, (n, s) in totals.items()}
+    result = {
+        mode: {"tokens": n, "seconds": s, "tokens_per_s": n / s} for mode, (n, s) in totals.items()
+    }
     result["tau"] = committed / rounds if rounds else float("nan")
     result["speedup"] = result["speculative"]["tokens_per_s"] / result["target"]["tokens_per_s"]
     print(

@@ -104,7 +104,9 @@ def write_confidence_temperatures(drafter_dir: str | Path, temps: list[float]) -
     return path
 
 
-def cumulative_confidence(logits_RG: torch.Tensor, temps_G: torch.Tensor | None = None) -> torch.Tensor:
+def cumulative_confidence(
+    logits_RG: torch.Tensor, temps_G: torch.Tensor | None = None
+) -> torch.Tensor:
     """Π_{i≤k} σ(c_i / t_i) along the block (NaN slots stay NaN)."""
     scaled = logits_RG if temps_G is None else logits_RG / temps_G.to(logits_RG)
     return torch.cumprod(torch.sigmoid(scaled), dim=-1)
@@ -129,7 +131,9 @@ def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, num_bins: int) -
     return out
 
 
-def expected_calibration_error(probs: torch.Tensor, labels: torch.Tensor, num_bins: int = 20) -> float:
+def expected_calibration_error(
+    probs: torch.Tensor, labels: torch.Tensor, num_bins: int = 20
+) -> float:
     """Σ_bins (n_b / n) |mean prediction - observed frequency| over equal-width bins
     (= Σ_bins |Σ predictions - Σ labels| / n)."""
     if probs.numel() == 0:
@@ -181,7 +185,9 @@ def confidence_report(
     per_position = []
     for k in range(records.block_size):
         sel = valid_RG[:, k]
-        per_position.append({"position": k, **_metrics(probs_RG[sel, k], labels_RG[sel, k], num_bins)})
+        per_position.append(
+            {"position": k, **_metrics(probs_RG[sel, k], labels_RG[sel, k], num_bins)}
+        )
     pooled_p, pooled_y = probs_RG[valid_RG], labels_RG[valid_RG]
     # What the head is trained on: σ(c_k) against "slot k accepted" on rounds that reached k.
     reached_RG = valid_RG & (torch.arange(records.block_size) <= records.accepted_R.unsqueeze(1))
@@ -227,7 +233,9 @@ def fit_sequential_temperatures(
         best_t, best_ece = 1.0, math.inf
         if logits.numel():
             for t in grid.tolist():
-                ece = expected_calibration_error(prefix * torch.sigmoid(logits / t), labels, num_bins)
+                ece = expected_calibration_error(
+                    prefix * torch.sigmoid(logits / t), labels, num_bins
+                )
                 if ece < best_ece - 1e-12:
                     best_t, best_ece = t, ece
         temps.append(best_t)

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark_ds.drafters.eagle3.model import eagle3_propose, is_eagle3
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.target_step import TargetDecoder, check_drafter_matches_target
-from dspark_ds.models.eagle3 import eagle3_propose, is_eagle3
 
 
 @dataclass
@@ -74,7 +74,9 @@ def _first_stop(tokens: list[int], stop_token_ids: set[int]) -> int | None:
     return None
 
 
-def _confident_prefix(conf_logits_G: torch.Tensor, temps_G: torch.Tensor | None, threshold: float) -> int:
+def _confident_prefix(
+    conf_logits_G: torch.Tensor, temps_G: torch.Tensor | None, threshold: float
+) -> int:
     """Slots before the first one whose (temperature-scaled) confidence is below the threshold."""
     probs_G = torch.sigmoid(conf_logits_G / temps_G if temps_G is not None else conf_logits_G)
     below = torch.nonzero(probs_G < threshold)
@@ -129,7 +131,9 @@ def speculative_generate(
 
         t0 = time.perf_counter()
         block_ids_1G[0, 0] = x_start
-        if is_eagle3(drafter):  # the Eagle3 baseline drafts autoregressively (models/eagle3.py)
+        if is_eagle3(
+            drafter
+        ):  # the Eagle3 baseline drafts autoregressively (drafters/eagle3/model.py)
             drafts_1G, draft_logits_1GV = eagle3_propose(
                 drafter, input_ids, new_tokens, context_1CnH, start, draft_cache,
                 max(1, min(block_size, max_new_tokens - len(new_tokens) - 1)),

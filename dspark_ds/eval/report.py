@@ -149,7 +149,9 @@ def write_csv(path: Path, results: list[BenchmarkResult]) -> Path:
         writer.writerow(scalar + [f"accept_rate@{k}" for k in range(block)])
         for r in results:
             d = result_dict(r)
-            writer.writerow([_csv(d[k]) for k in scalar] + [_csv(a) for a in r.accept_rate_by_position])
+            writer.writerow(
+                [_csv(d[k]) for k in scalar] + [_csv(a) for a in r.accept_rate_by_position]
+            )
     return path
 
 

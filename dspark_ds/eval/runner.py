@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
+from dspark_ds import distributed
 from dspark_ds.eval import calibration as cal
 from dspark_ds.eval import report
 from dspark_ds.eval.benchmarks import (
@@ -43,30 +42,8 @@ class PromptResult:
     baseline_time_s: float | None = None
 
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _maybe_init_distributed(device: torch.device) -> bool:
-    """Join the process group a launcher (torchrun, srun wrapper) set up the env for."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
-        return False
-    if device.type == "cuda":
-        # NOTE: NCCL object collectives (gather_object) run on the *current* CUDA device;
-        # without this every rank would use cuda:0.
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return True
-
-
 def _resolve_device(cfg: EvalConfig) -> torch.device:
-    if cfg.device:
-        return torch.device(cfg.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
+    return torch.device(cfg.device) if cfg.device else distributed.local_device()
 
 
 def _resolve_dtype(cfg: EvalConfig, device: torch.device) -> torch.dtype:
@@ -90,7 +67,7 @@ def load_models(cfg: EvalConfig, device: torch.device):
     """Target (HF causal LM), drafter (interchange directory) and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dspark_ds.models import load_draft_model
+    from dspark_ds.drafters import load_draft_model
 
     dtype = _resolve_dtype(cfg, device)
     kwargs = {"dtype": dtype}
@@ -104,11 +81,13 @@ def load_models(cfg: EvalConfig, device: torch.device):
 
 def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> list[PromptResult]:
     """This rank's share of every benchmark, decoded (one seeded generator per prompt)."""
-    rank, world = _rank_world()
+    rank, world = distributed.rank_and_world()
     stops = stop_token_ids(target, tokenizer)
     results: list[PromptResult] = []
     for b, name in enumerate(cfg.benchmarks):
-        rows = select_prompts(load_benchmark(benchmark_path(name, cfg.data_dir)), cfg.max_samples, cfg.seed)
+        rows = select_prompts(
+            load_benchmark(benchmark_path(name, cfg.data_dir)), cfg.max_samples, cfg.seed
+        )
         mine = shard(rows, rank, world)
         for index, turns in tqdm(mine, desc=f"eval {name}", disable=rank != 0, unit="prompt"):
             input_ids = encode_prompt(tokenizer, turns, cfg.chat_template_kwargs).to(device)
@@ -137,14 +116,8 @@ def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> li
 
 def gather_results(results: list[PromptResult]) -> list[PromptResult] | None:
     """Every rank's prompt results on rank 0 (None elsewhere)."""
-    rank, world = _rank_world()
-    if world == 1:
-        return results
-    gathered: list[list[PromptResult]] | None = [None] * world if rank == 0 else None  # type: ignore[list-item]
-    dist.gather_object(results, gathered, dst=0)
-    if rank != 0:
-        return None
-    return [r for part in gathered for r in part]  # type: ignore[union-attr]
+    gathered = distributed.gather_object(results, dst=0)
+    return None if gathered is None else [r for part in gathered for r in part]
 
 
 def _records(results: list[PromptResult], block_size: int) -> cal.ConfidenceRecords:
@@ -217,17 +190,21 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
         if calib and variant in calib:
             for key in ("ece", "auroc", "brier"):
                 metrics[f"confidence_{variant}/{key}"] = calib[variant]["pooled"][key]
-                metrics[f"confidence_{variant}/conditional_{key}"] = calib[variant]["conditional"][key]
+                metrics[f"confidence_{variant}/conditional_{key}"] = calib[variant]["conditional"][
+                    key
+                ]
             for entry in calib[variant]["per_position"]:
                 metrics[f"confidence_{variant}/ece@{entry['position']}"] = entry["ece"]
     return {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
 
 
-def log_to_tracking(cfg: EvalConfig, drafter, metrics: dict[str, float], run_dir: Path) -> str | None:
+def log_to_tracking(
+    cfg: EvalConfig, drafter, metrics: dict[str, float], run_dir: Path
+) -> str | None:
     """One MLflow run per evaluation (rank 0): params, metrics, tags, the run dir as artifacts.
     Returns the MLflow run id (None when tracking is off or unreachable)."""
     from dspark_ds.config import flatten
-    from dspark_ds.tracking import RUN_ID_FILE, Tracker, default_uri, git_sha
+    from dspark_ds.tracking.mlflow import RUN_ID_FILE, Tracker, default_uri, git_sha
 
     # NOTE: the Tracker resumes the run named in <run_dir>/mlflow_run_id (right for training);
     # an evaluation is never resumed, and a rerun must not land in (or skip params of) the old run.
@@ -255,7 +232,10 @@ def run_eval(cfg: EvalConfig) -> dict | None:
     """Entry point of `dspark-ds eval`. Returns the results payload on rank 0, None elsewhere."""
     cfg.validate()
     device = _resolve_device(cfg)
-    started_pg = _maybe_init_distributed(device)
+    # NOTE: gloo for CPU evaluation; NCCL object collectives run on the current CUDA device,
+    # which init() sets to this rank's before the group exists.
+    had_group = distributed.has_group()
+    distributed.init(None if device.type == "cuda" else "gloo", always=False)
     try:
         target, drafter, tokenizer = load_models(cfg, device)
         local = decode_benchmarks(cfg, target, drafter, tokenizer, device)
@@ -264,8 +244,8 @@ def run_eval(cfg: EvalConfig) -> dict | None:
             return None
         return _report(cfg, drafter, results)
     finally:
-        if started_pg:
-            dist.destroy_process_group()
+        if not had_group and distributed.has_group():
+            distributed.destroy()
 
 
 def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
@@ -277,18 +257,24 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
         mine = [r for r in results if r.benchmark == name]
         base = [r.baseline_time_s for r in mine if r.baseline_time_s is not None]
         rows.append(
-            report.summarize_benchmark(name, [r.stats for r in mine], block_size, sum(base) if base else None)
+            report.summarize_benchmark(
+                name, [r.stats for r in mine], block_size, sum(base) if base else None
+            )
         )
     calib = calibrate(cfg, drafter, results, out_dir)
     table = report.format_table(rows)
     print(table, flush=True)
     if calib and "raw" in calib:
         line = "confidence (held-out, cumulative): raw ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(
-            calib["raw"]["pooled"]["ece"], calib["raw"]["pooled"]["auroc"], calib["raw"]["pooled"]["brier"]
+            calib["raw"]["pooled"]["ece"],
+            calib["raw"]["pooled"]["auroc"],
+            calib["raw"]["pooled"]["brier"],
         )
         if "sts" in calib:
             line += " | STS ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(
-                calib["sts"]["pooled"]["ece"], calib["sts"]["pooled"]["auroc"], calib["sts"]["pooled"]["brier"]
+                calib["sts"]["pooled"]["ece"],
+                calib["sts"]["pooled"]["auroc"],
+                calib["sts"]["pooled"]["brier"],
             )
         print(line, flush=True)
     payload = {

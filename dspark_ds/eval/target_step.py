@@ -32,7 +32,9 @@ def check_drafter_matches_target(target, drafter) -> None:
             f"{num_layers} decoder layers"
         )
     if any(i < -1 or i >= num_layers for i in layer_ids):
-        raise ValueError(f"drafter target_layer_ids {layer_ids} out of range for {num_layers} layers")
+        raise ValueError(
+            f"drafter target_layer_ids {layer_ids} out of range for {num_layers} layers"
+        )
     # NOTE: HF's hidden_states[L] is the final *normed* state, not the raw output of layer L-1
     # that the training cache taps, so a drafter trained on layer L-1 would see other features.
     if num_layers - 1 in layer_ids:

@@ -33,14 +33,18 @@ def sample_from_probs(probs_V: torch.Tensor, generator: torch.Generator | None) 
     return int(torch.multinomial(probs_V, 1, generator=generator).item())
 
 
-def sample_token(logits_V: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+def sample_token(
+    logits_V: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> int:
     """The target's next token: argmax at T = 0, a sample from softmax(logits / T) otherwise."""
     if temperature == 0.0:
         return int(torch.argmax(logits_V).item())
     return sample_from_probs(logits_to_probs(logits_V, temperature), generator)
 
 
-def residual_distribution(target_probs_V: torch.Tensor, draft_probs_V: torch.Tensor) -> torch.Tensor:
+def residual_distribution(
+    target_probs_V: torch.Tensor, draft_probs_V: torch.Tensor
+) -> torch.Tensor:
     """norm(max(0, p_t - p_d)): what the next token is drawn from after a rejection."""
     residual = torch.clamp(target_probs_V - draft_probs_V, min=0.0)
     mass = residual.sum()

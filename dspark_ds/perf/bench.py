@@ -1,7 +1,7 @@
 """Training-step benchmark: step time, tokens/s, peak memory and achieved FLOP/s per variant.
 
-    python tools/bench.py                                    # the default shape, 4 variants
-    python tools/bench.py --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
+    dspark-ds bench                                    # the default shape, 4 variants
+    dspark-ds bench --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
 
 A variant is "<attention>/<loss>": attention dense | blockwise | flex, loss reference |
 chunked | recompute. Each variant runs in its own subprocess, so peak memory is that
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_ds.perf.chunked_loss import DEFAULT_CHUNK_ANCHORS
+from dspark_ds.drafters.dspark.loss_chunked import DEFAULT_CHUNK_ANCHORS
 
 ATTN_CHOICES = ("dense", "blockwise", "flex")
 LOSS_CHOICES = ("reference", "chunked", "recompute")
@@ -113,7 +113,7 @@ def build_model(cfg: TrainBenchConfig):
     import torch
     from transformers import Qwen3Config
 
-    from dspark_ds.models import build_draft_config, build_draft_model
+    from dspark_ds.drafters import build_draft_config, build_draft_model
 
     target = Qwen3Config(
         vocab_size=cfg.vocab_size,
@@ -148,7 +148,7 @@ def build_model(cfg: TrainBenchConfig):
 def build_batch(cfg: TrainBenchConfig, device: str):
     import torch
 
-    from dspark_ds.models.common import sample_anchor_positions
+    from dspark_ds.drafters.common.blocks import sample_anchor_positions
 
     g = torch.Generator().manual_seed(cfg.seed + 1)
     B, S, H = cfg.batch_size, cfg.seq_len, cfg.hidden_size
@@ -244,7 +244,7 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
     """Builds, warms up and times one variant in this process."""
     import torch
 
-    from dspark_ds.perf.step import forward_and_loss
+    from dspark_ds.drafters.dspark.step import forward_and_loss
 
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
@@ -369,31 +369,16 @@ def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def build_parser():
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
-    parser = ArgumentParser(prog="tools/bench.py", description=TrainBenchConfig.__doc__)
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML with these options")
-    parser.add_class_arguments(TrainBenchConfig, nested_key=None, fail_untyped=False)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
+    """`python -m dspark_ds.perf.bench --_child`: one variant, its config as JSON on stdin, the
+    result JSON on stdout (what `run_train_bench` starts per variant)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--_child"]:  # one variant, config on stdin, result JSON on stdout
-        cfg = TrainBenchConfig(**json.loads(sys.stdin.read()))
-        print(json.dumps(run_variant(cfg, cfg.variants[0])), flush=True)
-        return 0
-    parser = build_parser()
-    ns = parser.instantiate(parser.parse_args(argv))
-    values = {f.name: ns[f.name] for f in dataclasses.fields(TrainBenchConfig) if f.name in ns}
-    try:
-        cfg = TrainBenchConfig(**values)
-    except ValueError as err:
-        print(f"bench: error: {err}", file=sys.stderr)
+    if argv != ["--_child"]:
+        print("the benchmark runs as `dspark-ds bench` (see --help)", file=sys.stderr)
         return 2
-    results = run_train_bench(cfg)
-    return 1 if any("error" in r for r in results) else 0
+    cfg = TrainBenchConfig(**json.loads(sys.stdin.read()))
+    print(json.dumps(run_variant(cfg, cfg.variants[0])), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

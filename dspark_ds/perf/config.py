@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark_ds.models.attention import ATTN_IMPLEMENTATIONS
-
-from .chunked_loss import DEFAULT_CHUNK_ANCHORS
+from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
+from dspark_ds.drafters.dspark.loss_chunked import DEFAULT_CHUNK_ANCHORS
 
 LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked", "recompute")
 

@@ -1,0 +1,27 @@
+"""DSpark / DFlash drafters: pure torch + transformers (no deepspeed, mlflow or distributed)."""
+
+from dspark_ds.drafters.common.blocks import (
+    DraftKVCache,
+    DSparkForwardOutput,
+    sample_anchor_positions,
+)
+from dspark_ds.drafters.dspark.model import DSparkDraftModel
+from dspark_ds.drafters.io import (
+    build_draft_config,
+    build_draft_model,
+    load_draft_model,
+    save_draft_model,
+)
+
+DSparkDraftModel.from_config = staticmethod(build_draft_model)
+
+__all__ = [
+    "DSparkDraftModel",
+    "DSparkForwardOutput",
+    "DraftKVCache",
+    "build_draft_config",
+    "build_draft_model",
+    "load_draft_model",
+    "sample_anchor_positions",
+    "save_draft_model",
+]

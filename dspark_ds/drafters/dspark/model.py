@@ -1,0 +1,409 @@
+"""The family-independent DSpark drafter: one forward for every backend.
+
+A backend (qwen3.py, gemma4.py) supplies only its layers, norms, embedding, rotary
+embedding and, where it differs, `compute_logits`. Anchors, masks, labels, the Markov and
+confidence heads, and the inference primitives live here once.
+
+Shape legend: B batch, S sequence, A anchors, G block size (γ), V vocab, H hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dspark_ds.drafters.common.attention import attend, build_block_mask
+from dspark_ds.drafters.common.blocks import (
+    DraftKVCache,
+    DSparkForwardOutput,
+    build_eval_mask,
+    build_label_indices,
+    build_noise_input_ids,
+    create_position_ids,
+    gather_blocks,
+    sample_anchor_positions,
+)
+from dspark_ds.drafters.dspark.markov import ConfidenceHead, build_markov_head, sample_from_logits
+
+
+@dataclass
+class DSparkHiddenOutput:
+    """`forward_hidden`: everything the loss needs, with hidden states instead of logits."""
+
+    hidden: torch.Tensor  # [B, A, G, H] final-normed draft states (input of compute_logits)
+    prev_token_ids: torch.Tensor  # [B, A, G] token before each slot (Markov / confidence input)
+    target_ids: torch.Tensor  # [B, A, G]
+    eval_mask: torch.Tensor  # [B, A, G] bool
+    block_keep_mask: torch.Tensor  # [B, A] bool
+    anchor_positions: torch.Tensor  # [B, A]
+    target_prev_hidden: torch.Tensor | None = None  # [B, A, G, H] target state one step back
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = (t.unsqueeze(1) for t in rope)  # [B, 1, L, D]
+    return x_BHLD * cos + rotate_half(x_BHLD) * sin
+
+
+class DraftAttention(nn.Module):
+    """Queries from draft slots; keys/values from [context ; draft] with shared projections.
+
+    Backends implement `project_q(h) -> [B, Hq, L, D]` and `project_kv(x) -> (k, v)`, each
+    [B, Hkv, L, D] after their norms and before RoPE, and set `scaling`.
+    """
+
+    scaling: float
+    o_proj: nn.Linear
+
+    def rope(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return apply_rope(x, rope)
+
+    def forward(
+        self, h, ctx, rope_ctx, rope_draft, mask, cache: DraftKVCache | None, layer_idx: int
+    ):
+        bsz, q_len, _ = h.shape
+        q = self.rope(self.project_q(h), rope_draft)
+        k_ctx, v_ctx = self.project_kv(ctx)
+        k_ctx = self.rope(k_ctx, rope_ctx)
+        if cache is not None:
+            k_ctx, v_ctx = cache.append(layer_idx, k_ctx, v_ctx)
+        k_draft, v_draft = self.project_kv(h)
+        k = torch.cat([k_ctx, self.rope(k_draft, rope_draft)], dim=2)
+        v = torch.cat([v_ctx, v_draft], dim=2)
+        out = attend(q, k, v, mask, scaling=self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class TargetSharedWeights:
+    """What every drafter kind (DSpark, Eagle3) shares: the backend hooks that build its
+    layers, init, and the frozen embedding / lm_head shared with the target.
+
+    The class using it has `config`, `embed_tokens` and `lm_head`.
+    """
+
+    def make_embedding(self) -> nn.Module:
+        return nn.Embedding(int(self.config.vocab_size), int(self.config.hidden_size))
+
+    def make_layer(self, layer_idx: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_norm(self, dim: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_rotary(self) -> nn.Module:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+
+    @torch.no_grad()
+    def initialize_embeddings_and_head(
+        self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, freeze: bool = True
+    ) -> None:
+        """Copies the target's embedding and lm_head (spec §2) and freezes them."""
+        for name, dst, src in (
+            ("embed_tokens", self.embed_tokens.weight, embed_weight),
+            ("lm_head", self.lm_head.weight, lm_head_weight),
+        ):
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(
+                    f"{name}: target weight {tuple(src.shape)} != drafter {tuple(dst.shape)}"
+                )
+            dst.copy_(src.detach().to(dst.dtype))
+        if freeze:
+            self.freeze_shared()
+
+    def freeze_shared(self) -> None:
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+
+    @staticmethod
+    def shared_parameter_names() -> tuple[str, ...]:
+        """Parameters copied from the target, frozen, and never in a training checkpoint."""
+        return ("embed_tokens.weight", "lm_head.weight")
+
+
+class DSparkDraftModel(TargetSharedWeights, nn.Module):
+    """Base class; see the module docstring. Construct through a backend or `from_config`."""
+
+    architecture: str = ""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        hidden = int(config.hidden_size)
+        self.block_size = int(config.block_size)
+        self.mask_token_id = int(config.mask_token_id)
+        self.num_anchors = int(config.num_anchors)
+        self.target_layer_ids = list(config.target_layer_ids)
+        # "auto": flex_attention on CUDA tensors; elsewhere (no flex backward on CPU) the exact
+        # blockwise path, which skips the work the mask hides ("dense" stays the reference).
+        self.attn_implementation = "auto"
+
+        self.embed_tokens = self.make_embedding()
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = self.make_norm(hidden)
+        self.rotary_emb = self.make_rotary()
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = self.make_norm(hidden)
+        self.lm_head = nn.Linear(hidden, int(config.vocab_size), bias=False)
+        self.markov_head = build_markov_head(config)
+        self.confidence_head = None
+        self.confidence_head_with_markov = False
+        if bool(getattr(config, "enable_confidence_head", False)):
+            self.confidence_head_with_markov = bool(
+                getattr(config, "confidence_head_with_markov", False)
+            )
+            if self.confidence_head_with_markov and self.markov_head is None:
+                raise ValueError("confidence_head_with_markov: needs markov_rank > 0")
+            extra = int(config.markov_rank) if self.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(hidden + extra)
+        self.reset_parameters()
+
+    # ---- what a backend provides (see TargetSharedWeights for the layer hooks) -------
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @staticmethod
+    def finalize_draft_config(cfg, target_text_config):
+        """Family fix-ups of the config `build_draft_config` made (Gemma4 rebuilds its
+        per-layer attributes); returns the config to use."""
+        return cfg
+
+    @staticmethod
+    def interchange_config_dict(data: dict, config) -> dict:
+        """Family fix-ups of the config.json dict `save_draft_model` writes."""
+        return data
+
+    # ---- the shared backbone ---------------------------------------------------------
+    def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, L, n*H] tapped target features -> [B, L, H] context, shared by every layer."""
+        return self.hidden_norm(self.fc(target_hidden_states.to(self.fc.weight.dtype)))
+
+    def backbone(self, h, ctx, ctx_pos, draft_pos, mask, cache: DraftKVCache | None = None):
+        rope_ctx = self.rotary_emb(h, ctx_pos)
+        rope_draft = self.rotary_emb(h, draft_pos)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, rope_ctx, rope_draft, mask, cache, i)
+        return self.norm(h)
+
+    def resolve_attn_implementation(self, device: torch.device) -> str:
+        if self.attn_implementation == "auto":
+            return "flex" if device.type == "cuda" else "blockwise"
+        return self.attn_implementation
+
+    # ---- training forward (spec §3-§7) -------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None = None,
+        anchor_positions: torch.Tensor | None = None,
+        block_keep_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+        return_hidden: bool = False,
+        head_fn: Callable[[nn.Module, DSparkHiddenOutput], Any] | None = None,
+    ) -> DSparkForwardOutput | DSparkHiddenOutput | Any:
+        """Full logits; with `return_hidden` the `forward_hidden` result; with `head_fn`,
+        `head_fn(self, forward_hidden result)`.
+
+        `head_fn` lets the chunked losses (dspark_ds.perf) call the heads (lm_head, Markov,
+        confidence) inside this forward: under a DeepSpeed ZeRO-3 engine, which only calls
+        `forward`, that is where the heads' partitioned parameters are gathered.
+        """
+        feats = self.forward_hidden(
+            input_ids,
+            target_hidden_states,
+            loss_mask,
+            target_last_hidden_states,
+            anchor_positions=anchor_positions,
+            block_keep_mask=block_keep_mask,
+            generator=generator,
+        )
+        if head_fn is not None:
+            return head_fn(self, feats)
+        if return_hidden:
+            return feats
+        hidden_BAGH = feats.hidden
+        aligned = None
+        if feats.target_prev_hidden is not None:
+            aligned = self.compute_logits(feats.target_prev_hidden)
+        logits = self.compute_logits(hidden_BAGH)
+        if self.markov_head is not None:
+            logits = self.markov_head.apply_block_logits(
+                logits, token_ids=feats.prev_token_ids, hidden_states=hidden_BAGH
+            )
+        return DSparkForwardOutput(
+            draft_logits=logits,
+            target_ids=feats.target_ids,
+            eval_mask=feats.eval_mask,
+            block_keep_mask=feats.block_keep_mask,
+            confidence_pred=self.predict_confidence(hidden_BAGH, feats.prev_token_ids),
+            aligned_target_logits=aligned,
+            anchor_positions=feats.anchor_positions,
+        )
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None = None,
+        anchor_positions: torch.Tensor | None = None,
+        block_keep_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DSparkHiddenOutput:
+        """The training forward up to (not including) the vocabulary projection.
+
+        `forward` turns this into full logits; the chunked loss (dspark_ds.perf) projects
+        a few anchors at a time instead, so [B, A, G, V] never exists at once.
+        """
+        bsz, seq_len = input_ids.shape
+        device = input_ids.device
+        G = self.block_size
+        if anchor_positions is None:
+            if block_keep_mask is not None:
+                raise ValueError("block_keep_mask: given without anchor_positions")
+            anchor_positions, block_keep_mask = sample_anchor_positions(
+                loss_mask, self.num_anchors, generator=generator
+            )
+        elif block_keep_mask is None:
+            block_keep_mask = torch.ones_like(anchor_positions, dtype=torch.bool)
+        anchor_positions = anchor_positions.long().to(device)
+        block_keep_mask = block_keep_mask.bool().to(device)
+        num_blocks = anchor_positions.shape[1]
+
+        noise_ids = build_noise_input_ids(
+            input_ids,
+            anchor_positions,
+            block_keep_mask,
+            mask_token_id=self.mask_token_id,
+            block_size=G,
+        )
+        h = self.embed_tokens(noise_ids)
+        ctx = self.project_context(target_hidden_states)
+        ctx_pos = torch.arange(seq_len, device=device).expand(bsz, -1)
+        draft_pos = create_position_ids(anchor_positions, G)
+        mask = build_block_mask(
+            self.resolve_attn_implementation(device),
+            anchor_positions,
+            block_keep_mask,
+            seq_len=seq_len,
+            block_size=G,
+        )
+        hidden = self.backbone(h, ctx, ctx_pos, draft_pos, mask)
+        hidden_BAGH = hidden.view(bsz, num_blocks, G, -1)
+
+        label_idx, safe_idx = build_label_indices(
+            anchor_positions, block_keep_mask, block_size=G, seq_len=seq_len
+        )
+        target_ids = input_ids.gather(1, safe_idx.flatten(1)).view_as(safe_idx)
+        eval_mask = build_eval_mask(
+            seq_len=seq_len,
+            loss_mask=loss_mask,
+            label_indices=label_idx,
+            safe_label_indices=safe_idx,
+            block_keep_mask=block_keep_mask,
+        )
+        prev_state = None
+        if target_last_hidden_states is not None:
+            # The target's own distribution for the same token: its state one step earlier.
+            prev_state = gather_blocks(target_last_hidden_states, (safe_idx - 1).clamp(min=0))
+            prev_state = prev_state.to(self.lm_head.weight.dtype)
+
+        anchor_tokens = input_ids.gather(1, anchor_positions)
+        prev_ids = torch.cat([anchor_tokens.unsqueeze(-1), target_ids[..., :-1]], dim=-1)
+        return DSparkHiddenOutput(
+            hidden=hidden_BAGH,
+            prev_token_ids=prev_ids,
+            target_ids=target_ids,
+            eval_mask=eval_mask,
+            block_keep_mask=block_keep_mask,
+            anchor_positions=anchor_positions,
+            target_prev_hidden=prev_state,
+        )
+
+    def predict_confidence(
+        self, hidden: torch.Tensor, prev_token_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """[..., G, H], [..., G] -> [..., G] fp32 logits, or None without a confidence head."""
+        if self.confidence_head is None:
+            return None
+        features = hidden
+        if self.confidence_head_with_markov:
+            prev = self.markov_head.prev_embeddings(prev_token_ids).to(hidden.dtype)
+            features = torch.cat([hidden, prev], dim=-1)
+        return self.confidence_head(features).float()
+
+    # ---- inference primitives (spec §10) -------------------------------------------------
+    def new_cache(self) -> DraftKVCache:
+        return DraftKVCache(len(self.layers))
+
+    def forward_draft_block(
+        self,
+        *,
+        context_features: torch.Tensor,
+        block_input_ids: torch.Tensor,
+        start: int,
+        cache: DraftKVCache,
+    ) -> torch.Tensor:
+        """One draft round: append the new context, run `[x_start, MASK...]` at start.. .
+
+        context_features [B, start - cache.seq_length, n*H] are the tapped target features of
+        the positions verified since the last round. Returns normed hidden [B, G, H].
+        """
+        cached = cache.seq_length
+        if cached + context_features.shape[1] != start:
+            raise ValueError(
+                f"context_features: cache holds {cached} positions and {context_features.shape[1]} "
+                f"new ones were given, but the block starts at {start}"
+            )
+        device = block_input_ids.device
+        bsz, q_len = block_input_ids.shape
+        ctx = self.project_context(context_features)
+        ctx_pos = torch.arange(cached, start, device=device).expand(bsz, -1)
+        draft_pos = torch.arange(start, start + q_len, device=device).expand(bsz, -1)
+        h = self.embed_tokens(block_input_ids)
+        return self.backbone(h, ctx, ctx_pos, draft_pos, mask=None, cache=cache)
+
+    def sample_draft_tokens(
+        self,
+        base_logits: torch.Tensor,
+        *,
+        first_prev_token_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        forced_tokens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-to-right sampling through the Markov head: (tokens [B, G], logits [B, G, V]).
+
+        `forced_tokens` skips the draws and scores the given tokens instead.
+        """
+        if self.markov_head is None:
+            if forced_tokens is not None:
+                return forced_tokens.long(), base_logits
+            return sample_from_logits(base_logits, temperature, generator), base_logits
+        return self.markov_head.sample_block(
+            base_logits,
+            first_prev_token_ids=first_prev_token_ids,
+            hidden_states=hidden_states,
+            temperature=temperature,
+            generator=generator,
+            forced_tokens=forced_tokens,
+        )

@@ -1,0 +1,249 @@
+"""The Eagle3 training loss: per-step soft cross-entropy against the target, decayed over steps.
+
+    loss = world_size · Σ_k decay^k · Σ_{b,t} m_k · CE(p_t[t + k + 1], p_d,k[t]) / D_k
+
+`p_t[i] = softmax(lm_head(target_last_hidden_states[i]))` is the target's own distribution for
+token i + 1 (the one step k at position t predicts when i = t + k + 1), `m_k = eval_mask[..., k]`
+and `D_k` its sum over every data-parallel rank. As for DSpark (spec §8) the `· world_size`
+cancels DeepSpeed's gradient averaging, so a step is one global token-weighted mean per TTT step.
+
+NOTE: the reference normalizes each step by the LOCAL B·S instead (a per-sequence mean at micro
+batch 1). We use the same global token mean as the DSpark loss so that the three drafters are
+trained with one weighting; `step_loss_decay` and the soft targets match the reference.
+
+Metrics (global over ranks), named like the DSpark ones so MLflow plots line up:
+`ploss_{k}`, `loss`, `accept_rate@k` (1 - TV), `greedy_accept@k` (argmax = data token),
+`accuracy@k` (argmax = target argmax), `tau_probabilistic`, `tau_greedy` (1 + expected
+accepted prefix, averaged over anchors with >= 1 valid step), `supervised_tokens`.
+
+Two paths with the same loss, gradients and metrics: `compute_eagle3_loss` on full
+[B, S, T, V] logits (the reference, tested against a naive loop), and `chunked_eagle3_loss`,
+which never holds more than `chunk_rows` rows of vocabulary-sized tensors: per chunk the
+gradient of the soft CE w.r.t. the logits is closed-form (softmax(draft) - p_t) and is pushed
+through the frozen lm_head at once, so only an [N, H] gradient survives the forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dspark_ds import distributed
+from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput, Eagle3Hidden
+
+EPS = 1e-6
+
+
+def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, S, V] -> [B, S, V]: row t holds target_probs[t + step + 1] (zeros past the end)."""
+    shift = step + 1
+    pad = target_probs.new_zeros(
+        (target_probs.shape[0], min(shift, target_probs.shape[1]), target_probs.shape[2])
+    )
+    return torch.cat([target_probs[:, shift:], pad], dim=1)
+
+
+def compute_eagle3_loss(
+    out: Eagle3ForwardOutput, *, step_loss_decay: float = 0.8
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Returns (loss to backpropagate, metrics) from full logits. Needs `out.target_logits`."""
+    if out.target_logits is None:
+        raise ValueError(
+            "target_logits: the Eagle3 loss is a soft cross-entropy against the target; pass "
+            "target_last_hidden_states to the forward"
+        )
+    _check_decay(step_loss_decay)
+    world_size = distributed.world_size()
+    steps = out.draft_logits.shape[2]
+    mask = out.eval_mask.to(torch.float32)  # [B, S, T]
+    with torch.no_grad():
+        target_probs = torch.softmax(out.target_logits.float(), dim=-1)
+
+    ce_steps, slots = [], []
+    for k in range(steps):
+        p_t = target_probs_for_step(target_probs, k)
+        log_p_d = torch.log_softmax(out.draft_logits[:, :, k].float(), dim=-1)
+        ce_steps.append(-(p_t * log_p_d).sum(-1))  # [B, S]
+        with torch.no_grad():
+            slots.append(_slot_terms(log_p_d, p_t, out.target_ids[..., k]))
+    ce = torch.stack(ce_steps, dim=-1)  # [B, S, T], differentiable
+    c_star, greedy, match = (torch.stack(t, dim=-1) for t in zip(*slots))
+    g = _reduce(_local_stats(mask, ce.detach(), c_star, greedy, match))
+
+    loss = out.draft_logits.new_zeros((), dtype=torch.float32)
+    for k in range(steps):
+        num = (ce[..., k] * mask[..., k]).sum()
+        loss = loss + (float(step_loss_decay) ** k) * num / (g[f"den@{k}"] + EPS)
+    return loss * world_size, _metrics(g, steps, float(step_loss_decay))
+
+
+def chunked_eagle3_loss(
+    model, feats: Eagle3Hidden, *, step_loss_decay: float = 0.8, chunk_rows: int = 1024
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The same loss and metrics as `compute_eagle3_loss(model(...))` from `forward_hidden`,
+    with O(chunk_rows x V) vocabulary memory. Only valid (b, t, k) rows are projected."""
+    if feats.target_last_hidden_states is None:
+        raise ValueError(
+            "target_last_hidden_states: the Eagle3 loss is a soft cross-entropy against the "
+            "target; pass it to the forward"
+        )
+    _check_decay(step_loss_decay)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
+    if model.lm_head.weight.requires_grad:
+        raise ValueError("lm_head: the chunked Eagle3 loss needs the shared lm_head frozen")
+    world_size = distributed.world_size()
+    bsz, seq, steps, _ = feats.hidden.shape
+    mask = feats.eval_mask.to(torch.float32)
+    # The denominators depend on the mask only: reduce them before any logits exist.
+    dens = mask.sum(dim=(0, 1))
+    dens = distributed.all_reduce_(dens.clone())
+    decay = float(step_loss_decay) ** torch.arange(steps, dtype=torch.float32, device=dens.device)
+    coef = decay * world_size / (dens + EPS)
+
+    b_idx, t_idx, k_idx = feats.eval_mask.nonzero(as_tuple=True)
+    rows = model.norm(feats.hidden[b_idx, t_idx, k_idx])  # [N, H]; norm is per row
+    # Valid rows have label t + k + 2 < S, so the target's row t + k + 1 exists.
+    target_rows = feats.target_last_hidden_states[b_idx, t_idx + k_idx + 1]
+    loss, ce, c_star, greedy, match = _SoftCEChunks.apply(
+        model, rows, target_rows, feats.target_ids[b_idx, t_idx, k_idx], coef[k_idx], chunk_rows
+    )
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(bsz, seq, steps, dtype=torch.float32, device=mask.device)
+        full[b_idx, t_idx, k_idx] = values
+        return full
+
+    g = _reduce(_local_stats(mask, scatter(ce), scatter(c_star), scatter(greedy), scatter(match)))
+    return loss, _metrics(g, steps, float(step_loss_decay))
+
+
+def eagle3_forward_and_loss(
+    model,
+    batch,
+    *,
+    step_loss_decay: float = 0.8,
+    impl: str = "auto",
+    chunk_rows: int = 1024,
+    forward=None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """One micro-batch: the unrolled forward and its loss.
+
+    impl: "reference" (full logits) or "chunked" / "auto" (vocabulary work `chunk_rows` rows
+    at a time). `forward` is what runs the model (a DeepSpeed engine, called with keyword
+    arguments); None = `model` itself. `model` is the bare drafter (its heads are read).
+    """
+    forward = forward if forward is not None else model
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "target_hidden_states": batch["target_hidden_states"],
+        "loss_mask": batch["loss_mask"],
+        "target_last_hidden_states": batch.get("target_last_hidden_states"),
+    }
+    if impl == "reference":
+        return compute_eagle3_loss(forward(**inputs), step_loss_decay=step_loss_decay)
+    if impl not in ("auto", "chunked"):
+        raise ValueError(f"impl: expected auto | reference | chunked, got {impl!r}")
+    feats = forward(**inputs, return_hidden=True)
+    return chunked_eagle3_loss(model, feats, step_loss_decay=step_loss_decay, chunk_rows=chunk_rows)
+
+
+class _SoftCEChunks(torch.autograd.Function):
+    """Forward: per-row soft CE and metrics, and d(Σ coef·ce)/d rows chunk by chunk; backward
+    only replays the stored [N, H] gradient."""
+
+    @staticmethod
+    def forward(ctx, model, rows, target_rows, target_ids, row_coef, chunk_rows):
+        n = rows.shape[0]
+        grad = torch.zeros_like(rows)
+        ce = torch.zeros(n, dtype=torch.float32, device=rows.device)
+        c_star, greedy, match = torch.zeros_like(ce), torch.zeros_like(ce), torch.zeros_like(ce)
+        for lo in range(0, n, chunk_rows):
+            sl = slice(lo, min(lo + chunk_rows, n))
+            x = rows[sl].detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = model.head_logits(x).float()
+            with torch.no_grad():
+                p_t = torch.softmax(model.target_logits(target_rows[sl]).float(), dim=-1)
+                log_p_d = torch.log_softmax(logits.detach(), dim=-1)
+                ce[sl] = -(p_t * log_p_d).sum(-1)
+                c_star[sl], greedy[sl], match[sl] = _slot_terms(log_p_d, p_t, target_ids[sl])
+                # d/dz of -Σ p_t log softmax(z) is softmax(z) - p_t (p_t sums to 1).
+                g_logits = (log_p_d.exp() - p_t) * row_coef[sl].unsqueeze(-1)
+            (grad[sl],) = torch.autograd.grad(logits, x, g_logits)
+        ctx.grad = grad
+        loss = (ce * row_coef).sum()
+        ctx.mark_non_differentiable(ce, c_star, greedy, match)
+        return loss, ce, c_star, greedy, match
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("chunked Eagle3 loss: backward called twice")
+        return None, grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def _check_decay(step_loss_decay: float) -> None:
+    if not step_loss_decay > 0:
+        raise ValueError(f"step_loss_decay: must be > 0, got {step_loss_decay!r}")
+
+
+@torch.no_grad()
+def _slot_terms(log_p_d: torch.Tensor, p_t: torch.Tensor, target_ids: torch.Tensor):
+    """(accept rate 1 - TV, argmax == data token, argmax == target argmax), fp32, per row."""
+    c_star = (1.0 - 0.5 * (log_p_d.exp() - p_t).abs().sum(-1)).clamp(0.0, 1.0)
+    draft_arg = log_p_d.argmax(-1)
+    return c_star, (draft_arg == target_ids).float(), (draft_arg == p_t.argmax(-1)).float()
+
+
+@torch.no_grad()
+def _local_stats(mask, ce, c_star, greedy, match) -> dict[str, torch.Tensor]:
+    """Every metric's numerator and denominator on this rank ([B, S, T] inputs)."""
+    steps = mask.shape[-1]
+    c_star, greedy, match, ce = c_star * mask, greedy * mask, match * mask, ce * mask
+    anchors = mask[..., 0]  # an anchor counts when its first step is valid
+    s = {
+        "anchors": anchors.sum(),
+        "tau_probabilistic": ((1.0 + c_star.cumprod(-1).sum(-1)) * anchors).sum(),
+        "tau_greedy": ((1.0 + greedy.cumprod(-1).sum(-1)) * anchors).sum(),
+        "slots": mask.sum(),
+    }
+    for k in range(steps):
+        s[f"den@{k}"] = mask[..., k].sum()
+        s[f"num@{k}"] = ce[..., k].sum()
+        s[f"accept@{k}"] = c_star[..., k].sum()
+        s[f"greedy@{k}"] = greedy[..., k].sum()
+        s[f"match@{k}"] = match[..., k].sum()
+    return s
+
+
+def _reduce(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """One all_reduce for every sum."""
+    sums = distributed.all_reduce_(torch.stack(list(stats.values())))
+    return dict(zip(stats.keys(), sums.tolist()))
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else math.nan
+
+
+def _metrics(g: dict[str, float], steps: int, decay: float) -> dict[str, float]:
+    m: dict[str, float] = {
+        "tau_probabilistic": _ratio(g["tau_probabilistic"], g["anchors"]),
+        "tau_greedy": _ratio(g["tau_greedy"], g["anchors"]),
+        "supervised_tokens": g["slots"],
+    }
+    total = 0.0
+    for k in range(steps):
+        den = g[f"den@{k}"]
+        ploss = _ratio(g[f"num@{k}"], den)
+        m[f"ploss_{k}"] = ploss
+        m[f"accept_rate@{k}"] = _ratio(g[f"accept@{k}"], den)
+        m[f"greedy_accept@{k}"] = _ratio(g[f"greedy@{k}"], den)
+        m[f"accuracy@{k}"] = _ratio(g[f"match@{k}"], den)
+        if den > 0:
+            total += decay**k * ploss
+    m["loss"] = total
+    return m

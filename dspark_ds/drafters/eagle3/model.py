@@ -1,0 +1,559 @@
+"""The Eagle3 baseline drafter (EAGLE-3): autoregressive, trained with test-time-training unrolling.
+
+One decoder layer (by default) on top of the target's tapped features:
+
+    step 0:  h = fc(target_hidden_states)            # [B, S, n*H] -> [B, S, H]
+    layer:   x = [input_layernorm(embed(token)) ; hidden_norm(h)]   # 2H wide, feeds q/k/v
+             h = h + attn(x);  h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))                        # embedding and lm_head frozen, from the target
+
+Position t pairs the target's features of position t with the NEXT token x_{t+1} and predicts
+x_{t+2}. Training unrolls `ttt_length` steps: step k > 0 feeds the drafter's own (un-normed)
+output of step k-1 back in, with the tokens shifted by one more position (x_{t+k+1}), at RoPE
+position t + k. A step-k query at t sees the step-0 keys of positions 0..t (causal) and the keys
+of steps 1..k at the same t — exactly the keys an inference round drafting from position t has
+in its cache. So training step k at t equals the k-th chained draft of an inference round whose
+last verified position is t (train/serve parity; tested).
+
+Labels follow the DSpark convention (spec §5) with anchor a = t + 1: step k predicts token
+t + k + 2, the target's own distribution for it is `lm_head(target_last_hidden_states[t + k + 1])`
+and `eval_mask[t, k]` = (x_{t+1}, x_{t+2}, ..., x_{t+k+2} supervised and inside the sequence).
+
+Shape legend: B batch, S sequence, T ttt_length (chain steps), V vocab, H hidden, L new positions.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from dspark_ds.drafters.common.attention import attend
+from dspark_ds.drafters.common.blocks import DraftKVCache, validate_target_layer_ids
+from dspark_ds.drafters.dspark.markov import sample_from_logits
+from dspark_ds.drafters.dspark.model import TargetSharedWeights, apply_rope
+
+# target text model_type -> Eagle3 architecture (Gemma4: drafters/eagle3/gemma4.py)
+EAGLE3_ARCHITECTURES = {
+    "qwen3": "Qwen3Eagle3Model",
+    "gemma4": "Gemma4Eagle3Model",
+    "gemma4_text": "Gemma4Eagle3Model",
+}
+EAGLE3_FIELDS = ("target_layer_ids", "num_target_layers", "ttt_length", "step_loss_decay")
+TTT_ATTN_IMPLEMENTATIONS = ("dense", "flex")
+
+# A layer's attention kernel: (q [B,Hq,L,D], k, v [B,Hkv,L,D], after norms and RoPE) -> [B,Hq,L,D].
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Eagle3Hidden:
+    """The unrolled forward before the vocabulary projection (the chunked loss's input)."""
+
+    hidden: torch.Tensor  # [B, S, T, H] raw (un-normed) output of step k at position t
+    target_ids: torch.Tensor  # [B, S, T]
+    eval_mask: torch.Tensor  # [B, S, T] bool
+    target_last_hidden_states: torch.Tensor | None = None  # [B, S, H]
+
+
+@dataclass
+class Eagle3ForwardOutput:
+    """Everything the Eagle3 loss needs from one unrolled training forward."""
+
+    draft_logits: torch.Tensor  # [B, S, T, V]: step k at position t predicts token t + k + 2
+    target_ids: torch.Tensor  # [B, S, T] that token (0 beyond the sequence)
+    eval_mask: torch.Tensor  # [B, S, T] bool, a contiguous valid prefix along T
+    target_logits: torch.Tensor | None = None  # [B, S, V]: the target's logits for token t + 1
+
+
+def build_eagle3_config(
+    target_config,
+    *,
+    target_layer_ids: list[int],
+    ttt_length: int = 7,
+    step_loss_decay: float = 0.8,
+    num_draft_layers: int = 1,
+    target_model_name_or_path: str | None = None,
+):
+    """A deep copy of the target's text config reshaped into an Eagle3 drafter config.
+
+    Writes the reference's `Qwen3Eagle3Model` fields (`target_layer_ids`, `ttt_length`,
+    `step_loss_decay`, `draft_num_hidden_layers`, `num_target_layers`). Raises ValueError naming
+    the offending field.
+    """
+    text = getattr(target_config, "text_config", None) or target_config
+    model_type = getattr(text, "model_type", None)
+    if model_type not in EAGLE3_ARCHITECTURES:
+        raise ValueError(
+            f"model_type: no Eagle3 backend for target family {model_type!r} "
+            f"(available: {sorted(EAGLE3_ARCHITECTURES)})"
+        )
+    num_target_layers = int(text.num_hidden_layers)
+    ids = validate_target_layer_ids(target_layer_ids, num_target_layers)
+    if int(ttt_length) < 1:
+        raise ValueError(f"ttt_length: must be >= 1, got {ttt_length!r}")
+    if not float(step_loss_decay) > 0.0:
+        raise ValueError(f"step_loss_decay: must be > 0, got {step_loss_decay!r}")
+    if int(num_draft_layers) < 1:
+        raise ValueError(f"num_draft_layers: must be >= 1, got {num_draft_layers!r}")
+
+    cfg = copy.deepcopy(text)
+    cfg.architectures = [EAGLE3_ARCHITECTURES[model_type]]
+    cfg.num_target_layers = num_target_layers
+    cfg.num_hidden_layers = int(num_draft_layers)
+    cfg.draft_num_hidden_layers = int(num_draft_layers)
+    cfg.layer_types = ["full_attention"] * int(num_draft_layers)
+    cfg.tie_word_embeddings = False
+    if hasattr(cfg, "use_sliding_window"):
+        cfg.use_sliding_window = False
+    cfg.target_layer_ids = ids
+    cfg.ttt_length = int(ttt_length)
+    cfg.step_loss_decay = float(step_loss_decay)
+    if target_model_name_or_path is not None:
+        cfg.target_model_name_or_path = str(target_model_name_or_path)
+    if cfg.architectures[0] == "Gemma4Eagle3Model":
+        from dspark_ds.drafters.eagle3.gemma4 import Gemma4Eagle3Model
+
+        cfg.target_model_type = getattr(target_config, "model_type", model_type)
+        cfg.target_text_model_type = model_type
+        cfg = Gemma4Eagle3Model.finalize_draft_config(cfg, text)
+    return cfg
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t + n] at t (dim 1), zero-filled past the end."""
+    if n == 0:
+        return x
+    pad = x.new_zeros((x.shape[0], min(n, x.shape[1]), *x.shape[2:]))
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def build_ttt_eval_mask(loss_mask: torch.Tensor, ttt_length: int) -> torch.Tensor:
+    """[B, S, T] bool: anchor x_{t+1} and labels x_{t+2..t+k+2} supervised, as a prefix along T."""
+    sup = loss_mask > 0.5
+    anchor = shift_left(sup, 1)
+    labels = torch.stack([shift_left(sup, k + 2) for k in range(ttt_length)], dim=-1)
+    valid = anchor.unsqueeze(-1) & labels
+    # NOTE: cumprod in int32 (bf16 cannot hold the running product reliably).
+    return valid.to(torch.int32).cumprod(dim=-1).bool()
+
+
+# ---- attention kernels ---------------------------------------------------------------------------
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def ttt_attention_dense(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float
+) -> torch.Tensor:
+    """Step k = len(keys) - 1 of the unrolled forward, exactly, with O(S² + k·S) scores.
+
+    Query t sees keys[0][0..t] (causal) and keys[j][t] for j = 1..k (its own chain). The chain
+    part is a per-position dot product, so no [S, (k+1)·S] score matrix is ever built.
+    """
+    groups = q.shape[1] // keys[0].shape[1]
+    seq = q.shape[2]
+    qf = q.float()
+    k0, v0 = _repeat_kv(keys[0], groups).float(), _repeat_kv(values[0], groups).float()
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    scores0 = (qf @ k0.transpose(-1, -2)) * scaling
+    scores0 = scores0.masked_fill(~causal, float("-inf"))
+    chain_k = [_repeat_kv(k, groups).float() for k in keys[1:]]
+    chain_v = [_repeat_kv(v, groups).float() for v in values[1:]]
+    if chain_k:
+        chain_scores = torch.stack([(qf * k).sum(-1) for k in chain_k], dim=-1) * scaling
+        probs = torch.softmax(torch.cat([scores0, chain_scores], dim=-1), dim=-1)
+        out = probs[..., :seq] @ v0
+        for j, v in enumerate(chain_v):
+            out = out + probs[..., seq + j].unsqueeze(-1) * v
+    else:
+        out = torch.softmax(scores0, dim=-1) @ v0
+    return out.to(q.dtype)
+
+
+def ttt_attention_flex(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float
+) -> torch.Tensor:
+    """The same visibility as one flex_attention call over [keys_0; ...; keys_k] (GPU training)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seq = q.shape[2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        pos = kv_idx % seq
+        return ((kv_idx < seq) & (kv_idx <= q_idx)) | ((kv_idx >= seq) & (pos == q_idx))
+
+    k = torch.cat(keys, dim=2)
+    v = torch.cat(values, dim=2)
+    block_mask = create_block_mask(
+        mask_mod, B=None, H=None, Q_LEN=seq, KV_LEN=k.shape[2], device=q.device
+    )
+    return flex_attention(
+        q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def causal_cache_mask(q_len: int, cached: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, q_len, cached + q_len] bool: new position i sees the cache and new positions <= i."""
+    kv = torch.arange(cached + q_len, device=device)
+    return (kv.view(1, -1) <= (cached + torch.arange(q_len, device=device)).view(-1, 1)).view(
+        1, 1, q_len, -1
+    )
+
+
+# ---- Qwen3 backend ------------------------------------------------------------------------------
+class Qwen3Eagle3Attention(nn.Module):
+    """GQA attention whose q/k/v projections read the 2H-wide [embedding ; hidden] input."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden = int(config.hidden_size)
+        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.scaling = self.head_dim**-0.5
+        bias = bool(config.attention_bias)
+        self.q_proj = nn.Linear(2 * hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, L, 2H] -> q [B, Hq, L, D], k, v [B, Hkv, L, D] (normed, RoPE applied)."""
+        bsz, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bsz, length, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def forward(self, x: torch.Tensor, rope, attend_fn: AttendFn) -> torch.Tensor:
+        bsz, length, _ = x.shape
+        out = attend_fn(*self.project(x, rope))
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, length, -1))
+
+
+class Qwen3Eagle3DecoderLayer(nn.Module):
+    """x = [input_layernorm(emb) ; hidden_norm(h)]; h += attn(x); h += mlp(post_norm(h))."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden, eps = int(config.hidden_size), config.rms_norm_eps
+        self.self_attn = Qwen3Eagle3Attention(config)
+        self.mlp = Qwen3MLP(config)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=eps)
+        self.input_layernorm = Qwen3RMSNorm(hidden, eps=eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(hidden, eps=eps)
+
+    def forward(self, embeds, h, rope, attend_fn: AttendFn) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
+        h = h + self.self_attn(x, rope, attend_fn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ---- the family-independent model ------------------------------------------------------------
+class Eagle3DraftModel(TargetSharedWeights, nn.Module):
+    """Base class; a backend supplies its layer, norm, rotary embedding and logits."""
+
+    architecture: str = ""
+    drafter_kind: str = "eagle3"
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        for field in EAGLE3_FIELDS:
+            if not hasattr(config, field):
+                raise ValueError(f"{field}: missing from the Eagle3 drafter config")
+        hidden = int(config.hidden_size)
+        self.target_layer_ids = [int(i) for i in config.target_layer_ids]
+        self.ttt_length = int(config.ttt_length)
+        self.step_loss_decay = float(config.step_loss_decay)
+        # NOTE: the decoding loop, calibration and reports size a round by `config.block_size`
+        # (γ, the most tokens one round proposes); for Eagle3 that is ttt_length. It is a
+        # runtime alias only: `interchange_config_dict` drops it from config.json.
+        config.block_size = self.ttt_length
+        # "auto": flex_attention on CUDA tensors, the exact dense kernel elsewhere.
+        self.attn_implementation = "auto"
+
+        self.embed_tokens = self.make_embedding()
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = self.make_norm(hidden)
+        self.rotary_emb = self.make_rotary()
+        self.lm_head = nn.Linear(hidden, int(config.vocab_size), bias=False)
+        self.reset_parameters()
+
+    # ---- what a backend provides (layer hooks: TargetSharedWeights) ---------------------------
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of an already normed state through the shared lm_head (a backend adds its
+        final-logit soft-capping here)."""
+        return self.lm_head(normed)
+
+    def target_logits(self, target_last_hidden_states: torch.Tensor) -> torch.Tensor:
+        """The target's logits from its final normed state, through the shared lm_head."""
+        return self.head_logits(target_last_hidden_states.to(self.lm_head.weight.dtype))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits from the drafter's raw (un-normed) output hidden state."""
+        return self.head_logits(self.norm(hidden))
+
+    # ---- set-up (the same contract as DSparkDraftModel) --------------------------------------
+    @staticmethod
+    def interchange_config_dict(data: dict, config) -> dict:
+        """config.json as the reference writes it (without the runtime `block_size` alias)."""
+        data = dict(data)
+        data.pop("block_size", None)
+        return data
+
+    def resolve_attn_implementation(self, device: torch.device) -> str:
+        impl = self.attn_implementation
+        if impl == "auto":
+            return "flex" if device.type == "cuda" else "dense"
+        if impl not in TTT_ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation: expected 'auto' or one of {TTT_ATTN_IMPLEMENTATIONS}, "
+                f"got {impl!r}"
+            )
+        return impl
+
+    def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, L, n*H] tapped target features -> [B, L, H] step-0 hidden (no norm: the layer's
+        hidden_norm normalizes it)."""
+        expected = len(self.target_layer_ids) * int(self.config.hidden_size)
+        if target_hidden_states.shape[-1] != expected:
+            raise ValueError(
+                f"target_hidden_states: last dim {target_hidden_states.shape[-1]} != "
+                f"{len(self.target_layer_ids)} tapped layers x hidden {self.config.hidden_size}"
+            )
+        return self.fc(target_hidden_states.to(self.fc.weight.dtype))
+
+    def run_layers(self, embeds, h, positions, attend_fns: list[AttendFn]) -> torch.Tensor:
+        rope = self.rotary_emb(h, positions)
+        for layer, attend_fn in zip(self.layers, attend_fns):
+            h = layer(embeds, h, rope, attend_fn)
+        return h
+
+    # ---- training forward: the TTT unroll --------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None = None,
+        ttt_length: int | None = None,
+        return_hidden: bool = False,
+    ) -> Eagle3ForwardOutput | Eagle3Hidden:
+        """The unroll with full logits ([B, S, T, V]; the reference path of the loss), or
+        with `return_hidden` the `forward_hidden` result (so a DeepSpeed engine, which only
+        calls `forward`, can feed the chunked loss)."""
+        feats = self.forward_hidden(
+            input_ids, target_hidden_states, loss_mask, target_last_hidden_states, ttt_length
+        )
+        if return_hidden:
+            return feats
+        target_logits = None
+        if target_last_hidden_states is not None:
+            with torch.no_grad():
+                target_logits = self.target_logits(target_last_hidden_states)
+        return Eagle3ForwardOutput(
+            draft_logits=self.compute_logits(feats.hidden),
+            target_ids=feats.target_ids,
+            eval_mask=feats.eval_mask,
+            target_logits=target_logits,
+        )
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden_states: torch.Tensor | None = None,
+        ttt_length: int | None = None,
+    ) -> Eagle3Hidden:
+        """Unrolls `ttt_length` (default: the config's) steps over every position at once."""
+        steps = int(ttt_length or self.ttt_length)
+        bsz, seq_len = input_ids.shape
+        device = input_ids.device
+        impl = self.resolve_attn_implementation(device)
+        kernel = ttt_attention_flex if impl == "flex" else ttt_attention_dense
+        # The growing per-layer key/value lists of the unroll (one [B, Hkv, S, D] per step).
+        kv = [([], []) for _ in self.layers]
+
+        def make_attend(layer_idx: int, scaling: float) -> AttendFn:
+            keys, values = kv[layer_idx]
+
+            def attend_fn(q, k, v):
+                keys.append(k)
+                values.append(v)
+                return kernel(q, keys, values, scaling)
+
+            return attend_fn
+
+        attend_fns = [
+            make_attend(i, layer.self_attn.scaling) for i, layer in enumerate(self.layers)
+        ]
+        h = self.project_context(target_hidden_states)
+        base_pos = torch.arange(seq_len, device=device).expand(bsz, -1)
+        hiddens = []
+        for k in range(steps):
+            embeds = self.embed_tokens(shift_left(input_ids, k + 1))
+            h = self.run_layers(embeds, h, base_pos + k, attend_fns)
+            hiddens.append(h)
+        return Eagle3Hidden(
+            hidden=torch.stack(hiddens, dim=2),
+            target_ids=torch.stack([shift_left(input_ids, k + 2) for k in range(steps)], dim=-1),
+            eval_mask=build_ttt_eval_mask(loss_mask, steps),
+            target_last_hidden_states=target_last_hidden_states,
+        )
+
+    # ---- inference primitives: chain drafting with a KV cache --------------------------------
+    def new_cache(self) -> DraftKVCache:
+        return DraftKVCache(len(self.layers))
+
+    def extend(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor, cache: DraftKVCache
+    ) -> torch.Tensor:
+        """Appends L positions (cache.seq_length ..) to the cache, causally; -> raw hidden [B,L,H].
+
+        `hidden` [B, L, H] is the step input (projected target features, or the drafter's own
+        previous output); `token_ids` [B, L] the token that FOLLOWS each position.
+        """
+        bsz, q_len = token_ids.shape
+        cached = cache.seq_length
+        device = token_ids.device
+        mask = causal_cache_mask(q_len, cached, device) if q_len > 1 else None
+
+        def make_attend(layer_idx: int, scaling: float) -> AttendFn:
+            def attend_fn(q, k, v):
+                k, v = cache.append(layer_idx, k, v)
+                return attend(q, k, v, mask, scaling=scaling)
+
+            return attend_fn
+
+        attend_fns = [
+            make_attend(i, layer.self_attn.scaling) for i, layer in enumerate(self.layers)
+        ]
+        positions = torch.arange(cached, cached + q_len, device=device).expand(bsz, -1)
+        return self.run_layers(self.embed_tokens(token_ids), hidden, positions, attend_fns)
+
+    def propose(
+        self,
+        *,
+        context_features: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        start: int,
+        cache: DraftKVCache,
+        num_tokens: int | None = None,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        stop_token_ids: set[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chain-drafting round (batch 1 typical) -> (tokens [B, k], draft logits [B, k, V]).
+
+        `start` is the position of x_start, the last committed token. `context_features`
+        [B, start - cache.seq_length, n*H] are the target features of the positions verified
+        since the last round, `next_token_ids` [B, same] the token after each of them (so the
+        last one is x_start). Drafts up to `num_tokens` (default ttt_length) tokens, stopping
+        early after a stop token; the cache is cropped back to `start` (verified context only).
+        """
+        cached = cache.seq_length
+        new = context_features.shape[1]
+        if new < 1 or cached + new != start:
+            raise ValueError(
+                f"context_features: cache holds {cached} positions and {new} new ones were "
+                f"given, but the round starts at {start} (needs >= 1 new position)"
+            )
+        if tuple(next_token_ids.shape) != tuple(context_features.shape[:2]):
+            raise ValueError(
+                f"next_token_ids: shape {tuple(next_token_ids.shape)} != context_features "
+                f"{tuple(context_features.shape[:2])}"
+            )
+        count = int(num_tokens if num_tokens is not None else self.ttt_length)
+        if count < 1:
+            raise ValueError(f"num_tokens: must be >= 1, got {count}")
+        hidden = self.extend(self.project_context(context_features), next_token_ids, cache)
+        last = hidden[:, -1:]
+        tokens, logits = [], []
+        for i in range(count):
+            step_logits = self.compute_logits(last)  # [B, 1, V]
+            token = sample_from_logits(step_logits, temperature, generator)  # [B, 1]
+            tokens.append(token)
+            logits.append(step_logits)
+            if i + 1 == count or (
+                stop_token_ids and all(int(t) in stop_token_ids for t in token[:, 0])
+            ):
+                break
+            last = self.extend(last, token, cache)
+        # Draft positions' keys came from the drafter's own hidden states; the next round
+        # replaces them with the target's features, so only verified context may persist.
+        cache.crop(start)
+        return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)
+
+
+class Qwen3Eagle3Model(Eagle3DraftModel):
+    architecture = "Qwen3Eagle3Model"
+
+    def make_layer(self, layer_idx):
+        return Qwen3Eagle3DecoderLayer(self.config)
+
+    def make_norm(self, dim):
+        return Qwen3RMSNorm(dim, eps=self.config.rms_norm_eps)
+
+    def make_rotary(self):
+        return Qwen3RotaryEmbedding(self.config)
+
+
+def is_eagle3(model) -> bool:
+    """True for an Eagle3 drafter (unwraps DeepSpeed / DDP `.module`)."""
+    return getattr(getattr(model, "module", model), "drafter_kind", "dspark") == "eagle3"
+
+
+__all__ = [
+    "Eagle3DraftModel",
+    "Eagle3ForwardOutput",
+    "Eagle3Hidden",
+    "Qwen3Eagle3Model",
+    "build_eagle3_config",
+    "build_ttt_eval_mask",
+    "eagle3_propose",
+    "is_eagle3",
+    "ttt_attention_dense",
+    "ttt_attention_flex",
+]
+
+
+def eagle3_propose(
+    drafter: Eagle3DraftModel,
+    input_ids: torch.Tensor,
+    new_tokens: list[int],
+    context_features: torch.Tensor,
+    start: int,
+    cache: DraftKVCache,
+    num_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    stop_token_ids: set[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One round of the decoding loop (batch 1): the committed sequence is `input_ids` [1, P]
+    followed by `new_tokens`; x_start is its last token, at position `start`. Returns
+    (drafts [1, m], draft logits [1, m, V]), m <= num_tokens."""
+    tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=input_ids.device)
+    committed = torch.cat([input_ids, tail], dim=1)
+    # Position i of the context pairs the target's features of i with token i + 1.
+    next_ids = committed[:, cache.seq_length + 1 : start + 1]
+    return drafter.propose(
+        context_features=context_features,
+        next_token_ids=next_ids,
+        start=start,
+        cache=cache,
+        num_tokens=num_tokens,
+        temperature=temperature,
+        generator=generator,
+        stop_token_ids=stop_token_ids,
+    )

@@ -1,0 +1,276 @@
+"""Draft configs built from a target, and the interchange directory (spec §13).
+
+A drafter directory is `config.json` (the draft text config plus the DSpark fields) and
+`model.safetensors` (or shards with `model.safetensors.index.json`), readable by the
+reference implementation, SGLang and vLLM. `architectures` selects the backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark_ds.drafters.common.blocks import validate_target_layer_ids
+from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
+
+# architecture -> (module, class, transformers config class path)
+BACKENDS: dict[str, tuple[str, str, str]] = {
+    "Qwen3DSparkModel": (
+        "dspark_ds.drafters.dspark.qwen3",
+        "Qwen3DSparkModel",
+        "transformers.models.qwen3.configuration_qwen3:Qwen3Config",
+    ),
+    "Gemma4DSparkModel": (
+        "dspark_ds.drafters.dspark.gemma4",
+        "Gemma4DSparkModel",
+        "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
+    ),
+    # Eagle3 baseline (drafters/eagle3/model.py): the reference's autoregressive TTT drafter.
+    "Qwen3Eagle3Model": (
+        "dspark_ds.drafters.eagle3.model",
+        "Qwen3Eagle3Model",
+        "transformers.models.qwen3.configuration_qwen3:Qwen3Config",
+    ),
+    "Gemma4Eagle3Model": (
+        "dspark_ds.drafters.eagle3.gemma4",
+        "Gemma4Eagle3Model",
+        "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
+    ),
+}
+# config.json fields each non-DSpark architecture needs (DSpark ones are checked below).
+EAGLE3_REQUIRED_FIELDS = (
+    "target_layer_ids",
+    "num_target_layers",
+    "ttt_length",
+    "step_loss_decay",
+)
+# target model_type (of the text model) -> drafter architecture
+FAMILY_ARCHITECTURE = {
+    "qwen3": "Qwen3DSparkModel",
+    "gemma4": "Gemma4DSparkModel",
+    "gemma4_text": "Gemma4DSparkModel",
+}
+
+DSPARK_FIELDS = (
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "num_target_layers",
+    "num_anchors",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+)
+
+
+def _import(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _backend(architecture: str):
+    if architecture not in BACKENDS:
+        raise ValueError(
+            f"architectures: unknown drafter architecture {architecture!r}; known: {sorted(BACKENDS)}"
+        )
+    module, cls, config_cls = BACKENDS[architecture]
+    return getattr(importlib.import_module(module), cls), _import(config_cls)
+
+
+def text_config_of(target_config):
+    """Multimodal targets (Gemma4) wrap the language model's config in `text_config`."""
+    return getattr(target_config, "text_config", None) or target_config
+
+
+def build_draft_config(
+    target_config,
+    *,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+    num_draft_layers: int = 5,
+    block_size: int = 7,
+    num_anchors: int = 512,
+    markov_rank: int = 256,
+    markov_head_type: str = "vanilla",
+    confidence_head_alpha: float = 1.0,
+    confidence_head_with_markov: bool = True,
+):
+    """A deep copy of the target's text config, reshaped into a drafter config (spec §2).
+
+    Raises ValueError naming the offending field.
+    """
+    text = text_config_of(target_config)
+    model_type = getattr(text, "model_type", None)
+    if model_type not in FAMILY_ARCHITECTURE:
+        raise ValueError(f"model_type: no drafter backend for target family {model_type!r}")
+    num_target_layers = int(text.num_hidden_layers)
+    ids = validate_target_layer_ids(target_layer_ids, num_target_layers)
+    checks = [
+        ("num_draft_layers", num_draft_layers, num_draft_layers >= 1, "must be >= 1"),
+        ("block_size", block_size, block_size >= 1, "must be >= 1"),
+        ("num_anchors", num_anchors, num_anchors >= 1, "must be >= 1"),
+        ("markov_rank", markov_rank, markov_rank >= 0, "must be >= 0"),
+        (
+            "confidence_head_alpha",
+            confidence_head_alpha,
+            confidence_head_alpha >= 0,
+            "must be >= 0",
+        ),
+        (
+            "mask_token_id",
+            mask_token_id,
+            0 <= mask_token_id < int(text.vocab_size),
+            f"must be in [0, {text.vocab_size})",
+        ),
+    ]
+    for field, value, ok, why in checks:
+        if not ok:
+            raise ValueError(f"{field}: {why}, got {value!r}")
+    if markov_rank > 0 and markov_head_type not in MARKOV_HEAD_TYPES:
+        raise ValueError(
+            f"markov_head_type: expected one of {MARKOV_HEAD_TYPES}, got {markov_head_type!r}"
+        )
+    enable_confidence = confidence_head_alpha > 0
+    if enable_confidence and confidence_head_with_markov and markov_rank == 0:
+        raise ValueError(
+            "confidence_head_with_markov: needs markov_rank > 0 (DFlash has no Markov head)"
+        )
+
+    cfg = copy.deepcopy(text)
+    cfg.architectures = [FAMILY_ARCHITECTURE[model_type]]
+    cfg.num_target_layers = num_target_layers
+    cfg.num_hidden_layers = int(num_draft_layers)
+    cfg.layer_types = ["full_attention"] * int(num_draft_layers)
+    cfg.tie_word_embeddings = False
+    cfg.use_sliding_window = False if hasattr(cfg, "use_sliding_window") else None
+    cfg.block_size = int(block_size)
+    cfg.mask_token_id = int(mask_token_id)
+    cfg.target_layer_ids = ids
+    cfg.num_anchors = int(num_anchors)
+    cfg.markov_rank = int(markov_rank)
+    cfg.markov_head_type = str(markov_head_type)
+    cfg.enable_confidence_head = enable_confidence
+    cfg.confidence_head_with_markov = bool(confidence_head_with_markov) and enable_confidence
+    if cfg.architectures[0] == "Gemma4DSparkModel":
+        cfg.target_model_type = getattr(target_config, "model_type", model_type)
+        cfg.target_text_model_type = model_type
+    cls, _ = _backend(cfg.architectures[0])
+    return cls.finalize_draft_config(cfg, text)
+
+
+def build_eagle3_config(target_config, **kwargs):
+    """The Eagle3 baseline's draft config (see `dspark_ds.drafters.eagle3.model.build_eagle3_config`)."""
+    from dspark_ds.drafters.eagle3.model import build_eagle3_config as build
+
+    return build(target_config, **kwargs)
+
+
+def build_draft_model(config):
+    """Instantiates the backend named by `config.architectures[0]` (random init)."""
+    cls, _ = _backend(config.architectures[0])
+    return cls(config)
+
+
+def config_from_dict(data: dict):
+    archs = data.get("architectures") or []
+    if not archs:
+        raise ValueError("architectures: missing from the drafter config.json")
+    _, config_cls = _backend(archs[0])
+    if archs[0].endswith("Eagle3Model"):
+        missing = [f for f in EAGLE3_REQUIRED_FIELDS if f not in data]
+        if missing:
+            raise ValueError(
+                f"{missing[0]}: missing from the Eagle3 drafter config.json (needed: {missing})"
+            )
+        return config_cls.from_dict(dict(data))
+    missing = [
+        f
+        for f in ("block_size", "mask_token_id", "target_layer_ids", "num_anchors")
+        if f not in data
+    ]
+    if missing:
+        raise ValueError(f"{missing[0]}: missing from the drafter config.json (needed: {missing})")
+    data = dict(data)
+    data.setdefault("markov_rank", 0)
+    data.setdefault("markov_head_type", "vanilla")
+    data.setdefault("enable_confidence_head", False)
+    data.setdefault("confidence_head_with_markov", False)
+    return config_cls.from_dict(data)
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    single = path / "model.safetensors"
+    if single.exists():
+        return load_file(single)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(load_file(path / shard))
+        return state
+    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_draft_model(path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Reads an interchange directory (ours or the reference's) into a drafter, in eval mode."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{cfg_file}: not found (is {path} a drafter directory?)")
+    config = config_from_dict(json.loads(cfg_file.read_text()))
+    model = build_draft_model(config)
+    state = _read_state_dict(path)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: weights do not match the config: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(
+                f"{path}: {name} has shape {tuple(tensor.shape)}, config expects {tuple(own[name].shape)}"
+            )
+    model.load_state_dict(state, strict=True)
+    model.freeze_shared()
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def draft_config_dict(config) -> dict:
+    data = config.to_dict()
+    for key in [k for k in data if k.startswith("_")]:
+        data.pop(key)
+    return data
+
+
+def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Writes `config.json` + `model.safetensors`. `state_dict` overrides the module's own
+    (the engine passes gathered ZeRO-3 weights)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = state_dict if state_dict is not None else model.state_dict()
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    # NOTE: tied targets (Gemma4, small Qwen3) can hand one tensor as both embed_tokens and
+    # lm_head; safetensors refuses shared storage, so each name gets its own copy.
+    seen: set[int] = set()
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            state[name] = tensor.clone()
+        seen.add(ptr)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    data = draft_config_dict(model.config)
+    family_hook = getattr(type(model), "interchange_config_dict", None)  # Gemma4 layout
+    if family_hook is not None:
+        data = family_hook(data, model.config)
+    data["architectures"] = [type(model).architecture]
+    (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,181 @@
+"""Helpers for multi-process tests (shared by every test module).
+
+- ``free_port()``: a TCP port nobody listens on.
+- ``run_distributed(fn, world_size=2, backend="gloo", args=())``: run ``fn(rank, world_size,
+  *args)`` in ``world_size`` spawned processes that share a gloo process group; re-raises the
+  first failure. ``fn`` must be importable (a module-level function).
+- ``torchrun(argv, nproc=2, ...)``: ``torchrun --nproc_per_node nproc <argv>`` as a subprocess
+  with a free rendezvous port and ``DS_ACCELERATOR=cpu``; returns the CompletedProcess.
+- ``python(argv, ...)``: the same for one plain process (``python3 <argv>``).
+- ``train_many``: ``python tests/helpers/dist.py train-many <json>`` runs several
+  ``dspark-ds train`` argument lists in ONE process (one deepspeed import, one process group);
+  used under torchrun to keep 2-rank tests cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["DS_ACCELERATOR"] = "cpu"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a crashing rank prints where each thread was
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def _worker(rank, world_size, backend, port, fn, args, errors):
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+    )
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    try:
+        mp.start_processes(
+            _worker,
+            args=(world_size, backend, port, fn, args, errors),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+    except mp.ProcessRaisedException as err:
+        details = [] if errors.empty() else [errors.get()]
+        msg = "\n".join(f"rank {r}:\n{tb}" for r, tb in details) or str(err)
+        raise AssertionError(f"distributed test failed:\n{msg}") from None
+
+
+def torchrun(
+    argv: list[str],
+    nproc: int = 2,
+    env: dict | None = None,
+    timeout_s: float = 600,
+    cwd: str | Path | None = None,
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *argv,
+    ]
+    return subprocess.run(
+        cmd, env=_env(env), capture_output=True, text=True, timeout=timeout_s, cwd=cwd or REPO
+    )
+
+
+def python(
+    argv: list[str], env: dict | None = None, timeout_s: float = 600, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *argv],
+        env=_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=cwd or REPO,
+    )
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Assert success, showing the tail of the output otherwise."""
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+        f"--- stderr ---\n{proc.stderr[-6000:]}"
+    )
+    return proc
+
+
+def target_facts(trainer) -> dict | None:
+    """How the in-job target is held on this rank (None offline): whether the drafter's
+    embedding / lm_head are the target's Parameters, and how many target weights this rank
+    stores (a ZeRO-3 partition: ds_tensor) and has materialised right now (param.data)."""
+    target = trainer.target
+    if target is None:
+        return None
+    drafter, params = trainer.engine.model, list(target.parameters())
+    return {
+        "shares": drafter.embed_tokens.weight is target.embed_weight
+        and drafter.lm_head.weight is target.lm_head_weight,
+        "frozen": not any(p.requires_grad for p in params),
+        "full_numel": sum(int(getattr(p, "ds_numel", p.numel())) for p in params),
+        "local_numel": sum(
+            p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params
+        ),
+        "materialized_numel": sum(p.data.numel() for p in params),
+    }
+
+
+def train_many(runs: list[list[str]], result_file: str) -> None:
+    """Each entry: the argv of `dspark-ds train`. Rank 0 writes {name: losses, ...} to
+    result_file (with `target_facts` of every rank, after the run)."""
+    import torch.distributed as dist
+
+    from dspark_ds.cli import parse_config
+    from dspark_ds.distributed import leave
+    from dspark_ds.train.trainer import Trainer
+
+    results = {}
+    for argv in runs:
+        cfg = parse_config("train", argv)
+        trainer = Trainer(cfg)
+        res = trainer.run()
+        facts = [None] * dist.get_world_size()
+        dist.all_gather_object(facts, target_facts(trainer))
+        results[cfg.name] = {
+            "losses": res.losses,
+            "export_dir": res.export_dir,
+            "mlflow_run_id": res.mlflow_run_id,
+            "val": res.val_metrics,
+            "target": facts,
+        }
+        del trainer
+    if int(os.environ.get("RANK", 0)) == 0:
+        Path(result_file).write_text(json.dumps(results))
+    leave(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "train-many":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        train_many(spec["runs"], spec["result_file"])

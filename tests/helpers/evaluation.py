@@ -1,0 +1,93 @@
+"""Tiny targets and random drafters for the eval tests (token ids only, no tokenizer)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dspark_ds.drafters import build_draft_config, build_draft_model
+
+
+def tiny_target(
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    num_layers: int = 3,
+    seed: int = 0,
+    logit_scale: float = 1.0,
+    **overrides,
+) -> Qwen3ForCausalLM:
+    """A random fp32 Qwen3 causal LM; `logit_scale` sharpens its next-token distributions."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=hidden_size // 4, max_position_embeddings=512, tie_word_embeddings=False,
+        **overrides,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+def random_drafter(
+    target,
+    *,
+    layer_ids=(0, 1),
+    block_size: int = 4,
+    markov_rank: int = 8,
+    markov_head_type: str = "vanilla",
+    confidence: bool = True,
+    seed: int = 1,
+    markov_std: float | None = None,
+    num_draft_layers: int = 1,
+):
+    """A randomly initialised drafter for `target` (embedding and lm_head copied from it)."""
+    torch.manual_seed(seed)
+    vocab = target.config.vocab_size
+    cfg = build_draft_config(
+        target.config, target_layer_ids=list(layer_ids), mask_token_id=vocab - 1,
+        num_draft_layers=num_draft_layers, block_size=block_size, num_anchors=8,
+        markov_rank=markov_rank, markov_head_type=markov_head_type,
+        confidence_head_alpha=1.0 if confidence else 0.0,
+        confidence_head_with_markov=confidence and markov_rank > 0,
+    )  # fmt: skip
+    drafter = build_draft_model(cfg).eval()
+    drafter.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
+    if markov_std is not None:
+        with torch.no_grad():
+            for p in drafter.markov_head.parameters():
+                p.normal_(0.0, markov_std)
+    return drafter
+
+
+@torch.no_grad()
+def exact_continuation_probs(target, prompt_1P: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """P(x_1..x_K | prompt) under `target` at T = 1 for every continuation: [V] * K."""
+    vocab = target.config.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=num_tokens)))
+    full = torch.cat([prompt_1P.expand(len(seqs), -1), seqs], dim=1)
+    logp = torch.log_softmax(target(full).logits.float(), dim=-1)
+    start = prompt_1P.shape[1] - 1
+    rows = torch.arange(len(seqs))
+    total = sum(logp[rows, start + k, seqs[:, k]] for k in range(num_tokens))
+    return total.exp().view([vocab] * num_tokens)
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0):
+    """Goodness of fit of `counts` to `probs`; cells expecting < min_expected are pooled."""
+    n = counts.sum().double()
+    expected = probs.flatten().double() * n
+    observed = counts.flatten().double()
+    big = expected >= min_expected
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    assert dof >= 3, f"too few cells for a chi-square test (dof={dof})"
+    # The chi-square survival function: the regularised upper incomplete gamma Q(k/2, x/2).
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))

@@ -1,0 +1,340 @@
+"""A real one-node Slurm cluster for tests: munge + slurmctld + slurmd on this machine.
+
+    from helpers.slurm_cluster import slurm_cluster  # noqa: F401  (the pytest fixture)
+
+    def test_x(slurm_cluster):
+        job = slurm_cluster.sbatch(["--wait", "slurm/train.sbatch"], env=...)
+        assert slurm_cluster.job(job)["JobState"] == "COMPLETED"
+
+Everything lives in a temp directory: a private munge key and socket, `slurm.conf` (no cgroups,
+no systemd, no accounting), state / spool / logs / pid files, free TCP ports; commands reach this
+cluster through `SLURM_CONF` (`cluster.env`). Debian's `slurm-wlm` and `munge` are installed
+with apt-get when missing and the test runs as root; otherwise the fixture skips, saying exactly
+what is missing. A daemon that does not come up fails the test with its log. The daemons are
+stopped by their pid files when the session ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+APT_PACKAGES = ("slurm-wlm", "munge")
+BINARIES = (
+    "munged",
+    "munge",
+    "unmunge",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "squeue",
+    "scontrol",
+    "sinfo",
+)
+SBIN = ("/usr/sbin", "/sbin", "/usr/bin")
+
+
+def _which(name: str) -> str | None:
+    path = os.environ.get("PATH", "") + os.pathsep + os.pathsep.join(SBIN)
+    return shutil.which(name, path=path)
+
+
+def ensure_installed(
+    packages: tuple[str, ...] = APT_PACKAGES, binaries: tuple[str, ...] = BINARIES
+) -> str | None:
+    """Install `packages` with apt-get when a binary is missing (root only). Returns None when
+    everything is there, else the reason it is not (for pytest.skip)."""
+    missing = [b for b in binaries if _which(b) is None]
+    if not missing:
+        return None
+    if os.geteuid() != 0:
+        return f"{', '.join(missing)} not installed and not root (apt-get install {' '.join(packages)})"
+    if shutil.which("apt-get") is None:
+        return f"{', '.join(missing)} not installed and no apt-get on this machine"
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
+    ):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            return f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()[-800:]}"
+    missing = [b for b in binaries if _which(b) is None]
+    return f"still missing after apt-get: {', '.join(missing)}" if missing else None
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class SlurmCluster:
+    """One node (`hostname -s`, `cpus` CPUs), one default partition `debug`."""
+
+    def __init__(
+        self, root: str | Path, cpus: int = 2, real_memory_mb: int = 8000, cred_expire_s: int = 5
+    ):
+        self.root = Path(root)
+        self.cpus = cpus
+        self.real_memory_mb = real_memory_mb
+        # NOTE: a requeued job may not start before now + cred_expire (Slurm's default 120 s);
+        # a short credential lifetime keeps requeue tests quick. Needs a slurmctld (re)start.
+        self.cred_expire_s = cred_expire_s
+        self.host = socket.gethostname().split(".")[0]
+        self.conf = self.root / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.pid_files = {
+            "slurmd": self.root / "slurmd.pid",
+            "slurmctld": self.root / "slurmctld.pid",
+            "munged": self.root / "munge" / "munged.pid",
+        }
+
+    # ---- environment for clients ---------------------------------------------------------------
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf)
+        env["PATH"] = os.pathsep.join([env.get("PATH", ""), *SBIN])
+        return env
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> str:
+        proc = subprocess.run(
+            list(cmd), capture_output=True, text=True, env=self.env, timeout=timeout
+        )
+        if check and proc.returncode != 0:
+            raise RuntimeError(
+                f"`{' '.join(cmd)}` failed ({proc.returncode}): "
+                f"{proc.stderr.strip()}{proc.stdout.strip()}"
+            )
+        return proc.stdout
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def start(self, timeout_s: float = 60) -> SlurmCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
+        # munged refuses sockets in directories others cannot traverse
+        os.chmod(self.root, 0o755)
+        for d in ("munge", "state", "spool", "log"):
+            (self.root / d).mkdir(exist_ok=True)
+        self._start_munge()
+        self._write_conf()
+        for daemon in ("slurmctld", "slurmd"):
+            proc = subprocess.run(
+                [_which(daemon), "-f", str(self.conf)], capture_output=True, text=True, env=self.env
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"{daemon} did not start ({proc.returncode}): {proc.stderr}"
+                    f"\n{self.log_tail(daemon)}"
+                )
+        deadline = time.monotonic() + timeout_s
+        state = ""
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, env=self.env
+            )
+            state = out.stdout.strip()
+            if out.returncode == 0 and state in ("idle", "mixed", "allocated"):
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"the node never became idle (sinfo: {state!r})\n"
+            f"{self.log_tail('slurmctld')}\n{self.log_tail('slurmd')}"
+        )
+
+    def _start_munge(self) -> None:
+        key = self.root / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+        cmd = [
+            _which("munged"),
+            f"--key-file={key}",
+            f"--socket={self.munge_socket}",
+            f"--pid-file={self.pid_files['munged']}",
+            f"--log-file={self.root / 'munge' / 'munged.log'}",
+            f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+        ]
+        if os.geteuid() == 0:
+            cmd.append("--force")  # munged refuses to run as root without it
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"munged did not start ({proc.returncode}): {proc.stderr}")
+        enc = subprocess.run(
+            [_which("munge"), "-S", str(self.munge_socket), "-n"], capture_output=True, text=True
+        )
+        dec = subprocess.run(
+            [_which("unmunge"), "-S", str(self.munge_socket)],
+            input=enc.stdout,
+            capture_output=True,
+            text=True,
+        )
+        if dec.returncode != 0 or "Success" not in dec.stdout:
+            raise RuntimeError(f"munge -n | unmunge failed: {dec.stdout}{dec.stderr}")
+
+    def _write_conf(self) -> None:
+        ctld_port, slurmd_port = _free_ports(2)
+        r = self.root
+        user = "root" if os.geteuid() == 0 else os.environ.get("USER", "root")
+        self.conf.write_text(f"""\
+# written by tests/helpers/slurm_cluster.py: one node, no cgroups, no accounting
+ClusterName=dsparktest
+SlurmctldHost={self.host}(127.0.0.1)
+SlurmUser={user}
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire_s}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+MpiDefault=none
+JobRequeue=1
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+KillWait=30
+MinJobAge=600
+InactiveLimit=0
+SlurmctldTimeout=60
+SlurmdTimeout=60
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}
+SlurmctldPidFile={self.pid_files["slurmctld"]}
+SlurmdPidFile={self.pid_files["slurmd"]}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / "slurmd.log"}
+NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.real_memory_mb} State=UNKNOWN
+PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def stop(self) -> None:
+        """Cancel what still runs, then stop the daemons by their pid files."""
+        if self.conf.exists() and self.pid_files["slurmctld"].exists():
+            subprocess.run(
+                ["scancel", "--full", "--user", str(os.geteuid())],
+                env=self.env,
+                capture_output=True,
+                timeout=30,
+            )
+        for name in ("slurmd", "slurmctld", "munged"):
+            path = self.pid_files[name]
+            try:
+                pid = int(path.read_text().strip())
+            except (OSError, ValueError):
+                continue
+            _terminate(pid)
+
+    def log_tail(self, daemon: str, lines: int = 30) -> str:
+        path = self.root / "log" / f"{daemon}.log"
+        if not path.exists():
+            return f"({path} does not exist)"
+        return f"--- {path} ---\n" + "\n".join(path.read_text().splitlines()[-lines:])
+
+    # ---- jobs ----------------------------------------------------------------------------------
+    def sbatch(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 600,
+    ) -> tuple[int, subprocess.CompletedProcess]:
+        """`sbatch --parsable <args>`; returns (job id, the finished sbatch process). With
+        `--wait` in args it returns when the job (and every requeue of it) has ended."""
+        full_env = self.env
+        full_env.update(env or {})
+        proc = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            cwd=cwd,
+            timeout=timeout,
+        )
+        first = proc.stdout.strip().splitlines()[:1]
+        if not first or not first[0].split(";")[0].isdigit():
+            raise RuntimeError(
+                f"sbatch {' '.join(args)} failed ({proc.returncode}): {proc.stderr}{proc.stdout}"
+            )
+        return int(first[0].split(";")[0]), proc
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """`scontrol show job -o` as a dict (JobState, Restarts, ExitCode, StdOut, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", str(job_id)).strip()
+        info: dict[str, str] = {}
+        for item in out.split():
+            key, sep, value = item.partition("=")
+            if sep:
+                info[key] = value
+        return info
+
+    def wait_state(
+        self, job_id: int, states: tuple[str, ...], timeout_s: float = 300, poll_s: float = 0.3
+    ) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            time.sleep(poll_s)
+        raise TimeoutError(f"job {job_id} not in {states} after {timeout_s}s: {info}")
+
+
+def _terminate(pid: int, timeout_s: float = 15) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        # reap it if it happens to be our child (the daemons fork, so normally it is not)
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        time.sleep(0.2)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A started one-node cluster; skips (with the exact reason) where it cannot exist."""
+    why = ensure_installed()
+    if why is not None:
+        pytest.skip(f"no Slurm cluster: {why}")
+    if os.geteuid() != 0:
+        pytest.skip(
+            "no Slurm cluster: slurmd must run as root (run the test as root, as .ci/run does)"
+        )
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        cluster.start()
+    except Exception:
+        cluster.stop()
+        raise
+    yield cluster
+    cluster.stop()

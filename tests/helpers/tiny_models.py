@@ -1,0 +1,208 @@
+"""Tiny, download-free targets and tokenizers for tests (shared by every test module).
+
+Stable API (other test files rely on it):
+
+- ``build_tiny_tokenizer(out_dir, template="qwen3") -> PreTrainedTokenizerFast``: a byte-level
+  BPE tokenizer trained locally on a few strings (any text is encodable, decoding is lossless),
+  with ChatML special tokens, ``<|mask|>`` and a chat template, saved with ``save_pretrained``.
+  ``template``: ``"qwen3"`` (ChatML, Qwen3 non-thinking logic, ``{% generation %}`` markers),
+  ``"qwen3_nomarkers"`` (the same text without markers) or ``"gemma"`` (Gemma-4-style turns, no
+  markers).
+- ``build_tiny_target(out_dir, ...) -> str``: a random ``Qwen3ForCausalLM`` (hidden 32, 4 layers,
+  vocab = the tokenizer's, fp32) plus its tokenizer, saved to ``out_dir``; returns ``out_dir``.
+  Loadable with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+- ``write_chat_jsonl(path, n, layout="messages", seed=0)``: ``n`` small conversations.
+- ``QWEN3_TEMPLATE``, ``QWEN3_TEMPLATE_NO_MARKERS``, ``GEMMA_TEMPLATE``: the template strings.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|mask|>",
+    "<bos>",
+    "<|turn>",
+    "<turn|>",
+    "<think>",
+    "</think>",
+]
+
+# ChatML with Qwen3's non-thinking behaviour: the assistant turn after the last user query
+# carries an (empty) think block, earlier ones do not; the generation prompt adds the empty
+# think block when enable_thinking is false. The generation markers wrap content + <|im_end|>.
+_QWEN3 = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' or m.role == 'user' -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_query -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "GEN_OPEN{{- m.content + '<|im_end|>' -}}GEN_CLOSE{{- '\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
+)
+QWEN3_TEMPLATE = _QWEN3.replace("GEN_OPEN", "{% generation %}").replace(
+    "GEN_CLOSE", "{% endgeneration %}"
+)
+QWEN3_TEMPLATE_NO_MARKERS = _QWEN3.replace("GEN_OPEN", "").replace("GEN_CLOSE", "")
+
+# Gemma-4 style: <bos>, turns delimited by <|turn>role ... <turn|>, assistant role "model", the
+# system prompt folded into the first user turn (as Gemma templates do).
+GEMMA_TEMPLATE = (
+    "{{- '<bos>' -}}"
+    "{%- set sys = '' -%}"
+    "{%- if messages[0].role == 'system' -%}{%- set sys = messages[0].content + '\\n\\n' -%}"
+    "{%- set messages = messages[1:] -%}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- set role = 'model' if m.role == 'assistant' else m.role -%}"
+    "{{- '<|turn>' + role + '\\n' + (sys if loop.first else '') + m.content + '<turn|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|turn>model\\n' -}}{%- endif -%}"
+)
+
+TEMPLATES = {
+    "qwen3": QWEN3_TEMPLATE,
+    "qwen3_nomarkers": QWEN3_TEMPLATE_NO_MARKERS,
+    "gemma": GEMMA_TEMPLATE,
+}
+
+_CORPUS = [
+    "Hello! How are you today? I am fine, thank you.",
+    "What is 2 + 3? The answer is 5.",
+    "Write a short poem about the sea and the sky.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Explain speculative decoding: a small drafter proposes tokens, the target verifies them.",
+    "def add(a, b):\n    return a + b\n",
+    "You are a helpful assistant. Answer briefly and clearly.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+]
+
+_USER = [
+    "Hi!",
+    "What is 2 + 3?",
+    "Tell me a joke.",
+    "Name a color.",
+    "Count to five.",
+    "Write add(a, b) in python.",
+    "Why is the sky blue?",
+    "Say hello.",
+]
+_ASSISTANT = [
+    "Hello there!",
+    "2 + 3 = 5.",
+    "Why did the fox jump? To see the dog.",
+    "Blue.",
+    "1 2 3 4 5",
+    "def add(a, b):\n    return a + b",
+    "Because of scattering.",
+    "Hello!",
+]
+
+
+def build_tiny_tokenizer(out_dir: str | Path, template: str = "qwen3", vocab_size: int = 384):
+    """Train a byte-level BPE on ``_CORPUS`` and save it (with ``template``) to ``out_dir``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|mask|>"],
+    )
+    fast.chat_template = TEMPLATES[template]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_tiny_target(
+    out_dir: str | Path,
+    *,
+    template: str = "qwen3",
+    hidden_size: int = 32,
+    num_layers: int = 4,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+) -> str:
+    """Save a random tiny ``Qwen3ForCausalLM`` and its tokenizer to ``out_dir``; return the path."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out_dir = Path(out_dir)
+    tok = build_tiny_tokenizer(out_dir, template=template)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg).to(torch.float32).eval()
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def chat_rows(n: int, layout: str = "messages", seed: int = 0, system: bool = True) -> list[dict]:
+    """``n`` small conversations (1-2 user/assistant turns) in ``layout``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": "Be brief."}] if system and rng.random() < 0.5 else []
+        for _ in range(rng.choice([1, 1, 2])):
+            k = rng.randrange(len(_USER))
+            msgs += [
+                {"role": "user", "content": _USER[k]},
+                {"role": "assistant", "content": _ASSISTANT[k]},
+            ]
+        if layout == "messages":
+            rows.append({"messages": msgs})
+        elif layout == "conversations":
+            names = {"system": "system", "user": "human", "assistant": "gpt"}
+            rows.append(
+                {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in msgs]}
+            )
+        elif layout == "turns":
+            rows.append({"turns": [m["content"] for m in msgs if m["role"] == "user"]})
+        else:
+            raise ValueError(f"unknown layout {layout!r}")
+    return rows
+
+
+def write_chat_jsonl(path: str | Path, n: int, layout: str = "messages", seed: int = 0) -> str:
+    """Write ``n`` conversations to ``path`` (one JSON object per line); return the path."""
+    path = Path(path)
+    path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(n, layout, seed)))
+    return str(path)

@@ -178,6 +178,19 @@ def target_load_device(ds_config: dict, device: torch.device) -> torch.device:
     return torch.device("cpu") if zero_stage(ds_config) == 3 else device
 
 
+def join_deepspeed_comm() -> None:
+    """Hands the process group `dspark_ds.distributed.init` made to deepspeed.comm.
+
+    NOTE: zero.Init reads the world size from deepspeed.comm, which reports 1 until it knows
+    the group (the batch-size check then fails); wrapping the existing torch group makes no
+    new rendezvous and keeps its backend and device.
+    """
+    import deepspeed.comm
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
 def _shard_target(target: nn.Module, ds_config: dict):
     """ZeRO-3: partition the frozen target with an optimizer-less engine; returns the engine."""
     from deepspeed.accelerator import get_accelerator
@@ -241,6 +254,7 @@ class DrafterEngine:
 
         if (target is None) == (shared_weights is None):
             raise ValueError("DrafterEngine.build: pass exactly one of target / shared_weights")
+        join_deepspeed_comm()
         stage = zero_stage(ds_config)
         use_zero_init = (stage == 3) if zero_init is None else (zero_init and stage == 3)
         target_engine = None

@@ -34,14 +34,19 @@ def test_packaged_benchmarks_load():
                      "mt-bench": 80, "aime25": 30}  # fmt: skip
 
 
-def test_shared_copy_matches_the_packaged_one(golden_dir):
-    shared = golden_dir.parent / "data" / "eval_datasets"
-    if not shared.is_dir():
-        pytest.skip("no ../shared/data/eval_datasets")
-    for name in DEFAULT_BENCHMARKS:
-        assert load_benchmark(benchmark_path(name, shared)) == load_benchmark(
-            benchmark_path(name, None)
-        )
+def test_packaged_benchmarks_are_the_recorded_copies():
+    # the README of the datasets folder records each file's sha256 (byte-identical copies of
+    # DeepSpec's eval_datasets): an edited or truncated prompt file fails here
+    import hashlib
+    import re
+
+    folder = benchmark_path(DEFAULT_BENCHMARKS[0], None).parent
+    recorded = dict(
+        re.findall(r"\| (\S+\.jsonl) \|.*`([0-9a-f]{64})`", (folder / "README.md").read_text())
+    )
+    assert sorted(recorded) == sorted(f"{name}.jsonl" for name in DEFAULT_BENCHMARKS)
+    for name, digest in recorded.items():
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
 
 
 def test_bad_rows_name_file_and_line(tmp_path):

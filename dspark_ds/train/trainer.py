@@ -239,7 +239,7 @@ class Trainer:
             zero_init=cfg.deepspeed.zero_init,
         )
         if cfg.model.kind == "dspark":
-            from dspark_ds.perf import apply_perf_config, resolve_loss_impl
+            from dspark_ds.drafters.dspark.step import apply_perf_config, resolve_loss_impl
 
             apply_perf_config(self.engine.model, cfg.perf)
             self.loss_impl = resolve_loss_impl(self.engine.model, cfg.perf.loss_impl)

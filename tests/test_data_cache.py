@@ -167,6 +167,21 @@ def test_two_ranks_build_the_same_cache_as_one(env, built, tmp_path, monkeypatch
     assert files_of(tmp_path / "cache") == files_of(reference)
 
 
+def test_batch_shell_builds_every_shard(env, built, tmp_path, monkeypatch):
+    # The batch script of an `sbatch --ntasks 4` job sees SLURM_PROCID=0 and SLURM_NTASKS=4
+    # but is one process: it must build the whole cache, not every 4th shard (the data tools
+    # and the trainer share one rank discovery, dspark_ds.distributed).
+    reference, _ = built
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    manifest = build_cache(make_cfg(env, tmp_path / "cache"))
+    assert manifest is not None and len(manifest["shards"]) == 4
+    assert files_of(tmp_path / "cache") == files_of(reference)
+
+
 def test_build_refuses_a_directory_of_another_build(env, built):
     cache_dir, _ = built
     cfg = make_cfg(env, cache_dir)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark_ds.distributed import discover, prepare_env, slurm_default_port
+from dspark_ds.distributed import discover, prepare_env, rank_and_world, slurm_default_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,10 +60,16 @@ def test_srun_defaults_head_node_and_job_port():
     assert info.master_port == slurm_default_port("1234") == 20000 + 1234
 
 
-def test_batch_shell_is_a_world_of_one():
+def test_batch_shell_is_a_world_of_one(monkeypatch):
     # NOTE: python run directly in the batch script must not wait for 3 peers
     info = discover(dict(BATCH_SHELL))
     assert (info.launcher, info.rank, info.world_size) == ("single", 0, 1)
+    # ...and the data tools' view (no process group) is the same world
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in BATCH_SHELL.items():
+        monkeypatch.setenv(k, v)
+    assert rank_and_world() == (0, 1)
 
 
 def test_mpi_is_left_to_deepspeed_discovery():

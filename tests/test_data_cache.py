@@ -34,7 +34,7 @@ def env(tmp_path_factory):
     jsonl = write_chat_jsonl(root / "chat.jsonl", 14, seed=1)
     prepare(
         PrepareConfig(
-            data=DataConfig(paths=[jsonl], tokenizer=target, max_length=48),
+            data=DataConfig(paths=[jsonl], tokenizer=target, max_length=64),
             output_dir=str(root / "prep"),
         )
     )

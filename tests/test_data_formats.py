@@ -62,7 +62,7 @@ def test_prepare_writes_a_store_that_matches_in_memory_tokenisation(tmp_path):
     src = write_chat_jsonl(tmp_path / "a.jsonl", 12)
     with open(src, "a") as f:
         f.write("garbage\n")
-    data = DataConfig(paths=[src], tokenizer=str(tmp_path / "tok"), max_length=40)
+    data = DataConfig(paths=[src], tokenizer=str(tmp_path / "tok"), max_length=56)
     with pytest.raises(DataError, match=r"a\.jsonl:13"):
         prepare(PrepareConfig(data=data, output_dir=str(tmp_path / "prep")))
     data.skip_bad_rows = True
@@ -70,8 +70,9 @@ def test_prepare_writes_a_store_that_matches_in_memory_tokenisation(tmp_path):
     assert counts["bad_rows"] == 1 and counts["truncated"] > 0
     assert counts["samples"] + counts["skipped_few_loss_tokens"] == 12 and counts["samples"] > 3
     store = TokenStore.load(tmp_path / "prep")
-    assert len(store) == counts["samples"] and max(store.lengths) == 40
-    assert store.meta["pad_token_id"] == 0 and store.meta["generation_markers"]
+    assert len(store) == counts["samples"] and max(store.lengths) == 56
+    assert store.meta["pad_token_id"] == 0 and store.meta["chat_format"] == "deepspec"
+    assert not store.meta["generation_markers"]  # the reference's rule ignores the markers
     s = store[3]
     assert s["input_ids"].dtype == s["loss_mask"].dtype and len(s["input_ids"]) == store.lengths[3]
     assert 0 < int(s["loss_mask"].sum()) < len(s["loss_mask"])

@@ -37,8 +37,17 @@ class DataConfig:
     """Shuffling seed; the order depends only on (seed, epoch, rank, world size)."""
     length_grouping: int = 64
     """Length-aware batching: sort windows of this many global batches by length (1 = off)."""
+    chat_format: Literal["deepspec", "answer_only"] = "deepspec"
+    """Training text and loss mask. deepspec: the reference implementation's, so τ compares with
+    the paper's (Qwen3/ChatML: the default system prompt "You are a helpful assistant." and a
+    mask from after `<|im_start|>assistant\n` through `<|im_end|>\n`, the empty think block
+    included; Gemma4: answers behind the empty thought channel, mask through `<turn|>\n`).
+    answer_only: no default system prompt, the mask covers each answer and its end-of-turn token
+    only (the chat template's {% generation %} markers when it has them)."""
     system_prompt: str | None = None
-    """System prompt added to conversations that have none (None = none added)."""
+    """System prompt added to conversations that have none (None = the chat format's default:
+    deepspec adds "You are a helpful assistant." to ChatML conversations, answer_only none).
+    Regeneration prompts get only this one."""
     enable_thinking: bool = False
     """Passed to the chat template (Qwen3: False renders the non-thinking form)."""
     min_loss_tokens: int = 2
@@ -62,6 +71,10 @@ class DataConfig:
                 raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        if self.chat_format not in ("deepspec", "answer_only"):
+            raise ValueError(
+                f"data.chat_format must be deepspec | answer_only, got {self.chat_format!r}"
+            )
         if self.cache_dtype not in CACHE_DTYPES:
             raise ValueError(
                 f"data.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}"

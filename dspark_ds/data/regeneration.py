@@ -195,7 +195,11 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         .eval()
     )
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, cfg.target.trust_remote_code)
-    chat = ChatTokenizer(tok, cfg.data.max_length, cfg.data.enable_thinking, cfg.data.system_prompt)
+    # Only prompts are rendered here (no loss mask), with the data's own system prompt.
+    chat = ChatTokenizer(
+        tok, cfg.data.max_length, cfg.data.enable_thinking, cfg.data.system_prompt,
+        chat_format="answer_only",
+    )  # fmt: skip
     gen = _Generator(cfg, chat, model, device)
 
     stats = ReadStats()

@@ -125,7 +125,9 @@ def tokenize_conversations(
 ) -> tuple[TokenStore, dict]:
     """Read + normalise + tokenise ``cfg.paths`` → (TokenStore, counts)."""
     tok = load_tokenizer(tokenizer_path)
-    chat = ChatTokenizer(tok, cfg.max_length, cfg.enable_thinking, cfg.system_prompt)
+    chat = ChatTokenizer(
+        tok, cfg.max_length, cfg.enable_thinking, cfg.system_prompt, chat_format=cfg.chat_format
+    )
     stats = ReadStats()
     samples, too_short, truncated = [], 0, 0
     rows = read_conversations(cfg.paths, cfg.skip_bad_rows, stats)
@@ -145,6 +147,7 @@ def tokenize_conversations(
         "max_length": cfg.max_length,
         "enable_thinking": cfg.enable_thinking,
         "system_prompt": cfg.system_prompt,
+        "chat_format": cfg.chat_format,
         "generation_markers": chat.use_markers,
         "pad_token_id": int(pad_id if pad_id is not None else 0),
         "vocab_size": len(tok),

@@ -94,3 +94,22 @@ def test_drafter_shares_target_embedding_and_head(target_dir):
     trainable = {id(p) for p in drafter.parameters() if p.requires_grad}
     assert id(target.embed_weight) not in trainable and len(trainable) > 0
     assert isinstance(target, FrozenTarget)
+
+
+def test_final_layer_id_is_the_normed_state_in_training_and_evaluation(target_dir):
+    """Id L-1 is HF's hidden_states[L] (normed) in both the training tap and the evaluation tap,
+    not the raw output of the last decoder layer (what the reference's cache stores)."""
+    from dspark_ds.eval.target_step import TargetDecoder
+
+    target = load_target(TargetConfig(path=target_dir, layer_ids=[0, 3], dtype="float32"))
+    ids = torch.randint(4, 300, (1, 11), generator=torch.Generator().manual_seed(1))
+    raw = {}
+    handle = target.decoder.layers[3].register_forward_hook(
+        lambda _m, _i, out: raw.setdefault("out", out[0] if isinstance(out, tuple) else out)
+    )
+    train_features, last = target(ids)
+    handle.remove()
+    eval_features = TargetDecoder(target.model, [0, 3]).forward(ids).features_LnH
+    torch.testing.assert_close(eval_features, train_features, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(train_features[..., 32:], last, rtol=0, atol=0)
+    assert not torch.allclose(train_features[..., 32:], raw["out"], atol=1e-3)

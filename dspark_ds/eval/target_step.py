@@ -35,12 +35,16 @@ def check_drafter_matches_target(target, drafter) -> None:
         raise ValueError(
             f"drafter target_layer_ids {layer_ids} out of range for {num_layers} layers"
         )
-    # NOTE: HF's hidden_states[L] is the final *normed* state, not the raw output of layer L-1
-    # that the training cache taps, so a drafter trained on layer L-1 would see other features.
+    # NOTE: id L-1 means two things. Here and in training (target.py) it is HF's
+    # hidden_states[L], the final *normed* state, so dspark-ds agrees with itself; but the
+    # reference implementation's cache stores the raw output of decoder layer L-1. A checkpoint
+    # tapping L-1 is therefore ambiguous across the interchange format, and (as spec §1 and the
+    # reference's evaluator do) evaluation refuses it.
     if num_layers - 1 in layer_ids:
         raise ValueError(
             f"drafter target_layer_ids {layer_ids} include the target's final layer {num_layers - 1}"
-            "; Hugging Face returns it normed at evaluation, which the drafter was not trained on"
+            ", whose features differ between dspark-ds (normed) and the reference (raw); use an "
+            "earlier layer"
         )
     if int(d_cfg.vocab_size) != int(t_cfg.vocab_size):
         raise ValueError(

@@ -190,6 +190,15 @@ def test_one_rank_equals_two_ranks(runs):
         torch.testing.assert_close(two[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
     one, two = runs["res"]["eq_ref"]["losses"][1], runs["res"]["eq_z3"]["losses"][1]
     assert one == pytest.approx(two, rel=1e-6)
+    # The anchor sampler's statistics are means over the global batch, whatever the world size.
+    client = mlflow_client(runs["out"])
+    for key in ("valid_anchors_abs", "sampled_anchors_ratio", "block_supervised_tokens_abs"):
+        a, b = (
+            client.get_metric_history(runs["res"][name]["mlflow_run_id"], f"train/{key}")
+            for name in ("eq_ref", "eq_z3")
+        )
+        assert len(a) == len(b) == 1 and a[0].value == pytest.approx(b[0].value), key
+        assert a[0].value > 0, key
 
 
 def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
@@ -214,6 +223,9 @@ def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
         "train/l1_loss",
         "train/tau_probabilistic",
         "train/lr",
+        "train/valid_anchors_abs",
+        "train/sampled_anchors_abs",
+        "train/block_supervised_tokens_ratio",
         "system/tokens_per_s",
         "system/peak_memory_mb",
         "val/loss",

@@ -25,6 +25,7 @@ from dspark_ds import distributed
 from dspark_ds.config import TrainRunConfig, dump_config, flatten
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_config, build_draft_model, sample_anchor_positions
+from dspark_ds.drafters.common.blocks import SAMPLER_STATS, sampler_stat_sums
 from dspark_ds.drafters.io import draft_config_dict
 from dspark_ds.train import checkpoint as ckpt
 from dspark_ds.train.batches import build_batch_source
@@ -211,6 +212,8 @@ class Trainer:
         self.val_start = self.val_source.state_dict() if self.val_source is not None else None
 
         self.grad_accum = int(self.ds_config["gradient_accumulation_steps"])
+        # Window sums of the anchor sampler's statistics, then the sample count (logged, reset).
+        self.sampler_sums = [0.0] * (len(SAMPLER_STATS) + 1)
         self.steps_per_epoch = len(self.source) // self.grad_accum
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -437,6 +440,13 @@ class Trainer:
         )
         from dspark_ds.drafters.dspark.step import forward_and_loss
 
+        if self.engine.model.training:  # the reference's sampler statistics (train/* only)
+            sums = sampler_stat_sums(
+                batch["loss_mask"].cpu(), anchors.cpu(), keep.cpu(),
+                num_anchors=self.draft_config.num_anchors,
+                block_size=self.draft_config.block_size,
+            )  # fmt: skip
+            self.sampler_sums = [a + b for a, b in zip(self.sampler_sums, sums)]
         inputs = {k: batch[k].to(self.engine.device) for k in BATCH_KEYS}
         inputs.update(anchor_positions=anchors, block_keep_mask=keep)
         m = self.cfg.model
@@ -536,9 +546,16 @@ class Trainer:
                         tau=f"{step_metrics.get('tau_probabilistic', 0):.2f}",
                     )
                 if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
-                    all_tokens, all_samples = distributed.all_reduce_values([tokens, samples])
+                    all_tokens, all_samples, *sampler = distributed.all_reduce_values(
+                        [tokens, samples, *self.sampler_sums]
+                    )
                     elapsed = max(time.perf_counter() - t0, 1e-9)
                     logged = {f"train/{k}": v / window_steps for k, v in window.items()}
+                    if sampler[-1] > 0:  # samples seen by the anchor sampler (DSpark / DFlash)
+                        logged.update(
+                            {f"train/{k}": v / sampler[-1] for k, v in zip(SAMPLER_STATS, sampler)}
+                        )
+                    self.sampler_sums = [0.0] * (len(SAMPLER_STATS) + 1)
                     logged.update(
                         {
                             "train/lr": lr,

@@ -164,3 +164,55 @@ class DraftKVCache:
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is not None:
                 self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
+
+
+# The reference's sampler statistics (per-sample means; logged as train/<name>).
+SAMPLER_STATS = (
+    "valid_anchors_abs",
+    "valid_anchors_ratio",
+    "sampled_anchors_abs",
+    "sampled_anchors_ratio",
+    "block_supervised_tokens_abs",
+    "block_supervised_tokens_ratio",
+)
+
+
+@torch.no_grad()
+def sampler_stat_sums(
+    loss_mask: torch.Tensor,
+    anchor_positions: torch.Tensor,
+    block_keep_mask: torch.Tensor,
+    *,
+    num_anchors: int,
+    block_size: int,
+) -> list[float]:
+    """Sums over the samples of a micro-batch of each `SAMPLER_STATS` entry, then the sample
+    count: divide the first six by the last (summed over micro-batches and ranks) for the means.
+
+    Per sample: valid anchors (candidates, spec §3) and that count over the batch's padded
+    length S; sampled anchors (kept blocks) and that count over `num_anchors`; supervised slots
+    per kept block (the eval mask's prefix length) and that over γ.
+    """
+    seq_len = loss_mask.shape[1]
+    valid = build_anchor_candidate_mask(loss_mask).sum(dim=1).double()
+    sampled = block_keep_mask.sum(dim=1).double()
+    label_idx, safe_idx = build_label_indices(
+        anchor_positions, block_keep_mask, block_size=block_size, seq_len=seq_len
+    )
+    eval_mask = build_eval_mask(
+        seq_len=seq_len,
+        loss_mask=loss_mask,
+        label_indices=label_idx,
+        safe_label_indices=safe_idx,
+        block_keep_mask=block_keep_mask,
+    )
+    per_block = eval_mask.sum(dim=(1, 2)).double() / sampled.clamp(min=1.0)
+    return [
+        float(valid.sum()),
+        float((valid / max(seq_len, 1)).sum()),
+        float(sampled.sum()),
+        float((sampled / max(num_anchors, 1)).sum()),
+        float(per_block.sum()),
+        float((per_block / block_size).sum()),
+        float(loss_mask.shape[0]),
+    ]

@@ -215,3 +215,54 @@ def test_golden_reference_drafter_decodes(golden_dir):
         target, drafter, prompt, max_new_tokens=24, temperature=1.0, generator=g
     )
     assert stats.new_tokens == 24 and out.shape == (1, 36)
+
+
+def _oracle(monkeypatch, drafter, full):
+    """Make `drafter` propose exactly the target's greedy continuation `full`."""
+    starts = []
+    real_forward = drafter.forward_draft_block
+
+    def forward_block(**kwargs):
+        starts.append(kwargs["start"])
+        return real_forward(**kwargs)
+
+    def oracle(base_logits, **_):
+        start = starts[-1]
+        tokens = torch.tensor([full[start + 1 : start + 1 + base_logits.shape[1]]])
+        return tokens, torch.nn.functional.one_hot(tokens, base_logits.shape[-1]).float() * 50
+
+    monkeypatch.setattr(drafter, "forward_draft_block", forward_block)
+    monkeypatch.setattr(drafter, "sample_draft_tokens", oracle)
+
+
+@pytest.mark.parametrize(
+    "budget,exact_rounds,reference_rounds",
+    [(10, [5, 4], [5, 5]), (6, [5], [5, 5]), (1, [], [5])],
+)
+def test_reference_budget_accounting(target, monkeypatch, budget, exact_rounds, reference_rounds):
+    """The reference's loop runs while at most `budget` tokens exist, with uncut proposals, and
+    counts every round in τ; the output is trimmed to the budget either way."""
+    drafter = random_drafter(target, markov_rank=8, block_size=4)
+    prompt = _prompt(0)
+    full = target_generate(target, prompt, max_new_tokens=40)[0].tolist()
+    _oracle(monkeypatch, drafter, full)
+    for accounting, rounds in (("exact", exact_rounds), ("reference", reference_rounds)):
+        out, stats = speculative_generate(
+            target, drafter, prompt, max_new_tokens=budget, budget_accounting=accounting
+        )
+        assert out[0].tolist() == full[: prompt.shape[1] + budget], accounting
+        assert stats.committed_per_round == rounds, accounting
+        assert stats.new_tokens == budget
+    with pytest.raises(ValueError, match="budget_accounting"):
+        speculative_generate(target, drafter, prompt, max_new_tokens=4, budget_accounting="x")
+
+
+def test_reference_budget_is_lossless_with_a_real_drafter(target):
+    drafter = random_drafter(target, markov_rank=8, block_size=4, markov_std=0.5)
+    for seed in range(2):
+        prompt = _prompt(seed)
+        out, stats = speculative_generate(
+            target, drafter, prompt, max_new_tokens=23, budget_accounting="reference"
+        )
+        assert out.tolist() == _hf_greedy(target, prompt, 23).tolist()
+        assert sum(stats.committed_per_round) + 1 > 23  # the last round overshoots, then trims

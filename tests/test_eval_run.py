@@ -17,6 +17,7 @@ from dspark_ds.eval.benchmarks import (
     benchmark_path,
     encode_prompt,
     load_benchmark,
+    num_prompts,
     select_prompts,
     shard,
 )
@@ -70,6 +71,28 @@ def test_prompt_selection_and_sharding():
     parts = [shard(picked, r, 3) for r in range(3)]
     assert sorted(i for part in parts for i, _ in part) == list(range(7))
     assert all(picked[i] == item for part in parts for i, item in part)
+
+
+def test_paper_protocol_is_the_default():
+    """2048 new tokens, the reference's seed and per-benchmark sizes, and the same prompt subsets
+    as its evaluation script (shuffle the rows with random.Random(seed), keep the first n)."""
+    import random
+
+    cfg = EvalConfig()
+    assert (cfg.max_new_tokens, cfg.seed, cfg.max_samples) == (2048, 980406, None)
+    assert cfg.temperature == 1.0 and cfg.budget_accounting == "exact"
+    sizes = {name: num_prompts(name, None) for name in DEFAULT_BENCHMARKS}
+    assert sizes == {"gsm8k": 500, "math500": 500, "humaneval": 164, "mbpp": 256,
+                     "mt-bench": 80, "aime25": 30}  # fmt: skip
+    assert num_prompts("my-set", None) is None and num_prompts("gsm8k", 7) == 7
+    for name in ("gsm8k", "mbpp"):
+        rows = load_benchmark(benchmark_path(name, None))
+        reference = list(rows)
+        random.Random(cfg.seed).shuffle(reference)
+        picked = select_prompts(rows, sizes[name], cfg.seed)
+        assert sorted(map(tuple, picked)) == sorted(map(tuple, reference[: sizes[name]]))
+    with pytest.raises(ValueError, match="eval.budget_accounting"):
+        EvalConfig(target="t", drafter="d", budget_accounting="paper").validate()
 
 
 def test_prompts_are_chat_templated(tmp_path):

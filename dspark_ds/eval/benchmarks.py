@@ -11,6 +11,27 @@ import torch
 # The paper's Table 1 sets shipped with the package (see datasets/README.md for provenance).
 PACKAGED_DATA_DIR = Path(__file__).parent / "datasets"
 DEFAULT_BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "aime25")
+# Prompts per benchmark in the reference's evaluation script (a seeded subset where a file holds
+# more): the sizes behind the paper's Table 1. Other benchmarks use every row.
+PAPER_SAMPLES = {
+    "gsm8k": 500,
+    "math500": 500,
+    "aime25": 30,
+    "humaneval": 164,
+    "mbpp": 256,
+    "livecodebench": 500,
+    "mt-bench": 80,
+    "alpaca": 500,
+    "arena-hard-v2": 500,
+}
+# The reference's evaluation seed (prompt subsets and sampling).
+PAPER_SEED = 980406
+
+
+def num_prompts(name: str, max_samples: int | None) -> int | None:
+    """Prompts to decode from benchmark `name`: `max_samples`, or the paper's size when None
+    (None again, = every row, for a benchmark the paper does not list)."""
+    return PAPER_SAMPLES.get(name) if max_samples is None else max_samples
 
 
 def benchmark_path(name: str, data_dir: str | Path | None) -> Path:

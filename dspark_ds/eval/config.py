@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from dspark_ds.config import TrackingConfig
-from dspark_ds.eval.benchmarks import DEFAULT_BENCHMARKS
+from dspark_ds.eval.benchmarks import DEFAULT_BENCHMARKS, PAPER_SEED
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -55,10 +56,17 @@ class EvalConfig:
     """Benchmark names: `<data_dir>/<name>.jsonl` files in the {"turns": [...]} layout."""
     data_dir: str | None = None
     """Folder of the benchmark jsonl files; None = the copies shipped with the package."""
-    max_samples: int | None = 50
-    """Prompts per benchmark (a seeded random subset); None = all."""
-    max_new_tokens: int = 1024
-    """Generation budget per prompt."""
+    max_samples: int | None = None
+    """Prompts per benchmark (a seeded random subset); None = the paper's evaluation sizes
+    (gsm8k 500, math500 500, aime25 30, humaneval 164, mbpp 256, livecodebench 500, mt-bench 80,
+    alpaca 500, arena-hard-v2 500; every row of other benchmarks)."""
+    max_new_tokens: int = 2048
+    """Generation budget per prompt (the paper's: 2048)."""
+    budget_accounting: Literal["exact", "reference"] = "exact"
+    """exact: never verify past the budget (the last round's proposal is cut to the tokens left).
+    reference: as the reference's evaluation, proposals are never cut for the budget; rounds run
+    until the output is longer than max_new_tokens, the output is trimmed, and every round counts
+    in τ (use it to compare τ with the paper's tables)."""
     temperature: float = 1.0
     """Sampling temperature; 0 = greedy. The paper's Table 1 reports T = 1."""
     confidence_threshold: float = 0.0
@@ -66,8 +74,9 @@ class EvalConfig:
     Calibration and the threshold sweep need 0 (uncut proposals)."""
     chat_template_kwargs: dict = field(default_factory=lambda: {"enable_thinking": False})
     """Extra arguments of tokenizer.apply_chat_template (Qwen3: non-thinking, as in training)."""
-    seed: int = 0
-    """Seeds the prompt subset and each prompt's sampling generator (seed + prompt index)."""
+    seed: int = PAPER_SEED
+    """Seeds the prompt subset and each prompt's sampling generator (seed + prompt index);
+    the default is the reference's evaluation seed."""
     dtype: str = "auto"
     """Compute dtype of target and drafter: auto (bfloat16 on CUDA, float32 on CPU) | float32 |
     bfloat16 | float16."""
@@ -103,6 +112,10 @@ class EvalConfig:
             raise ValueError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}")
         if self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.budget_accounting not in ("exact", "reference"):
+            raise ValueError(
+                f"eval.budget_accounting must be exact | reference, got {self.budget_accounting!r}"
+            )
         if self.temperature < 0:
             raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
         if not 0.0 <= self.confidence_threshold <= 1.0:

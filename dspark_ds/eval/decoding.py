@@ -94,6 +94,7 @@ def speculative_generate(
     confidence_threshold: float = 0.0,
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | None = None,
+    budget_accounting: str = "exact",
 ) -> tuple[torch.Tensor, DecodeStats]:
     """Lossless speculative decoding of one prompt.
 
@@ -101,8 +102,14 @@ def speculative_generate(
     decoding of `target`; at T > 0 it has the distribution of sampling from `target` at T.
     `confidence_threshold` > 0 cuts each proposal at the first slot whose confidence
     (after the drafter's sequential temperature scaling, when its config has one) is below it.
+    `budget_accounting`: "exact" never verifies past `max_new_tokens`; "reference" (DeepSpec's
+    evaluation) never cuts a proposal for the budget and runs rounds until the output is longer
+    than the budget, then trims it: every round, the last one's overshoot included, counts in τ.
     """
     _check_args(input_ids, max_new_tokens, temperature, confidence_threshold)
+    if budget_accounting not in ("exact", "reference"):
+        raise ValueError(f"budget_accounting must be exact | reference, got {budget_accounting!r}")
+    exact = budget_accounting == "exact"
     check_drafter_matches_target(target, drafter)
     cfg = drafter.config
     block_size = int(cfg.block_size)
@@ -125,9 +132,11 @@ def speculative_generate(
     # NOTE: Eagle3 drafters have no MASK token; their rounds only read block_ids_1G[0, 0].
     mask_id = int(getattr(cfg, "mask_token_id", 0))
     block_ids_1G = torch.full((1, block_size), mask_id, dtype=torch.long, device=device)
-    while new_tokens[-1] not in stops and len(new_tokens) < max_new_tokens:
+    while new_tokens[-1] not in stops and len(new_tokens) < max_new_tokens + (not exact):
         start = prompt_len + len(new_tokens) - 1  # position of x_start, the last committed token
         x_start = new_tokens[-1]
+        # Exact: the round commits at most num_proposed + 1 tokens, so never verify past the budget.
+        room = max_new_tokens - len(new_tokens) - 1 if exact else block_size
 
         t0 = time.perf_counter()
         block_ids_1G[0, 0] = x_start
@@ -136,7 +145,7 @@ def speculative_generate(
         ):  # the Eagle3 baseline drafts autoregressively (drafters/eagle3/model.py)
             drafts_1G, draft_logits_1GV = eagle3_propose(
                 drafter, input_ids, new_tokens, context_1CnH, start, draft_cache,
-                max(1, min(block_size, max_new_tokens - len(new_tokens) - 1)),
+                max(1, min(block_size, room)),
                 temperature, generator, stops,
             )  # fmt: skip
             conf_1G = None
@@ -159,8 +168,7 @@ def speculative_generate(
         num_proposed = drafts_1G.shape[1]  # Eagle3 may stop early at a stop token
         if conf_1G is not None and confidence_threshold > 0.0:
             num_proposed = _confident_prefix(conf_1G[0], temps_G, confidence_threshold)
-        # Never verify past the budget: the round commits at most num_proposed + 1 tokens.
-        num_proposed = min(num_proposed, max_new_tokens - len(new_tokens) - 1)
+        num_proposed = min(num_proposed, room)
         drafts_M = drafts_1G[0, :num_proposed]
         _sync(device)
         stats.draft_time_s += time.perf_counter() - t0

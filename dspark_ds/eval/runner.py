@@ -22,6 +22,7 @@ from dspark_ds.eval.benchmarks import (
     benchmark_path,
     encode_prompt,
     load_benchmark,
+    num_prompts,
     select_prompts,
     shard,
 )
@@ -86,7 +87,9 @@ def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> li
     results: list[PromptResult] = []
     for b, name in enumerate(cfg.benchmarks):
         rows = select_prompts(
-            load_benchmark(benchmark_path(name, cfg.data_dir)), cfg.max_samples, cfg.seed
+            load_benchmark(benchmark_path(name, cfg.data_dir)),
+            num_prompts(name, cfg.max_samples),
+            cfg.seed,
         )
         mine = shard(rows, rank, world)
         for index, turns in tqdm(mine, desc=f"eval {name}", disable=rank != 0, unit="prompt"):
@@ -97,7 +100,7 @@ def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> li
                 target, drafter, input_ids,
                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                 confidence_threshold=cfg.confidence_threshold, generator=generator,
-                stop_token_ids=stops,
+                stop_token_ids=stops, budget_accounting=cfg.budget_accounting,
             )  # fmt: skip
             baseline_s = None
             if cfg.measure_baseline:

@@ -98,3 +98,60 @@ def verify_sampled(
     else:
         next_probs_V = target_probs_M1V[num_drafts]
     return num_accepted, sample_from_probs(next_probs_V, generator)
+
+
+# ---- several rows at once (eval/batched.py) ------------------------------------------------------
+# Legend: R rows, M drafts verified per row (row r is judged on its first m_r <= M only).
+
+
+def verify_greedy_batch(
+    drafts_RM: torch.Tensor, num_R: torch.Tensor, target_logits_RM1V: torch.Tensor
+) -> tuple[list[int], list[int]]:
+    """Greedy verification of R rows: (accepted per row, next token per row)."""
+    argmax_RM1 = target_logits_RM1V.argmax(dim=-1)
+    M = drafts_RM.shape[1]
+    slots = torch.arange(M, device=drafts_RM.device)
+    ok_RM = (drafts_RM == argmax_RM1[:, :M]) & (slots.unsqueeze(0) < num_R.unsqueeze(1))
+    accepted_R = ok_RM.long().cumprod(dim=1).sum(dim=1)
+    next_R = argmax_RM1.gather(1, accepted_R.unsqueeze(1)).squeeze(1)
+    return accepted_R.tolist(), next_R.tolist()
+
+
+def residual_distributions(target_probs_RV: torch.Tensor, draft_probs_RV: torch.Tensor):
+    """Row-wise `residual_distribution`: norm(max(0, p_t - p_d)), p_t where that is empty."""
+    residual = torch.clamp(target_probs_RV - draft_probs_RV, min=0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    empty = mass <= _RESIDUAL_EPS
+    return torch.where(empty, target_probs_RV, residual / mass.clamp_min(_RESIDUAL_EPS))
+
+
+def verify_sampled_batch(
+    drafts_RM: torch.Tensor,
+    num_R: torch.Tensor,
+    draft_probs_RMV: torch.Tensor | None,
+    target_probs_RM1V: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[list[int], list[int]]:
+    """Rejection sampling of R rows at once (the rule of `verify_sampled`, row by row)."""
+    rows, M = drafts_RM.shape
+    device = target_probs_RM1V.device
+    if M:
+        index = drafts_RM.unsqueeze(-1)
+        p_target = target_probs_RM1V[:, :M].gather(-1, index).squeeze(-1)
+        p_draft = draft_probs_RMV.gather(-1, index).squeeze(-1)
+        accept_prob = torch.clamp(p_target / p_draft.clamp_min(1e-20), max=1.0)
+        uniform = torch.rand(rows, M, generator=generator, device=device)
+        slots = torch.arange(M, device=device).unsqueeze(0)
+        ok = (uniform < accept_prob) & (slots < num_R.unsqueeze(1))
+        accepted_R = ok.long().cumprod(dim=1).sum(dim=1)
+    else:
+        accepted_R = torch.zeros(rows, dtype=torch.long, device=device)
+    rows_R = torch.arange(rows, device=device)
+    next_probs = target_probs_RM1V[rows_R, accepted_R]
+    rejected = accepted_R < num_R
+    if bool(rejected.any()):
+        slot = accepted_R.clamp(max=max(M - 1, 0))
+        residual = residual_distributions(next_probs, draft_probs_RMV[rows_R, slot])
+        next_probs = torch.where(rejected.unsqueeze(1), residual, next_probs)
+    next_R = torch.multinomial(next_probs, 1, generator=generator).squeeze(1)
+    return accepted_R.tolist(), next_R.tolist()

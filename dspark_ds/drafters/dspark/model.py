@@ -381,6 +381,40 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         h = self.embed_tokens(block_input_ids)
         return self.backbone(h, ctx, ctx_pos, draft_pos, mask=None, cache=cache)
 
+    def extend_context(
+        self, context_features: torch.Tensor, positions: torch.Tensor, cache: DraftKVCache
+    ) -> None:
+        """Append verified context to the cache without drafting (batched decoding).
+
+        context_features [B, L, n*H] at RoPE `positions` [B, L]: every layer's context keys /
+        values come from the same projected context C (spec §2), so no block has to run.
+        """
+        ctx = self.project_context(context_features)
+        rope = self.rotary_emb(ctx, positions)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k, v = attn.project_kv(ctx)
+            cache.append(i, attn.rope(k, rope), v)
+
+    def draft_block_from_cache(
+        self,
+        block_input_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        cache: DraftKVCache,
+        key_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One draft round per row against context already in the cache (batched decoding).
+
+        block_input_ids / block_positions [B, G]; key_mask [B, cache.seq_length] marks the
+        cached context each row may see (rows are left-padded). Returns normed hidden [B, G, H].
+        """
+        bsz, q_len = block_input_ids.shape
+        h = self.embed_tokens(block_input_ids)
+        no_ctx = h.new_zeros(bsz, 0, h.shape[-1])
+        own_block = key_mask.new_ones(bsz, q_len)
+        mask = torch.cat([key_mask.bool(), own_block.bool()], dim=1)[:, None, None, :]
+        return self.backbone(h, no_ctx, block_positions[:, :0], block_positions, mask, cache)
+
     def sample_draft_tokens(
         self,
         base_logits: torch.Tensor,

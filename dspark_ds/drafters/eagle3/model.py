@@ -417,17 +417,27 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         return DraftKVCache(len(self.layers))
 
     def extend(
-        self, hidden: torch.Tensor, token_ids: torch.Tensor, cache: DraftKVCache
+        self,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        cache: DraftKVCache,
+        positions: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Appends L positions (cache.seq_length ..) to the cache, causally; -> raw hidden [B,L,H].
 
         `hidden` [B, L, H] is the step input (projected target features, or the drafter's own
-        previous output); `token_ids` [B, L] the token that FOLLOWS each position.
+        previous output); `token_ids` [B, L] the token that FOLLOWS each position. Batched
+        decoding (left-padded rows) passes the RoPE `positions` [B, L] and `key_mask`
+        [B, cache.seq_length + L], the keys each row may see (the causal rule still applies).
         """
         bsz, q_len = token_ids.shape
         cached = cache.seq_length
         device = token_ids.device
         mask = causal_cache_mask(q_len, cached, device) if q_len > 1 else None
+        if key_mask is not None:
+            rows = key_mask.bool()[:, None, None, :]
+            mask = rows if mask is None else mask & rows
 
         def make_attend(layer_idx: int, scaling: float) -> AttendFn:
             def attend_fn(q, k, v):
@@ -439,7 +449,8 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         attend_fns = [
             make_attend(i, layer.self_attn.scaling) for i, layer in enumerate(self.layers)
         ]
-        positions = torch.arange(cached, cached + q_len, device=device).expand(bsz, -1)
+        if positions is None:
+            positions = torch.arange(cached, cached + q_len, device=device).expand(bsz, -1)
         return self.run_layers(self.embed_tokens(token_ids), hidden, positions, attend_fns)
 
     def propose(

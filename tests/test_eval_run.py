@@ -133,7 +133,7 @@ def setup(tmp_path_factory):
 def _cfg(root, target_dir, **kw) -> EvalConfig:
     base = dict(target=str(target_dir), drafter=str(root / "draft"), benchmarks=["chat", "math"],
                 data_dir=str(root / "data"), max_samples=5, max_new_tokens=16, temperature=0.0,
-                output_dir=str(root / "runs"))  # fmt: skip
+                output_dir=str(root / "runs"), seed=0)  # fmt: skip
     base.update(kw)
     return EvalConfig(**base)
 
@@ -233,12 +233,51 @@ def test_sts_written_to_the_drafter_and_threshold_run(setup, tmp_path):
     )
 
 
+def test_batched_run_reports_speedup_and_policies(setup, capsys):
+    """--batch_size 2 with the scheduler comparison: the same τ as batch 1 at T = 0 (same
+    acceptances), the target alone measured at the same batch size, three policies reported."""
+    root, target_dir, _ = setup
+    off = TrackingConfig(enabled=False)
+    one = run_eval(_cfg(root, target_dir, name="b1", benchmarks=["chat"], tracking=off))
+    cfg = _cfg(root, target_dir, name="b2", benchmarks=["chat"], batch_size=2, tracking=off)
+    cfg.scheduler.compare = True
+    cfg.scheduler.context_tokens = 16
+    cfg.scheduler.repeats = 1
+    two = run_eval(cfg)
+    a, b = one["benchmarks"][0], two["benchmarks"][0]
+    assert (a["tau"], a["rounds"], a["new_tokens"]) == (b["tau"], b["rounds"], b["new_tokens"])
+    assert b["baseline_tokens_per_s"] > 0 and b["speedup"] == pytest.approx(
+        b["tokens_per_s"] / b["baseline_tokens_per_s"]
+    )
+    policies = b["extra"]["policies"]
+    assert set(policies) == {"full", "threshold", "scheduler"}
+    assert policies["full"]["tau"] == pytest.approx(b["tau"])
+    assert all(p["tokens_per_s"] > 0 and p["speedup"] > 0 for p in policies.values())
+    assert policies["full"]["drafts_verified_per_round"] >= max(
+        policies["threshold"]["drafts_verified_per_round"],
+        policies["scheduler"]["drafts_verified_per_round"],
+    )
+    assert "verification policies" in capsys.readouterr().out
+    # a drafter without a confidence head cannot be scheduled
+    dflash = random_drafter(
+        __import__("transformers").AutoModelForCausalLM.from_pretrained(target_dir),
+        layer_ids=(0, 2), markov_rank=0, confidence=False,
+    )  # fmt: skip
+    save_draft_model(dflash, root / "dflash")
+    cfg = _cfg(root, target_dir, name="b3", drafter=str(root / "dflash"), batch_size=2,
+               benchmarks=["chat"], tracking=off)  # fmt: skip
+    cfg.scheduler.enabled = True
+    with pytest.raises(ValueError, match="eval.scheduler needs a drafter with a confidence head"):
+        run_eval(cfg)
+
+
 def test_bad_options_name_the_field(setup):
     root, target_dir, _ = setup
     for kw, field in ((dict(temperature=-1.0), "eval.temperature"),
                       (dict(benchmarks=[]), "eval.benchmarks"),
                       (dict(dtype="int8"), "eval.dtype"),
-                      (dict(drafter=""), "eval.drafter")):  # fmt: skip
+                      (dict(drafter=""), "eval.drafter"),
+                      (dict(batch_size=0), "eval.batch_size")):  # fmt: skip
         with pytest.raises(ValueError, match=field):
             run_eval(_cfg(root, target_dir, **kw))
 

@@ -398,7 +398,7 @@ class BatchedDecoder:
                 f"budget_accounting must be exact | reference, got {budget_accounting!r}"
             )
         self.eagle3 = drafter is not None and is_eagle3(drafter)
-        if policy != "full" and (drafter is None or drafter.confidence_head is None):
+        if policy != "full" and getattr(drafter, "confidence_head", None) is None:
             raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
         if policy == "scheduler" and sps is None:
             raise ValueError("policy 'scheduler' needs the sps cost table")
@@ -460,6 +460,7 @@ class BatchedDecoder:
     def _draft(self, active: list[_Request], caches: PaddedCaches, last_RH):
         """Drafts [R, G], their logits [R, G, V] and proposal lengths m_r (before the budget)."""
         rows = len(active)
+        self.conf_logits = None
         x_start = torch.tensor([r.new_tokens[-1] for r in active], device=self.device)
         if self.drafter is None:
             return x_start, None, None, [0] * rows
@@ -498,9 +499,12 @@ class BatchedDecoder:
             hidden_states=hidden, temperature=self.temperature, generator=self.generator,
         )  # fmt: skip
         lengths = [G] * rows
-        if self.policy != "full":
+        self.conf_logits = None
+        if self.drafter.confidence_head is not None:  # recorded for calibration
             prev = torch.cat([block[:, :1], drafts[:, :-1]], dim=1)
-            logits_RG = self.drafter.predict_confidence(hidden, prev)
+            self.conf_logits = self.drafter.predict_confidence(hidden, prev)
+        if self.policy != "full":
+            logits_RG = self.conf_logits
             if self.temps_G is not None:
                 logits_RG = logits_RG / self.temps_G.to(logits_RG.dtype)
             conf = torch.sigmoid(logits_RG).tolist()
@@ -601,6 +605,7 @@ class BatchedDecoder:
             verify_ids[:, 1:], num_R, logits, draft_logits[:, :M] if M > 0 else None
         )
         drafted = verify_ids[:, 1:].tolist()
+        conf = self.conf_logits.tolist() if self.conf_logits is not None else [[]] * rows
         keep = []
         for i, req in enumerate(active):
             num_proposed, num_accepted = lengths[i], accepted[i]
@@ -616,7 +621,7 @@ class BatchedDecoder:
             s.proposed_per_round.append(num_proposed)
             s.accepted_per_round.append(num_accepted)
             s.committed_per_round.append(len(committed))
-            s.confidence_logits_per_round.append([])
+            s.confidence_logits_per_round.append(conf[i][:num_proposed])
             keep.append(min(num_accepted, M) + 1)
         keep_R = torch.tensor(keep, device=self.device)
         appended = M + 1
@@ -658,3 +663,69 @@ def verify_sample(logits: torch.Tensor, temperature: float, generator) -> torch.
 def batched_generate(target, drafter, prompts: list[torch.Tensor], **kwargs) -> list[BatchedResult]:
     """`BatchedDecoder(target, drafter, **kwargs).run(prompts)`."""
     return BatchedDecoder(target, drafter, **kwargs).run(prompts)
+
+
+# ---- `dspark-ds eval --batch_size N` -------------------------------------------------------------
+
+
+@dataclass
+class PromptRun:
+    """One prompt under one decoding mode: its counters (with its share of the batch's time)."""
+
+    stats: DecodeStats
+
+    @property
+    def time_s(self) -> float:
+        s = self.stats
+        return s.prefill_time_s + s.draft_time_s + s.verify_time_s
+
+
+def decode_prompts(
+    cfg, target, drafter, prompts: list[torch.Tensor], seed: int, stops: list[int], sps: SPS | None
+) -> tuple[list[DecodeStats], list[PromptRun], dict[str, list[PromptRun]]]:
+    """A benchmark's prompts under `cfg` (an EvalConfig) at `cfg.batch_size`: the drafter with
+    the configured policy, the target alone, and (with `cfg.scheduler.compare`) full-γ,
+    static-threshold and scheduler runs. Each mode gets its own generator seeded with `seed`."""
+    device = next(target.parameters()).device
+
+    def run(model, policy: str, threshold: float = 0.0) -> list[BatchedResult]:
+        return batched_generate(
+            target, model, prompts, batch_size=cfg.batch_size,
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, policy=policy,
+            confidence_threshold=threshold, sps=sps,
+            generator=torch.Generator(device=device).manual_seed(seed), stop_token_ids=stops,
+            budget_accounting=cfg.budget_accounting,
+        )  # fmt: skip
+
+    if cfg.scheduler.enabled:
+        policy, threshold = "scheduler", 0.0
+    elif cfg.confidence_threshold > 0.0:
+        policy, threshold = "threshold", cfg.confidence_threshold
+    else:
+        policy, threshold = "full", 0.0
+    main = [r.stats for r in run(drafter, policy, threshold)]
+    baseline = [PromptRun(r.stats) for r in run(None, "full")]
+    policies: dict[str, list[PromptRun]] = {}
+    if cfg.scheduler.compare:
+        policies["full"] = [PromptRun(r.stats) for r in run(drafter, "full")]
+        policies["threshold"] = [
+            PromptRun(r.stats) for r in run(drafter, "threshold", cfg.scheduler.compare_threshold)
+        ]
+        policies["scheduler"] = [PromptRun(r.stats) for r in run(drafter, "scheduler")]
+    return main, baseline, policies
+
+
+def policy_summary(runs: list[PromptRun], baseline_tokens_per_s: float | None) -> dict:
+    """Throughput of one policy over a benchmark's prompts, and its speedup over the target."""
+    tokens = sum(r.stats.new_tokens for r in runs)
+    seconds = sum(r.time_s for r in runs)
+    rounds = sum(r.stats.rounds for r in runs)
+    tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
+    return {
+        "tokens_per_s": tokens_per_s,
+        "speedup": tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s else None,
+        "tau": sum(sum(r.stats.committed_per_round) for r in runs) / rounds if rounds else None,
+        "drafts_verified_per_round": (
+            sum(sum(r.stats.proposed_per_round) for r in runs) / rounds if rounds else None
+        ),
+    }

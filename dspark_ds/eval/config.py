@@ -43,6 +43,37 @@ class CalibrationConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """The paper's hardware-aware prefix scheduler (Algorithm 1) for batched evaluation."""
+
+    enabled: bool = False
+    """Choose each row's verification length with the scheduler instead of the static
+    confidence_threshold: admit drafts across the batch in descending prefix survival while the
+    expected throughput (R + Σ survival) · SPS rises. Needs a drafter with a confidence head."""
+    context_tokens: int = 512
+    """Cached positions per row while the steps-per-second table SPS(R, L) of the target is
+    profiled (once, at start, on this machine)."""
+    repeats: int = 3
+    """Timed forwards per SPS(R, L) entry (the median counts; one more warms up)."""
+    compare: bool = False
+    """Also decode every benchmark with full-γ verification and with the static threshold
+    `compare_threshold`, and report the three throughputs side by side."""
+    compare_threshold: float = 0.5
+    """The static confidence threshold of the comparison."""
+
+    def validate(self, prefix: str = "scheduler") -> None:
+        if self.context_tokens < 1 or self.repeats < 1:
+            raise ValueError(
+                f"{prefix}.context_tokens and {prefix}.repeats must be >= 1, got "
+                f"{self.context_tokens} / {self.repeats}"
+            )
+        if not 0.0 <= self.compare_threshold <= 1.0:
+            raise ValueError(
+                f"{prefix}.compare_threshold must be in [0, 1], got {self.compare_threshold}"
+            )
+
+
+@dataclass
 class EvalConfig:
     """Speculative decoding of benchmark prompts with a drafter against its target (spec §10)."""
 
@@ -84,8 +115,15 @@ class EvalConfig:
     """Device; None = cuda:LOCAL_RANK when CUDA is available, else cpu."""
     attn_implementation: str | None = "sdpa"
     """Attention kernel of the target (passed to from_pretrained)."""
+    batch_size: int = 1
+    """Prompts in flight per rank. 1 = the batch-1 loop (the reference's setting). N > 1 =
+    batched speculative decoding (finished prompts are replaced from the queue); the target alone
+    is then always decoded too, at the same batch size, for the wall-clock speedup."""
     measure_baseline: bool = False
-    """Also decode every prompt with the target alone to report tokens/s speedup."""
+    """Also decode every prompt with the target alone to report tokens/s speedup (always on
+    with batch_size > 1)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """The paper's confidence scheduler (batched evaluation)."""
     name: str = "eval"
     """Run name: results go to <output_dir>/<name>; also the default MLflow run name."""
     output_dir: str = "runs"
@@ -126,6 +164,9 @@ class EvalConfig:
             raise ValueError(f"eval.name must be a plain name, got {self.name!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"eval.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"eval.batch_size must be >= 1, got {self.batch_size}")
+        self.scheduler.validate("eval.scheduler")
         self.calibration.validate("eval.calibration")
 
 

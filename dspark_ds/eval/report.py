@@ -46,8 +46,12 @@ def summarize_benchmark(
     stats: list[DecodeStats],
     block_size: int,
     baseline_time_s: float | None = None,
+    baseline_new_tokens: int | None = None,
 ) -> BenchmarkResult:
-    """Fold per-prompt stats into one row (ratios of sums, so long prompts weigh more)."""
+    """Fold per-prompt stats into one row (ratios of sums, so long prompts weigh more).
+
+    The baseline's tokens/s counts `baseline_new_tokens` (what the target alone generated;
+    None = as many as speculative decoding, which holds at T = 0)."""
     proposed_at = [0] * block_size
     accepted_at = [0] * block_size
     for s in stats:
@@ -77,7 +81,11 @@ def summarize_benchmark(
         verify_time_s=verify_s,
         prefill_time_s=prefill_s,
         tokens_per_s=new_tokens / total_s if total_s > 0 else math.nan,
-        baseline_tokens_per_s=new_tokens / baseline_time_s if baseline_time_s else None,
+        baseline_tokens_per_s=(
+            (new_tokens if baseline_new_tokens is None else baseline_new_tokens) / baseline_time_s
+            if baseline_time_s
+            else None
+        ),
     )
 
 
@@ -111,6 +119,24 @@ def format_table(results: list[BenchmarkResult]) -> str:
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
                        enumerate(zip(row, widths))) for row in rows]  # fmt: skip
     lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def format_policy_table(results: list[BenchmarkResult]) -> str | None:
+    """Throughput per verification policy (scheduler.compare), or None when not measured."""
+    rows = [r for r in results if r.extra.get("policies")]
+    if not rows:
+        return None
+    lines = [
+        f"{'benchmark':<14} {'policy':<10} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'verified':>9}"
+    ]
+    for r in rows:
+        for name, p in r.extra["policies"].items():
+            lines.append(
+                f"{r.benchmark:<14} {name:<10} {_fmt(p['tokens_per_s'], 1):>9} "
+                f"{_fmt(p['speedup'], 2):>8} {_fmt(p['tau'], 3):>6} "
+                f"{_fmt(p['drafts_verified_per_round'], 2):>9}"
+            )
     return "\n".join(lines)
 
 

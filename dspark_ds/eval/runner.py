@@ -41,6 +41,10 @@ class PromptResult:
     """Position of the prompt in the benchmark's selected subset."""
     stats: DecodeStats
     baseline_time_s: float | None = None
+    baseline_new_tokens: int | None = None
+    """Tokens the target alone generated (batched runs; at T > 0 they differ from `stats`')."""
+    policies: dict | None = None
+    """Batched runs with scheduler.compare: policy name -> `batched.PromptRun`."""
 
 
 def _resolve_device(cfg: EvalConfig) -> torch.device:
@@ -85,6 +89,8 @@ def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> li
     rank, world = distributed.rank_and_world()
     stops = stop_token_ids(target, tokenizer)
     results: list[PromptResult] = []
+    if cfg.batch_size > 1 or cfg.scheduler.enabled or cfg.scheduler.compare:
+        return _decode_batched(cfg, target, drafter, tokenizer, device, stops)
     for b, name in enumerate(cfg.benchmarks):
         rows = select_prompts(
             load_benchmark(benchmark_path(name, cfg.data_dir)),
@@ -114,6 +120,52 @@ def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> li
                     torch.cuda.synchronize(device)
                 baseline_s = time.perf_counter() - t0
             results.append(PromptResult(name, index, stats, baseline_s))
+    return results
+
+
+def _decode_batched(cfg: EvalConfig, target, drafter, tokenizer, device, stops):
+    """`decode_benchmarks` with `cfg.batch_size` prompts in flight (eval/batched.py)."""
+    from dspark_ds.eval import batched
+
+    rank, world = distributed.rank_and_world()
+    sps = None
+    if cfg.scheduler.enabled or cfg.scheduler.compare:
+        if getattr(drafter, "confidence_head", None) is None:
+            raise ValueError(
+                "eval.scheduler needs a drafter with a confidence head (DSpark); this one "
+                f"({drafter.config.architectures[0]}) has none"
+            )
+        table = batched.profile_sps(
+            target, max_rows=cfg.batch_size, max_tokens=int(drafter.config.block_size) + 1,
+            context_tokens=cfg.scheduler.context_tokens,
+            layer_ids=[int(i) for i in drafter.config.target_layer_ids],
+            repeats=cfg.scheduler.repeats, progress=rank == 0,
+        )  # fmt: skip
+        sps = lambda rows, length: table[(rows, length)]  # noqa: E731
+    results: list[PromptResult] = []
+    for b, name in enumerate(cfg.benchmarks):
+        rows = select_prompts(
+            load_benchmark(benchmark_path(name, cfg.data_dir)),
+            num_prompts(name, cfg.max_samples),
+            cfg.seed,
+        )
+        mine = shard(rows, rank, world)
+        if not mine:
+            continue
+        if rank == 0:
+            print(f"[eval] {name}: {len(mine)} prompts, batch {cfg.batch_size}", flush=True)
+        prompts = [encode_prompt(tokenizer, turns, cfg.chat_template_kwargs) for _, turns in mine]
+        main, baseline, policies = batched.decode_prompts(
+            cfg, target, drafter, prompts, cfg.seed + 1_000_003 * b + rank, stops, sps
+        )
+        for k, (index, _) in enumerate(mine):
+            results.append(
+                PromptResult(
+                    name, index, main[k], baseline_time_s=baseline[k].time_s,
+                    baseline_new_tokens=baseline[k].stats.new_tokens,
+                    policies={p: runs[k] for p, runs in policies.items()} or None,
+                )
+            )  # fmt: skip
     return results
 
 
@@ -186,6 +238,11 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
             metrics[f"{r.benchmark}/{key}"] = getattr(r, key)
         if r.speedup is not None:
             metrics[f"{r.benchmark}/speedup"] = r.speedup
+        if r.baseline_tokens_per_s:
+            metrics[f"{r.benchmark}/baseline_tokens_per_s"] = r.baseline_tokens_per_s
+        for policy, p in r.extra.get("policies", {}).items():
+            for key in ("tokens_per_s", "speedup", "tau"):
+                metrics[f"{r.benchmark}/{policy}/{key}"] = p[key]
         for k, a in enumerate(r.accept_rate_by_position):
             if a is not None:
                 metrics[f"{r.benchmark}/accept_rate@{k}"] = a
@@ -259,13 +316,25 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
     for name in cfg.benchmarks:
         mine = [r for r in results if r.benchmark == name]
         base = [r.baseline_time_s for r in mine if r.baseline_time_s is not None]
-        rows.append(
-            report.summarize_benchmark(
-                name, [r.stats for r in mine], block_size, sum(base) if base else None
-            )
-        )
+        base_tokens = [r.baseline_new_tokens for r in mine if r.baseline_new_tokens is not None]
+        row = report.summarize_benchmark(
+            name, [r.stats for r in mine], block_size, sum(base) if base else None,
+            sum(base_tokens) if base_tokens else None,
+        )  # fmt: skip
+        row.extra["batch_size"] = cfg.batch_size
+        if mine and mine[0].policies:
+            from dspark_ds.eval.batched import policy_summary
+
+            row.extra["policies"] = {
+                p: policy_summary([r.policies[p] for r in mine], row.baseline_tokens_per_s)
+                for p in mine[0].policies
+            }
+        rows.append(row)
     calib = calibrate(cfg, drafter, results, out_dir)
     table = report.format_table(rows)
+    policies = report.format_policy_table(rows)
+    if policies:
+        table += "\n\nverification policies (same batch size, same run):\n" + policies
     print(table, flush=True)
     if calib and "raw" in calib:
         line = "confidence (held-out, cumulative): raw ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(

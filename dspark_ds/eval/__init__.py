@@ -1,6 +1,8 @@
 """Evaluation: real speculative decoding with a drafter against its target (spec §10).
 
 - `speculative_generate` / `target_generate`: the lossless decoding loop and the plain baseline.
+- `batched.batched_generate`: the same with several prompts in flight (`--batch_size`), and the
+  paper's confidence scheduler (`batched.schedule_prefixes`).
 - `run_eval(EvalConfig)`: `dspark-ds eval`, benchmarks → τ, acceptance by position, confidence
   calibration (ECE / AUROC / Brier, STS), tables, JSON / CSV, plots, MLflow.
 """

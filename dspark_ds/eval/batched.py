@@ -239,11 +239,17 @@ def _cache_kwarg(target) -> str:
 
 
 @torch.inference_mode()
-def target_forward(target, caches: PaddedCaches, ids_RL: torch.Tensor, layer_ids: list[int]):
+def target_forward(
+    target,
+    caches: PaddedCaches,
+    ids_RL: torch.Tensor,
+    layer_ids: list[int],
+    logits_to_keep: int = 0,
+):
     """Run the target on L new tokens per row, appended after the cached columns.
 
-    Returns (fp32 logits [R, L, V], tapped features [R, L, n*H] or None). The new columns are
-    in the cache afterwards; `caches.trim` decides which of them stay.
+    Returns (fp32 logits [R, L or logits_to_keep, V], tapped features [R, L, n*H] or None). The
+    new columns are in the cache afterwards; `caches.trim` decides which of them stay.
     """
     rows, length = ids_RL.shape
     device = ids_RL.device
@@ -256,6 +262,7 @@ def target_forward(target, caches: PaddedCaches, ids_RL: torch.Tensor, layer_ids
         **{_cache_kwarg(target): caches.target_cache},
         use_cache=True,
         output_hidden_states=bool(layer_ids),
+        logits_to_keep=logits_to_keep,
     )
     features = tap_layers(out.hidden_states, layer_ids) if layer_ids else None
     return out.logits.float(), features
@@ -321,7 +328,7 @@ def profile_sps(
         caches = PaddedCaches(new_target_cache(target), None)
         caches.pad = torch.zeros(rows, dtype=torch.long, device=device)
         context = torch.randint(0, vocab, (rows, context_tokens), generator=gen).to(device)
-        target_forward(target, caches, context, layer_ids)
+        target_forward(target, caches, context, layer_ids, logits_to_keep=1)
         caches.trim(torch.full((rows,), context_tokens, device=device), context_tokens)
         for length in range(1, max_tokens + 1):
             ids = torch.randint(0, vocab, (rows, length), generator=gen).to(device)
@@ -433,7 +440,8 @@ class BatchedDecoder:
         length = prompt.shape[1]
         caches = self._new_caches()
         caches.pad = torch.zeros(1, dtype=torch.long, device=self.device)
-        logits, feats = target_forward(self.target, caches, prompt, self.layer_ids)
+        # NOTE: logits of the last position only: [P, V] fp32 logits of a long prompt are GBs.
+        logits, feats = target_forward(self.target, caches, prompt, self.layer_ids, 1)
         req.stats.target_forwards += 1
         req.new_tokens.append(verify.sample_token(logits[0, -1], self.temperature, self.generator))
         caches.trim(torch.full((1,), length, device=self.device), length)
@@ -631,7 +639,7 @@ class BatchedDecoder:
             if self.eagle3:
                 # position i of the context pairs its features with the token that follows it
                 next_ids = torch.cat([verify_ids[:, 1:], verify_ids[:, :1]], dim=1).clone()
-                next_ids[torch.arange(rows), keep_R - 1] = torch.tensor(
+                next_ids[torch.arange(rows, device=self.device), keep_R - 1] = torch.tensor(
                     next_tokens, device=self.device, dtype=next_ids.dtype
                 )
                 key_mask = torch.cat(
@@ -641,7 +649,7 @@ class BatchedDecoder:
                     self.drafter.project_context(feats), next_ids, caches.draft_cache,
                     positions=positions, key_mask=key_mask,
                 )  # fmt: skip
-                new_last = hidden[torch.arange(rows), keep_R - 1]
+                new_last = hidden[torch.arange(rows, device=self.device), keep_R - 1]
             else:
                 self.drafter.extend_context(feats, positions, caches.draft_cache)
         caches.trim(keep_R, appended)

@@ -100,6 +100,10 @@ class RegenerateConfig:
     """Top-k sampling (paper: 20)."""
     seed: int = 0
     """Sampling seed (combined with the sample id, so a resumed run stays reproducible)."""
+    restart: bool = False
+    """Discard the rows an earlier run left in ``<output>.parts`` (and ``<output>``) and start
+    over. Without it a rerun resumes only rows made from the same input files and settings, and
+    refuses (naming what changed) when they differ."""
 
 
 @dataclass

@@ -117,6 +117,10 @@ class BuildCacheConfig:
     """The target and ``target.layer_ids`` to tap."""
     batch_size: int = 8
     """Samples per target forward."""
+    repair: bool = False
+    """Check every shard against its sidecar (presence, size, sha256, samples; ranks split the
+    hashing), delete the damaged ones and re-make exactly those, then rewrite the manifest. The
+    result is byte-identical to a clean build. Without it a finished cache is not re-checked."""
 
 
 @dataclass

@@ -163,11 +163,18 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
         out["sts"] = cal.confidence_report(held_records, temps_G, c.num_bins)
         curves["STS"] = out["sts"]
         report.write_json(out_dir / "confidence_temperatures.json", {cal.CONFIG_KEY: temps})
+        where = f"{out_dir / 'confidence_temperatures.json'}; the drafter is unchanged"
         if c.write_to_drafter:
             try:
                 out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
+                where = f"{out['written_to']}, which later decoding applies"
             except OSError as err:
                 print(f"[eval] WARNING: could not store STS temperatures in {cfg.drafter}: {err}")
+        print(
+            f"[eval] STS temperatures fitted on {len(fit)} prompt(s) "
+            f"({_records(fit, block_size).num_rounds} rounds) -> {where}",
+            flush=True,
+        )
     out["threshold_sweep"] = cal.threshold_sweep(all_records, c.thresholds, temps_G)
     out["threshold_sweep_temperatures"] = temps_G.tolist() if temps_G is not None else None
     report.plot_reliability(out_dir / "reliability_diagram.png", curves)

@@ -140,14 +140,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         entry(cfg)
-    except ValueError as err:
-        # config problems found while setting up (cache mismatch, batch divisibility, ...)
-        return _fail(str(err))
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
+        # config problems found while setting up (cache mismatch, batch divisibility, a path
+        # that does not exist, ...): one line, no traceback
+        return _fail(_one_line(err))
     except SystemExit as err:  # the trainer's requeue exit (75), every rank together
         leave(int(err.code or 0))
         raise
     leave(0)
     return 0
+
+
+def _one_line(err: Exception) -> str:
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return "; ".join(lines) if lines else type(err).__name__
 
 
 def _parse_error_text(err: Exception) -> str:

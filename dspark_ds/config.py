@@ -265,6 +265,33 @@ class TrainRunConfig:
             )
         return self
 
+    def check_paths(self) -> TrainRunConfig:
+        """The files and directories the run reads exist; ValueError naming the option.
+
+        Separate from `validate()` (which `--print_config` runs too): a recipe names paths of the
+        cluster it is meant for. A local-looking target path is checked here, before
+        transformers would spend ~25 s asking the hub for it."""
+        from dspark_ds.files import check_exists, check_model_path
+
+        check_model_path(self.target.path, "target.path")
+        check_model_path(self.data.tokenizer, "data.tokenizer")
+        if self.train.synthetic_samples == 0 and self.data.mode != "offline":
+            for i, path in enumerate(self.data.paths):
+                check_exists(path, f"data.paths[{i}]")
+                if os.path.isfile(path) and os.path.getsize(path) == 0:
+                    raise ValueError(f"data.paths[{i}]: {path} is empty")
+        if self.data.mode == "offline" and self.train.synthetic_samples == 0:
+            check_exists(self.data.cache_dir, "data.cache_dir", "cache directory")
+        for i, path in enumerate(self.eval.paths):
+            check_exists(path, f"eval.paths[{i}]")
+        if self.eval.cache_dir:
+            check_exists(self.eval.cache_dir, "eval.cache_dir", "cache directory")
+        if self.model.init_from:
+            check_exists(self.model.init_from, "model.init_from", "drafter directory")
+        if self.checkpoint.resume not in (None, "auto"):
+            check_exists(self.checkpoint.resume, "checkpoint.resume", "checkpoint")
+        return self
+
 
 @dataclass
 class ExportConfig:
@@ -278,6 +305,9 @@ class ExportConfig:
     """Where to read the shared embedding and lm_head; None = the target of the saved run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Storage dtype of the exported weights."""
+    overwrite: bool = False
+    """Write into a non-empty output_dir: replace its config.json and weights (other files are
+    kept). Without it a non-empty output_dir is refused."""
 
     def validate(self) -> ExportConfig:
         _require(bool(self.checkpoint), "checkpoint", "is required", self)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dspark_ds.distributed import local_device
+from dspark_ds.files import check_model_path
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -214,6 +215,7 @@ class TargetFeatureProvider:
 
 def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> FrozenTarget:
     """Load the frozen target described by ``cfg`` (eval mode, no gradients)."""
+    check_model_path(cfg.path, "target.path")
     return FrozenTarget.from_config(cfg, device)
 
 

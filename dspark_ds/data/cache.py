@@ -36,7 +36,7 @@ from dspark_ds import distributed as dist
 from dspark_ds.data.collate import FEATURE_KEYS, Collator, split_batch
 from dspark_ds.data.config import BuildCacheConfig, EstimateCacheConfig
 from dspark_ds.data.tokens import TokenStore, atomic_write_text, load_samples
-from dspark_ds.files import sha256_file
+from dspark_ds.files import check_model_path, sha256_file
 from dspark_ds.target import FrozenTarget, TargetFeatureProvider, config_sha256, text_config
 
 CACHE_FORMAT = "dspark-ds-target-cache"
@@ -347,6 +347,7 @@ def build_cache(
 
     if not cfg.data.cache_dir:
         raise ValueError("data.cache_dir is required (the output directory)")
+    check_model_path(cfg.target.path, "target.path")
     dist.init("gloo", always=False, timeout_s=1800)
     rank, world = dist.rank_and_world()
     cache_dir = Path(cfg.data.cache_dir)
@@ -551,6 +552,7 @@ def estimate_cache(cfg: EstimateCacheConfig) -> dict:
 
     if not cfg.target.path:
         raise ValueError("target.path is required (only its config.json is read)")
+    check_model_path(cfg.target.path, "target.path")
     tcfg = text_config(
         AutoConfig.from_pretrained(
             cfg.target.path,

@@ -68,7 +68,11 @@ def load_models(cfg: EvalConfig, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ds.drafters import load_draft_model
+    from dspark_ds.files import check_exists, check_model_path
 
+    check_model_path(cfg.target, "eval.target")
+    check_model_path(cfg.tokenizer, "eval.tokenizer")
+    check_exists(cfg.drafter, "eval.drafter", "drafter directory")
     dtype = _resolve_dtype(cfg, device)
     kwargs = {"dtype": dtype}
     if cfg.attn_implementation:
@@ -238,6 +242,8 @@ def log_to_tracking(
 def run_eval(cfg: EvalConfig) -> dict | None:
     """Entry point of `dspark-ds eval`. Returns the results payload on rank 0, None elsewhere."""
     cfg.validate()
+    for name in cfg.benchmarks:  # a missing benchmark fails before the models load
+        benchmark_path(name, cfg.data_dir)
     device = _resolve_device(cfg)
     # NOTE: gloo for CPU evaluation; NCCL object collectives run on the current CUDA device,
     # which init() sets to this rank's before the group exists.

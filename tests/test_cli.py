@@ -151,3 +151,44 @@ def test_local_looking_target_paths_fail_at_once(capsys, tmp_path, monkeypatch):
     line = _one_line_exit_2(capsys, "build-cache", "--data.paths", "[x]", "--data.cache_dir",
                             "c", "--target.path", "./missing")  # fmt: skip
     assert "target.path: ./missing does not exist" in line
+
+
+def test_version(capsys):
+    from dspark_ds import __version__
+
+    code, text = run(capsys, "--version")
+    assert code == 0 and text.strip() == f"dspark-ds {__version__}"
+
+
+def test_shipped_recipes_by_name(capsys, tmp_path, monkeypatch):
+    by_path = parse_config("train", ["--config", str(REPO / RECIPE)])
+    monkeypatch.chdir(tmp_path)  # not where the package lives
+    assert parse_config("train", ["--config", "tiny_cpu"]) == by_path
+    assert parse_config("train", ["--config=tiny_cpu.yaml"]) == by_path
+    line = _one_line_exit_2(capsys, "train", "--config", "tiny_cpuu")
+    assert "--config: tiny_cpuu is neither a file nor a shipped recipe" in line
+    assert "tiny_cpu," in line  # the names to choose from
+
+
+def test_print_config_runs_the_checks(capsys, tmp_path):
+    # a bad config must not print as if it were fine
+    for bad in (["--train.lr", "-1"], ["--data.batch_size", "0"]):
+        code, text = run(capsys, "train", "--config", RECIPE, *bad, "--print_config")
+        assert code == 2 and "synthetic_samples" not in text, text
+    code, text = run(capsys, "train", "--config", RECIPE, "--print_config", "--train.lr", "2e-4")
+    assert code == 0
+    (tmp_path / "printed.yaml").write_text(text)  # what it prints is a recipe that parses back
+    again = parse_config("train", ["--config", str(tmp_path / "printed.yaml")])
+    assert again == parse_config("train", ["--config", RECIPE, "--train.lr", "2e-4"])
+
+
+def test_wasteful_block_shapes_warn(capsys):
+    parse_config("train", ["--config", RECIPE, "--model.num_anchors", "100"])
+    err = capsys.readouterr().err
+    assert "warning: model.num_anchors 100 exceeds the 63 anchor positions" in err
+    parse_config("train", ["--config", RECIPE, "--model.block_size", "40"])
+    assert "warning: model.block_size 40 is more than half of data.max_length 64" in (
+        capsys.readouterr().err
+    )
+    parse_config("train", ["--config", RECIPE])
+    assert "warning" not in capsys.readouterr().err

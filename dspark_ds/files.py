@@ -68,3 +68,8 @@ def check_exists(path: str | Path, option: str, what: str = "file") -> None:
     """ValueError naming `option` when `path` does not exist."""
     if not Path(path).expanduser().exists():
         raise ValueError(f"{option}: {what} {path} does not exist")
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an error's message (transformers' hub errors run to five)."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), repr(err))

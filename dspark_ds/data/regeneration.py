@@ -29,7 +29,7 @@ from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
 from dspark_ds.data.tokens import atomic_write_text
-from dspark_ds.files import check_exists, check_model_path, sha256_file
+from dspark_ds.files import check_exists, check_model_path, first_line, sha256_file
 
 
 def _parts_dir(output: str) -> Path:
@@ -51,11 +51,16 @@ def run_inputs(cfg: RegenerateConfig) -> dict:
 
     from dspark_ds.target import config_sha256
 
-    target_config = AutoConfig.from_pretrained(
-        cfg.target.path,
-        revision=cfg.target.revision,
-        trust_remote_code=cfg.target.trust_remote_code,
-    )
+    try:
+        target_config = AutoConfig.from_pretrained(
+            cfg.target.path,
+            revision=cfg.target.revision,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+    except OSError as err:
+        raise ValueError(
+            f"target.path: cannot read a model config from {cfg.target.path!r} ({first_line(err)})"
+        ) from None
     settings: dict = {
         "data.paths": [str(p) for p in cfg.data.paths],  # rows record their `source` file
         **{f"data.paths[{i}] content": sha256_file(p) for i, p in enumerate(cfg.data.paths)},

@@ -22,7 +22,7 @@ from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import DataConfig, PrepareConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
 from dspark_ds.distributed import print0, rank_and_world
-from dspark_ds.files import check_model_path, save_safetensors
+from dspark_ds.files import check_model_path, first_line, save_safetensors
 
 TOKENS_FILE = "tokens.safetensors"
 META_FILE = "meta.json"
@@ -139,8 +139,7 @@ def tokenize_conversations(
         tok = load_tokenizer(tokenizer_path)
     except OSError as err:
         raise ValueError(
-            f"data.tokenizer: cannot load a tokenizer from {tokenizer_path!r} "
-            f"({str(err).strip().splitlines()[0]})"
+            f"data.tokenizer: cannot load a tokenizer from {tokenizer_path!r} ({first_line(err)})"
         ) from None
     chat = ChatTokenizer(tok, cfg.max_length, cfg.enable_thinking, cfg.system_prompt)
     stats = ReadStats()

@@ -68,7 +68,7 @@ def load_models(cfg: EvalConfig, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ds.drafters import load_draft_model
-    from dspark_ds.files import check_exists, check_model_path
+    from dspark_ds.files import check_exists, check_model_path, first_line
 
     check_model_path(cfg.target, "eval.target")
     check_model_path(cfg.tokenizer, "eval.tokenizer")
@@ -77,7 +77,12 @@ def load_models(cfg: EvalConfig, device: torch.device):
     kwargs = {"dtype": dtype}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, **kwargs).to(device).eval()
+    try:
+        target = AutoModelForCausalLM.from_pretrained(cfg.target, **kwargs).to(device).eval()
+    except OSError as err:  # not found, not a model, no connection: one line, exit 2
+        raise ValueError(
+            f"eval.target: cannot load a model from {cfg.target!r} ({first_line(err)})"
+        ) from None
     drafter = load_draft_model(cfg.drafter, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target)
     return target, drafter, tokenizer

@@ -436,7 +436,7 @@ class TargetCache:
         self.cache_dir = Path(cache_dir)
         path = self.cache_dir / "manifest.json"
         if not self.cache_dir.is_dir():
-            raise CacheError(f"data.cache_dir: {self.cache_dir} does not exist")
+            raise CacheError(f"{self.cache_dir}: no such cache directory")
         if not path.exists():
             raise CacheError(
                 f"{self.cache_dir}: no manifest.json — the cache was never built or "

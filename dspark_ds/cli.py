@@ -1,7 +1,8 @@
 """`dspark-ds <subcommand>`: jsonargparse over each subcommand's typed config.
 
     dspark-ds train --config dspark_ds/recipes/tiny_cpu.yaml --train.lr 1e-3
-    dspark-ds train --config recipe.yaml --print_config        # the resolved config, as YAML
+    dspark-ds train --config tiny_cpu --train.lr 1e-3          # a shipped recipe, by name
+    dspark-ds train --config recipe.yaml --print_config        # the checked config, as YAML
     dspark-ds export --checkpoint runs/tiny --output_dir drafter/
 
 Each subcommand is `module:ConfigClass` + `module:function(cfg)`; both are imported only when
@@ -100,7 +101,9 @@ def parse_config(name: str, argv: list[str]):
 def _usage() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
     lines = [
-        "usage: dspark-ds <subcommand> [--config recipe.yaml] [--section.option value ...]",
+        "usage: dspark-ds <subcommand> [--config recipe.yaml | --config <shipped recipe>] "
+        "[--section.option value ...]",
+        "       dspark-ds --version",
         "",
         "subcommands:",
     ]
@@ -119,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from dspark_ds import __version__
+
+        print(f"dspark-ds {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         return _fail(f"unknown subcommand {name!r}; choose from {', '.join(SUBCOMMANDS)}")
@@ -140,14 +148,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         entry(cfg)
-    except ValueError as err:
-        # config problems found while setting up (cache mismatch, batch divisibility, ...)
-        return _fail(str(err))
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
+        # config problems found while setting up (cache mismatch, batch divisibility, a path
+        # that does not exist, ...): one line, no traceback
+        return _fail(_one_line(err))
     except SystemExit as err:  # the trainer's requeue exit (75), every rank together
         leave(int(err.code or 0))
         raise
     leave(0)
     return 0
+
+
+def _one_line(err: Exception) -> str:
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return "; ".join(lines) if lines else type(err).__name__
 
 
 def _parse_error_text(err: Exception) -> str:

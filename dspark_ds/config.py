@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import sys
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Literal
 
 from dspark_ds.data.config import DataConfig
@@ -263,6 +266,51 @@ class TrainRunConfig:
                 f"must be >= train.global_batch_size ({self.train.global_batch_size})",
                 self,
             )
+        if self.model.kind == "dspark":
+            self._warn_block_shapes()
+        return self
+
+    def _warn_block_shapes(self) -> None:
+        """Settings that run but waste the step: said once, on rank 0, not refused."""
+        m, length = self.model, self.data.max_length
+        candidates = length - 1  # anchor p needs p and p+1 supervised (spec §3)
+        if m.num_anchors > candidates:
+            warn(
+                f"model.num_anchors {m.num_anchors} exceeds the {candidates} anchor positions a "
+                f"data.max_length {length} sequence has: at least {m.num_anchors - candidates} "
+                "blocks per sequence are dummies that cost compute and train nothing"
+            )
+        if m.block_size > length // 2:
+            warn(
+                f"model.block_size {m.block_size} is more than half of data.max_length {length}: "
+                "most blocks run past the end of their sequence, where their slots have no label"
+            )
+
+    def check_paths(self) -> TrainRunConfig:
+        """The files and directories the run reads exist; ValueError naming the option.
+
+        Separate from `validate()` (which `--print_config` runs too): a recipe names paths of the
+        cluster it is meant for. A local-looking target path is checked here, before
+        transformers would spend ~25 s asking the hub for it."""
+        from dspark_ds.files import check_exists, check_model_path
+
+        check_model_path(self.target.path, "target.path")
+        check_model_path(self.data.tokenizer, "data.tokenizer")
+        if self.train.synthetic_samples == 0 and self.data.mode != "offline":
+            for i, path in enumerate(self.data.paths):
+                check_exists(path, f"data.paths[{i}]")
+                if os.path.isfile(path) and os.path.getsize(path) == 0:
+                    raise ValueError(f"data.paths[{i}]: {path} is empty")
+        if self.data.mode == "offline" and self.train.synthetic_samples == 0:
+            check_exists(self.data.cache_dir, "data.cache_dir", "cache directory")
+        for i, path in enumerate(self.eval.paths):
+            check_exists(path, f"eval.paths[{i}]")
+        if self.eval.cache_dir:
+            check_exists(self.eval.cache_dir, "eval.cache_dir", "cache directory")
+        if self.model.init_from:
+            check_exists(self.model.init_from, "model.init_from", "drafter directory")
+        if self.checkpoint.resume not in (None, "auto"):
+            check_exists(self.checkpoint.resume, "checkpoint.resume", "checkpoint")
         return self
 
 
@@ -278,11 +326,26 @@ class ExportConfig:
     """Where to read the shared embedding and lm_head; None = the target of the saved run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Storage dtype of the exported weights."""
+    overwrite: bool = False
+    """Write into a non-empty output_dir: replace its config.json and weights (other files are
+    kept). Without it a non-empty output_dir is refused."""
 
     def validate(self) -> ExportConfig:
         _require(bool(self.checkpoint), "checkpoint", "is required", self)
         _require(bool(self.output_dir), "output_dir", "is required", self)
         return self
+
+
+_WARNED: set[str] = set()
+
+
+def warn(message: str) -> None:
+    """A config warning on stderr, once per process, on rank 0 only."""
+    from dspark_ds.distributed import is_rank0
+
+    if message not in _WARNED and is_rank0():
+        _WARNED.add(message)
+        print(f"dspark-ds: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _require(ok: bool, option: str, why: str, section) -> None:
@@ -343,16 +406,72 @@ def build_parser(config_cls, prog: str):
     return parser
 
 
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+_RECIPE_NAME = re.compile(r"^[\w.-]+$")
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(value: str) -> str:
+    """A `--config` value → a file: the path itself when it exists, else the shipped recipe of
+    that name (`tiny_cpu` or `tiny_cpu.yaml`). Inline YAML and other paths pass through."""
+    if not _RECIPE_NAME.match(value) or Path(value).exists():
+        return value
+    recipe = RECIPES_DIR / f"{value.removesuffix('.yaml')}.yaml"
+    if recipe.is_file():
+        return str(recipe)
+    raise ValueError(
+        f"--config: {value} is neither a file nor a shipped recipe ({', '.join(shipped_recipes())})"
+    )
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], str | None]:
+    """Shipped recipes named by `--config` resolved; `--print_config[=flags]` taken out (its
+    flags, "" for none, or None when absent)."""
+    out, print_flags, args = [], None, iter(argv)
+    for arg in args:
+        if arg == "--print_config" or arg.startswith("--print_config="):
+            print_flags = arg.partition("=")[2]
+        elif arg == "--config":
+            out += [arg, resolve_recipe(next(args, ""))]
+        elif arg.startswith("--config="):
+            out.append("--config=" + resolve_recipe(arg.partition("=")[2]))
+        else:
+            out.append(arg)
+    return out, print_flags
+
+
 def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
     """argv → a validated `config_cls` instance. Raises ValueError / SystemExit(2) naming the
-    option."""
+    option. `--print_config` prints the resolved YAML and exits (SystemExit(0)) only after
+    every check has passed: a bad config never prints as if it were fine."""
     parser = build_parser(config_cls, prog)
-    ns = parser.instantiate(parser.parse_args(argv))
+    argv, print_flags = _split_argv(argv)
+    raw = parser.parse_args(argv)
+    ns = parser.instantiate(raw)
     values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
     cfg = config_cls(**values)
     if hasattr(cfg, "validate"):
         cfg.validate()
+    if print_flags is not None:
+        raw.pop("config", None)
+        print(parser.dump(raw, **_print_flags(print_flags)), end="")
+        raise SystemExit(0)
     return cfg
+
+
+def _print_flags(flags: str) -> dict:
+    """jsonargparse's `--print_config=flag,...` as `dump()` arguments."""
+    known = {"skip_default": "skip_default", "skip_unset": "skip_unset", "skip_null": "skip_unset",
+             "comments": "with_comments"}  # fmt: skip
+    kwargs = {"skip_unset": False}
+    for flag in filter(None, flags.split(",")):
+        if flag not in known:
+            raise ValueError(f"--print_config: unknown flag {flag!r} (choose from {sorted(known)})")
+        kwargs[known[flag]] = True
+    return kwargs
 
 
 def to_plain(cfg) -> dict:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dspark_ds.distributed import local_device
+from dspark_ds.files import check_model_path, first_line
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -138,7 +139,12 @@ class FrozenTarget(nn.Module):
         }
         if cfg.attn_implementation:
             kwargs["attn_implementation"] = cfg.attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
+        except OSError as err:  # not found, not a model, no connection: one line, exit 2
+            raise ValueError(
+                f"target.path: cannot load a model from {cfg.path!r} ({first_line(err)})"
+            ) from None
         target = cls(model, cfg.layer_ids)
         target.name_or_path = cfg.path
         return target.to(device or cfg.device or local_device())
@@ -214,6 +220,7 @@ class TargetFeatureProvider:
 
 def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> FrozenTarget:
     """Load the frozen target described by ``cfg`` (eval mode, no gradients)."""
+    check_model_path(cfg.path, "target.path")
     return FrozenTarget.from_config(cfg, device)
 
 

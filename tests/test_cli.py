@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dspark_ds.cli import main, parse_config
 
+REPO = Path(__file__).resolve().parents[1]
 RECIPE = "dspark_ds/recipes/tiny_cpu.yaml"
 
 
@@ -88,3 +91,104 @@ def test_setup_errors_exit_2(capsys, tmp_path):
         str(tmp_path),
     )
     assert code == 2 and "target.path" in text
+
+
+def _one_line_exit_2(capsys, *argv) -> str:
+    code, text = run(capsys, *argv)
+    assert code == 2, text
+    lines = [line for line in text.splitlines() if line.startswith("dspark-ds: error:")]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+def test_missing_or_empty_files_are_one_line_errors(capsys, tmp_path):
+    train = ["train", "--config", RECIPE, "--output_dir", str(tmp_path / "runs")]
+    # "org/name" may be a hub id: not checked, never contacted (the data check fails first)
+    real = ["--target.path", "Qwen/Qwen3-0.6B", "--train.synthetic_samples", "0"]
+    nope = tmp_path / "nope.jsonl"
+    line = _one_line_exit_2(capsys, *train, *real, "--data.paths", f"[{nope}]")
+    assert f"data.paths[0]: file {nope} does not exist" in line
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    line = _one_line_exit_2(capsys, *train, *real, "--data.paths", f"[{empty}]")
+    assert f"data.paths[0]: {empty} is empty" in line
+    for option in ("checkpoint.resume", "model.init_from"):
+        line = _one_line_exit_2(capsys, *train, f"--{option}", str(tmp_path / "gone"))
+        assert f"{option}: " in line and f"{tmp_path / 'gone'} does not exist" in line
+    # prepare on a file that holds no rows
+    from helpers.tiny_models import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path / "tok")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n \n")
+    line = _one_line_exit_2(capsys, "prepare", "--data.paths", f"[{blank}]", "--data.tokenizer",
+                            str(tmp_path / "tok"), "--output_dir", str(tmp_path / "p"))  # fmt: skip
+    assert "holds no rows (empty)" in line
+    assert not (tmp_path / "p").exists()
+    # eval: a missing benchmark fails before any model loads; so does a missing drafter
+    ev = ["eval", "--target", "org/target", "--output_dir", str(tmp_path / "runs")]
+    line = _one_line_exit_2(capsys, *ev, "--drafter", str(tmp_path), "--benchmarks", "[nope]")
+    assert "benchmark 'nope'" in line
+    line = _one_line_exit_2(
+        capsys, *ev, "--drafter", str(tmp_path / "d"), "--benchmarks", "[gsm8k]"
+    )
+    assert f"eval.drafter: drafter directory {tmp_path / 'd'} does not exist" in line
+
+
+def test_local_looking_target_paths_fail_at_once(capsys, tmp_path, monkeypatch):
+    from dspark_ds.files import looks_local
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for path in ("./t", "../t", "/abs/t", "~/t", "runs/t", "a/b/c", "t/"):
+        assert looks_local(path), path
+    for path in ("Qwen/Qwen3-8B", "gpt2", "org/name"):  # may be hub ids
+        assert not looks_local(path), path
+    # the tiny recipe's default target (runs/tiny_target): `runs` exists here, so it is local
+    # and refused at once, instead of after ~25 s of hub retries
+    line = _one_line_exit_2(capsys, "train", "--config", str(REPO / RECIPE))
+    assert "target.path: runs/tiny_target does not exist (a local path" in line
+    line = _one_line_exit_2(capsys, "build-cache", "--data.paths", "[x]", "--data.cache_dir",
+                            "c", "--target.path", "./missing")  # fmt: skip
+    assert "target.path: ./missing does not exist" in line
+
+
+def test_version(capsys):
+    from dspark_ds import __version__
+
+    code, text = run(capsys, "--version")
+    assert code == 0 and text.strip() == f"dspark-ds {__version__}"
+
+
+def test_shipped_recipes_by_name(capsys, tmp_path, monkeypatch):
+    by_path = parse_config("train", ["--config", str(REPO / RECIPE)])
+    monkeypatch.chdir(tmp_path)  # not where the package lives
+    assert parse_config("train", ["--config", "tiny_cpu"]) == by_path
+    assert parse_config("train", ["--config=tiny_cpu.yaml"]) == by_path
+    line = _one_line_exit_2(capsys, "train", "--config", "tiny_cpuu")
+    assert "--config: tiny_cpuu is neither a file nor a shipped recipe" in line
+    assert "tiny_cpu," in line  # the names to choose from
+
+
+def test_print_config_runs_the_checks(capsys, tmp_path):
+    # a bad config must not print as if it were fine
+    for bad in (["--train.lr", "-1"], ["--data.batch_size", "0"]):
+        code, text = run(capsys, "train", "--config", RECIPE, *bad, "--print_config")
+        assert code == 2 and "synthetic_samples" not in text, text
+    code, text = run(capsys, "train", "--config", RECIPE, "--print_config", "--train.lr", "2e-4")
+    assert code == 0
+    (tmp_path / "printed.yaml").write_text(text)  # what it prints is a recipe that parses back
+    again = parse_config("train", ["--config", str(tmp_path / "printed.yaml")])
+    assert again == parse_config("train", ["--config", RECIPE, "--train.lr", "2e-4"])
+
+
+def test_wasteful_block_shapes_warn(capsys):
+    parse_config("train", ["--config", RECIPE, "--model.num_anchors", "100"])
+    err = capsys.readouterr().err
+    assert "warning: model.num_anchors 100 exceeds the 63 anchor positions" in err
+    parse_config("train", ["--config", RECIPE, "--model.block_size", "40"])
+    assert "warning: model.block_size 40 is more than half of data.max_length 64" in (
+        capsys.readouterr().err
+    )
+    parse_config("train", ["--config", RECIPE])
+    assert "warning" not in capsys.readouterr().err

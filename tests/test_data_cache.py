@@ -133,6 +133,57 @@ def test_refuses_damaged_or_mismatched_cache(env, built, tmp_path):
     assert len(TargetCache(damaged("corrupt", "_size_only"), verify="size")) == 14
 
 
+def test_repair_remakes_exactly_the_damaged_shards(env, built, tmp_path):
+    reference, _ = built
+    cache_dir = tmp_path / "cache"
+    shutil.copytree(reference, cache_dir)
+    shards = cache_dir / "shards"
+    blob = bytearray((shards / "000001.safetensors").read_bytes())
+    blob[-5] ^= 0xFF  # same size: only the checksum sees it
+    (shards / "000001.safetensors").write_bytes(bytes(blob))
+    (shards / "000002.safetensors").write_bytes(blob[:100])  # truncated
+    (cache_dir / "manifest.json").write_text('{"format": "dspark-ds-tar')  # torn
+    cfg = make_cfg(env, cache_dir)
+
+    # the loader names the damage and the way out
+    with pytest.raises(CacheError, match=r"manifest\.json is unreadable.*--repair true"):
+        TargetCache(cache_dir)
+    # a plain rerun trusts sizes: it re-makes the truncated shard, keeps the corrupted one, and
+    # the reader then refuses it, naming the repair
+    build_cache(cfg, on_shard_written=lambda s: None)
+    with pytest.raises(CacheError, match=r"000001\.safetensors fails its sha256.*--repair true"):
+        TargetCache(cache_dir)
+    (shards / "000003.safetensors").unlink()
+    (shards / "000000.json").write_text("{")  # an unreadable sidecar: its shard is not trusted
+
+    written = []
+    repair = dataclasses.replace(cfg, repair=True)
+    manifest = build_cache(repair, on_shard_written=lambda s: written.append(s["name"]))
+    assert sorted(written) == ["000000", "000001", "000003"]  # exactly the bad ones
+    assert files_of(cache_dir) == files_of(reference)  # byte-identical to a clean build
+    assert manifest == json.loads((reference / "manifest.json").read_text())
+    written.clear()
+    build_cache(repair, on_shard_written=lambda s: written.append(s["name"]))
+    assert written == [] and len(TargetCache(cache_dir)) == 14
+
+
+def test_two_ranks_repair_their_own_shards(env, built, tmp_path, monkeypatch):
+    reference, _ = built
+    cache_dir = tmp_path / "cache"
+    shutil.copytree(reference, cache_dir)
+    for k in (1, 2):  # one shard of each rank
+        shard = cache_dir / "shards" / f"00000{k}.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-1] + b"!")
+    repair = dataclasses.replace(make_cfg(env, cache_dir), repair=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    written = []
+    for rank in (1, 0):  # no process group: the ranks agree through the files
+        monkeypatch.setenv("RANK", str(rank))
+        build_cache(repair, on_shard_written=lambda s, r=rank: written.append((r, s["name"])))
+    assert written == [(1, "000001"), (0, "000002")]  # each rank re-makes its own shard
+    assert files_of(cache_dir) == files_of(reference)
+
+
 def test_interrupted_build_resumes_to_identical_cache(env, built, tmp_path):
     reference, _ = built
     cache_dir = tmp_path / "cache"

@@ -57,6 +57,29 @@ def test_malformed_row_error_names_file_and_line(tmp_path, line, why):
     assert stats.bad == 1 and why.split()[0] in stats.errors[0]
 
 
+def test_bytes_that_are_not_utf8_are_a_bad_row(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(chat_rows(1)[0]).encode()
+    bad = '{"turns": ["caf\u00e9"]}'.encode("latin-1")  # é as the single byte 0xe9
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + bad + b"\n" + good + b"\n")  # with a BOM
+    with pytest.raises(DataError, match=r"latin1\.jsonl:2: not valid UTF-8 \(byte 0xe9"):
+        list(read_conversations([str(path)]))
+    stats = ReadStats()
+    rows = list(read_conversations([str(path)], skip_bad_rows=True, stats=stats))
+    assert [r.source.rsplit(":", 1)[1] for r in rows] == ["1", "3"] and stats.bad == 1
+
+
+def test_missing_empty_or_all_bad_inputs_are_named(tmp_path):
+    with pytest.raises(DataError, match=r"data\.paths: .*nope\.jsonl does not exist"):
+        list(read_conversations([str(tmp_path / "nope.jsonl")]))
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl holds no rows \(empty\)"):
+        list(read_conversations([str(tmp_path / "empty.jsonl")]))
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(DataError, match=r"all 1 rows .* are malformed \(first: .*bad\.jsonl:1"):
+        list(read_conversations([str(tmp_path / "bad.jsonl")], skip_bad_rows=True))
+
+
 def test_prepare_writes_a_store_that_matches_in_memory_tokenisation(tmp_path):
     build_tiny_tokenizer(tmp_path / "tok")
     src = write_chat_jsonl(tmp_path / "a.jsonl", 12)
@@ -71,6 +94,14 @@ def test_prepare_writes_a_store_that_matches_in_memory_tokenisation(tmp_path):
     assert counts["samples"] + counts["skipped_few_loss_tokens"] == 12 and counts["samples"] > 3
     store = TokenStore.load(tmp_path / "prep")
     assert len(store) == counts["samples"] and max(store.lengths) == 56
+    # readable by other users' jobs, like any file (safetensors alone writes 0600)
+    assert (tmp_path / "prep" / "tokens.safetensors").stat().st_mode & 0o044 == 0o044
+    # prompts-only rows have no assistant tokens: no usable sample, said as such
+    only_prompts = tmp_path / "prompts.jsonl"
+    only_prompts.write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    data = DataConfig(paths=[str(only_prompts)], tokenizer=str(tmp_path / "tok"))
+    with pytest.raises(ValueError, match="no usable sample.*need `dspark-ds regenerate` first"):
+        prepare(PrepareConfig(data=data, output_dir=str(tmp_path / "prep2")))
     assert store.meta["pad_token_id"] == 0 and store.meta["chat_format"] == "deepspec"
     assert not store.meta["generation_markers"]  # the reference's rule ignores the markers
     s = store[3]

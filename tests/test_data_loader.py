@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dspark_ds.data.cache import TargetCache, build_cache
+from dspark_ds.data.cache import CacheError, TargetCache, build_cache
 from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig
 from dspark_ds.data.loader import build_train_loader, epoch_batches
 from dspark_ds.data.tokens import prepare
@@ -149,6 +149,25 @@ def test_offline_online_hybrid_give_identical_batches_and_loss(env, tmp_path):
     losses = [step_loss(batches[1], target) for batches in (offline, online, hybrid)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) == pytest.approx(losses[2], rel=1e-5)
     assert losses[0] > 0
+
+    # a damaged hybrid shard is re-made by build-cache --repair from the samples its sidecar lists
+    shard = sorted((tmp_path / "hyb" / "shards").glob("h*.safetensors"))[1]
+    blob = bytearray(shard.read_bytes())
+    blob[-3] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(CacheError, match=f"{shard.name} fails its sha256.*--repair true"):
+        TargetCache(tmp_path / "hyb")
+    tcfg = TargetConfig(path=str(root / "target"), layer_ids=LAYERS, dtype="float32")
+    repair = BuildCacheConfig(data=dataclasses.replace(hybrid_cfg, mode="offline"), target=tcfg)
+    build_cache(dataclasses.replace(repair, repair=True))
+    b = TargetCache(tmp_path / "hyb")
+    assert sorted(s["name"] for s in b.manifest["shards"]) == sorted(
+        p.stem for p in (tmp_path / "hyb" / "shards").glob("h*.safetensors")
+    )
+    for i in range(N):
+        torch.testing.assert_close(
+            a[i]["target_hidden_states"], b[i]["target_hidden_states"], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_resume_continues_the_same_order(env):

@@ -3,8 +3,10 @@ a crashed run resumes without redoing or duplicating rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -106,3 +108,38 @@ def test_resume_after_crash_skips_done_rows(env, tmp_path):
     assert rows[:4] == reference[:4]  # kept, not regenerated
     assert len(read_part(part)) == NUM_ROWS
     assert merge_parts(str(out), 1) == {"written": NUM_ROWS, "failed": 0}
+
+
+def test_changed_inputs_or_settings_are_refused_not_reused(env, tmp_path):
+    # rows are resumed by row id: only rows made from the same files and settings may be
+    src = tmp_path / "prompts.jsonl"
+    shutil.copy(env[2], src)
+    out = tmp_path / "regen.jsonl"
+    cfg = dataclasses.replace(make_cfg(env, out), data=DataConfig(paths=[str(src)], max_length=256))
+    assert regenerate(cfg)["written"] == NUM_ROWS
+    first = out.read_text()
+    hotter = dataclasses.replace(cfg, temperature=1.0)
+    with pytest.raises(ValueError, match=r"temperature 0\.7 -> 1\.0.*--restart true"):
+        regenerate(hotter)
+    lines = src.read_text().splitlines(keepends=True)
+    src.write_text("".join(reversed(lines)))  # the same file name, other prompts per row id
+    with pytest.raises(ValueError, match=r"data\.paths\[0\] content changed"):
+        regenerate(cfg)
+    assert out.read_text() == first  # refused runs lose nothing
+
+    # --restart discards the old rows: the result is a fresh run's, row for row
+    fresh = tmp_path / "fresh.jsonl"
+    regenerate(dataclasses.replace(hotter, output=str(fresh)))
+    assert regenerate(dataclasses.replace(hotter, restart=True))["written"] == NUM_ROWS
+    assert out.read_text() == fresh.read_text() != first
+    # a rerun with the same inputs resumes (nothing regenerated)
+    assert regenerate(hotter)["written"] == NUM_ROWS
+    assert out.read_text() == fresh.read_text()
+
+    # rows or an output with no record of their inputs (an older version made them) are refused
+    (tmp_path / "regen.jsonl.parts" / "part-00000-of-00001.inputs.json").unlink()
+    with pytest.raises(ValueError, match="no record of the inputs"):
+        regenerate(hotter)
+    shutil.rmtree(tmp_path / "regen.jsonl.parts")
+    with pytest.raises(ValueError, match="regen.jsonl exists with no record"):
+        regenerate(hotter)

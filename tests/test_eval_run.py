@@ -145,7 +145,11 @@ def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
 
     root, target_dir, target = setup
     cfg = _cfg(root, target_dir, name="greedy", measure_baseline=True)
+    drafter_files = {p.name: p.read_bytes() for p in (root / "draft").iterdir()}
     payload = run_eval(cfg)
+    # evaluation fits STS temperatures but never modifies the drafter it reads unless asked
+    assert {p.name: p.read_bytes() for p in (root / "draft").iterdir()} == drafter_files
+    assert "written_to" not in payload["calibration"]
     out_dir = root / "runs" / "greedy"
     for name in ("results.json", "results.csv", "results.txt", "acceptance_by_position.png",
                  "tau_by_benchmark.png", "reliability_diagram.png", "threshold_sweep.png",

@@ -133,3 +133,50 @@ def test_embedding_and_head_come_from_the_target_and_stay_frozen():
     assert "fc.weight" in trainable and "markov_head.markov_w1.weight" in trainable
     with pytest.raises(ValueError, match="lm_head"):
         model.initialize_embeddings_and_head(target.model.embed_tokens.weight, torch.zeros(3, 3))
+
+
+def test_written_files_get_the_normal_mode(tmp_path):
+    # safetensors' save_file alone creates 0600 files: a serving job of another user could not
+    # read the drafter
+    import os
+    import stat
+
+    save_draft_model(tiny_drafter(), tmp_path / "d")
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json"):
+        mode = stat.S_IMODE((tmp_path / "d" / name).stat().st_mode)
+        assert mode == 0o666 & ~umask, (name, oct(mode))
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vanilla", "gemma4_vanilla"])
+def test_transformers_auto_classes_load_the_drafter(tmp_path, golden_dir, family):
+    # config.json keeps the family's model_type (the interchange format); transformers would load
+    # a plain causal LM from it and drop the drafter's heads as "unexpected"
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    src = golden_dir / family / "draft"
+    want = load_draft_model(src)
+    for auto in (AutoModelForCausalLM, AutoModel):
+        model = auto.from_pretrained(src)
+        assert type(model) is type(want), auto
+        a, b = model.state_dict(), want.state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    bf16 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    assert bf16.fc.weight.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="device_map"):  # nothing ignored silently
+        AutoModelForCausalLM.from_pretrained(src, device_map={"": "cpu"})
+    # the config still reads as the family's own (what DeepSpec / SGLang / vLLM rely on), and a
+    # plain target of that family still loads as the plain causal LM
+    assert (
+        AutoConfig.from_pretrained(src).model_type
+        == json.loads((src / "config.json").read_text())["model_type"]
+    )
+    if family == "qwen3_vanilla":
+        target = Qwen3ForCausalLM(tiny_qwen3_config())
+        target.save_pretrained(tmp_path / "target")
+        assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "target")) is Qwen3ForCausalLM

@@ -24,6 +24,8 @@ def test_recipe_parses(path):
     cfg = parse_config("train", ["--config", str(path)])
     if "tiny" in path.stem:
         assert cfg.train.synthetic_samples > 0 and cfg.train.precision == "fp32"
+        # the quick-start recipes keep the safe default: a rerun never continues silently
+        assert cfg.checkpoint.resume is None
         return
     if not path.stem.startswith(("dspark", "dflash")):
         return  # other drafter families (eagle3) own their recipe checks

@@ -378,6 +378,26 @@ def test_export_cli(runs):
     assert all(torch.equal(live[k], got[k]) for k in live)
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 4
+    # readable by a serving job of another user (safetensors alone writes 0600)
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044
+
+    # a non-empty directory is refused (one line, exit 2, nothing touched) unless asked
+    other = runs["root"] / "export_taken"
+    other.mkdir()
+    (other / "config.json").write_text('{"unrelated": true}')
+    argv = ["-m", "dspark_ds.cli", "export", "--checkpoint", str(runs["out"] / "b_z3")]
+    proc = python([*argv, "--output_dir", str(other)])
+    assert proc.returncode == 2, proc.stderr
+    assert "output_dir:" in proc.stderr and "--overwrite true" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (other / "config.json").read_text() == '{"unrelated": true}'
+    from dspark_ds.train.checkpoint import export_checkpoint
+
+    (other / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    export_checkpoint(runs["out"] / "b_z3", other, overwrite=True)
+    got = load_file(other / "model.safetensors")
+    assert all(torch.equal(live[k], got[k]) for k in live)
+    assert sorted(p.name for p in other.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_online_target_shared_and_partitioned_under_zero3(runs):

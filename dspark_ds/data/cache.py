@@ -12,6 +12,8 @@ A shard holds ``input_ids`` (int32 [T]), ``loss_mask`` (uint8 [T]), ``target_hid
 are float8_e4m3fn plus ``<name>_scale`` (fp32, one scale per token and tapped layer).
 A shard and its sidecar appear atomically (temp file + rename), and a sidecar only after its
 shard: a shard with a sidecar is complete, so an interrupted build resumes shard by shard.
+``build-cache --repair true`` checks every shard against its sidecar (size and sha256) and
+re-makes exactly the bad or missing ones, then rewrites the manifest.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -33,16 +36,31 @@ from dspark_ds import distributed as dist
 from dspark_ds.data.collate import FEATURE_KEYS, Collator, split_batch
 from dspark_ds.data.config import BuildCacheConfig, EstimateCacheConfig
 from dspark_ds.data.tokens import TokenStore, atomic_write_text, load_samples
+from dspark_ds.files import check_model_path, sha256_file
 from dspark_ds.target import FrozenTarget, TargetFeatureProvider, config_sha256, text_config
 
 CACHE_FORMAT = "dspark-ds-target-cache"
 CACHE_VERSION = 1
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BUILD_SHARD = re.compile(r"^\d{6}$")  # build-cache's shard k; hybrid mode writes h<rank>-<k>
+REPAIR_HINT = (
+    "rerun `dspark-ds build-cache` with the cache's arguments and --repair true to re-make the "
+    "damaged shards"
+)
 
 
 class CacheError(ValueError):
     """A cache that cannot be used as is (missing, corrupt or built for something else)."""
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON object file, or None when it is missing or unreadable (torn, corrupted)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 # ---------------------------------------------------------------- storage encoding
@@ -73,14 +91,6 @@ def bytes_per_token(hidden_size: int, num_taps: int, storage: str) -> int:
 
 
 # ---------------------------------------------------------------- writing
-
-
-def _sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_shard(
@@ -123,14 +133,32 @@ def write_shard(
 
 
 def completed_shards(cache_dir: str | Path) -> dict[str, dict]:
-    """Sidecars whose shard file is present with the recorded size (complete shards)."""
+    """Readable sidecars whose shard file is present with the recorded size (complete shards;
+    only `--repair` also checks their sha256)."""
     out = {}
     for side in sorted((Path(cache_dir) / "shards").glob("*.json")):
-        meta = json.loads(side.read_text())
-        shard = Path(cache_dir) / meta["file"]
-        if shard.exists() and shard.stat().st_size == meta["bytes"]:
-            out[meta["name"]] = meta
+        meta = read_json(side)
+        if meta is None or shard_problem(cache_dir, meta, "size") is not None:
+            continue
+        out[meta["name"]] = meta
     return out
+
+
+def shard_problem(cache_dir: str | Path, meta: dict, verify: str = "sha256") -> str | None:
+    """What is wrong with the shard a sidecar (or manifest entry) describes, or None.
+    verify: "size" checks presence and size only, "sha256" also the checksum."""
+    try:
+        rel, size, digest = meta["file"], int(meta["bytes"]), meta["sha256"]
+    except (KeyError, TypeError, ValueError):
+        return f"shard {meta.get('name', '?')} has an unreadable record"
+    path = Path(cache_dir) / rel
+    if not path.exists():
+        return f"shard {rel} is missing"
+    if (have := path.stat().st_size) != size:
+        return f"shard {rel} is truncated or altered ({have} bytes, its record says {size})"
+    if verify == "sha256" and sha256_file(path) != digest:
+        return f"shard {rel} fails its sha256 checksum"
+    return None
 
 
 def make_header(target: FrozenTarget, store: TokenStore, storage: str) -> dict:
@@ -166,6 +194,17 @@ def begin_build(cache_dir: str | Path, header: dict) -> bool:
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     build = cache_dir / "build.json"
+    manifest = cache_dir / "manifest.json"
+    if build.exists() and read_json(build) is None:
+        # NOTE: the manifest repeats the header; without either nobody can tell what target
+        # and data the shards were made from.
+        m = read_json(manifest)
+        if m is None or any(m.get(k) != v for k, v in header.items()):
+            raise CacheError(
+                f"{build} is unreadable and no intact manifest.json says what built the shards; "
+                f"delete {cache_dir} and build the cache again"
+            )
+        atomic_write_text(build, json.dumps(header, indent=2, sort_keys=True))
     if build.exists():
         old = json.loads(build.read_text())
         if old != header:
@@ -176,10 +215,8 @@ def begin_build(cache_dir: str | Path, header: dict) -> bool:
             )
     else:
         atomic_write_text(build, json.dumps(header, indent=2, sort_keys=True))
-    manifest = cache_dir / "manifest.json"
-    return manifest.exists() and all(
-        json.loads(manifest.read_text()).get(k) == v for k, v in header.items()
-    )
+    m = read_json(manifest)  # an unreadable manifest is rewritten when the build finishes
+    return m is not None and all(m.get(k) == v for k, v in header.items())
 
 
 def finalize(cache_dir: str | Path) -> dict:
@@ -227,47 +264,137 @@ def compute_features(
     return out
 
 
+def _owner(name: str, index: int, world: int) -> int:
+    """The rank that checks and re-makes a shard: shard k's builder for build-cache shards (so
+    ranks without a process group agree), else by position in the sorted list."""
+    return int(name) % world if _BUILD_SHARD.match(name) else index % world
+
+
+def _shard_names(cache_dir: Path, manifest: dict) -> list[str]:
+    """Every shard name a file, a temp file, a sidecar or the manifest mentions."""
+    names = {s.get("name") for s in manifest.get("shards", []) if isinstance(s, dict)}
+    for p in (cache_dir / "shards").glob("*"):
+        m = re.match(r"^\.?(.+?)\.(safetensors|json)(\.tmp\d+)?$", p.name)
+        if m:
+            names.add(m.group(1))
+    return sorted(n for n in names if isinstance(n, str))
+
+
+def repair_shards(
+    cache_dir: str | Path, num_samples: int, per_shard: int
+) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """``--repair``: check this rank's share of the shards (sidecar, size, sha256, samples) and
+    delete every bad one with its sidecar and any temp files. Returns (bad shard -> what was
+    wrong, hybrid shard -> the sample ids to re-make it with); build-cache shards come back
+    through the ordinary build, which re-makes every shard that is missing."""
+    rank, world = dist.rank_and_world()
+    cache_dir = Path(cache_dir)
+    shards = cache_dir / "shards"
+    manifest = read_json(cache_dir / "manifest.json") or {}
+    listed = {s.get("name"): s for s in manifest.get("shards", []) if isinstance(s, dict)}
+    bad: dict[str, str] = {}
+    remake: dict[str, list[int]] = {}
+    for index, name in enumerate(_shard_names(cache_dir, manifest)):
+        if _owner(name, index, world) != rank:
+            continue
+        side = read_json(shards / f"{name}.json")
+        if _BUILD_SHARD.match(name):
+            k = int(name)
+            ids = list(range(k * per_shard, min(num_samples, (k + 1) * per_shard)))
+        else:
+            known = side or listed.get(name) or {}
+            ids = known.get("sample_ids")
+        if side is None:
+            problem = f"shard {name} has no readable sidecar ({name}.json)"
+        elif side.get("sample_ids") != ids:
+            problem = f"shard {name} holds other samples than shard {name} of this build"
+        else:
+            problem = shard_problem(cache_dir, side, "sha256")
+        leftovers = list(shards.glob(f".{name}.*.tmp*"))
+        if problem is None:
+            for p in leftovers:
+                p.unlink(missing_ok=True)
+            continue
+        if not ids:
+            raise CacheError(
+                f"{cache_dir}: {problem}, and nothing records which samples it held; delete "
+                f"{cache_dir} and build the cache again"
+            )
+        bad[name] = problem
+        if not _BUILD_SHARD.match(name):
+            remake[name] = list(ids)
+        # NOTE: the sidecar goes first: a shard without one counts as not built
+        for p in [shards / f"{name}.json", shards / f"{name}.safetensors", *leftovers]:
+            p.unlink(missing_ok=True)
+    return bad, remake
+
+
+def _covered(cache_dir: str | Path, num_samples: int) -> bool:
+    seen = {i for s in completed_shards(cache_dir).values() for i in s["sample_ids"]}
+    return len(seen) == num_samples
+
+
 def build_cache(
     cfg: BuildCacheConfig, on_shard_written: Callable[[dict], None] | None = None
 ) -> dict | None:
     """``dspark-ds build-cache``: every rank writes its shards; returns the manifest (rank 0).
 
     Shard ``k`` holds samples ``[k·S, (k+1)·S)`` and belongs to rank ``k % world``, so the cache
-    does not depend on how many ranks built it, and a rerun skips completed shards."""
+    does not depend on how many ranks built it, and a rerun skips completed shards. With
+    ``cfg.repair`` every shard is checked first and the bad ones are re-made (the same bytes a
+    clean build writes)."""
     from dspark_ds.target import load_target
 
     if not cfg.data.cache_dir:
         raise ValueError("data.cache_dir is required (the output directory)")
+    check_model_path(cfg.target.path, "target.path")
     dist.init("gloo", always=False, timeout_s=1800)
     rank, world = dist.rank_and_world()
+    cache_dir = Path(cfg.data.cache_dir)
     store = load_samples(cfg.data, cfg.target.path)
     target = load_target(cfg.target)
     storage = cfg.data.cache_dtype if cfg.data.cache_dtype != "auto" else cfg.target.dtype
     header = make_header(target, store, storage)
-    if begin_build(cfg.data.cache_dir, header):
-        dist.print0(f"[build-cache] {cfg.data.cache_dir} is already complete")
-        return json.loads((Path(cfg.data.cache_dir) / "manifest.json").read_text())
+    if begin_build(cache_dir, header) and not cfg.repair:
+        dist.print0(
+            f"[build-cache] {cache_dir} is already complete (--repair true checks every "
+            "shard's sha256 and re-makes damaged ones)"
+        )
+        return json.loads((cache_dir / "manifest.json").read_text())
     per_shard = cfg.data.samples_per_shard
     num_shards = math.ceil(len(store) / per_shard)
-    done = completed_shards(cfg.data.cache_dir)
-    todo = [k for k in range(rank, num_shards, world) if f"{k:06d}" not in done]
+    remake: dict[str, list[int]] = {}
+    if cfg.repair:
+        bad, remake = repair_shards(cache_dir, len(store), per_shard)
+        shown = "; ".join(bad.values()) if len(bad) <= 5 else f"{len(bad)} shards"
+        print(
+            f"[build-cache rank {rank}] repair: {len(bad)} damaged shard(s) removed"
+            + (f" ({shown}); re-making them" if bad else ""),
+            flush=True,
+        )
+        dist.barrier()
+    done = completed_shards(cache_dir)
+    # a hybrid-mode cache (h<rank>-<k> shards) is repaired shard by shard, never re-laid out
+    hybrid = bool(remake) or any(not _BUILD_SHARD.match(n) for n in done)
+    mine = [] if hybrid else list(range(rank, num_shards, world))
+    jobs = [
+        (f"{k:06d}", list(range(k * per_shard, min(len(store), (k + 1) * per_shard))))
+        for k in mine
+        if f"{k:06d}" not in done
+    ] + sorted(remake.items())
     provider = TargetFeatureProvider(target)
     pad = header["dataset"]["pad_token_id"]
-    counts = {
-        "shards_written": 0,
-        "shards_skipped": len(range(rank, num_shards, world)) - len(todo),
-    }
+    counts = {"shards_written": 0, "shards_skipped": len(mine) + len(remake) - len(jobs)}
     bar = tqdm(
-        total=sum(min(per_shard, len(store) - k * per_shard) for k in todo),
+        total=sum(len(ids) for _, ids in jobs),
         desc=f"build-cache rank {rank}",
         unit="sample",
         disable=rank != 0,
     )
-    for k in todo:
-        ids = list(range(k * per_shard, min(len(store), (k + 1) * per_shard)))
+    for name, ids in jobs:
         feats = compute_features(provider, store, ids, cfg.batch_size, pad)
         sidecar = write_shard(
-            cfg.data.cache_dir, f"{k:06d}", [feats[i] for i in ids], storage, len(target.layer_ids)
+            cache_dir, name, [feats[i] for i in ids], storage, len(target.layer_ids)
         )
         counts["shards_written"] += 1
         bar.update(len(ids))
@@ -282,11 +409,11 @@ def build_cache(
     dist.barrier()
     manifest = None
     if rank == 0 or not dist.has_group():
-        if dist.has_group() or len(completed_shards(cfg.data.cache_dir)) == num_shards:
-            manifest = finalize(cfg.data.cache_dir)
+        if dist.has_group() or _covered(cache_dir, len(store)):
+            manifest = finalize(cache_dir)
             print(
                 f"[build-cache] manifest written: {manifest['num_samples']} samples, "
-                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {num_shards} shards",
+                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {len(manifest['shards'])} shards",
                 flush=True,
             )
         else:
@@ -308,12 +435,17 @@ class TargetCache:
     def __init__(self, cache_dir: str | Path, verify: str = "sha256"):
         self.cache_dir = Path(cache_dir)
         path = self.cache_dir / "manifest.json"
+        if not self.cache_dir.is_dir():
+            raise CacheError(f"{self.cache_dir}: no such cache directory")
         if not path.exists():
             raise CacheError(
                 f"{self.cache_dir}: no manifest.json — the cache was never built or "
                 "its build did not finish; rerun build-cache to complete it"
             )
-        self.manifest = m = json.loads(path.read_text())
+        m = read_json(path)
+        if m is None:
+            raise CacheError(f"{path} is unreadable (not a JSON object); {REPAIR_HINT}")
+        self.manifest = m
         if m.get("format") != CACHE_FORMAT or m.get("version") != CACHE_VERSION:
             raise CacheError(f"{path}: not a {CACHE_FORMAT} v{CACHE_VERSION} manifest")
         self.layer_ids, self.hidden_size = m["layer_ids"], m["hidden_size"]
@@ -339,22 +471,16 @@ class TargetCache:
         rank, world = dist.rank_and_world()
         errors = []
         for k, s in enumerate(self.manifest["shards"]):
-            p = self.cache_dir / s["file"]
-            if not p.exists():
-                errors.append(f"shard {s['file']} is missing")
-            elif (size := p.stat().st_size) != s["bytes"]:
-                errors.append(
-                    f"shard {s['file']} is truncated or altered ({size} bytes, "
-                    f"manifest says {s['bytes']})"
-                )
-            elif verify == "sha256" and k % world == rank and _sha256_file(p) != s["sha256"]:
-                errors.append(f"shard {s['file']} fails its sha256 checksum")
+            check = verify if k % world == rank else "size"
+            if (problem := shard_problem(self.cache_dir, s, check)) is not None:
+                errors.append(problem)
         errors = sorted({e for rank_errors in dist.all_gather_object(errors) for e in rank_errors})
         if errors:
             raise CacheError(
                 f"{self.cache_dir}: "
                 + "; ".join(errors[:5])
                 + (f" (+{len(errors) - 5} more)" if len(errors) > 5 else "")
+                + f"; {REPAIR_HINT}"
             )
 
     def check_compatible(
@@ -426,6 +552,7 @@ def estimate_cache(cfg: EstimateCacheConfig) -> dict:
 
     if not cfg.target.path:
         raise ValueError("target.path is required (only its config.json is read)")
+    check_model_path(cfg.target.path, "target.path")
     tcfg = text_config(
         AutoConfig.from_pretrained(
             cfg.target.path,

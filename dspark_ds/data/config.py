@@ -113,6 +113,10 @@ class RegenerateConfig:
     """Top-k sampling (paper: 20)."""
     seed: int = 0
     """Sampling seed (combined with the sample id, so a resumed run stays reproducible)."""
+    restart: bool = False
+    """Discard the rows an earlier run left in ``<output>.parts`` (and ``<output>``) and start
+    over. Without it a rerun resumes only rows made from the same input files and settings, and
+    refuses (naming what changed) when they differ."""
 
 
 @dataclass
@@ -126,6 +130,10 @@ class BuildCacheConfig:
     """The target and ``target.layer_ids`` to tap."""
     batch_size: int = 8
     """Samples per target forward."""
+    repair: bool = False
+    """Check every shard against its sidecar (presence, size, sha256, samples; ranks split the
+    hashing), delete the damaged ones and re-make exactly those, then rewrite the manifest. The
+    result is byte-identical to a clean build. Without it a finished cache is not re-checked."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _ROLE_ALIASES = {
     "system": "system",
@@ -115,16 +116,33 @@ def normalise_row(obj, where: str) -> list[dict]:
 def read_conversations(
     paths: list[str], skip_bad_rows: bool = False, stats: ReadStats | None = None
 ) -> Iterator[Row]:
-    """Yield normalised rows of ``paths`` in order; bad rows raise or are counted in ``stats``."""
+    """Yield normalised rows of ``paths`` in order; bad rows (malformed JSON or layout, bytes
+    that are not UTF-8) raise or are counted in ``stats``. A missing file, or files that hold no
+    row at all, raise DataError naming ``data.paths``."""
     stats = stats if stats is not None else ReadStats()
+    for path in paths:
+        if not Path(path).is_file():
+            what = "is a directory, not a jsonl file" if Path(path).is_dir() else "does not exist"
+            raise DataError(f"data.paths: {path} {what}")
     index = 0
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+        # NOTE: bytes, decoded line by line: a stray non-UTF-8 byte is one bad row, not a
+        # UnicodeDecodeError somewhere in the file.
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if lineno == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+                if not raw.strip():
                     continue
                 where = f"{path}:{lineno}"
                 try:
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise DataError(
+                            f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+                            f"{e.start + 1} of the line)"
+                        ) from None
                     try:
                         obj = json.loads(line)
                     except json.JSONDecodeError as e:
@@ -142,3 +160,10 @@ def read_conversations(
                 stats.rows += 1
                 yield Row(messages, where, index)
                 index += 1
+    if stats.rows == 0 and stats.bad == 0:
+        raise DataError(f"data.paths: {', '.join(map(str, paths))} holds no rows (empty)")
+    if stats.rows == 0:
+        raise DataError(
+            f"data.paths: all {stats.bad} rows of {', '.join(map(str, paths))} are malformed "
+            f"(first: {stats.errors[0]})"
+        )

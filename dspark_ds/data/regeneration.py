@@ -7,10 +7,16 @@ rerun after a crash skips what is there. When every rank is done, the parts are 
 sorted by row id, each exactly once — into ``<output>`` (atomic rename); failures go to
 ``<output>.failed.jsonl``. Multi-turn rows are answered turn by turn (each answer is part of
 the next turn's prompt).
+
+Next to each part, ``part-R-of-W.inputs.json`` records what its rows were made from: the
+sha256 of every input file and every setting that changes an answer. A rerun resumes only
+rows with the same record; otherwise it refuses, naming what changed, unless ``restart`` is
+set (then the earlier rows and output are discarded).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,6 +29,7 @@ from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
 from dspark_ds.data.tokens import atomic_write_text
+from dspark_ds.files import check_exists, check_model_path, first_line, sha256_file
 
 
 def _parts_dir(output: str) -> Path:
@@ -31,6 +38,96 @@ def _parts_dir(output: str) -> Path:
 
 def _part_path(output: str, rank: int, world: int) -> Path:
     return _parts_dir(output) / f"part-{rank:05d}-of-{world:05d}.jsonl"
+
+
+def _inputs_path(part: Path) -> Path:
+    return part.with_suffix(".inputs.json")
+
+
+def run_inputs(cfg: RegenerateConfig) -> dict:
+    """What every output row depends on: the input files' bytes and every setting that changes
+    an answer, with a sha256 over all of it (``fingerprint``)."""
+    from transformers import AutoConfig
+
+    from dspark_ds.target import config_sha256
+
+    try:
+        target_config = AutoConfig.from_pretrained(
+            cfg.target.path,
+            revision=cfg.target.revision,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+    except OSError as err:
+        raise ValueError(
+            f"target.path: cannot read a model config from {cfg.target.path!r} ({first_line(err)})"
+        ) from None
+    settings: dict = {
+        "data.paths": [str(p) for p in cfg.data.paths],  # rows record their `source` file
+        **{f"data.paths[{i}] content": sha256_file(p) for i, p in enumerate(cfg.data.paths)},
+        "target.path": cfg.target.path,
+        "target.revision": cfg.target.revision,
+        "target.dtype": cfg.target.dtype,
+        "target config": config_sha256(target_config),
+        "data.tokenizer": cfg.data.tokenizer or cfg.target.path,
+        "data.max_length": cfg.data.max_length,
+        "data.enable_thinking": cfg.data.enable_thinking,
+        "data.system_prompt": cfg.data.system_prompt,
+        # the batch decides the padding and each batch's sampling seed
+        "batch_size": cfg.batch_size,
+        "max_new_tokens": cfg.max_new_tokens,
+        "temperature": cfg.temperature,
+    }
+    if cfg.temperature > 0:  # greedy answers ignore the sampling settings
+        settings.update(top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    return {"fingerprint": digest, "settings": settings}
+
+
+def _what_changed(old: dict, new: dict) -> str:
+    changed = []
+    for key in sorted(set(old) | set(new), key=lambda k: (k.startswith("data.paths["), k)):
+        a, b = old.get(key, "unset"), new.get(key, "unset")
+        if a != b:
+            hashed = key.endswith(("content", "config"))
+            changed.append(f"{key} changed" if hashed else f"{key} {a!r} -> {b!r}")
+    return ", ".join(changed[:4]) + (f" (+{len(changed) - 4} more)" if len(changed) > 4 else "")
+
+
+def earlier_rows_problem(output: str, inputs: dict) -> str | None:
+    """Why the rows an earlier run left for ``output`` cannot be resumed with ``inputs`` (None:
+    they can, or there are none)."""
+    parts = _parts_dir(output)
+    records = sorted(parts.glob("part-*.inputs.json")) if parts.is_dir() else []
+    for record in records:
+        try:
+            old = json.loads(record.read_text())["settings"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{record} is unreadable, so the rows beside it cannot be trusted"
+        if old != inputs["settings"]:
+            return (
+                f"{parts} holds rows made from other inputs or settings "
+                f"({_what_changed(old, inputs['settings'])})"
+            )
+    if parts.is_dir():
+        for part in sorted(parts.glob("part-*.jsonl")):
+            if part.stat().st_size and not _inputs_path(part).exists():
+                return f"{part} holds rows with no record of the inputs they were made from"
+    if Path(output).exists() and not records:
+        return f"{output} exists with no record of the inputs it was made from"
+    return None
+
+
+def _discard_earlier_rows(output: str, rank: int, world: int) -> None:
+    """``restart``: this rank removes its own part files; rank 0 also the merged output and
+    the parts of other world sizes (every rank touches only files no other rank touches)."""
+    own = _part_path(output, rank, world)
+    doomed = [own, _inputs_path(own), own.with_suffix(".done")]
+    if rank == 0:
+        doomed += [Path(output), Path(f"{output}.failed.jsonl")]
+        if _parts_dir(output).is_dir():
+            doomed += [p for p in _parts_dir(output).iterdir() if f"-of-{world:05d}." not in p.name]
+    for path in doomed:
+        path.unlink(missing_ok=True)
 
 
 def read_part(path: Path) -> list[dict]:
@@ -175,10 +272,27 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         raise ValueError("output is required (the jsonl to write)")
     if not cfg.target.path:
         raise ValueError("target.path is required")
+    for i, path in enumerate(cfg.data.paths):
+        check_exists(path, f"data.paths[{i}]")
+    check_model_path(cfg.target.path, "target.path")
+    check_model_path(cfg.data.tokenizer, "data.tokenizer")
     dist.init("gloo", always=False, timeout_s=1800)
     rank, world = dist.rank_and_world()
     part = _part_path(cfg.output, rank, world)
+    inputs = run_inputs(cfg)
+    problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
+    problems = [p for p in dist.all_gather_object(problem) if p]
+    if problems:  # every rank refuses together
+        raise ValueError(
+            f"regenerate: {problems[0]}; rerun with --restart true to discard them and start "
+            "over, or write to another --output"
+        )
+    if cfg.restart:
+        _discard_earlier_rows(cfg.output, rank, world)
+        dist.barrier()
     part.parent.mkdir(parents=True, exist_ok=True)
+    part.with_suffix(".done").unlink(missing_ok=True)  # a stale one would start the merge early
+    atomic_write_text(_inputs_path(part), json.dumps(inputs, indent=1, sort_keys=True))
     done = {rec["id"] for rec in read_part(part)}
 
     from transformers import AutoModelForCausalLM

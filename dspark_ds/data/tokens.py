@@ -13,15 +13,16 @@ import json
 import os
 from pathlib import Path
 
+import safetensors
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import DataConfig, PrepareConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
 from dspark_ds.distributed import print0, rank_and_world
+from dspark_ds.files import check_model_path, first_line, save_safetensors
 
 TOKENS_FILE = "tokens.safetensors"
 META_FILE = "meta.json"
@@ -75,23 +76,28 @@ class TokenStore:
         directory = Path(directory)
         meta_path = directory / META_FILE
         if not meta_path.exists():
-            raise FileNotFoundError(
-                f"{directory} is not a prepared data set (no {META_FILE}); "
+            raise ValueError(
+                f"data.paths: {directory} is not a prepared data set (no {META_FILE}); "
                 "run `dspark-ds prepare` first"
             )
-        meta = json.loads(meta_path.read_text())
-        with safe_open(str(directory / TOKENS_FILE), framework="pt") as f:
-            offsets = f.get_tensor("offsets")
+        try:
+            meta = json.loads(meta_path.read_text())
+            with safe_open(str(directory / TOKENS_FILE), framework="pt") as f:
+                offsets = f.get_tensor("offsets")
+        except (OSError, ValueError, safetensors.SafetensorError) as err:
+            raise ValueError(
+                f"data.paths: the prepared data set {directory} is damaged ({err}); run "
+                "`dspark-ds prepare` again"
+            ) from None
         return cls(None, None, offsets, meta, path=str(directory / TOKENS_FILE))
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = directory / f".{TOKENS_FILE}.tmp"
-        save_file(
-            {"input_ids": self._ids, "loss_mask": self._mask, "offsets": self.offsets}, str(tmp)
+        save_safetensors(
+            {"input_ids": self._ids, "loss_mask": self._mask, "offsets": self.offsets},
+            directory / TOKENS_FILE,
         )
-        os.replace(tmp, directory / TOKENS_FILE)
         atomic_write_text(directory / META_FILE, json.dumps(self.meta, indent=2))
 
     def __len__(self) -> int:
@@ -124,7 +130,17 @@ def tokenize_conversations(
     cfg: DataConfig, tokenizer_path: str, progress: bool = True
 ) -> tuple[TokenStore, dict]:
     """Read + normalise + tokenise ``cfg.paths`` → (TokenStore, counts)."""
-    tok = load_tokenizer(tokenizer_path)
+    for i, path in enumerate(cfg.paths):  # before the tokenizer, which may come from the hub
+        if Path(path).is_file() and Path(path).stat().st_size == 0:
+            raise ValueError(f"data.paths[{i}]: {path} is empty")
+        if not Path(path).exists():
+            raise ValueError(f"data.paths[{i}]: file {path} does not exist")
+    try:
+        tok = load_tokenizer(tokenizer_path)
+    except OSError as err:
+        raise ValueError(
+            f"data.tokenizer: cannot load a tokenizer from {tokenizer_path!r} ({first_line(err)})"
+        ) from None
     chat = ChatTokenizer(
         tok, cfg.max_length, cfg.enable_thinking, cfg.system_prompt, chat_format=cfg.chat_format
     )
@@ -139,6 +155,13 @@ def tokenize_conversations(
             continue
         truncated += full_len >= cfg.max_length
         samples.append((ids, mask))
+    if not samples:
+        hint = " (prompts-only rows need `dspark-ds regenerate` first)" if too_short else ""
+        raise ValueError(
+            f"data.paths: no usable sample in {', '.join(map(str, cfg.paths))}: {stats.rows} "
+            f"rows read, {too_short} with fewer than data.min_loss_tokens={cfg.min_loss_tokens} "
+            f"assistant tokens within data.max_length={cfg.max_length}{hint}"
+        )
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     meta = {
         "format": "dspark-ds-tokens",
@@ -174,6 +197,7 @@ def load_samples(cfg: DataConfig, tokenizer_path: str | None = None) -> TokenSto
     tok = cfg.tokenizer or tokenizer_path
     if not tok:
         raise ValueError("data.tokenizer (or target.path) is required to tokenise jsonl input")
+    check_model_path(cfg.tokenizer, "data.tokenizer")
     store, _ = tokenize_conversations(cfg, tok, progress=rank_and_world()[0] == 0)
     return store
 
@@ -184,6 +208,7 @@ def prepare(cfg: PrepareConfig) -> dict:
         raise ValueError("output_dir is required")
     if not cfg.data.tokenizer:
         raise ValueError("data.tokenizer is required (the target's tokenizer path or hub id)")
+    check_model_path(cfg.data.tokenizer, "data.tokenizer")
     store, counts = tokenize_conversations(cfg.data, cfg.data.tokenizer)
     store.meta["counts"] = counts
     store.save(cfg.output_dir)

@@ -10,10 +10,13 @@ from dspark_ds.drafters.io import (
     build_draft_config,
     build_draft_model,
     load_draft_model,
+    register_auto_classes,
     save_draft_model,
 )
 
 DSparkDraftModel.from_config = staticmethod(build_draft_model)
+# AutoModelForCausalLM.from_pretrained(drafter_dir) -> the drafter (see drafters/io.py)
+register_auto_classes()
 
 __all__ = [
     "DSparkDraftModel",

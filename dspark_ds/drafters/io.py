@@ -3,6 +3,13 @@
 A drafter directory is `config.json` (the draft text config plus the DSpark fields) and
 `model.safetensors` (or shards with `model.safetensors.index.json`), readable by the
 reference implementation, SGLang and vLLM. `architectures` selects the backend.
+
+`config.json` keeps the target family's `model_type` (qwen3, gemma4_text): the reference
+implementation, SGLang and vLLM read it as the family's config class. transformers' Auto classes
+map that config class to the plain causal LM, and use `architectures` only to choose among the
+classes registered for it; `register_auto_classes` (run when `dspark_ds.drafters` is imported)
+adds the drafter architectures there, so `AutoModelForCausalLM.from_pretrained(drafter_dir)`
+returns the drafter instead of a Qwen3ForCausalLM that silently drops its heads.
 """
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dspark_ds.drafters.common.blocks import validate_target_layer_ids
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
+from dspark_ds.files import save_safetensors
 
 # architecture -> (module, class, transformers config class path)
 BACKENDS: dict[str, tuple[str, str, str]] = {
@@ -266,11 +274,88 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
         if ptr in seen:
             state[name] = tensor.clone()
         seen.add(ptr)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
     data = draft_config_dict(model.config)
     family_hook = getattr(type(model), "interchange_config_dict", None)  # Gemma4 layout
     if family_hook is not None:
         data = family_hook(data, model.config)
     data["architectures"] = [type(model).architecture]
-    (out / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp = out / ".config.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out / "config.json")
     return out
+
+
+# ---- transformers' Auto classes ---------------------------------------------------------------
+# Arguments transformers' Auto classes pass along that mean nothing for a local drafter.
+_AUTO_INTERNAL_KWARGS = (
+    "_from_auto", "trust_remote_code", "adapter_kwargs", "cache_dir", "local_files_only",
+    "token", "subfolder", "force_download", "proxies", "code_revision", "config",
+)  # fmt: skip
+
+
+def _auto_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+    """What `AutoModel*.from_pretrained` calls on a drafter directory: `load_draft_model`,
+    with transformers' `dtype` (default: the config's) and `device_map` (one device)."""
+    config = kwargs.get("config")
+    dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None)
+    device = kwargs.pop("device_map", None) or "cpu"
+    revision = kwargs.pop("revision", None)
+    for name in _AUTO_INTERNAL_KWARGS:
+        kwargs.pop(name, None)
+    if model_args or kwargs or isinstance(device, dict):
+        unsupported = sorted(kwargs) + (["device_map (a dict)"] if isinstance(device, dict) else [])
+        raise TypeError(
+            f"{cls.__name__}.from_pretrained: {unsupported or list(model_args)} not supported "
+            "for a dspark-ds drafter (dtype and a single-device device_map are)"
+        )
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    path = Path(pretrained_model_name_or_path)
+    if not path.is_dir():  # a hub id: the config came from there too
+        from huggingface_hub import snapshot_download
+
+        path = Path(
+            snapshot_download(
+                str(pretrained_model_name_or_path),
+                revision=revision,
+                allow_patterns=["*.json", "*.safetensors"],
+            )
+        )
+    return load_draft_model(path, dtype=dtype, device=device)
+
+
+def register_auto_classes() -> None:
+    """Make transformers' `AutoModel` / `AutoModelForCausalLM.from_pretrained(drafter_dir)`
+    return the drafter (what `load_draft_model` returns).
+
+    For each family config class the Auto mapping becomes a tuple: the class transformers had
+    (first, so target checkpoints and configs without `architectures` load as before), then a
+    stand-in named after each drafter architecture; transformers picks the entry whose name is
+    in `config.architectures`. Idempotent."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    by_config: dict[type, list[str]] = {}
+    for architecture, (_, _, config_path) in BACKENDS.items():
+        by_config.setdefault(_import(config_path), []).append(architecture)
+    for auto in (AutoModel, AutoModelForCausalLM):
+        mapping = auto._model_mapping
+        for config_cls, architectures in by_config.items():
+            current = mapping[config_cls] if config_cls in mapping else ()
+            current = tuple(current) if isinstance(current, (list, tuple)) else (current,)
+            kept = tuple(c for c in current if c.__name__ not in architectures)
+            stand_ins = tuple(
+                type(
+                    name,
+                    (),
+                    {
+                        "__module__": __name__,
+                        "__doc__": f"{name} for transformers' Auto classes: loads the drafter.",
+                        "from_pretrained": classmethod(_auto_from_pretrained),
+                    },
+                )
+                for name in architectures
+            )
+            auto.register(config_cls, kept + stand_ins, exist_ok=True)

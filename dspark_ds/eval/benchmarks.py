@@ -47,10 +47,16 @@ def benchmark_path(name: str, data_dir: str | Path | None) -> Path:
 def load_benchmark(path: str | Path) -> list[list[str]]:
     """Each row's `turns`: a non-empty list of strings. Errors name the file and line."""
     rows: list[list[str]] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
+    with open(path, "rb") as handle:  # decoded line by line: a bad byte names its line
+        for line_no, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x})"
+                ) from None
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:

@@ -10,8 +10,9 @@ Brier are reported per position and pooled over positions for that cumulative pr
 Sequential temperature scaling (STS, the DSpark paper; not in the reference code) divides slot
 k's logit by a temperature t_k, fitted left to right on a held-out split: t_0 minimises the ECE
 of σ(c_0 / t_0), then with t_0 fixed t_1 minimises the ECE of σ(c_0/t_0)·σ(c_1/t_1), and so on.
-The temperatures live in the drafter's `config.json` as `confidence_temperatures` and the decoding
-loop applies them before the confidence threshold.
+`dspark-ds eval` writes them to its output directory; stored in the drafter's `config.json` as
+`confidence_temperatures` (`--calibration.write_to_drafter true`, or
+`write_confidence_temperatures`), the decoding loop applies them before the confidence threshold.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ class CalibrationConfig:
     cumulative confidence) on the fit split and report ECE / AUROC / Brier before and after."""
     fit_fraction: float = 0.5
     """Share of each benchmark's prompts (the first ones) used to fit STS; the rest measure it."""
-    write_to_drafter: bool = True
-    """Store the fitted temperatures as `confidence_temperatures` in the drafter's config.json
-    (atomically; other keys untouched), so decoding applies them before the threshold. A
-    read-only drafter directory gets a warning instead. They are always written to the
-    output directory as confidence_temperatures.json."""
+    write_to_drafter: bool = False
+    """Also store the fitted temperatures as `confidence_temperatures` in the drafter's
+    config.json (atomically; other keys untouched), so later decoding applies them before the
+    threshold. Off by default: evaluation never modifies the drafter it reads unless asked. They
+    are always written to <output_dir>/<name>/confidence_temperatures.json."""
 
     def validate(self, prefix: str = "calibration") -> None:
         if self.num_bins < 2:

@@ -73,12 +73,21 @@ def load_models(cfg: EvalConfig, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dspark_ds.drafters import load_draft_model
+    from dspark_ds.files import check_exists, check_model_path, first_line
 
+    check_model_path(cfg.target, "eval.target")
+    check_model_path(cfg.tokenizer, "eval.tokenizer")
+    check_exists(cfg.drafter, "eval.drafter", "drafter directory")
     dtype = _resolve_dtype(cfg, device)
     kwargs = {"dtype": dtype}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, **kwargs).to(device).eval()
+    try:
+        target = AutoModelForCausalLM.from_pretrained(cfg.target, **kwargs).to(device).eval()
+    except OSError as err:  # not found, not a model, no connection: one line, exit 2
+        raise ValueError(
+            f"eval.target: cannot load a model from {cfg.target!r} ({first_line(err)})"
+        ) from None
     drafter = load_draft_model(cfg.drafter, dtype=dtype, device=device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target)
     return target, drafter, tokenizer
@@ -218,11 +227,18 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
         out["sts"] = cal.confidence_report(held_records, temps_G, c.num_bins)
         curves["STS"] = out["sts"]
         report.write_json(out_dir / "confidence_temperatures.json", {cal.CONFIG_KEY: temps})
+        where = f"{out_dir / 'confidence_temperatures.json'}; the drafter is unchanged"
         if c.write_to_drafter:
             try:
                 out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
+                where = f"{out['written_to']}, which later decoding applies"
             except OSError as err:
                 print(f"[eval] WARNING: could not store STS temperatures in {cfg.drafter}: {err}")
+        print(
+            f"[eval] STS temperatures fitted on {len(fit)} prompt(s) "
+            f"({_records(fit, block_size).num_rounds} rounds) -> {where}",
+            flush=True,
+        )
     out["threshold_sweep"] = cal.threshold_sweep(all_records, c.thresholds, temps_G)
     out["threshold_sweep_temperatures"] = temps_G.tolist() if temps_G is not None else None
     report.plot_reliability(out_dir / "reliability_diagram.png", curves)
@@ -291,6 +307,8 @@ def log_to_tracking(
 def run_eval(cfg: EvalConfig) -> dict | None:
     """Entry point of `dspark-ds eval`. Returns the results payload on rank 0, None elsewhere."""
     cfg.validate()
+    for name in cfg.benchmarks:  # a missing benchmark fails before the models load
+        benchmark_path(name, cfg.data_dir)
     device = _resolve_device(cfg)
     # NOTE: gloo for CPU evaluation; NCCL object collectives run on the current CUDA device,
     # which init() sets to this rank's before the group exists.

@@ -160,21 +160,49 @@ def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]
     return embed, (embed if head is None else head)
 
 
+def claim_output_dir(output_dir: str | Path, overwrite: bool, option: str = "output_dir") -> None:
+    """Refuse (ValueError naming `option`) to write a drafter into a non-empty directory unless
+    `overwrite`; with it, remove the weight files of an earlier (sharded) drafter there, which
+    would otherwise sit beside the new ones."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{option}: {out} is a file, not a directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (f", +{len(held) - 4} more" if len(held) > 4 else "")
+        raise ValueError(
+            f"{option}: {out} is not empty ({shown}); choose another directory, or pass "
+            "--overwrite true to replace its config.json and weights"
+        )
+    for name in held:
+        if name == "model.safetensors.index.json" or re.match(r"^model-.*\.safetensors$", name):
+            (out / name).unlink()
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     output_dir: str | Path,
     *,
     target_path: str | None = None,
     dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
 ) -> Path:
-    """Any ZeRO stage's checkpoint → interchange directory (spec §13)."""
+    """Any ZeRO stage's checkpoint → interchange directory (spec §13). A non-empty
+    `output_dir` is refused unless `overwrite`."""
+    try:
+        tag_dir = resolve_tag_dir(checkpoint)
+    except FileNotFoundError as err:
+        raise ValueError(f"checkpoint: {err}") from None
+    claim_output_dir(output_dir, overwrite)
+    if target_path is not None and not Path(target_path).is_dir():
+        raise ValueError(f"target_path: {target_path} is not a local model directory")
+
     import yaml
 
     from dspark_ds.drafters import build_draft_model, save_draft_model
     from dspark_ds.drafters.io import config_from_dict
     from dspark_ds.engine import checkpoint_trainable_fp32
 
-    tag_dir = resolve_tag_dir(checkpoint)
     draft_cfg = config_from_dict(json.loads((tag_dir / "draft_config.json").read_text()))
     if target_path is None:
         run = yaml.safe_load((tag_dir / "run_config.yaml").read_text())
@@ -213,7 +241,11 @@ def run_export(cfg) -> Path:
     """`dspark-ds export` (an `ExportConfig`): any ZeRO stage's checkpoint → interchange
     directory."""
     out = export_checkpoint(
-        cfg.checkpoint, cfg.output_dir, target_path=cfg.target_path, dtype=getattr(torch, cfg.dtype)
+        cfg.checkpoint,
+        cfg.output_dir,
+        target_path=cfg.target_path,
+        dtype=getattr(torch, cfg.dtype),
+        overwrite=cfg.overwrite,
     )
     print(f"[export] wrote {out}")
     return out

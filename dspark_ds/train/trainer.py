@@ -162,7 +162,7 @@ class Trainer:
     def __init__(self, cfg: TrainRunConfig):
         from dspark_ds import engine as eng_lib
 
-        self.cfg = cfg.validate()
+        self.cfg = cfg.validate().check_paths()
         # config-level failures (exit 2) come before any process group exists
         self.draft_config = make_draft_config(cfg)
         # the target runs in the job (features online, synthetic data) and then lends the
@@ -315,7 +315,10 @@ class Trainer:
             return None
         if resume == "auto":
             return str(self.ckpt_dir / existing) if existing is not None else None
-        return str(ckpt.resolve_tag_dir(resume))
+        try:
+            return str(ckpt.resolve_tag_dir(resume))
+        except FileNotFoundError as err:
+            raise ValueError(f"checkpoint.resume: {err}") from None
 
     def _prepare_resume(self, tag_dir: str, eng_lib) -> tuple[str, dict]:
         """Same world size: load as is. Otherwise (ZeRO >= 1) convert to a universal

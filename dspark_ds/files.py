@@ -1,0 +1,75 @@
+"""Small file helpers every component shares: checksums, safetensors files with the normal file
+mode, and telling a local path from a Hugging Face hub id.
+
+No torch.distributed here: the drafters' architecture files import this module too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, atomically (temp file + rename) and with the mode any other
+    file gets (0666 & ~umask).
+
+    NOTE: `safetensors.torch.save_file` creates its file with mode 0600, so a drafter or token
+    store written by one user cannot be read by a serving or training job of another."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, path)
+
+
+def looks_local(path: str) -> bool:
+    """Whether `path` can only mean a local file or directory, not a hub id ("org/name").
+
+    Local-looking: an absolute path; one starting with `./`, `../` or `~`; `.` or `..`; one
+    with more than one `/` (hub ids have at most one) or ending in `/`; or `a/b` where `a` is
+    an existing local directory. Anything else (`Qwen/Qwen3-8B`, `gpt2`) may be a hub id."""
+    p = str(path)
+    if p in (".", "..") or p.startswith(("/", "./", "../", "~")):
+        return True
+    if p.count("/") > 1 or p.endswith("/"):
+        return True
+    head, sep, _ = p.partition("/")
+    return bool(sep) and Path(head).is_dir()
+
+
+def check_model_path(path: str | None, option: str) -> None:
+    """Refuse at once (ValueError naming `option`) a local-looking path that does not exist,
+    instead of letting transformers ask the hub for it (~25 s of retries offline)."""
+    if path and looks_local(path) and not Path(path).expanduser().exists():
+        raise ValueError(
+            f"{option}: {path} does not exist (a local path; a hub id looks like org/name)"
+        )
+
+
+def check_exists(path: str | Path, option: str, what: str = "file") -> None:
+    """ValueError naming `option` when `path` does not exist."""
+    if not Path(path).expanduser().exists():
+        raise ValueError(f"{option}: {what} {path} does not exist")
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-empty line of an error's message (transformers' hub errors run to five)."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), repr(err))

@@ -153,6 +153,27 @@ def test_written_files_get_the_normal_mode(tmp_path):
     ]
 
 
+def test_auto_classes_still_build_and_load_plain_models(tmp_path):
+    # importing dspark_ds.drafters must not change what transformers does with anything but a
+    # drafter directory: from_config of a config built in code (no `architectures`), a Gemma4
+    # wrapper building its text model through AutoModel, save / load of a plain target
+    from transformers import AutoModel, AutoModelForCausalLM, Gemma4ForConditionalGeneration
+
+    from helpers.gemma4 import tiny_gemma4_target_config
+
+    cfg = tiny_qwen3_config()
+    assert cfg.architectures is None
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert type(model) is Qwen3ForCausalLM
+    assert type(AutoModel.from_config(cfg)).__name__ == "Qwen3Model"
+    wrapper = Gemma4ForConditionalGeneration(tiny_gemma4_target_config())
+    assert type(wrapper.model.language_model).__name__ == "Gemma4TextModel"
+    model.save_pretrained(tmp_path / "plain")
+    saved = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3ForCausalLM"]
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "plain")) is Qwen3ForCausalLM
+
+
 @pytest.mark.parametrize("family", ["qwen3_vanilla", "gemma4_vanilla"])
 def test_transformers_auto_classes_load_the_drafter(tmp_path, golden_dir, family):
     # config.json keeps the family's model_type (the interchange format); transformers would load

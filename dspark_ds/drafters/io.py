@@ -327,14 +327,45 @@ def _auto_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwa
     return load_draft_model(path, dtype=dtype, device=device)
 
 
+class _AutoEntry(type):
+    """Metaclass of what `register_auto_classes` puts in transformers' Auto mappings: every
+    attribute is the class transformers had (`_from_config`, `config_class`, ...), so building
+    or loading a plain model behaves exactly as before; only `from_pretrained` first checks
+    whether `config.architectures` names a drafter."""
+
+    def __getattr__(cls, name):
+        return getattr(cls.__dict__["_dspark_original"], name)
+
+
+def _auto_entry(original: type, architectures: tuple[str, ...]) -> type:
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        named = getattr(kwargs.get("config"), "architectures", None) or ()
+        if any(a in architectures for a in named):
+            return _auto_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        return original.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    return _AutoEntry(
+        original.__name__,
+        (),
+        {
+            "_dspark_original": original,
+            "__module__": original.__module__,
+            "__doc__": original.__doc__,
+            "from_pretrained": classmethod(from_pretrained),
+        },
+    )
+
+
 def register_auto_classes() -> None:
     """Make transformers' `AutoModel` / `AutoModelForCausalLM.from_pretrained(drafter_dir)`
     return the drafter (what `load_draft_model` returns).
 
-    For each family config class the Auto mapping becomes a tuple: the class transformers had
-    (first, so target checkpoints and configs without `architectures` load as before), then a
-    stand-in named after each drafter architecture; transformers picks the entry whose name is
-    in `config.architectures`. Idempotent."""
+    NOTE: transformers picks the model class from `model_type` alone (the drafter keeps its
+    family's, for the interchange format). Each family's entry is replaced by a stand-in that
+    forwards everything to the class transformers had, except that `from_pretrained` of a
+    config whose `architectures` names a drafter loads the drafter. A list of classes instead
+    would break transformers' own `from_config` of configs without `architectures` (e.g. a
+    Gemma4 text config built in code). Idempotent."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     by_config: dict[type, list[str]] = {}
@@ -343,19 +374,10 @@ def register_auto_classes() -> None:
     for auto in (AutoModel, AutoModelForCausalLM):
         mapping = auto._model_mapping
         for config_cls, architectures in by_config.items():
-            current = mapping[config_cls] if config_cls in mapping else ()
-            current = tuple(current) if isinstance(current, (list, tuple)) else (current,)
-            kept = tuple(c for c in current if c.__name__ not in architectures)
-            stand_ins = tuple(
-                type(
-                    name,
-                    (),
-                    {
-                        "__module__": __name__,
-                        "__doc__": f"{name} for transformers' Auto classes: loads the drafter.",
-                        "from_pretrained": classmethod(_auto_from_pretrained),
-                    },
-                )
-                for name in architectures
-            )
-            auto.register(config_cls, kept + stand_ins, exist_ok=True)
+            if config_cls not in mapping:
+                continue
+            current = mapping[config_cls]
+            current = getattr(current, "__dict__", {}).get("_dspark_original", current)
+            if not isinstance(current, type):  # several classes already: leave them alone
+                continue
+            auto.register(config_cls, _auto_entry(current, tuple(architectures)), exist_ok=True)

@@ -2,7 +2,8 @@
 
 Every section is a small dataclass; jsonargparse turns the field docstrings into `--help` and
 the field paths into dotted flags (`--train.lr 1e-4`). Sections owned by other components are
-imported from next to their code (`data.DataConfig`, `target.TargetConfig`). Every check raises
+imported from next to their code (`data.DataConfig`, `target.TargetConfig`,
+`drafters.presets.DrafterConfig`). Every check raises
 `ValueError` naming the dotted option; the CLI turns that into exit code 2.
 """
 
@@ -15,71 +16,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal
 
 from dspark_ds.data.config import DataConfig
+from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.perf.config import PerfConfig
 from dspark_ds.target import TargetConfig
-
-
-@dataclass
-class DrafterConfig:
-    """The drafter's architecture and loss (spec §11). Defaults are the paper's DSpark."""
-
-    kind: Literal["dspark", "eagle3"] = "dspark"
-    """Drafter family: "dspark" (DSpark / DFlash, parallel blocks) or "eagle3" (the
-    autoregressive Eagle3 baseline; reads num_draft_layers, ttt_length, step_loss_decay)."""
-    num_draft_layers: int = 5
-    """Transformer layers of the drafter backbone."""
-    block_size: int = 7
-    """γ: tokens drafted per block (anchor + γ-1 masks)."""
-    num_anchors: int = 512
-    """Blocks (anchors) sampled per training sequence."""
-    mask_token_id: int | None = None
-    """Id of the MASK token filling the draft block; None = the tokenizer's `<|mask|>` token
-    (Qwen3 recipes use 151669)."""
-    markov_rank: int = 256
-    """Rank r of the Markov head; 0 = no Markov head (DFlash)."""
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
-    """Markov head variant."""
-    confidence_head_alpha: float = 1.0
-    """Weight of the confidence (BCE) loss; > 0 enables the confidence head."""
-    confidence_head_with_markov: bool = True
-    """Feed the Markov features to the confidence head (needs markov_rank > 0)."""
-    loss_decay_gamma: float | None = 4.0
-    """Position weight decay w_j = exp(-j/γ_decay); None or <= 0 disables it."""
-    ce_loss_alpha: float = 0.1
-    """Weight of the cross-entropy term (DFlash: 1.0)."""
-    l1_loss_alpha: float = 0.9
-    """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
-    ttt_length: int = 7
-    """Eagle3: training-time-test steps unrolled per position; also tokens drafted per round."""
-    step_loss_decay: float = 0.8
-    """Eagle3: the loss of unrolled step k is weighted by step_loss_decay^k."""
-    init_from: str | None = None
-    """Start from an exported drafter directory instead of a random init (fine-tuning)."""
-
-    def validate(self, prefix: str = "model") -> None:
-        if self.kind == "eagle3":
-            for name in ("num_draft_layers", "ttt_length"):
-                _require(getattr(self, name) >= 1, f"{prefix}.{name}", "must be >= 1", self)
-            _require(self.step_loss_decay > 0, f"{prefix}.step_loss_decay", "must be > 0", self)
-            return
-        for name in ("num_draft_layers", "block_size", "num_anchors"):
-            _require(getattr(self, name) >= 1, f"{prefix}.{name}", "must be >= 1", self)
-        _require(self.markov_rank >= 0, f"{prefix}.markov_rank", "must be >= 0", self)
-        for name in ("confidence_head_alpha", "ce_loss_alpha", "l1_loss_alpha"):
-            _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0", self)
-        _require(
-            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0,
-            f"{prefix}.ce_loss_alpha",
-            "all loss weights are 0; nothing would be trained",
-            self,
-        )
-        if self.confidence_head_alpha > 0 and self.confidence_head_with_markov:
-            _require(
-                self.markov_rank > 0,
-                f"{prefix}.confidence_head_with_markov",
-                "needs model.markov_rank > 0 (set it to false for DFlash)",
-                self,
-            )
 
 
 @dataclass

@@ -204,7 +204,13 @@ def log_to_tracking(
     """One MLflow run per evaluation (rank 0): params, metrics, tags, the run dir as artifacts.
     Returns the MLflow run id (None when tracking is off or unreachable)."""
     from dspark_ds.config import flatten
-    from dspark_ds.tracking.mlflow import RUN_ID_FILE, Tracker, default_uri, git_sha
+    from dspark_ds.tracking.mlflow import (
+        RUN_ID_FILE,
+        Tracker,
+        default_artifact_location,
+        default_uri,
+        git_sha,
+    )
 
     # NOTE: the Tracker resumes the run named in <run_dir>/mlflow_run_id (right for training);
     # an evaluation is never resumed, and a rerun must not land in (or skip params of) the old run.
@@ -213,6 +219,7 @@ def log_to_tracking(
     tracker = Tracker(
         enabled=t.enabled, uri=t.uri or default_uri(cfg.output_dir), experiment=t.experiment,
         run_name=t.run_name or cfg.name, run_dir=str(run_dir), timeout_s=t.timeout_s,
+        artifact_location=default_artifact_location(cfg.output_dir),
     )  # fmt: skip
     try:
         tracker.log_params(flatten(cfg))

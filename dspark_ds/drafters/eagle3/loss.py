@@ -33,6 +33,34 @@ from dspark_ds import distributed
 from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput, Eagle3Hidden
 
 EPS = 1e-6
+LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")  # perf.loss_impl values Eagle3 honours
+
+
+def loss_impl_for(impl: str, zero3: bool) -> str:
+    """perf.loss_impl -> the path a step takes: "auto" -> "chunked", or "reference" (full
+    logits) under ZeRO-3; "recompute" (a DSpark form) and "chunked" under ZeRO-3 are refused.
+
+    NOTE: the chunked loss calls the lm_head outside the engine's forward; under ZeRO-3 that
+    leaves the gathered lm_head marked active, so there the full logits are the only path.
+    """
+    if impl not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(
+            f"perf.loss_impl: {impl!r} is not available for eagle3 drafters; choose one of "
+            f"{LOSS_IMPLEMENTATIONS}"
+        )
+    if impl == "auto":
+        return "reference" if zero3 else "chunked"
+    if impl == "chunked" and zero3:
+        raise ValueError(
+            "perf.loss_impl: chunked is not available for eagle3 drafters under ZeRO-3 (its "
+            "lm_head calls run outside the engine's forward); use auto or reference"
+        )
+    return impl
+
+
+def resolve_loss_impl(model, impl: str) -> str:
+    """`loss_impl_for` with ZeRO-3 read off the model (its parameters carry `ds_id`)."""
+    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in model.parameters()))
 
 
 def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor:

@@ -30,6 +30,8 @@ DSPARK_LOSS = LossWeights(
 )
 # DFlash: cross-entropy only, no confidence head (and no Markov head).
 DFLASH_LOSS = replace(DSPARK_LOSS, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
+# Eagle3: the loss of unrolled step k is weighted by STEP_LOSS_DECAY ** k.
+STEP_LOSS_DECAY = 0.8
 
 
 @dataclass
@@ -65,7 +67,7 @@ class DrafterConfig:
     """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
     ttt_length: int = 7
     """Eagle3: training-time-test steps unrolled per position; also tokens drafted per round."""
-    step_loss_decay: float = 0.8
+    step_loss_decay: float = STEP_LOSS_DECAY
     """Eagle3: the loss of unrolled step k is weighted by step_loss_decay^k."""
     init_from: str | None = None
     """Start from an exported drafter directory instead of a random init (fine-tuning)."""
@@ -138,7 +140,8 @@ _PRESETS: dict[str, DrafterConfig] = {
         markov_rank=0, confidence_head_with_markov=False, **asdict(DFLASH_LOSS)
     ),
     # Eagle3: one autoregressive layer unrolled over 7 training-time-test steps
-    "eagle3": DrafterConfig(kind="eagle3", num_draft_layers=1, ttt_length=7, step_loss_decay=0.8),
+    # (ttt_length and step_loss_decay: DrafterConfig's defaults)
+    "eagle3": DrafterConfig(kind="eagle3", num_draft_layers=1),
 }
 
 

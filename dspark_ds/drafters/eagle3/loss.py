@@ -31,6 +31,7 @@ import torch
 
 from dspark_ds import distributed
 from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput, Eagle3Hidden
+from dspark_ds.drafters.presets import STEP_LOSS_DECAY
 
 EPS = 1e-6
 LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")  # perf.loss_impl values Eagle3 honours
@@ -73,7 +74,7 @@ def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor
 
 
 def compute_eagle3_loss(
-    out: Eagle3ForwardOutput, *, step_loss_decay: float = 0.8
+    out: Eagle3ForwardOutput, *, step_loss_decay: float = STEP_LOSS_DECAY
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns (loss to backpropagate, metrics) from full logits. Needs `out.target_logits`."""
     if out.target_logits is None:
@@ -107,7 +108,7 @@ def compute_eagle3_loss(
 
 
 def chunked_eagle3_loss(
-    model, feats: Eagle3Hidden, *, step_loss_decay: float = 0.8, chunk_rows: int = 1024
+    model, feats: Eagle3Hidden, *, step_loss_decay: float = STEP_LOSS_DECAY, chunk_rows: int = 1024
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The same loss and metrics as `compute_eagle3_loss(model(...))` from `forward_hidden`,
     with O(chunk_rows x V) vocabulary memory. Only valid (b, t, k) rows are projected."""
@@ -151,7 +152,7 @@ def eagle3_forward_and_loss(
     model,
     batch,
     *,
-    step_loss_decay: float = 0.8,
+    step_loss_decay: float = STEP_LOSS_DECAY,
     impl: str = "auto",
     chunk_rows: int = 1024,
     forward=None,

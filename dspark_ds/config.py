@@ -13,12 +13,12 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dspark_ds.data.config import DataConfig
 from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.perf.config import PerfConfig
-from dspark_ds.target import TargetConfig
+from dspark_ds.target import TargetConfig, TargetPathConfig
 
 
 @dataclass
@@ -142,7 +142,7 @@ class ValidationConfig:
     cache_dir: str | None = None
     """Held-out offline target cache (data.mode offline)."""
 
-    def validate(self, prefix: str = "eval") -> None:
+    def validate(self, prefix: str = "validation") -> None:
         _require(self.every_steps >= 0, f"{prefix}.every_steps", "must be >= 0", self)
         _require(self.num_batches >= 1, f"{prefix}.num_batches", "must be >= 1", self)
 
@@ -169,10 +169,13 @@ class TrainRunConfig:
     """MLflow."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence, retention and resume."""
-    eval: ValidationConfig = field(default_factory=ValidationConfig)
-    """Periodic validation."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Periodic validation on held-out data."""
     perf: PerfConfig = field(default_factory=PerfConfig)
     """How the step computes attention and the loss (same results, different cost)."""
+
+    # old spelling -> new: an old spelling gets an error naming both (see `parse`)
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"eval": "validation"}
 
     @property
     def run_dir(self) -> str:
@@ -184,7 +187,7 @@ class TrainRunConfig:
         _require(bool(self.target.path), "target.path", "is required", self)
         self.model.validate()
         self.train.validate()
-        self.eval.validate()
+        self.validation.validate()
         _require(self.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self)
         _require(self.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self)
         if self.train.synthetic_samples == 0 and self.data.mode != "offline":
@@ -213,10 +216,13 @@ class ExportConfig:
     """A run directory, its checkpoints/ directory (uses `latest`), or one tag directory."""
     output_dir: str = ""
     """Directory to write config.json + model.safetensors."""
-    target_path: str | None = None
-    """Where to read the shared embedding and lm_head; None = the target of the saved run."""
+    target: TargetPathConfig = field(default_factory=TargetPathConfig)
+    """Where to read the shared embedding and lm_head (target.path); None = the target of the
+    saved run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Storage dtype of the exported weights."""
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target_path": "target.path"}
 
     def validate(self) -> ExportConfig:
         _require(bool(self.checkpoint), "checkpoint", "is required", self)
@@ -285,13 +291,46 @@ def build_parser(config_cls, prog: str):
 def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
     """argv → a validated `config_cls` instance. Raises ValueError / SystemExit(2) naming the
     option."""
+    from jsonargparse import ArgumentError
+
     parser = build_parser(config_cls, prog)
-    ns = parser.instantiate(parser.parse_args(argv))
+    try:
+        ns = parser.parse_args(argv)
+    except ArgumentError as err:
+        renamed = _renamed_option(getattr(config_cls, "RENAMED_OPTIONS", {}), argv)
+        if renamed:
+            raise ValueError(renamed) from err
+        raise
+    ns = parser.instantiate(ns)
     values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
     cfg = config_cls(**values)
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
+
+
+def _renamed_option(renamed: dict[str, str], argv: list[str]) -> str | None:
+    """The error for an option spelt the old way (`--target X` for `--target.path X`), on the
+    command line or in a --config YAML, if any."""
+    import yaml
+
+    for old, new in renamed.items():
+        # a section that became a value (`target` -> `target.path`) keeps its name as a prefix
+        section_kept = new.startswith(old + ".")
+        for i, arg in enumerate(argv):
+            flag = arg.split("=", 1)[0]
+            if flag == f"--{old}" or (not section_kept and flag.startswith(f"--{old}.")):
+                new_flag = f"--{new}" + flag.removeprefix(f"--{old}")
+                return f"{flag}: renamed to {new_flag}"
+            if arg == "--config" and i + 1 < len(argv):
+                try:
+                    data = yaml.safe_load(open(argv[i + 1]))
+                except (OSError, yaml.YAMLError):
+                    continue
+                value = data.get(old) if isinstance(data, dict) else None
+                if value is not None and not (section_kept and isinstance(value, dict)):
+                    return f"{old}: renamed to {new} (in {argv[i + 1]})"
+    return None
 
 
 def to_plain(cfg) -> dict:

@@ -50,6 +50,14 @@ class TargetConfig:
         return _DTYPES[self.dtype]
 
 
+@dataclass
+class TargetPathConfig:
+    """The target of a subcommand that only reads it (eval, bench-decode, export, tune)."""
+
+    path: str | None = None
+    """Local directory or Hugging Face hub id of the target."""
+
+
 def default_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
     """``num_taps`` ids evenly spaced from 1 to L-3 (spec §1 defaults), deduplicated."""
     last = max(num_layers - 3, 1)

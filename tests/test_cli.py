@@ -88,3 +88,46 @@ def test_setup_errors_exit_2(capsys, tmp_path):
         str(tmp_path),
     )
     assert code == 2 and "target.path" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["train", "--config", RECIPE, "--eval.every_steps", "2"],
+            "--eval.every_steps: renamed to --validation.every_steps",
+        ),
+        (["eval", "--target", "t", "--drafter", "d"], "--target: renamed to --target.path"),
+        (["bench-decode", "--target=t", "--drafter", "d"], "--target: renamed to --target.path"),
+        (
+            ["export", "--checkpoint", "c", "--output_dir", "o", "--target_path", "t"],
+            "--target_path: renamed to --target.path",
+        ),
+        (
+            ["tune", "--recipe", RECIPE, "--target_path", "t"],
+            "--target_path: renamed to --target.path",
+        ),
+    ],
+)
+def test_old_spellings_exit_2_naming_the_new_one(capsys, argv, message):
+    code, text = run(capsys, *argv)
+    assert code == 2 and message in text
+
+
+def test_an_old_recipe_section_is_named(capsys, tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(open(RECIPE).read().replace("\nvalidation:\n", "\neval:\n"))
+    code, text = run(capsys, "train", "--config", str(old))
+    assert code == 2 and f"eval: renamed to validation (in {old})" in text
+
+
+def test_the_target_is_target_path_everywhere():
+    for name, argv in (
+        ("train", ["--config", RECIPE]),
+        ("eval", ["--drafter", "d"]),
+        ("bench-decode", ["--drafter", "d"]),
+        ("export", ["--checkpoint", "c", "--output_dir", "o"]),
+        ("tune", ["--recipe", RECIPE]),
+    ):
+        cfg = parse_config(name, [*argv, "--target.path", "some/target"])
+        assert cfg.target.path == "some/target", name

@@ -106,13 +106,15 @@ def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
     """`dspark-ds eval` end to end on an Eagle3 directory: τ table, no calibration, results."""
     from dspark_ds.eval.config import EvalConfig
     from dspark_ds.eval.runner import run_eval
+    from dspark_ds.target import TargetPathConfig
 
     from helpers.tiny_models import build_tiny_target
 
     target_dir = build_tiny_target(tmp_path / "target")  # same seed: the fixture's weights
     save_draft_model(make_drafter(target, seed=6), tmp_path / "eagle3")
     cfg = EvalConfig(
-        target=target_dir, drafter=str(tmp_path / "eagle3"), benchmarks=["gsm8k"],
+        target=TargetPathConfig(path=target_dir), drafter=str(tmp_path / "eagle3"),
+        benchmarks=["gsm8k"],
         max_samples=2, max_new_tokens=8, temperature=0.0, output_dir=str(tmp_path / "runs"),
         dtype="float32", device="cpu",
     )  # fmt: skip

@@ -45,7 +45,7 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
         "-m", "dspark_ds.cli", "train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml",
         "--target.path", target, "--target.layer_ids", "[0, 1, 2]", "--output_dir", str(out),
         "--train.max_steps", "4", "--train.synthetic_samples", "32",
-        "--checkpoint.every_steps", "2", "--eval.every_steps", "2", "--train.progress_bar", "false",
+        "--checkpoint.every_steps", "2", "--validation.every_steps", "2", "--train.progress_bar", "false",
         "--perf.loss_impl", "reference", "--perf.attn_implementation", "dense",
     ]  # fmt: skip
     check(python(argv, timeout_s=900))

@@ -170,7 +170,7 @@ def test_tiny_gemma4_target_end_to_end(tmp_path):
     rc = cli_main(
         [
             "eval",
-            f"--target={target_dir}",
+            f"--target.path={target_dir}",
             f"--drafter={export}",
             "--benchmarks=[gsm8k]",
             "--max_samples=1",

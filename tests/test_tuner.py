@@ -123,7 +123,7 @@ def _estimate_and_measure(tmp_path, recipe: str, overrides: list[str], options=N
     target = build_tiny_target(tmp_path / "tiny_target")
     out = tmp_path / "tuner.json"
     argv = ["-m", "dspark_ds.cli", "tune", "--recipe", str(RECIPES / recipe),
-            "--target_path", target, "--overrides", json.dumps(overrides),
+            "--target.path", target, "--overrides", json.dumps(overrides),
             "--measure", "true", "--measure_steps", "2", "--output_json", str(out)]  # fmt: skip
     if options:
         argv += ["--options", json.dumps(options)]

@@ -270,7 +270,7 @@ class DemoPipeline:
             # NOTE: the demo needs the exported weights, not resumable checkpoints
             checkpoint=CheckpointConfig(every_steps=0, keep_last=1, resume=None,
                                         save_final=False, export_final=True),
-            eval=ValidationConfig(every_steps=0, num_batches=1),
+            validation=ValidationConfig(every_steps=0, num_batches=1),
         )  # fmt: skip
 
     def train(self, kind: str) -> dict:
@@ -299,10 +299,11 @@ class DemoPipeline:
         from dspark_ds.config import TrackingConfig
         from dspark_ds.eval.config import CalibrationConfig, EvalConfig
         from dspark_ds.eval.runner import run_eval
+        from dspark_ds.target import TargetPathConfig
 
         e = self.cfg.eval
         cfg = EvalConfig(
-            target=str(self.target.path), drafter=str(self.exports[kind]),
+            target=TargetPathConfig(path=str(self.target.path)), drafter=str(self.exports[kind]),
             benchmarks=["demo"], data_dir=str(self.data_dir / "bench"), max_samples=None,
             max_new_tokens=e.max_new_tokens, temperature=temperature, seed=e.seed,
             dtype="float32", device="cpu", name=f"eval-{kind}-{_temp_key(temperature)}",

@@ -73,9 +73,9 @@ def load_models(cfg: EvalConfig, device: torch.device):
     kwargs = {"dtype": dtype}
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, **kwargs).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(cfg.target.path, **kwargs).to(device).eval()
     drafter = load_draft_model(cfg.drafter, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target.path)
     return target, drafter, tokenizer
 
 
@@ -225,7 +225,7 @@ def log_to_tracking(
         tracker.log_params(flatten(cfg))
         tracker.set_tags({
             **t.tags, "kind": "eval", "git_sha": git_sha(), "drafter": cfg.drafter,
-            "target": cfg.target, "drafter_architecture": drafter.config.architectures[0],
+            "target": cfg.target.path, "drafter_architecture": drafter.config.architectures[0],
             "markov_rank": getattr(drafter.config, "markov_rank", None),  # None: Eagle3
         })  # fmt: skip
         tracker.log_metrics(metrics, step=0)

@@ -213,7 +213,7 @@ def run_export(cfg) -> Path:
     """`dspark-ds export` (an `ExportConfig`): any ZeRO stage's checkpoint → interchange
     directory."""
     out = export_checkpoint(
-        cfg.checkpoint, cfg.output_dir, target_path=cfg.target_path, dtype=getattr(torch, cfg.dtype)
+        cfg.checkpoint, cfg.output_dir, target_path=cfg.target.path, dtype=getattr(torch, cfg.dtype)
     )
     print(f"[export] wrote {out}")
     return out

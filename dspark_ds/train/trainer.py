@@ -405,7 +405,7 @@ class Trainer:
         self.engine.eval()
         with torch.no_grad():
             for i, batch in enumerate(self.val_source):
-                if i >= self.cfg.eval.num_batches:
+                if i >= self.cfg.validation.num_batches:
                     break
                 _, metrics = self._forward_loss(batch)
                 for k, v in metrics.items():
@@ -496,7 +496,8 @@ class Trainer:
                 every = cfg.checkpoint.every_steps
                 if every and self.step % every == 0 and self.step < self.total_steps:
                     self.save()
-                if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+                val_every = cfg.validation.every_steps
+                if val_every and self.step % val_every == 0:
                     val = self.validate()
                     self.tracker.log_metrics(val, step=self.step)
                     result.val_metrics = val

@@ -2,10 +2,10 @@
 stage × offload option, which fit, which should be fastest; `--measure` runs a few real steps of
 each option here and prints measured peak memory and step time beside the estimate.
 
-    python -m dspark_ds.tune.tuner --recipe dspark_ds/recipes/dspark_qwen3_8b.yaml \
+    dspark-ds tune --recipe dspark_ds/recipes/dspark_qwen3_8b.yaml \
         --nodes 1 --gpus_per_node 8 --gpu_memory_gb 80 --cpu_memory_gb 1024
-    python -m dspark_ds.tune.tuner --recipe dspark_ds/recipes/tiny_cpu.yaml \
-        --target_path runs/tiny_target --measure true        # (tools/zero_tuner.py is the same)
+    dspark-ds tune --recipe dspark_ds/recipes/tiny_cpu.yaml \
+        --target.path runs/tiny_target --measure true
 
 Estimate, per GPU (bytes; b = 2 under bf16, 4 under fp32; N = data-parallel world size):
 
@@ -43,8 +43,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
+
+from dspark_ds.target import TargetPathConfig
 
 GB = 1024**3
 MB = 1024**2
@@ -123,8 +126,9 @@ class TunerConfig:
     """A `dspark-ds train` YAML recipe."""
     overrides: list[str] = field(default_factory=list)
     """Extra `dspark-ds train` flags applied on top of the recipe, e.g. [--data.batch_size, 2]."""
-    target_path: str | None = None
-    """Replace target.path (a local model directory or a hub id listed in KNOWN_TARGETS)."""
+    target: TargetPathConfig = field(default_factory=TargetPathConfig)
+    """target.path replaces the recipe's (a local model directory or a hub id listed in
+    KNOWN_TARGETS); None = the recipe's."""
     nodes: int = 1
     """Nodes in the job."""
     gpus_per_node: int = 8
@@ -148,6 +152,8 @@ class TunerConfig:
     """Timed optimizer steps per option (after one warm-up step that measures memory)."""
     output_json: str | None = None
     """Also write the table as JSON here."""
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target_path": "target.path"}
 
     def validate(self) -> TunerConfig:
         for name in ("nodes", "gpus_per_node", "measure_steps"):
@@ -189,8 +195,8 @@ def load_recipe(cfg: TunerConfig):
     from dspark_ds.config import TrainRunConfig, parse
 
     argv = ["--config", cfg.recipe, *cfg.overrides]
-    if cfg.target_path:
-        argv += ["--target.path", cfg.target_path]
+    if cfg.target.path:
+        argv += ["--target.path", cfg.target.path]
     return parse(TrainRunConfig, argv, prog="dspark-ds tune")
 
 

@@ -125,7 +125,7 @@ class CheckpointConfig:
     save_final: bool = True
     """Save a checkpoint when training ends."""
     export_final: bool = True
-    """Export the final weights to <run>/export (interchange format, spec §13)."""
+    """Export the final weights to <run>/export (interchange format, docs/checkpoint-format.md)."""
 
 
 @dataclass

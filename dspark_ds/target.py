@@ -1,6 +1,6 @@
 """The frozen target: load it, tap hidden states at ``layer_ids``, and build training features.
 
-Feature contract (spec §1), shared by the offline cache, online and hybrid modes:
+Feature contract (docs/algorithm.md#target-features), shared by the offline cache, online and hybrid modes:
 ``target_hidden_states [B, S, n*H]`` = the tapped layers concatenated in id order (``-1`` =
 embedding output, ``i`` = output of decoder layer ``i`` = HF ``hidden_states[i + 1]``) and
 ``target_last_hidden_states [B, S, H]`` = the final *normed* state (what the lm_head consumes).
@@ -59,7 +59,7 @@ class TargetPathConfig:
 
 
 def default_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
-    """``num_taps`` ids evenly spaced from 1 to L-3 (spec §1 defaults), deduplicated."""
+    """``num_taps`` ids evenly spaced from 1 to L-3 (the paper's defaults), deduplicated."""
     last = max(num_layers - 3, 1)
     if num_taps == 1:
         return [1]

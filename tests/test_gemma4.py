@@ -1,4 +1,4 @@
-"""Gemma4 backend (spec §12): golden reproduction, config layouts, refusals, naive reference."""
+"""Gemma4 backend (docs/algorithm.md#gemma4): golden reproduction, config layouts, refusals, naive reference."""
 
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ def _rope(x, pos, inv_freq):
 
 
 def naive_gemma4_block(model, input_ids, feats, anchor: int, labels: torch.Tensor):
-    """One block written out from spec §12 with explicit loops; returns (logits, base logits)."""
+    """One block written out from docs/algorithm.md#gemma4 with explicit loops; returns (logits, base logits)."""
     G, H = model.block_size, model.config.hidden_size
     ctx = _rms(model.fc(feats[:anchor]), model.hidden_norm.weight)
     ids = torch.full((G,), model.mask_token_id)

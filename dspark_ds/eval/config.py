@@ -45,7 +45,7 @@ class CalibrationConfig:
 
 @dataclass
 class EvalConfig:
-    """Speculative decoding of benchmark prompts with a drafter against its target (spec §10)."""
+    """Speculative decoding of benchmark prompts with a drafter against its target (docs/evaluation.md)."""
 
     target: TargetPathConfig = field(default_factory=TargetPathConfig)
     """The target model (target.path: local directory or Hugging Face hub id of a causal LM)."""

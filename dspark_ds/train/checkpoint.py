@@ -3,7 +3,7 @@
     <run>/checkpoints/
       latest                  the newest complete tag (replaced atomically, written last)
       step_00000100/          one DeepSpeed checkpoint (every rank's files) plus, from rank 0,
-        draft_config.json     the drafter's config (spec §13 fields)
+        draft_config.json     the drafter's config (docs/checkpoint-format.md fields)
         run_config.yaml       the resolved run config
         ds_config.json        the DeepSpeed config it was trained with
         COMPLETE              written after every rank has finished; a tag without it is junk
@@ -167,7 +167,7 @@ def export_checkpoint(
     target_path: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Any ZeRO stage's checkpoint → interchange directory (spec §13)."""
+    """Any ZeRO stage's checkpoint → interchange directory (docs/checkpoint-format.md)."""
     import yaml
 
     from dspark_ds.drafters import build_draft_model, save_draft_model

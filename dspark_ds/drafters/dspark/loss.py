@@ -1,4 +1,4 @@
-"""The DSpark loss (spec §8) and its metrics (spec §9).
+"""The DSpark loss (docs/algorithm.md#the-loss) and its metrics (docs/metrics.md).
 
 loss = (α_ce·CE + α_l1·L1 + α_c·BCE) · world_size, where each term's denominator is summed
 over every data-parallel rank first. DeepSpeed / DDP average gradients over ranks; the
@@ -63,7 +63,7 @@ class LossPlan:
     """What the loss knows before any logits: weights, global denominators, coefficients.
 
     `coef_*` multiply the local numerators; they already hold the global denominator and
-    the `· world_size` (spec §8), so the gradient of Σ coef·num is the step's gradient.
+    the `· world_size` (docs/algorithm.md#the-loss), so the gradient of Σ coef·num is the step's gradient.
     """
 
     w: torch.Tensor  # [B, A, G] position weights

@@ -143,7 +143,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             return "flex" if device.type == "cuda" else "blockwise"
         return self.attn_implementation
 
-    # ---- training forward (spec §3-§7) -------------------------------------------------
+    # ---- training forward (docs/algorithm.md: anchors .. confidence head) -------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -287,7 +287,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             features = torch.cat([hidden, prev], dim=-1)
         return self.confidence_head(features).float()
 
-    # ---- inference primitives (spec §10) -------------------------------------------------
+    # ---- inference primitives (docs/algorithm.md#inference) -------------------------------------------------
     def new_cache(self) -> DraftKVCache:
         return DraftKVCache(len(self.layers))
 

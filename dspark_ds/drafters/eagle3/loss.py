@@ -4,7 +4,7 @@
 
 `p_t[i] = softmax(lm_head(target_last_hidden_states[i]))` is the target's own distribution for
 token i + 1 (the one step k at position t predicts when i = t + k + 1), `m_k = eval_mask[..., k]`
-and `D_k` its sum over every data-parallel rank. As for DSpark (spec §8) the `· world_size`
+and `D_k` its sum over every data-parallel rank. As for DSpark (docs/algorithm.md#the-loss) the `· world_size`
 cancels DeepSpeed's gradient averaging, so a step is one global token-weighted mean per TTT step.
 
 NOTE: the reference normalizes each step by the LOCAL B·S instead (a per-sequence mean at micro

@@ -15,7 +15,7 @@ of steps 1..k at the same t — exactly the keys an inference round drafting fro
 in its cache. So training step k at t equals the k-th chained draft of an inference round whose
 last verified position is t (train/serve parity; tested).
 
-Labels follow the DSpark convention (spec §5) with anchor a = t + 1: step k predicts token
+Labels follow the DSpark convention (docs/algorithm.md#labels-and-the-eval-mask) with anchor a = t + 1: step k predicts token
 t + k + 2, the target's own distribution for it is `lm_head(target_last_hidden_states[t + k + 1])`
 and `eval_mask[t, k]` = (x_{t+1}, x_{t+2}, ..., x_{t+k+2} supervised and inside the sequence).
 

@@ -86,6 +86,37 @@ def _confident_prefix(
     return int(below[0].item()) if below.numel() else conf_logits_G.numel()
 
 
+def _verify_round(
+    decoder: TargetDecoder,
+    x_start_1: torch.Tensor,
+    drafts_M: torch.Tensor,
+    draft_logits_MV: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    stops: set[int],
+):
+    """The target's forward on `[x_start, d_1..d_M]` and the lossless acceptance. Returns
+    (proposed, accepted, committed tokens, the target step): an accepted stop token ends the
+    round there, as if the slots after it had never been proposed."""
+    step = decoder.forward(torch.cat([x_start_1, drafts_M]).unsqueeze(0))
+    if temperature == 0.0:
+        num_accepted, next_token = verify.verify_greedy(drafts_M, step.logits_LV)
+    else:
+        num_accepted, next_token = verify.verify_sampled(
+            drafts_M,
+            verify.logits_to_probs(draft_logits_MV, temperature),
+            verify.logits_to_probs(step.logits_LV, temperature),
+            generator,
+        )
+    num_proposed = drafts_M.shape[0]
+    committed = drafts_M[:num_accepted].tolist() + [next_token]
+    stop_at = _first_stop(committed, stops)
+    if stop_at is not None and stop_at < num_accepted:
+        num_proposed = num_accepted = stop_at + 1
+        committed = committed[: stop_at + 1]
+    return num_proposed, num_accepted, committed, step
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -154,24 +185,11 @@ def speculative_generate(
         stats.draft_time_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        verify_ids_1M1 = torch.cat([tail[0, -1:], drafts_M]).unsqueeze(0)
-        step = decoder.forward(verify_ids_1M1)
+        num_proposed, num_accepted, committed, step = _verify_round(
+            decoder, tail[0, -1:], drafts_M, draft_logits_1GV[0, :num_proposed], temperature,
+            generator, stops,
+        )  # fmt: skip
         stats.target_forwards += 1
-        if temperature == 0.0:
-            num_accepted, next_token = verify.verify_greedy(drafts_M, step.logits_LV)
-        else:
-            num_accepted, next_token = verify.verify_sampled(
-                drafts_M,
-                verify.logits_to_probs(draft_logits_1GV[0, :num_proposed], temperature),
-                verify.logits_to_probs(step.logits_LV, temperature),
-                generator,
-            )
-        committed = drafts_M[:num_accepted].tolist() + [next_token]
-        stop_at = _first_stop(committed, stops)
-        if stop_at is not None and stop_at < num_accepted:
-            # An accepted draft is a stop token: the slots after it were never really proposed.
-            num_proposed = num_accepted = stop_at + 1
-            committed = committed[: stop_at + 1]
         decoder.keep(start + num_accepted + 1)  # x_start and the accepted drafts stay cached
         context_1CnH = step.features_LnH[:, : num_accepted + 1]
         new_tokens.extend(committed)

@@ -80,7 +80,6 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
     """Base class; see the module docstring. Construct through a backend or `from_config`."""
 
     architecture: str = ""
-    drafter_kind: str = "dspark"
     # config.json: what a drafter directory must carry, and what older ones may leave out
     REQUIRED_CONFIG_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_anchors")
     OPTIONAL_CONFIG_FIELDS = {

@@ -171,7 +171,6 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
     """Base class; a backend supplies its layer, norm, rotary embedding and logits."""
 
     architecture: str = ""
-    drafter_kind: str = "eagle3"
     REQUIRED_CONFIG_FIELDS = EAGLE3_FIELDS  # what config.json must carry
     OPTIONAL_CONFIG_FIELDS: dict = {}
 

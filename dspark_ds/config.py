@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from dspark_ds.data.config import DataConfig
@@ -318,13 +319,18 @@ def _renamed_option(renamed: dict[str, str], argv: list[str]) -> str | None:
         # a section that became a value (`target` -> `target.path`) keeps its name as a prefix
         section_kept = new.startswith(old + ".")
         for i, arg in enumerate(argv):
-            flag = arg.split("=", 1)[0]
-            if flag == f"--{old}" or (not section_kept and flag.startswith(f"--{old}.")):
+            flag, _, value = arg.partition("=")
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            # NOTE: `--target section.yaml` (a section from a file) is still a valid spelling
+            section_file = section_kept and value.endswith((".yaml", ".yml", ".json"))
+            if (flag == f"--{old}" and not section_file) or (
+                not section_kept and flag.startswith(f"--{old}.")
+            ):
                 new_flag = f"--{new}" + flag.removeprefix(f"--{old}")
                 return f"{flag}: renamed to {new_flag}"
             if arg == "--config" and i + 1 < len(argv):
                 try:
-                    data = yaml.safe_load(open(argv[i + 1]))
+                    data = yaml.safe_load(Path(argv[i + 1]).read_text())
                 except (OSError, yaml.YAMLError):
                     continue
                 value = data.get(old) if isinstance(data, dict) else None

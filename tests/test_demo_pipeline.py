@@ -48,8 +48,14 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     from dspark_ds.tracking.mlflow import read_run
 
     monkeypatch.setenv("DSPARK_DS_CACHE", str(tmp_path / "cache"))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     out = tmp_path / "demo"
     assert main(["demo", "--output_dir", str(out), *SMOKE_ARGS]) == 0
+    # everything the demo writes is under its output directory, MLflow's artifacts included
+    assert list(cwd.iterdir()) == []
+    assert len(list((out / "runs" / "mlartifacts").rglob("model.safetensors"))) == 3
 
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["drafters"]) == {"dspark", "dflash", "eagle3"}

@@ -2,7 +2,8 @@
 
 Every section is a small dataclass; jsonargparse turns the field docstrings into `--help` and
 the field paths into dotted flags (`--train.lr 1e-4`). Sections owned by other components are
-imported from next to their code (`data.DataConfig`, `target.TargetConfig`). Every check raises
+imported from next to their code (`data.DataConfig`, `target.TargetConfig`,
+`drafters.presets.DrafterConfig`). Every check raises
 `ValueError` naming the dotted option; the CLI turns that into exit code 2.
 """
 
@@ -15,74 +16,12 @@ import re
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dspark_ds.data.config import DataConfig
+from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.perf.config import PerfConfig
-from dspark_ds.target import TargetConfig
-
-
-@dataclass
-class DrafterConfig:
-    """The drafter's architecture and loss (spec §11). Defaults are the paper's DSpark."""
-
-    kind: Literal["dspark", "eagle3"] = "dspark"
-    """Drafter family: "dspark" (DSpark / DFlash, parallel blocks) or "eagle3" (the
-    autoregressive Eagle3 baseline; reads num_draft_layers, ttt_length, step_loss_decay)."""
-    num_draft_layers: int = 5
-    """Transformer layers of the drafter backbone."""
-    block_size: int = 7
-    """γ: tokens drafted per block (anchor + γ-1 masks)."""
-    num_anchors: int = 512
-    """Blocks (anchors) sampled per training sequence."""
-    mask_token_id: int | None = None
-    """Id of the MASK token filling the draft block; None = the tokenizer's `<|mask|>` token
-    (Qwen3 recipes use 151669)."""
-    markov_rank: int = 256
-    """Rank r of the Markov head; 0 = no Markov head (DFlash)."""
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
-    """Markov head variant."""
-    confidence_head_alpha: float = 1.0
-    """Weight of the confidence (BCE) loss; > 0 enables the confidence head."""
-    confidence_head_with_markov: bool = True
-    """Feed the Markov features to the confidence head (needs markov_rank > 0)."""
-    loss_decay_gamma: float | None = 4.0
-    """Position weight decay w_j = exp(-j/γ_decay); None or <= 0 disables it."""
-    ce_loss_alpha: float = 0.1
-    """Weight of the cross-entropy term (DFlash: 1.0)."""
-    l1_loss_alpha: float = 0.9
-    """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
-    ttt_length: int = 7
-    """Eagle3: training-time-test steps unrolled per position; also tokens drafted per round."""
-    step_loss_decay: float = 0.8
-    """Eagle3: the loss of unrolled step k is weighted by step_loss_decay^k."""
-    init_from: str | None = None
-    """Start from an exported drafter directory instead of a random init (fine-tuning)."""
-
-    def validate(self, prefix: str = "model") -> None:
-        if self.kind == "eagle3":
-            for name in ("num_draft_layers", "ttt_length"):
-                _require(getattr(self, name) >= 1, f"{prefix}.{name}", "must be >= 1", self)
-            _require(self.step_loss_decay > 0, f"{prefix}.step_loss_decay", "must be > 0", self)
-            return
-        for name in ("num_draft_layers", "block_size", "num_anchors"):
-            _require(getattr(self, name) >= 1, f"{prefix}.{name}", "must be >= 1", self)
-        _require(self.markov_rank >= 0, f"{prefix}.markov_rank", "must be >= 0", self)
-        for name in ("confidence_head_alpha", "ce_loss_alpha", "l1_loss_alpha"):
-            _require(getattr(self, name) >= 0, f"{prefix}.{name}", "must be >= 0", self)
-        _require(
-            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0,
-            f"{prefix}.ce_loss_alpha",
-            "all loss weights are 0; nothing would be trained",
-            self,
-        )
-        if self.confidence_head_alpha > 0 and self.confidence_head_with_markov:
-            _require(
-                self.markov_rank > 0,
-                f"{prefix}.confidence_head_with_markov",
-                "needs model.markov_rank > 0 (set it to false for DFlash)",
-                self,
-            )
+from dspark_ds.target import TargetConfig, TargetPathConfig
 
 
 @dataclass
@@ -189,7 +128,7 @@ class CheckpointConfig:
     save_final: bool = True
     """Save a checkpoint when training ends."""
     export_final: bool = True
-    """Export the final weights to <run>/export (interchange format, spec §13)."""
+    """Export the final weights to <run>/export (interchange format, docs/checkpoint-format.md)."""
 
 
 @dataclass
@@ -206,7 +145,7 @@ class ValidationConfig:
     cache_dir: str | None = None
     """Held-out offline target cache (data.mode offline)."""
 
-    def validate(self, prefix: str = "eval") -> None:
+    def validate(self, prefix: str = "validation") -> None:
         _require(self.every_steps >= 0, f"{prefix}.every_steps", "must be >= 0", self)
         _require(self.num_batches >= 1, f"{prefix}.num_batches", "must be >= 1", self)
 
@@ -233,10 +172,13 @@ class TrainRunConfig:
     """MLflow."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint cadence, retention and resume."""
-    eval: ValidationConfig = field(default_factory=ValidationConfig)
-    """Periodic validation."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Periodic validation on held-out data."""
     perf: PerfConfig = field(default_factory=PerfConfig)
     """How the step computes attention and the loss (same results, different cost)."""
+
+    # old spelling -> new: an old spelling gets an error naming both (see `parse`)
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"eval": "validation"}
 
     @property
     def run_dir(self) -> str:
@@ -248,7 +190,7 @@ class TrainRunConfig:
         _require(bool(self.target.path), "target.path", "is required", self)
         self.model.validate()
         self.train.validate()
-        self.eval.validate()
+        self.validation.validate()
         _require(self.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self)
         _require(self.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self)
         if self.train.synthetic_samples == 0 and self.data.mode != "offline":
@@ -303,10 +245,10 @@ class TrainRunConfig:
                     raise ValueError(f"data.paths[{i}]: {path} is empty")
         if self.data.mode == "offline" and self.train.synthetic_samples == 0:
             check_exists(self.data.cache_dir, "data.cache_dir", "cache directory")
-        for i, path in enumerate(self.eval.paths):
-            check_exists(path, f"eval.paths[{i}]")
-        if self.eval.cache_dir:
-            check_exists(self.eval.cache_dir, "eval.cache_dir", "cache directory")
+        for i, path in enumerate(self.validation.paths):
+            check_exists(path, f"validation.paths[{i}]")
+        if self.validation.cache_dir:
+            check_exists(self.validation.cache_dir, "validation.cache_dir", "cache directory")
         if self.model.init_from:
             check_exists(self.model.init_from, "model.init_from", "drafter directory")
         if self.checkpoint.resume not in (None, "auto"):
@@ -322,13 +264,16 @@ class ExportConfig:
     """A run directory, its checkpoints/ directory (uses `latest`), or one tag directory."""
     output_dir: str = ""
     """Directory to write config.json + model.safetensors."""
-    target_path: str | None = None
-    """Where to read the shared embedding and lm_head; None = the target of the saved run."""
+    target: TargetPathConfig = field(default_factory=TargetPathConfig)
+    """Where to read the shared embedding and lm_head (target.path); None = the target of the
+    saved run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Storage dtype of the exported weights."""
     overwrite: bool = False
     """Write into a non-empty output_dir: replace its config.json and weights (other files are
     kept). Without it a non-empty output_dir is refused."""
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target_path": "target.path"}
 
     def validate(self) -> ExportConfig:
         _require(bool(self.checkpoint), "checkpoint", "is required", self)
@@ -447,9 +392,17 @@ def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
     """argv → a validated `config_cls` instance. Raises ValueError / SystemExit(2) naming the
     option. `--print_config` prints the resolved YAML and exits (SystemExit(0)) only after
     every check has passed: a bad config never prints as if it were fine."""
+    from jsonargparse import ArgumentError
+
     parser = build_parser(config_cls, prog)
     argv, print_flags = _split_argv(argv)
-    raw = parser.parse_args(argv)
+    try:
+        raw = parser.parse_args(argv)
+    except ArgumentError as err:
+        renamed = _renamed_option(getattr(config_cls, "RENAMED_OPTIONS", {}), argv)
+        if renamed:
+            raise ValueError(renamed) from err
+        raise
     ns = parser.instantiate(raw)
     values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
     cfg = config_cls(**values)
@@ -472,6 +425,35 @@ def _print_flags(flags: str) -> dict:
             raise ValueError(f"--print_config: unknown flag {flag!r} (choose from {sorted(known)})")
         kwargs[known[flag]] = True
     return kwargs
+
+
+def _renamed_option(renamed: dict[str, str], argv: list[str]) -> str | None:
+    """The error for an option spelt the old way (`--target X` for `--target.path X`), on the
+    command line or in a --config YAML, if any."""
+    import yaml
+
+    for old, new in renamed.items():
+        # a section that became a value (`target` -> `target.path`) keeps its name as a prefix
+        section_kept = new.startswith(old + ".")
+        for i, arg in enumerate(argv):
+            flag, _, value = arg.partition("=")
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            # NOTE: `--target section.yaml` (a section from a file) is still a valid spelling
+            section_file = section_kept and value.endswith((".yaml", ".yml", ".json"))
+            if (flag == f"--{old}" and not section_file) or (
+                not section_kept and flag.startswith(f"--{old}.")
+            ):
+                new_flag = f"--{new}" + flag.removeprefix(f"--{old}")
+                return f"{flag}: renamed to {new_flag}"
+            if arg == "--config" and i + 1 < len(argv):
+                try:
+                    data = yaml.safe_load(Path(argv[i + 1]).read_text())
+                except (OSError, yaml.YAMLError):
+                    continue
+                value = data.get(old) if isinstance(data, dict) else None
+                if value is not None and not (section_kept and isinstance(value, dict)):
+                    return f"{old}: renamed to {new} (in {argv[i + 1]})"
+    return None
 
 
 def to_plain(cfg) -> dict:

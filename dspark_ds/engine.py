@@ -222,6 +222,84 @@ def _init_module_like_drafter(module: nn.Module, std: float) -> None:
         module.weight.normal_(0.0, std)
 
 
+def _use_zero_init(ds_config: dict, zero_init: bool | None) -> bool:
+    """deepspeed.zero_init: None = on under ZeRO-3; never outside ZeRO-3."""
+    stage = zero_stage(ds_config)
+    return (stage == 3) if zero_init is None else (zero_init and stage == 3)
+
+
+def _prepare_target(target: nn.Module, ds_config: dict, use_zero_init: bool):
+    """Checks an in-job target's dtype; under ZeRO-3 partitions it (returns its engine)."""
+    bf16 = ds_config.get("bf16", {}).get("enabled") is True
+    check_target_dtype(target.dtype, "bf16" if bf16 else "fp32")
+    if zero_stage(ds_config) != 3:
+        return None
+    if not use_zero_init:
+        # NOTE: DeepSpeed would take the drafter for a zero.Init model (it holds partitioned
+        # Parameters) and skip its cast and device move.
+        raise ValueError(
+            "deepspeed.zero_init: false is not supported with a target in the job under "
+            "ZeRO-3 (its shared embedding and lm_head are partitioned); leave it unset"
+        )
+    return _shard_target(target, ds_config)
+
+
+def _build_whole(
+    make_model: Callable[[], nn.Module],
+    seed: int,
+    init_state: dict[str, torch.Tensor] | None,
+    shared_weights: tuple[torch.Tensor, torch.Tensor] | None,
+) -> nn.Module:
+    """ZeRO-0/1/2 (or zero_init off): the drafter built whole on every rank."""
+    model = make_model()
+    torch.manual_seed(seed)
+    model.reset_parameters()
+    if init_state is not None:
+        own = model.state_dict()
+        with torch.no_grad():
+            for key, value in init_state.items():
+                if key in own:
+                    own[key].copy_(value.to(own[key].dtype))
+    if shared_weights is not None:
+        model.initialize_embeddings_and_head(*shared_weights)
+    return model
+
+
+def _build_partitioned(
+    make_model: Callable[[], nn.Module],
+    ds_config: dict,
+    seed: int,
+    init_state: dict[str, torch.Tensor] | None,
+    shared_weights: tuple[torch.Tensor, torch.Tensor] | None,
+) -> nn.Module:
+    """ZeRO-3: the drafter built inside zero.Init (no rank holds it whole), then initialised
+    module by module, gathered, on rank 0."""
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        model = make_model()
+    rank = dist.get_rank()
+    torch.manual_seed(seed)
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            if rank == 0:
+                _init_module_like_drafter(module, std)
+                for pname, p in module.named_parameters(recurse=False):
+                    full = f"{name}.{pname}" if name else pname
+                    if init_state is not None and full in init_state:
+                        p.data.copy_(init_state[full].to(p.dtype))
+    if shared_weights is not None:
+        with deepspeed.zero.GatheredParameters(
+            [model.embed_tokens.weight, model.lm_head.weight], modifier_rank=0
+        ):
+            if rank == 0:
+                model.initialize_embeddings_and_head(*shared_weights)
+        model.freeze_shared()
+    return model
+
+
 class DrafterEngine:
     """A drafter wrapped by a DeepSpeed engine, plus the save / load / export helpers."""
 
@@ -255,61 +333,16 @@ class DrafterEngine:
         if (target is None) == (shared_weights is None):
             raise ValueError("DrafterEngine.build: pass exactly one of target / shared_weights")
         join_deepspeed_comm()
-        stage = zero_stage(ds_config)
-        use_zero_init = (stage == 3) if zero_init is None else (zero_init and stage == 3)
+        use_zero_init = _use_zero_init(ds_config, zero_init)
         target_engine = None
         if target is not None:
-            check_target_dtype(
-                target.dtype, "bf16" if ds_config.get("bf16", {}).get("enabled") is True else "fp32"
-            )
-            if stage == 3:
-                if not use_zero_init:
-                    # NOTE: DeepSpeed would take the drafter for a zero.Init model (it holds
-                    # partitioned Parameters) and skip its cast and device move.
-                    raise ValueError(
-                        "deepspeed.zero_init: false is not supported with a target "
-                        "in the job under ZeRO-3 (its shared embedding and lm_head "
-                        "are partitioned); leave it unset"
-                    )
-                target_engine = _shard_target(target, ds_config)
+            target_engine = _prepare_target(target, ds_config, use_zero_init)
         # NOTE: the drafter's own embedding / lm_head are initialised (and dropped when shared)
         # so that the random draws of every other module do not depend on the mode.
         if use_zero_init:
-            with deepspeed.zero.Init(config_dict_or_path=ds_config):
-                model = make_model()
-            rank = dist.get_rank()
-            torch.manual_seed(seed)
-            std = float(getattr(model.config, "initializer_range", 0.02))
-            for name, module in model.named_modules():
-                params = list(module.parameters(recurse=False))
-                if not params:
-                    continue
-                with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-                    if rank == 0:
-                        _init_module_like_drafter(module, std)
-                        for pname, p in module.named_parameters(recurse=False):
-                            full = f"{name}.{pname}" if name else pname
-                            if init_state is not None and full in init_state:
-                                p.data.copy_(init_state[full].to(p.dtype))
-            if target is None:
-                with deepspeed.zero.GatheredParameters(
-                    [model.embed_tokens.weight, model.lm_head.weight], modifier_rank=0
-                ):
-                    if rank == 0:
-                        model.initialize_embeddings_and_head(*shared_weights)
-                model.freeze_shared()
+            model = _build_partitioned(make_model, ds_config, seed, init_state, shared_weights)
         else:
-            model = make_model()
-            torch.manual_seed(seed)
-            model.reset_parameters()
-            if init_state is not None:
-                own = model.state_dict()
-                with torch.no_grad():
-                    for key, value in init_state.items():
-                        if key in own:
-                            own[key].copy_(value.to(own[key].dtype))
-            if target is None:
-                model.initialize_embeddings_and_head(*shared_weights)
+            model = _build_whole(make_model, seed, init_state, shared_weights)
         if target is not None:
             share_embeddings_and_head(model, target)
         trainable = [p for p in model.parameters() if p.requires_grad]

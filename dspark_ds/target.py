@@ -1,6 +1,6 @@
 """The frozen target: load it, tap hidden states at ``layer_ids``, and build training features.
 
-Feature contract (spec §1), shared by the offline cache, online and hybrid modes:
+Feature contract (docs/algorithm.md#target-features), shared by the offline cache, online and hybrid modes:
 ``target_hidden_states [B, S, n*H]`` = the tapped layers concatenated in id order (``-1`` =
 embedding output, ``i`` = output of decoder layer ``i`` = HF ``hidden_states[i + 1]``) and
 ``target_last_hidden_states [B, S, H]`` = the final *normed* state (what the lm_head consumes).
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dspark_ds.distributed import local_device
+from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.files import check_model_path, first_line
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,30 +51,20 @@ class TargetConfig:
         return _DTYPES[self.dtype]
 
 
+@dataclass
+class TargetPathConfig:
+    """The target of a subcommand that only reads it (eval, bench-decode, export, tune)."""
+
+    path: str | None = None
+    """Local directory or Hugging Face hub id of the target."""
+
+
 def default_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
-    """``num_taps`` ids evenly spaced from 1 to L-3 (spec §1 defaults), deduplicated."""
+    """``num_taps`` ids evenly spaced from 1 to L-3 (the paper's defaults), deduplicated."""
     last = max(num_layers - 3, 1)
     if num_taps == 1:
         return [1]
     return sorted({round(1 + k * (last - 1) / (num_taps - 1)) for k in range(num_taps)})
-
-
-def validate_layer_ids(layer_ids: list[int], num_layers: int, field: str = "target.layer_ids"):
-    """Raise ValueError naming ``field`` unless ids are strictly increasing in {-1} ∪ [0, L-1]."""
-    if not layer_ids:
-        raise ValueError(f"{field} is empty")
-    if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
-        raise ValueError(f"{field} must be strictly increasing, got {layer_ids}")
-    if layer_ids[0] < -1 or layer_ids[-1] > num_layers - 1:
-        raise ValueError(
-            f"{field}={layer_ids} out of range: ids must lie in -1..{num_layers - 1} "
-            f"(the target has {num_layers} decoder layers)"
-        )
-
-
-def text_config(config):
-    """The text sub-config of a (possibly multimodal, e.g. Gemma4) HF config."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def config_sha256(config) -> str:
@@ -111,7 +102,7 @@ class FrozenTarget(nn.Module):
         self.layer_ids = (
             list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
         )
-        validate_layer_ids(self.layer_ids, self.num_layers)
+        validate_layer_ids(self.layer_ids, self.num_layers, field="target.layer_ids")
         self.decoder = model.get_decoder()
         self._taps: dict[int, torch.Tensor] = {}
         self.decoder.embed_tokens.register_forward_hook(self._hook(-1))

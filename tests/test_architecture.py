@@ -130,8 +130,10 @@ ARCHITECTURE = (
     "drafters/dspark/gemma4.py",
     "drafters/dspark/markov.py",
     "drafters/eagle3/model.py",
+    "drafters/eagle3/qwen3.py",
     "drafters/eagle3/gemma4.py",
     "drafters/io.py",
+    "drafters/presets.py",
 )
 
 

@@ -126,7 +126,7 @@ def test_missing_or_empty_files_are_one_line_errors(capsys, tmp_path):
     assert "holds no rows (empty)" in line
     assert not (tmp_path / "p").exists()
     # eval: a missing benchmark fails before any model loads; so does a missing drafter
-    ev = ["eval", "--target", "org/target", "--output_dir", str(tmp_path / "runs")]
+    ev = ["eval", "--target.path", "org/target", "--output_dir", str(tmp_path / "runs")]
     line = _one_line_exit_2(capsys, *ev, "--drafter", str(tmp_path), "--benchmarks", "[nope]")
     assert "benchmark 'nope'" in line
     line = _one_line_exit_2(
@@ -192,3 +192,46 @@ def test_wasteful_block_shapes_warn(capsys):
     )
     parse_config("train", ["--config", RECIPE])
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["train", "--config", RECIPE, "--eval.every_steps", "2"],
+            "--eval.every_steps: renamed to --validation.every_steps",
+        ),
+        (["eval", "--target", "t", "--drafter", "d"], "--target: renamed to --target.path"),
+        (["bench-decode", "--target=t", "--drafter", "d"], "--target: renamed to --target.path"),
+        (
+            ["export", "--checkpoint", "c", "--output_dir", "o", "--target_path", "t"],
+            "--target_path: renamed to --target.path",
+        ),
+        (
+            ["tune", "--recipe", RECIPE, "--target_path", "t"],
+            "--target_path: renamed to --target.path",
+        ),
+    ],
+)
+def test_old_spellings_exit_2_naming_the_new_one(capsys, argv, message):
+    code, text = run(capsys, *argv)
+    assert code == 2 and message in text
+
+
+def test_an_old_recipe_section_is_named(capsys, tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(open(RECIPE).read().replace("\nvalidation:\n", "\neval:\n"))
+    code, text = run(capsys, "train", "--config", str(old))
+    assert code == 2 and f"eval: renamed to validation (in {old})" in text
+
+
+def test_the_target_is_target_path_everywhere():
+    for name, argv in (
+        ("train", ["--config", RECIPE]),
+        ("eval", ["--drafter", "d"]),
+        ("bench-decode", ["--drafter", "d"]),
+        ("export", ["--checkpoint", "c", "--output_dir", "o"]),
+        ("tune", ["--recipe", RECIPE]),
+    ):
+        cfg = parse_config(name, [*argv, "--target.path", "some/target"])
+        assert cfg.target.path == "some/target", name

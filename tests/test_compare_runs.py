@@ -50,9 +50,9 @@ def two_runs(tmp_path_factory):
         "0",
         "--checkpoint.export_final",
         "false",
-        "--eval.every_steps",
+        "--validation.every_steps",
         "0",
-        "--eval.num_batches",
+        "--validation.num_batches",
         "1",
     ]
     spec = {

@@ -92,6 +92,7 @@ def step_loss(batch, target, seed=0):
     embedding and lm_head; returns the loss."""
     from dspark_ds.drafters import build_draft_config, build_draft_model
     from dspark_ds.drafters.dspark.loss import compute_dspark_loss
+    from dspark_ds.drafters.presets import DSPARK_LOSS
 
     torch.manual_seed(seed)
     cfg = build_draft_config(
@@ -112,9 +113,7 @@ def step_loss(batch, target, seed=0):
         batch["target_last_hidden_states"],
         generator=torch.Generator().manual_seed(seed),
     )
-    loss, metrics = compute_dspark_loss(
-        out, loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
-    )
+    loss, metrics = compute_dspark_loss(out, **dataclasses.asdict(DSPARK_LOSS))
     loss.backward()
     assert drafter.fc.weight.grad is not None and target.embed_weight.grad is None
     return loss.item()

@@ -48,8 +48,14 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     from dspark_ds.tracking.mlflow import read_run
 
     monkeypatch.setenv("DSPARK_DS_CACHE", str(tmp_path / "cache"))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
     out = tmp_path / "demo"
     assert main(["demo", "--output_dir", str(out), *SMOKE_ARGS]) == 0
+    # everything the demo writes is under its output directory, MLflow's artifacts included
+    assert list(cwd.iterdir()) == []
+    assert len(list((out / "runs" / "mlartifacts").rglob("model.safetensors"))) == 3
 
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["drafters"]) == {"dspark", "dflash", "eagle3"}
@@ -120,6 +126,32 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     cfg = parse_config("demo", ["--output_dir", str(out), *SMOKE_ARGS])
     again = ensure_demo_target(cfg.target, progress=False)
     assert again.from_cache and str(again.path) == target_dir
+
+
+def test_demo_trains_each_drafter_from_its_preset(tmp_path):
+    """Typed train configs: the presets sized to the tiny target, everything else shared."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from dspark_ds.config import TrainRunConfig, parse
+    from dspark_ds.demo.pipeline import DemoPipeline
+    from dspark_ds.drafters.presets import preset
+
+    cfg = parse_config("demo", ["--output_dir", str(tmp_path / "demo"), *SMOKE_ARGS])
+    demo = DemoPipeline(cfg)
+    demo.target = SimpleNamespace(path=tmp_path / "target")
+    runs = {kind: demo.train_config(kind) for kind in cfg.drafters}
+    sized = dict(num_draft_layers=1, block_size=4, num_anchors=4)
+    assert runs["dspark"].model == preset("dspark", markov_rank=8, **sized)
+    assert runs["dflash"].model == preset("dflash", **sized)
+    assert runs["eagle3"].model == preset("eagle3", num_draft_layers=1, ttt_length=4)
+    plain = {k: asdict(r) for k, r in runs.items()}
+    for kind, run in plain.items():
+        differs = {s for s in run if run[s] != plain["dspark"][s]}
+        assert differs <= {"name", "model", "tracking"}, (kind, differs)
+    # what the subprocess reads back is the same config
+    path = demo._write_config("train-eagle3", runs["eagle3"])
+    assert parse(TrainRunConfig, ["--config", str(path)]) == runs["eagle3"]
 
 
 def test_demo_config_from_cli_and_defaults():

@@ -12,13 +12,9 @@ from transformers import Qwen3Config
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
 from dspark_ds.drafters.eagle3.loss import compute_eagle3_loss
-from dspark_ds.drafters.eagle3.model import (
-    Qwen3Eagle3Model,
-    build_eagle3_config,
-    build_ttt_eval_mask,
-)
-from dspark_ds.drafters.io import build_draft_model
-from dspark_ds.drafters.io import build_eagle3_config as io_build_eagle3_config
+from dspark_ds.drafters.eagle3.model import build_ttt_eval_mask
+from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
+from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
 
 VOCAB, HIDDEN, LAYER_IDS = 96, 32, [0, 1, 2]
 
@@ -365,7 +361,7 @@ def test_config_errors_name_the_field():
         build_eagle3_config(tc, target_layer_ids=[2, 1])
     with pytest.raises(ValueError, match="num_draft_layers"):
         build_eagle3_config(tc, target_layer_ids=LAYER_IDS, num_draft_layers=0)
-    cfg = io_build_eagle3_config(tc, target_layer_ids=LAYER_IDS)
+    cfg = build_eagle3_config(tc, target_layer_ids=LAYER_IDS)
     assert cfg.ttt_length == 7 and cfg.step_loss_decay == 0.8 and cfg.num_hidden_layers == 1
     model = build_draft_model(cfg)
     with pytest.raises(ValueError, match="target_hidden_states"):

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
-from dspark_ds.drafters.eagle3.model import Qwen3Eagle3Model, build_eagle3_config
-from dspark_ds.drafters.io import build_draft_model
+from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
+from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.target_step import tap_layers
 
@@ -106,13 +106,15 @@ def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
     """`dspark-ds eval` end to end on an Eagle3 directory: τ table, no calibration, results."""
     from dspark_ds.eval.config import EvalConfig
     from dspark_ds.eval.runner import run_eval
+    from dspark_ds.target import TargetPathConfig
 
     from helpers.tiny_models import build_tiny_target
 
     target_dir = build_tiny_target(tmp_path / "target")  # same seed: the fixture's weights
     save_draft_model(make_drafter(target, seed=6), tmp_path / "eagle3")
     cfg = EvalConfig(
-        target=target_dir, drafter=str(tmp_path / "eagle3"), benchmarks=["gsm8k"],
+        target=TargetPathConfig(path=target_dir), drafter=str(tmp_path / "eagle3"),
+        benchmarks=["gsm8k"],
         max_samples=2, max_new_tokens=8, temperature=0.0, output_dir=str(tmp_path / "runs"),
         dtype="float32", device="cpu",
     )  # fmt: skip

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from dspark_ds.config import DrafterConfig
 from dspark_ds.drafters import load_draft_model
-from dspark_ds.drafters.eagle3.model import Qwen3Eagle3Model
+from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
+from dspark_ds.drafters.presets import DrafterConfig
 
 from helpers.dist import check, python
 from helpers.tiny_models import build_tiny_target
@@ -24,6 +24,19 @@ def test_eagle3_config_section_checks_its_own_fields():
         DrafterConfig(kind="eagle3", step_loss_decay=0.0).validate()
 
 
+@pytest.mark.parametrize(
+    ("option", "value"), [("loss_impl", "recompute"), ("attn_implementation", "blockwise")]
+)
+def test_eagle3_run_refuses_a_perf_option_it_cannot_honour(tmp_path, capsys, option, value):
+    from dspark_ds.cli import main
+
+    argv = ["train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml",
+            "--target.path", str(tmp_path / "target"), "--output_dir", str(tmp_path),
+            f"--perf.{option}", value]  # fmt: skip
+    assert main(argv) == 2
+    assert f"perf.{option}: '{value}' is not available for eagle3" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
     target = build_tiny_target(tmp_path / "target")
@@ -32,7 +45,8 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
         "-m", "dspark_ds.cli", "train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml",
         "--target.path", target, "--target.layer_ids", "[0, 1, 2]", "--output_dir", str(out),
         "--train.max_steps", "4", "--train.synthetic_samples", "32",
-        "--checkpoint.every_steps", "2", "--eval.every_steps", "2", "--train.progress_bar", "false",
+        "--checkpoint.every_steps", "2", "--validation.every_steps", "2", "--train.progress_bar", "false",
+        "--perf.loss_impl", "reference", "--perf.attn_implementation", "dense",
     ]  # fmt: skip
     check(python(argv, timeout_s=900))
     run = out / "eagle3_tiny_cpu"
@@ -62,6 +76,8 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out}/mlflow.db")
     run_id = (run / "mlflow_run_id").read_text().strip()
     metrics = client.get_run(run_id).data.metrics
+    # the run took the loss path its perf section asked for
+    assert client.get_run(run_id).data.params["derived.loss_impl"] == "reference"
     for key in (
         "train/loss",
         "train/tau_probabilistic",
@@ -73,34 +89,18 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
     assert 1.0 <= metrics["train/tau_probabilistic"] <= 5.0
 
 
-def test_eagle3_variant_of_a_dspark_run_changes_only_the_model_section():
-    from dataclasses import asdict
-
-    from dspark_ds.cli import parse_config
-    from dspark_ds.drafters.eagle3.recipe import eagle3_run_config
-
-    base = parse_config("train", ["--config", "dspark_ds/recipes/dspark_qwen3_4b.yaml"])
-    e3 = eagle3_run_config(base)
-    assert e3.name == "dspark_block7_qwen3_4b_eagle3"
-    assert (e3.model.kind, e3.model.num_draft_layers, e3.model.ttt_length) == ("eagle3", 1, 7)
-    assert e3.model.step_loss_decay == 0.8 and base.model.kind == "dspark"
-    a, b = asdict(base), asdict(e3)
-    for section in a:
-        if section not in ("model", "name"):
-            assert a[section] == b[section], section
-
-
 @pytest.mark.parametrize("family", ["qwen3_4b", "qwen3_8b", "qwen3_14b", "gemma4_12b"])
 def test_eagle3_recipes_are_the_dspark_recipes_with_the_eagle3_model(family):
-    """Same data, target taps, schedule and budget as DSpark: only the name and model differ."""
-    from dataclasses import asdict
+    """Same data, target taps, schedule and budget as DSpark: only the name and model differ,
+    and the model is the Eagle3 preset."""
+    from dataclasses import asdict, replace
 
     from dspark_ds.cli import parse_config
-    from dspark_ds.drafters.eagle3.recipe import eagle3_run_config
+    from dspark_ds.drafters.presets import preset
 
     base = parse_config("train", ["--config", f"dspark_ds/recipes/dspark_{family}.yaml"])
     recipe = parse_config("train", ["--config", f"dspark_ds/recipes/eagle3_{family}.yaml"])
-    derived, written = asdict(eagle3_run_config(base)), asdict(recipe)
-    assert [k for k in written if written[k] != derived[k]] == ["name"]
+    derived = asdict(replace(base, model=preset("eagle3"), name=recipe.name))
+    assert asdict(recipe) == derived
     assert recipe.model.ttt_length == 7 and recipe.model.num_draft_layers == 1
     assert recipe.train.lr == 6e-4 and recipe.model.step_loss_decay == 0.8

@@ -22,6 +22,7 @@ from dspark_ds.eval.benchmarks import (
     shard,
 )
 from dspark_ds.eval.runner import stop_token_ids
+from dspark_ds.target import TargetPathConfig
 
 from helpers.evaluation import random_drafter
 from helpers.tiny_models import build_tiny_target
@@ -131,7 +132,7 @@ def setup(tmp_path_factory):
 
 
 def _cfg(root, target_dir, **kw) -> EvalConfig:
-    base = dict(target=str(target_dir), drafter=str(root / "draft"), benchmarks=["chat", "math"],
+    base = dict(target=TargetPathConfig(path=str(target_dir)), drafter=str(root / "draft"), benchmarks=["chat", "math"],
                 data_dir=str(root / "data"), max_samples=5, max_new_tokens=16, temperature=0.0,
                 output_dir=str(root / "runs"), seed=0)  # fmt: skip
     base.update(kw)
@@ -293,7 +294,7 @@ def test_two_ranks_split_the_prompts_through_the_cli(setup):
 
     root, target_dir, _ = setup
     single = run_eval(_cfg(root, target_dir, name="one", tracking=TrackingConfig(enabled=False)))
-    check(torchrun(["-m", "dspark_ds.cli", "eval", f"--target={target_dir}",
+    check(torchrun(["-m", "dspark_ds.cli", "eval", f"--target.path={target_dir}",
                     f"--drafter={root / 'draft'}", "--benchmarks=[chat, math]",
                     f"--data_dir={root / 'data'}", "--max_samples=5", "--max_new_tokens=16",
                     "--temperature=0.0", f"--output_dir={root / 'runs'}", "--name=two",

@@ -1,4 +1,4 @@
-"""Gemma4 backend (spec §12): golden reproduction, config layouts, refusals, naive reference."""
+"""Gemma4 backend (docs/algorithm.md#gemma4): golden reproduction, config layouts, refusals, naive reference."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
 from dspark_ds.drafters import build_draft_config, build_draft_model, load_draft_model
 from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
-from dspark_ds.drafters.dspark.gemma4 import Gemma4DSparkModel, full_attention_dims
+from dspark_ds.drafters.common.gemma4 import full_attention_dims
+from dspark_ds.drafters.dspark.gemma4 import Gemma4DSparkModel
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.io import save_draft_model
 
@@ -230,7 +231,7 @@ def _rope(x, pos, inv_freq):
 
 
 def naive_gemma4_block(model, input_ids, feats, anchor: int, labels: torch.Tensor):
-    """One block written out from spec §12 with explicit loops; returns (logits, base logits)."""
+    """One block written out from docs/algorithm.md#gemma4 with explicit loops; returns (logits, base logits)."""
     G, H = model.block_size, model.config.hidden_size
     ctx = _rms(model.fc(feats[:anchor]), model.hidden_norm.weight)
     ids = torch.full((G,), model.mask_token_id)

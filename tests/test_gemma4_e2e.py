@@ -125,7 +125,7 @@ def test_tiny_gemma4_target_end_to_end(tmp_path):
     losses = [row["loss"] for row in log if "loss" in row]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses), run.stdout[-2000:]
 
-    # 3. the exported drafter: Gemma4 interchange layout (spec §13)
+    # 3. the exported drafter: Gemma4 interchange layout (docs/checkpoint-format.md)
     export = run_dir / "export"
     written = json.loads((export / "config.json").read_text())
     assert written["architectures"] == ["Gemma4DSparkModel"]
@@ -170,7 +170,7 @@ def test_tiny_gemma4_target_end_to_end(tmp_path):
     rc = cli_main(
         [
             "eval",
-            f"--target={target_dir}",
+            f"--target.path={target_dir}",
             f"--drafter={export}",
             "--benchmarks=[gsm8k]",
             "--max_samples=1",

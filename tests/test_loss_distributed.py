@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,11 @@ import torch.multiprocessing as mp
 
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
+from dspark_ds.drafters.presets import DSPARK_LOSS
 
 from helpers.drafters import random_batch, tiny_drafter
 
-LOSS_ARGS = dict(
-    loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
-)
+LOSS_ARGS = asdict(DSPARK_LOSS)
 
 
 def _inputs():

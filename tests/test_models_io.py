@@ -1,4 +1,4 @@
-"""Interchange directories (spec §13) and draft-config validation."""
+"""Interchange directories (docs/checkpoint-format.md) and draft-config validation."""
 
 from __future__ import annotations
 

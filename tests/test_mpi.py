@@ -98,7 +98,7 @@ def test_mpirun_two_ranks_train_tiny(tmp_path):
         "false",
         "--checkpoint.every_steps",
         "0",
-        "--eval.every_steps",
+        "--validation.every_steps",
         "0",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

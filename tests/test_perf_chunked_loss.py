@@ -3,22 +3,21 @@ every gradient."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import forward_and_loss, resolve_loss_impl
+from dspark_ds.drafters.presets import DFLASH_LOSS, DSPARK_LOSS
 from dspark_ds.perf import PerfConfig
 
 from helpers.drafters import DFLASH, random_batch, tiny_drafter
 
-DSPARK_ARGS = dict(
-    loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
-)
-DFLASH_ARGS = dict(
-    loss_decay_gamma=4.0, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0
-)
+DSPARK_ARGS = asdict(DSPARK_LOSS)
+DFLASH_ARGS = asdict(DFLASH_LOSS)
 
 
 def _batch(model, seed=3):

@@ -95,7 +95,7 @@ def test_train_sbatch_preempt_requeue_resume(slurm_cluster, tiny_target, tmp_pat
         "false",
         "--checkpoint.every_steps",
         "0",
-        "--eval.every_steps",
+        "--validation.every_steps",
         "0",
     ]
     env = cluster.env | job_env(tmp_path)

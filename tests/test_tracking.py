@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import warnings
 
-from dspark_ds.tracking.mlflow import Tracker, default_uri, list_artifacts, metric_history, read_run
+from dspark_ds.tracking.mlflow import (
+    Tracker,
+    default_artifact_location,
+    default_uri,
+    list_artifacts,
+    metric_history,
+    read_run,
+)
 
 from helpers.dist import free_port
 
@@ -12,6 +19,7 @@ from helpers.dist import free_port
 def test_log_then_resume_same_run(tmp_path):
     uri = default_uri(str(tmp_path))
     kw = dict(enabled=True, uri=uri, experiment="exp", run_name="r", run_dir=str(tmp_path / "r"))
+    kw["artifact_location"] = default_artifact_location(str(tmp_path))
     t = Tracker.for_rank(0, **kw)
     t.log_params({"train.lr": 0.1, "model.block_size": 7})
     t.log_metrics({"train/loss": 2.0, "train/accept_rate@0": 0.5}, step=1)
@@ -43,6 +51,7 @@ def test_other_ranks_and_disabled_do_nothing(tmp_path):
         experiment="e",
         run_name="r",
         run_dir=str(tmp_path / "r"),
+        artifact_location=default_artifact_location(str(tmp_path)),
     )
     assert not t.enabled and t.run_id is None
     t.log_metrics({"x": 1.0}, step=1)
@@ -60,9 +69,36 @@ def test_unreachable_server_warns_and_goes_on(tmp_path):
             experiment="e",
             run_name="r",
             run_dir=str(tmp_path),
+            artifact_location=default_artifact_location(str(tmp_path)),
             timeout_s=2,
         )
     assert not t.enabled and t.run_id is None
     assert any("training continues" in str(w.message) for w in caught)
     t.log_metrics({"train/loss": 1.0}, step=1)  # no exception
     t.finish()
+
+
+def test_artifacts_stay_under_the_output_directory(tmp_path, monkeypatch):
+    """Nothing lands in the current directory (MLflow's default artifact root is ./mlruns)."""
+    cwd, out = tmp_path / "cwd", tmp_path / "out"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+    t = Tracker.for_rank(
+        0,
+        enabled=True,
+        uri=default_uri(str(out)),
+        experiment="exp",
+        run_name="r",
+        run_dir=str(out / "r"),
+        artifact_location=default_artifact_location(str(out)),
+    )
+    t.log_text("a: 1\n", "config.yaml")
+    t.log_artifacts(str(export), "export")
+    t.finish()
+    assert list(cwd.iterdir()) == []
+    stored = sorted(p.relative_to(out).parts[0] for p in out.rglob("model.safetensors"))
+    assert stored == ["mlartifacts"]
+    assert "export" in list_artifacts(default_uri(str(out)), t.run_id)

@@ -561,7 +561,7 @@ def estimate_cache(cfg: EstimateCacheConfig) -> dict:
         )
     )
     layers = cfg.target.layer_ids or default_layer_ids(tcfg.num_hidden_layers)
-    validate_layer_ids(layers, tcfg.num_hidden_layers)
+    validate_layer_ids(layers, tcfg.num_hidden_layers, field="target.layer_ids")
     if cfg.num_samples is not None and cfg.mean_tokens is not None:
         num_samples, num_tokens = cfg.num_samples, int(round(cfg.num_samples * cfg.mean_tokens))
     else:

@@ -29,10 +29,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import yaml
-
+from dspark_ds.config import TrainRunConfig, dump_config
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.distributed import free_port
+from dspark_ds.drafters.presets import DrafterConfig, preset
 
 _LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 
@@ -98,10 +98,11 @@ class DemoPipeline:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         return env
 
-    def _write_config(self, name: str, data: dict) -> Path:
+    def _write_config(self, name: str, cfg) -> Path:
+        """A typed config as the YAML a subprocess (or a person) runs with."""
         self.conf_dir.mkdir(parents=True, exist_ok=True)
         path = self.conf_dir / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        path.write_text(dump_config(cfg))
         return path
 
     def _launch(self, stage: str, subcommand: str, config: Path, nproc: int) -> None:
@@ -174,16 +175,17 @@ class DemoPipeline:
         return {"path": str(self.target.path), "from_cache": self.target.from_cache}
 
     def regenerate(self) -> None:
+        from dspark_ds.data.config import DataConfig, RegenerateConfig
+
         d = self.cfg.data
         out = self.data_dir / "regenerated.jsonl"
-        cfg = {
-            "data": {"paths": [str(self.data_dir / "prompts.jsonl")], "max_length": d.max_length,
-                     "num_workers": 0},
-            "target": {"path": str(self.target.path), "dtype": "float32", "device": "cpu"},
-            "output": str(out), "batch_size": d.regenerate_batch_size,
-            "max_new_tokens": d.max_new_tokens, "temperature": d.temperature,
-            "top_p": d.top_p, "top_k": d.top_k, "seed": self.cfg.budget.seed,
-        }  # fmt: skip
+        cfg = RegenerateConfig(
+            data=DataConfig(paths=[str(self.data_dir / "prompts.jsonl")],
+                            max_length=d.max_length, num_workers=0),
+            target=self._target_config(), output=str(out), batch_size=d.regenerate_batch_size,
+            max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
+            top_k=d.top_k, seed=self.cfg.budget.seed,
+        )  # fmt: skip
         self._launch("regenerate", "regenerate", self._write_config("regenerate", cfg), self.nproc)
         if not out.is_file() or not out.stat().st_size:
             raise RuntimeError(f"regenerate wrote no rows to {out}")
@@ -198,69 +200,78 @@ class DemoPipeline:
                             num_workers=0),
             output_dir=str(self.data_dir / "prepared"),
         )  # fmt: skip
-        self._write_config("prepare", _plain(cfg))
+        self._write_config("prepare", cfg)
         return prepare(cfg)
 
     def build_cache(self) -> None:
-        cfg = {
-            "data": {"paths": [str(self.data_dir / "prepared")],
-                     "cache_dir": str(self.data_dir / "cache"), "mode": "offline",
-                     "max_length": self.cfg.data.max_length, "num_workers": 0,
-                     "cache_dtype": "float32", "samples_per_shard": 256},
-            "target": {"path": str(self.target.path), "dtype": "float32", "device": "cpu"},
-            "batch_size": 32,
-        }  # fmt: skip
+        from dspark_ds.data.config import BuildCacheConfig, DataConfig
+
+        cfg = BuildCacheConfig(
+            data=DataConfig(paths=[str(self.data_dir / "prepared")],
+                            cache_dir=str(self.data_dir / "cache"), mode="offline",
+                            max_length=self.cfg.data.max_length, num_workers=0,
+                            cache_dtype="float32", samples_per_shard=256),
+            target=self._target_config(), batch_size=32,
+        )  # fmt: skip
         self._launch(
             "build-cache", "build-cache", self._write_config("build-cache", cfg), self.nproc
         )
 
-    def train_config(self, kind: str) -> dict:
-        """The `dspark-ds train` config of one drafter; only `model` differs between them."""
-        c, b, dr = self.cfg, self.cfg.budget, self.cfg.drafter
-        dspark = {"num_draft_layers": dr.num_draft_layers, "block_size": dr.block_size,
-                  "num_anchors": dr.num_anchors, "markov_rank": dr.markov_rank,
-                  "markov_head_type": "vanilla", "confidence_head_alpha": 1.0,
-                  "confidence_head_with_markov": True, "loss_decay_gamma": 4.0,
-                  "ce_loss_alpha": 0.1, "l1_loss_alpha": 0.9}  # fmt: skip
-        models = {
-            "dspark": dspark,
-            # DFlash = DSpark without Markov and confidence heads, cross-entropy only
-            "dflash": {**dspark, "markov_rank": 0, "confidence_head_alpha": 0.0,
-                       "confidence_head_with_markov": False, "ce_loss_alpha": 1.0,
-                       "l1_loss_alpha": 0.0},
-            # Eagle3: one autoregressive layer unrolled over γ training-time-test steps
-            "eagle3": {"kind": "eagle3", "num_draft_layers": dr.eagle3_layers,
-                       "ttt_length": dr.block_size, "step_loss_decay": 0.8},
-        }  # fmt: skip
-        data = {
-            "mode": c.data.mode,
-            "max_length": c.data.max_length,
-            "batch_size": b.micro_batch_size,
-            "num_workers": 0,
-            "seed": b.seed,
+    def _target_config(self):
+        from dspark_ds.target import TargetConfig
+
+        return TargetConfig(path=str(self.target.path), dtype="float32", device="cpu")
+
+    def drafter_model(self, name: str) -> DrafterConfig:
+        """The preset `name` (dspark | dflash | eagle3) sized to the tiny target."""
+        dr = self.cfg.drafter
+        blocks = dict(
+            num_draft_layers=dr.num_draft_layers,
+            block_size=dr.block_size,
+            num_anchors=dr.num_anchors,
+        )
+        sizes = {
+            "dspark": {**blocks, "markov_rank": dr.markov_rank},
+            "dflash": blocks,
+            # ttt_length = γ: every drafter proposes at most γ tokens a round
+            "eagle3": {"num_draft_layers": dr.eagle3_layers, "ttt_length": dr.block_size},
         }
+        return preset(name, **sizes[name])
+
+    def train_config(self, kind: str) -> TrainRunConfig:
+        """The `dspark-ds train` config of one drafter; only `model` differs between them."""
+        from dspark_ds.config import (
+            CheckpointConfig,
+            DeepSpeedConfig,
+            TrackingConfig,
+            TrainConfig,
+            ValidationConfig,
+        )
+        from dspark_ds.data.config import DataConfig
+
+        c, b = self.cfg, self.cfg.budget
         if c.data.mode == "offline":
-            data["cache_dir"] = str(self.data_dir / "cache")
+            source = dict(cache_dir=str(self.data_dir / "cache"))
         else:
-            data["paths"] = [str(self.data_dir / "prepared")]
-        return {
-            "name": kind,
-            "output_dir": str(self.runs_dir),
-            "model": models[kind],
-            "target": {"path": str(self.target.path), "dtype": "float32", "device": "cpu"},
-            "data": data,
-            "train": {"lr": b.lr, "warmup_ratio": b.warmup_ratio, "min_lr_ratio": 0.0,
-                      "precision": "fp32", "global_batch_size": b.global_batch_size,
-                      "num_epochs": 1000, "max_steps": b.max_steps, "seed": b.seed,
-                      "log_every": 10},
-            "deepspeed": {"config": b.zero},
-            "tracking": {"uri": self.uri, "experiment": c.experiment,
-                         "run_name": f"demo-train-{kind}", "tags": {"demo": "true"}},
+            source = dict(paths=[str(self.data_dir / "prepared")])
+        return TrainRunConfig(
+            name=kind,
+            output_dir=str(self.runs_dir),
+            model=self.drafter_model(kind),
+            target=self._target_config(),
+            data=DataConfig(mode=c.data.mode, max_length=c.data.max_length,
+                            batch_size=b.micro_batch_size, num_workers=0, seed=b.seed, **source),
+            train=TrainConfig(lr=b.lr, warmup_ratio=b.warmup_ratio, min_lr_ratio=0.0,
+                              precision="fp32", global_batch_size=b.global_batch_size,
+                              num_epochs=1000, max_steps=b.max_steps, seed=b.seed, log_every=10),
+            deepspeed=DeepSpeedConfig(config=b.zero),
+            tracking=TrackingConfig(uri=self.uri, experiment=c.experiment,
+                                    run_name=f"demo-train-{kind}", tags={"demo": "true"}),
             # NOTE: the demo needs the exported weights, not resumable checkpoints
-            "checkpoint": {"every_steps": 0, "keep_last": 1, "resume": None,
-                           "save_final": False, "export_final": True},
-            "eval": {"every_steps": 0, "num_batches": 1},
-        }  # fmt: skip
+            checkpoint=CheckpointConfig(every_steps=0, keep_last=1, resume=None,
+                                        save_final=False, export_final=True),
+            validation=ValidationConfig(every_steps=0, num_batches=1),
+        )  # fmt: skip
 
     def train(self, kind: str) -> dict:
         run_dir = self.runs_dir / kind
@@ -288,10 +299,11 @@ class DemoPipeline:
         from dspark_ds.config import TrackingConfig
         from dspark_ds.eval.config import CalibrationConfig, EvalConfig
         from dspark_ds.eval.runner import run_eval
+        from dspark_ds.target import TargetPathConfig
 
         e = self.cfg.eval
         cfg = EvalConfig(
-            target=str(self.target.path), drafter=str(self.exports[kind]),
+            target=TargetPathConfig(path=str(self.target.path)), drafter=str(self.exports[kind]),
             benchmarks=["demo"], data_dir=str(self.data_dir / "bench"), max_samples=None,
             max_new_tokens=e.max_new_tokens, temperature=temperature, seed=e.seed,
             dtype="float32", device="cpu", name=f"eval-{kind}-{_temp_key(temperature)}",
@@ -299,7 +311,7 @@ class DemoPipeline:
             tracking=TrackingConfig(uri=self.uri, experiment=self.cfg.experiment,
                                     tags={"demo": "true", "drafter_kind": kind}),
         )  # fmt: skip
-        self._write_config(f"eval-{kind}-{_temp_key(temperature)}", _plain(cfg))
+        self._write_config(f"eval-{kind}-{_temp_key(temperature)}", cfg)
         payload = run_eval(cfg)
         bench = payload["benchmarks"][0]
         row = {
@@ -415,7 +427,7 @@ class DemoPipeline:
     def log_summary(self, summary: dict, text: str) -> None:
         """One MLflow run with the comparison: metrics per drafter × temperature, stage times,
         the table and summary.json as artifacts."""
-        from dspark_ds.tracking.mlflow import Tracker
+        from dspark_ds.tracking.mlflow import Tracker, default_artifact_location
 
         run_dir = self.runs_dir / "summary"
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -425,6 +437,8 @@ class DemoPipeline:
             experiment=self.cfg.experiment,
             run_name="demo-summary",
             run_dir=str(run_dir),
+            # the same place as the training and evaluation runs (all under runs/)
+            artifact_location=default_artifact_location(str(self.runs_dir)),
         )
         try:
             metrics: dict[str, float] = {}
@@ -466,10 +480,6 @@ class DemoPipeline:
             tracker.log_dict(_finite(summary), "summary.json")
         finally:
             tracker.finish()
-
-
-def _plain(cfg) -> dict:
-    return json.loads(json.dumps(asdict(cfg), default=str))
 
 
 def _finite(x):

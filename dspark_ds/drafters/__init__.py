@@ -1,4 +1,6 @@
-"""DSpark / DFlash drafters: pure torch + transformers (no deepspeed, mlflow or distributed)."""
+"""The drafters (DSpark / DFlash, Eagle3): pure torch + transformers (no deepspeed, mlflow or
+distributed in the architecture files). `registry.py` holds one spec per drafter kind,
+`presets.py` their settings."""
 
 from dspark_ds.drafters.common.blocks import (
     DraftKVCache,

@@ -1,4 +1,4 @@
-"""Draft configs built from a target, and the interchange directory (spec §13).
+"""Draft configs built from a target, and the interchange directory (docs/checkpoint-format.md).
 
 A drafter directory is `config.json` (the draft text config plus the DSpark fields) and
 `model.safetensors` (or shards with `model.safetensors.index.json`), readable by the
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dspark_ds.drafters.common.blocks import validate_target_layer_ids
-from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
+from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
+from dspark_ds.drafters.presets import DrafterConfig, preset
 from dspark_ds.files import save_safetensors
 
 # architecture -> (module, class, transformers config class path)
@@ -38,9 +38,8 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
         "Gemma4DSparkModel",
         "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
     ),
-    # Eagle3 baseline (drafters/eagle3/model.py): the reference's autoregressive TTT drafter.
     "Qwen3Eagle3Model": (
-        "dspark_ds.drafters.eagle3.model",
+        "dspark_ds.drafters.eagle3.qwen3",
         "Qwen3Eagle3Model",
         "transformers.models.qwen3.configuration_qwen3:Qwen3Config",
     ),
@@ -50,31 +49,19 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
         "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
     ),
 }
-# config.json fields each non-DSpark architecture needs (DSpark ones are checked below).
-EAGLE3_REQUIRED_FIELDS = (
-    "target_layer_ids",
-    "num_target_layers",
-    "ttt_length",
-    "step_loss_decay",
-)
-# target model_type (of the text model) -> drafter architecture
-FAMILY_ARCHITECTURE = {
-    "qwen3": "Qwen3DSparkModel",
-    "gemma4": "Gemma4DSparkModel",
-    "gemma4_text": "Gemma4DSparkModel",
+# drafter kind -> target text model_type -> architecture
+ARCHITECTURES: dict[str, dict[str, str]] = {
+    "dspark": {
+        "qwen3": "Qwen3DSparkModel",
+        "gemma4": "Gemma4DSparkModel",
+        "gemma4_text": "Gemma4DSparkModel",
+    },
+    "eagle3": {
+        "qwen3": "Qwen3Eagle3Model",
+        "gemma4": "Gemma4Eagle3Model",
+        "gemma4_text": "Gemma4Eagle3Model",
+    },
 }
-
-DSPARK_FIELDS = (
-    "block_size",
-    "mask_token_id",
-    "target_layer_ids",
-    "num_target_layers",
-    "num_anchors",
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
-)
 
 
 def _import(path: str):
@@ -91,92 +78,109 @@ def _backend(architecture: str):
     return getattr(importlib.import_module(module), cls), _import(config_cls)
 
 
-def text_config_of(target_config):
-    """Multimodal targets (Gemma4) wrap the language model's config in `text_config`."""
-    return getattr(target_config, "text_config", None) or target_config
-
-
-def build_draft_config(
-    target_config,
-    *,
-    target_layer_ids: list[int],
-    mask_token_id: int,
-    num_draft_layers: int = 5,
-    block_size: int = 7,
-    num_anchors: int = 512,
-    markov_rank: int = 256,
-    markov_head_type: str = "vanilla",
-    confidence_head_alpha: float = 1.0,
-    confidence_head_with_markov: bool = True,
+def _reshape_target_config(
+    target_config, kind: str, target_layer_ids: list[int], num_draft_layers: int
 ):
-    """A deep copy of the target's text config, reshaped into a drafter config (spec §2).
-
-    Raises ValueError naming the offending field.
-    """
-    text = text_config_of(target_config)
+    """What every drafter config starts as: a deep copy of the target's text config with the
+    drafter's layers, the tapped ids and the backend's architecture. Returns (config, text)."""
+    text = text_config(target_config)
     model_type = getattr(text, "model_type", None)
-    if model_type not in FAMILY_ARCHITECTURE:
-        raise ValueError(f"model_type: no drafter backend for target family {model_type!r}")
+    if model_type not in ARCHITECTURES[kind]:
+        raise ValueError(
+            f"model_type: no {kind} drafter backend for target family {model_type!r} "
+            f"(available: {sorted(ARCHITECTURES[kind])})"
+        )
     num_target_layers = int(text.num_hidden_layers)
-    ids = validate_target_layer_ids(target_layer_ids, num_target_layers)
-    checks = [
-        ("num_draft_layers", num_draft_layers, num_draft_layers >= 1, "must be >= 1"),
-        ("block_size", block_size, block_size >= 1, "must be >= 1"),
-        ("num_anchors", num_anchors, num_anchors >= 1, "must be >= 1"),
-        ("markov_rank", markov_rank, markov_rank >= 0, "must be >= 0"),
-        (
-            "confidence_head_alpha",
-            confidence_head_alpha,
-            confidence_head_alpha >= 0,
-            "must be >= 0",
-        ),
-        (
-            "mask_token_id",
-            mask_token_id,
-            0 <= mask_token_id < int(text.vocab_size),
-            f"must be in [0, {text.vocab_size})",
-        ),
-    ]
-    for field, value, ok, why in checks:
-        if not ok:
-            raise ValueError(f"{field}: {why}, got {value!r}")
-    if markov_rank > 0 and markov_head_type not in MARKOV_HEAD_TYPES:
-        raise ValueError(
-            f"markov_head_type: expected one of {MARKOV_HEAD_TYPES}, got {markov_head_type!r}"
-        )
-    enable_confidence = confidence_head_alpha > 0
-    if enable_confidence and confidence_head_with_markov and markov_rank == 0:
-        raise ValueError(
-            "confidence_head_with_markov: needs markov_rank > 0 (DFlash has no Markov head)"
-        )
-
+    ids = validate_layer_ids(target_layer_ids, num_target_layers)
     cfg = copy.deepcopy(text)
-    cfg.architectures = [FAMILY_ARCHITECTURE[model_type]]
+    cfg.architectures = [ARCHITECTURES[kind][model_type]]
     cfg.num_target_layers = num_target_layers
     cfg.num_hidden_layers = int(num_draft_layers)
     cfg.layer_types = ["full_attention"] * int(num_draft_layers)
     cfg.tie_word_embeddings = False
-    cfg.use_sliding_window = False if hasattr(cfg, "use_sliding_window") else None
-    cfg.block_size = int(block_size)
-    cfg.mask_token_id = int(mask_token_id)
+    if hasattr(cfg, "use_sliding_window"):
+        cfg.use_sliding_window = False
     cfg.target_layer_ids = ids
-    cfg.num_anchors = int(num_anchors)
-    cfg.markov_rank = int(markov_rank)
-    cfg.markov_head_type = str(markov_head_type)
-    cfg.enable_confidence_head = enable_confidence
-    cfg.confidence_head_with_markov = bool(confidence_head_with_markov) and enable_confidence
-    if cfg.architectures[0] == "Gemma4DSparkModel":
+    if model_type.startswith("gemma4"):
         cfg.target_model_type = getattr(target_config, "model_type", model_type)
         cfg.target_text_model_type = model_type
+    return cfg, text
+
+
+def _finalize(cfg, text):
+    """The backend's own fix-ups (Gemma4 rebuilds its per-layer attributes)."""
     cls, _ = _backend(cfg.architectures[0])
     return cls.finalize_draft_config(cfg, text)
 
 
-def build_eagle3_config(target_config, **kwargs):
-    """The Eagle3 baseline's draft config (see `dspark_ds.drafters.eagle3.model.build_eagle3_config`)."""
-    from dspark_ds.drafters.eagle3.model import build_eagle3_config as build
+def dspark_config(
+    target_config, model: DrafterConfig, *, target_layer_ids: list[int], mask_token_id: int
+):
+    """The DSpark / DFlash drafter config of `model` (a validated "dspark" section) for this
+    target (docs/algorithm.md#the-drafter). Raises ValueError naming the offending field."""
+    cfg, text = _reshape_target_config(
+        target_config, "dspark", target_layer_ids, model.num_draft_layers
+    )
+    vocab = int(text.vocab_size)
+    if not 0 <= int(mask_token_id) < vocab:
+        raise ValueError(f"mask_token_id: must be in [0, {vocab}), got {mask_token_id!r}")
+    enable_confidence = model.confidence_head_alpha > 0
+    cfg.block_size = int(model.block_size)
+    cfg.mask_token_id = int(mask_token_id)
+    cfg.num_anchors = int(model.num_anchors)
+    cfg.markov_rank = int(model.markov_rank)
+    cfg.markov_head_type = str(model.markov_head_type)
+    cfg.enable_confidence_head = enable_confidence
+    cfg.confidence_head_with_markov = bool(model.confidence_head_with_markov) and enable_confidence
+    return _finalize(cfg, text)
 
-    return build(target_config, **kwargs)
+
+def eagle3_config(
+    target_config,
+    model: DrafterConfig,
+    *,
+    target_layer_ids: list[int],
+    target_model_name_or_path: str | None = None,
+):
+    """The Eagle3 baseline's drafter config of `model` (a validated "eagle3" section): the
+    reference's `Qwen3Eagle3Model` fields (`target_layer_ids`, `ttt_length`, `step_loss_decay`,
+    `draft_num_hidden_layers`, `num_target_layers`). Raises ValueError naming the field."""
+    cfg, text = _reshape_target_config(
+        target_config, "eagle3", target_layer_ids, model.num_draft_layers
+    )
+    cfg.draft_num_hidden_layers = int(model.num_draft_layers)
+    cfg.ttt_length = int(model.ttt_length)
+    cfg.step_loss_decay = float(model.step_loss_decay)
+    if target_model_name_or_path is not None:
+        cfg.target_model_name_or_path = str(target_model_name_or_path)
+    return _finalize(cfg, text)
+
+
+def build_draft_config(target_config, *, target_layer_ids: list[int], mask_token_id: int, **fields):
+    """A DSpark / DFlash drafter config; `fields` (DrafterConfig fields) override the DSpark
+    preset. Raises ValueError naming the offending field."""
+    model = preset("dspark", **fields).validate(prefix=None)
+    return dspark_config(
+        target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
+    )
+
+
+def build_eagle3_config(
+    target_config,
+    *,
+    target_layer_ids: list[int],
+    target_model_name_or_path: str | None = None,
+    **fields,
+):
+    """An Eagle3 drafter config; `fields` (num_draft_layers, ttt_length, step_loss_decay)
+    override the Eagle3 preset. Raises ValueError naming the offending field."""
+    model = preset("eagle3", **fields).validate(prefix=None)
+    return eagle3_config(
+        target_config,
+        model,
+        target_layer_ids=target_layer_ids,
+        target_model_name_or_path=target_model_name_or_path,
+    )
 
 
 def build_draft_model(config):
@@ -186,30 +190,18 @@ def build_draft_model(config):
 
 
 def config_from_dict(data: dict):
+    """A drafter config from its config.json; names the first missing field the architecture
+    needs."""
     archs = data.get("architectures") or []
     if not archs:
         raise ValueError("architectures: missing from the drafter config.json")
-    _, config_cls = _backend(archs[0])
-    if archs[0].endswith("Eagle3Model"):
-        missing = [f for f in EAGLE3_REQUIRED_FIELDS if f not in data]
-        if missing:
-            raise ValueError(
-                f"{missing[0]}: missing from the Eagle3 drafter config.json (needed: {missing})"
-            )
-        return config_cls.from_dict(dict(data))
-    missing = [
-        f
-        for f in ("block_size", "mask_token_id", "target_layer_ids", "num_anchors")
-        if f not in data
-    ]
+    cls, config_cls = _backend(archs[0])
+    missing = [f for f in cls.REQUIRED_CONFIG_FIELDS if f not in data]
     if missing:
-        raise ValueError(f"{missing[0]}: missing from the drafter config.json (needed: {missing})")
-    data = dict(data)
-    data.setdefault("markov_rank", 0)
-    data.setdefault("markov_head_type", "vanilla")
-    data.setdefault("enable_confidence_head", False)
-    data.setdefault("confidence_head_with_markov", False)
-    return config_cls.from_dict(data)
+        raise ValueError(
+            f"{missing[0]}: missing from the drafter config.json ({archs[0]} needs {missing})"
+        )
+    return config_cls.from_dict({**cls.OPTIONAL_CONFIG_FIELDS, **data})
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:

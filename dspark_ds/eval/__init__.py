@@ -1,4 +1,4 @@
-"""Evaluation: real speculative decoding with a drafter against its target (spec §10).
+"""Evaluation: real speculative decoding with a drafter against its target (docs/algorithm.md#inference).
 
 - `speculative_generate` / `target_generate`: the lossless decoding loop and the plain baseline.
 - `batched.batched_generate`: the same with several prompts in flight (`--batch_size`), and the

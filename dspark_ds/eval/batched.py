@@ -39,7 +39,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_ds.drafters.common.blocks import DraftKVCache
-from dspark_ds.drafters.eagle3.model import is_eagle3
+from dspark_ds.drafters.registry import spec_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.decoding import DecodeStats, _sync
@@ -404,7 +404,7 @@ class BatchedDecoder:
             raise ValueError(
                 f"budget_accounting must be exact | reference, got {budget_accounting!r}"
             )
-        self.eagle3 = drafter is not None and is_eagle3(drafter)
+        self.eagle3 = drafter is not None and spec_of(drafter).kind == "eagle3"
         if policy != "full" and getattr(drafter, "confidence_head", None) is None:
             raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
         if policy == "scheduler" and sps is None:

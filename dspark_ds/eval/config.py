@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from dspark_ds.config import TrackingConfig
 from dspark_ds.eval.benchmarks import DEFAULT_BENCHMARKS, PAPER_SEED
+from dspark_ds.target import TargetPathConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -75,10 +76,10 @@ class SchedulerConfig:
 
 @dataclass
 class EvalConfig:
-    """Speculative decoding of benchmark prompts with a drafter against its target (spec §10)."""
+    """Speculative decoding of benchmark prompts with a drafter against its target (docs/evaluation.md)."""
 
-    target: str = ""
-    """Target model: local directory or Hugging Face hub id (a causal LM)."""
+    target: TargetPathConfig = field(default_factory=TargetPathConfig)
+    """The target model (target.path: local directory or Hugging Face hub id of a causal LM)."""
     drafter: str = ""
     """Drafter interchange directory (config.json + model.safetensors), ours or DeepSpec's."""
     tokenizer: str | None = None
@@ -134,14 +135,16 @@ class EvalConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow tracking, the same section as `train`'s (rank 0 only)."""
 
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target": "target.path"}
+
     @property
     def run_dir(self) -> str:
         return os.path.join(self.output_dir, self.name)
 
     def validate(self) -> None:
         """Raise ValueError naming the dotted option."""
-        if not self.target:
-            raise ValueError("eval.target is required (a directory or hub id of the target)")
+        if not self.target.path:
+            raise ValueError("target.path: is required (a directory or hub id of the target)")
         if not self.drafter:
             raise ValueError("eval.drafter is required (a drafter interchange directory)")
         if not self.benchmarks:
@@ -174,8 +177,8 @@ class EvalConfig:
 class BenchConfig:
     """Wall-clock throughput of speculative decoding vs the target alone, on the same prompts."""
 
-    target: str = ""
-    """Target model: local directory or Hugging Face hub id."""
+    target: TargetPathConfig = field(default_factory=TargetPathConfig)
+    """The target model (target.path: local directory or Hugging Face hub id)."""
     drafter: str = ""
     """Drafter interchange directory."""
     tokenizer: str | None = None
@@ -207,9 +210,11 @@ class BenchConfig:
     output_json: str | None = None
     """Also write the numbers to this JSON file."""
 
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target": "target.path"}
+
     def validate(self) -> None:
-        if not self.target or not self.drafter:
-            raise ValueError("bench.target and bench.drafter are required")
+        if not self.target.path or not self.drafter:
+            raise ValueError("target.path and drafter are required")
         if self.num_prompts < 1 or self.warmup_prompts < 0:
             raise ValueError(
                 f"bench.num_prompts must be >= 1 and bench.warmup_prompts >= 0, got "

@@ -1,9 +1,11 @@
-"""The speculative decoding loop of spec §10 (batch 1), and plain target decoding to compare with.
+"""The speculative decoding loop (batch 1; docs/algorithm.md#inference), and plain target
+decoding to compare with.
 
-One round: the drafter proposes γ tokens from `[x_start, MASK × (γ-1)]` in one forward (its KV
-cache holds only verified context), the Markov head samples them left to right, the confidence
-head may cut the proposal, the target verifies `[x_start, d_1..d_m]` in one forward, and the
-accepted prefix plus one target token (correction or bonus) is committed.
+One round: the drafter proposes up to γ tokens (its kind's `propose` step: DSpark drafts
+`[x_start, MASK × (γ-1)]` in one forward and samples it through the Markov head, Eagle3 drafts
+a chain; its KV cache holds only verified context), the confidence head may cut the proposal,
+the target verifies `[x_start, d_1..d_m]` in one forward, and the accepted prefix plus one
+target token (correction or bonus) is committed.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_ds.drafters.eagle3.model import eagle3_propose, is_eagle3
+from dspark_ds.drafters.common.rounds import DraftRound
+from dspark_ds.drafters.registry import spec_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.target_step import TargetDecoder, check_drafter_matches_target
@@ -83,6 +86,37 @@ def _confident_prefix(
     return int(below[0].item()) if below.numel() else conf_logits_G.numel()
 
 
+def _verify_round(
+    decoder: TargetDecoder,
+    x_start_1: torch.Tensor,
+    drafts_M: torch.Tensor,
+    draft_logits_MV: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    stops: set[int],
+):
+    """The target's forward on `[x_start, d_1..d_M]` and the lossless acceptance. Returns
+    (proposed, accepted, committed tokens, the target step): an accepted stop token ends the
+    round there, as if the slots after it had never been proposed."""
+    step = decoder.forward(torch.cat([x_start_1, drafts_M]).unsqueeze(0))
+    if temperature == 0.0:
+        num_accepted, next_token = verify.verify_greedy(drafts_M, step.logits_LV)
+    else:
+        num_accepted, next_token = verify.verify_sampled(
+            drafts_M,
+            verify.logits_to_probs(draft_logits_MV, temperature),
+            verify.logits_to_probs(step.logits_LV, temperature),
+            generator,
+        )
+    num_proposed = drafts_M.shape[0]
+    committed = drafts_M[:num_accepted].tolist() + [next_token]
+    stop_at = _first_stop(committed, stops)
+    if stop_at is not None and stop_at < num_accepted:
+        num_proposed = num_accepted = stop_at + 1
+        committed = committed[: stop_at + 1]
+    return num_proposed, num_accepted, committed, step
+
+
 @torch.inference_mode()
 def speculative_generate(
     target,
@@ -129,42 +163,27 @@ def speculative_generate(
     _sync(device)
     stats.prefill_time_s = time.perf_counter() - t0
 
-    # NOTE: Eagle3 drafters have no MASK token; their rounds only read block_ids_1G[0, 0].
-    mask_id = int(getattr(cfg, "mask_token_id", 0))
-    block_ids_1G = torch.full((1, block_size), mask_id, dtype=torch.long, device=device)
+    propose = spec_of(drafter).propose
     while new_tokens[-1] not in stops and len(new_tokens) < max_new_tokens + (not exact):
         start = prompt_len + len(new_tokens) - 1  # position of x_start, the last committed token
-        x_start = new_tokens[-1]
         # Exact: the round commits at most num_proposed + 1 tokens, so never verify past the budget.
         room = max_new_tokens - len(new_tokens) - 1 if exact else block_size
-
         t0 = time.perf_counter()
-        block_ids_1G[0, 0] = x_start
-        if is_eagle3(
-            drafter
-        ):  # the Eagle3 baseline drafts autoregressively (drafters/eagle3/model.py)
-            drafts_1G, draft_logits_1GV = eagle3_propose(
-                drafter, input_ids, new_tokens, context_1CnH, start, draft_cache,
-                max(1, min(block_size, room)),
-                temperature, generator, stops,
-            )  # fmt: skip
-            conf_1G = None
-        else:
-            hidden_1GH = drafter.forward_draft_block(
-                context_features=context_1CnH, block_input_ids=block_ids_1G, start=start,
+        tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=device)
+        proposal = propose(
+            drafter,
+            DraftRound(
+                committed_ids=torch.cat([input_ids, tail], dim=1),
+                context_features=context_1CnH,
                 cache=draft_cache,
-            )  # fmt: skip
-            if draft_cache.seq_length > start:  # only verified context may persist between rounds
-                draft_cache.crop(start)
-            drafts_1G, draft_logits_1GV = drafter.sample_draft_tokens(
-                drafter.compute_logits(hidden_1GH),
-                first_prev_token_ids=block_ids_1G[:, 0],
-                hidden_states=hidden_1GH,
+                budget=max(1, min(block_size, room)),
                 temperature=temperature,
                 generator=generator,
-            )
-            prev_1G = torch.cat([block_ids_1G[:, :1], drafts_1G[:, :-1]], dim=1)
-            conf_1G = drafter.predict_confidence(hidden_1GH, prev_1G)
+                stop_token_ids=stops,
+            ),
+        )
+        drafts_1G, draft_logits_1GV = proposal.tokens, proposal.logits
+        conf_1G = proposal.confidence_logits
         num_proposed = drafts_1G.shape[1]  # Eagle3 may stop early at a stop token
         if conf_1G is not None and confidence_threshold > 0.0:
             num_proposed = _confident_prefix(conf_1G[0], temps_G, confidence_threshold)
@@ -174,24 +193,11 @@ def speculative_generate(
         stats.draft_time_s += time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        verify_ids_1M1 = torch.cat([block_ids_1G[0, :1], drafts_M]).unsqueeze(0)
-        step = decoder.forward(verify_ids_1M1)
+        num_proposed, num_accepted, committed, step = _verify_round(
+            decoder, tail[0, -1:], drafts_M, draft_logits_1GV[0, :num_proposed], temperature,
+            generator, stops,
+        )  # fmt: skip
         stats.target_forwards += 1
-        if temperature == 0.0:
-            num_accepted, next_token = verify.verify_greedy(drafts_M, step.logits_LV)
-        else:
-            num_accepted, next_token = verify.verify_sampled(
-                drafts_M,
-                verify.logits_to_probs(draft_logits_1GV[0, :num_proposed], temperature),
-                verify.logits_to_probs(step.logits_LV, temperature),
-                generator,
-            )
-        committed = drafts_M[:num_accepted].tolist() + [next_token]
-        stop_at = _first_stop(committed, stops)
-        if stop_at is not None and stop_at < num_accepted:
-            # An accepted draft is a stop token: the slots after it were never really proposed.
-            num_proposed = num_accepted = stop_at + 1
-            committed = committed[: stop_at + 1]
         decoder.keep(start + num_accepted + 1)  # x_start and the accepted drafts stay cached
         context_1CnH = step.features_LnH[:, : num_accepted + 1]
         new_tokens.extend(committed)

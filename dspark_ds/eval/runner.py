@@ -75,7 +75,7 @@ def load_models(cfg: EvalConfig, device: torch.device):
     from dspark_ds.drafters import load_draft_model
     from dspark_ds.files import check_exists, check_model_path, first_line
 
-    check_model_path(cfg.target, "eval.target")
+    check_model_path(cfg.target.path, "target.path")
     check_model_path(cfg.tokenizer, "eval.tokenizer")
     check_exists(cfg.drafter, "eval.drafter", "drafter directory")
     dtype = _resolve_dtype(cfg, device)
@@ -83,13 +83,13 @@ def load_models(cfg: EvalConfig, device: torch.device):
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        target = AutoModelForCausalLM.from_pretrained(cfg.target, **kwargs).to(device).eval()
+        target = AutoModelForCausalLM.from_pretrained(cfg.target.path, **kwargs).to(device).eval()
     except OSError as err:  # not found, not a model, no connection: one line, exit 2
         raise ValueError(
-            f"eval.target: cannot load a model from {cfg.target!r} ({first_line(err)})"
+            f"target.path: cannot load a model from {cfg.target.path!r} ({first_line(err)})"
         ) from None
     drafter = load_draft_model(cfg.drafter, dtype=dtype, device=device)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target.path)
     return target, drafter, tokenizer
 
 
@@ -280,7 +280,13 @@ def log_to_tracking(
     """One MLflow run per evaluation (rank 0): params, metrics, tags, the run dir as artifacts.
     Returns the MLflow run id (None when tracking is off or unreachable)."""
     from dspark_ds.config import flatten
-    from dspark_ds.tracking.mlflow import RUN_ID_FILE, Tracker, default_uri, git_sha
+    from dspark_ds.tracking.mlflow import (
+        RUN_ID_FILE,
+        Tracker,
+        default_artifact_location,
+        default_uri,
+        git_sha,
+    )
 
     # NOTE: the Tracker resumes the run named in <run_dir>/mlflow_run_id (right for training);
     # an evaluation is never resumed, and a rerun must not land in (or skip params of) the old run.
@@ -289,12 +295,13 @@ def log_to_tracking(
     tracker = Tracker(
         enabled=t.enabled, uri=t.uri or default_uri(cfg.output_dir), experiment=t.experiment,
         run_name=t.run_name or cfg.name, run_dir=str(run_dir), timeout_s=t.timeout_s,
+        artifact_location=default_artifact_location(cfg.output_dir),
     )  # fmt: skip
     try:
         tracker.log_params(flatten(cfg))
         tracker.set_tags({
             **t.tags, "kind": "eval", "git_sha": git_sha(), "drafter": cfg.drafter,
-            "target": cfg.target, "drafter_architecture": drafter.config.architectures[0],
+            "target": cfg.target.path, "drafter_architecture": drafter.config.architectures[0],
             "markov_rank": getattr(drafter.config, "markov_rank", None),  # None: Eagle3
         })  # fmt: skip
         tracker.log_metrics(metrics, step=0)

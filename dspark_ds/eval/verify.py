@@ -5,7 +5,7 @@ Legend: M = number of proposed draft tokens, V = vocabulary size.
 T = 0 is greedy: a draft token is kept while it equals the target's argmax, and the target's
 argmax at the first mismatch (or after the last draft) is the next token.
 
-T > 0 is rejection sampling (Leviathan et al. 2023; spec §10.5): draft token d_k, sampled from
+T > 0 is rejection sampling (Leviathan et al. 2023; docs/algorithm.md#inference): draft token d_k, sampled from
 p_d, is kept with probability min(1, p_t(d_k) / p_d(d_k)); at the first rejection the next token
 is drawn from norm(max(0, p_t - p_d)); if every draft token is kept, a bonus token is drawn from
 p_t at the position after the last draft. The committed tokens then have exactly the target's

@@ -136,7 +136,7 @@ def build_model(cfg: TrainBenchConfig):
         num_anchors=cfg.num_anchors,
         markov_rank=cfg.markov_rank,
         markov_head_type=cfg.markov_head_type,
-        confidence_head_alpha=1.0 if dspark else 0.0,
+        confidence_head_alpha=loss_args_for(cfg)["confidence_head_alpha"],
         confidence_head_with_markov=dspark,
     )
     torch.manual_seed(cfg.seed)
@@ -167,13 +167,12 @@ def build_batch(cfg: TrainBenchConfig, device: str):
 
 
 def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
-    if cfg.markov_rank > 0:  # DSpark defaults (spec §11)
-        return dict(
-            loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
-        )
-    return dict(
-        loss_decay_gamma=4.0, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0
-    )
+    """The paper's loss weights of the variant: DSpark with a Markov head, DFlash without."""
+    from dataclasses import asdict
+
+    from dspark_ds.drafters.presets import DFLASH_LOSS, DSPARK_LOSS
+
+    return asdict(DSPARK_LOSS if cfg.markov_rank > 0 else DFLASH_LOSS)
 
 
 def step_flops(cfg: TrainBenchConfig, anchors, keep) -> float:

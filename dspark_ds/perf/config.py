@@ -20,16 +20,19 @@ class PerfConfig:
     O(loss_chunk_anchors × G × V) memory, each chunk's gradient computed in closed form as it
     goes; "recompute": the same chunks under activation checkpointing (logits computed twice;
     what "chunked" becomes under ZeRO-3, whose partitioned head weights only module calls
-    may touch); "auto" = "chunked"."""
+    may touch); "auto" = "chunked". Eagle3: auto | reference | chunked, "auto" = "reference"
+    under ZeRO-3."""
 
     loss_chunk_anchors: int = DEFAULT_CHUNK_ANCHORS
     """Anchors (blocks, over the whole micro-batch) per chunk of the chunked loss. Small
-    keeps the chunk in CPU cache; on GPU 64-256 amortise kernel launches."""
+    keeps the chunk in CPU cache; on GPU 64-256 amortise kernel launches. Eagle3: positions,
+    each ttt_length rows."""
 
     attn_implementation: str = "auto"
     """Block-mask attention of the training forward: "flex" (GPU), "blockwise" (exact, skips
     masked work; CPU training path), "dense" (full boolean mask, reference) or "auto"
-    (flex on CUDA, blockwise elsewhere)."""
+    (flex on CUDA, blockwise elsewhere). Eagle3: auto (flex on CUDA, dense elsewhere) | flex |
+    dense."""
 
     def __post_init__(self) -> None:
         if self.loss_impl not in LOSS_IMPLEMENTATIONS:

@@ -1,9 +1,12 @@
 """MLflow tracking on rank 0 (a no-op elsewhere). The only module that imports mlflow.
 
 Default store: `sqlite:///<output_dir>/mlflow.db` (every run under one output dir lands in one
-store, so `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db` compares them). A resumed run
-continues its MLflow run (the id is kept in <run>/mlflow_run_id). An unreachable server never
-stops training: the tracker warns once and turns itself off.
+store, so `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db` compares them). With a local
+store (sqlite or files) an experiment the tracker creates keeps its artifacts under
+`<output_dir>/mlartifacts` (MLflow's own default is `./mlruns` of the current directory); a
+tracking server decides where its artifacts go. A resumed run continues its MLflow run (the id
+is kept in <run>/mlflow_run_id). An unreachable server never stops training: the tracker warns
+once and turns itself off.
 """
 
 from __future__ import annotations
@@ -19,6 +22,17 @@ RUN_ID_FILE = "mlflow_run_id"
 
 def default_uri(output_dir: str) -> str:
     return f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+def default_artifact_location(output_dir: str) -> str:
+    """Where a new experiment in a local store keeps its artifacts: under the output directory."""
+    return (Path(output_dir).resolve() / "mlartifacts").as_uri()
+
+
+def is_local_store(uri: str) -> bool:
+    """sqlite / file stores (and plain paths): MLflow itself decides their artifact location."""
+    scheme = uri.split(":", 1)[0] if "://" in uri or uri.startswith("sqlite:") else ""
+    return scheme in ("", "file", "sqlite")
 
 
 def git_sha() -> str | None:
@@ -52,8 +66,11 @@ class Tracker:
         experiment: str,
         run_name: str,
         run_dir: str,
+        artifact_location: str,
         timeout_s: float = 10.0,
     ):
+        """`artifact_location`: where the experiment keeps its artifacts if this tracker creates
+        it in a local store (`default_artifact_location(output_dir)`); ignored for servers."""
         self.enabled = enabled
         self.uri = uri
         self.run_dir = Path(run_dir)
@@ -69,7 +86,7 @@ class Tracker:
 
             self._mlflow = mlflow
             mlflow.set_tracking_uri(uri)
-            mlflow.set_experiment(experiment)
+            self._set_experiment(experiment, artifact_location if is_local_store(uri) else None)
             previous = self._previous_run_id()
             if previous is not None:
                 run = mlflow.start_run(run_id=previous)
@@ -80,6 +97,25 @@ class Tracker:
             (self.run_dir / RUN_ID_FILE).write_text(self.run_id + "\n")
         except Exception as err:  # noqa: BLE001 - tracking must never stop training
             self._disable(f"cannot start an MLflow run at {uri}: {err}")
+
+    def _set_experiment(self, name: str, artifact_location: str | None) -> None:
+        mlflow = self._mlflow
+        experiment = mlflow.get_experiment_by_name(name)
+        if experiment is None and artifact_location is not None:
+            try:
+                mlflow.create_experiment(name, artifact_location=artifact_location)
+            except mlflow.exceptions.MlflowException:
+                pass  # another run created it meanwhile
+        elif experiment is not None and artifact_location is not None:
+            where = experiment.artifact_location
+            if not where.startswith(artifact_location.removesuffix("mlartifacts")):
+                print(
+                    f"[tracking] WARNING: experiment {name!r} keeps its artifacts in {where} "
+                    "(set when it was created), outside this run's output directory",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        mlflow.set_experiment(name)
 
     @classmethod
     def for_rank(cls, rank: int, **kwargs) -> Tracker:

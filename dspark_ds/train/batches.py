@@ -117,12 +117,12 @@ def build_batch_source(
     and no held-out data is configured."""
     provider = TargetFeatureProvider(target) if target is not None else None
     if cfg.train.synthetic_samples > 0:
-        if split == "val" and (cfg.eval.paths or cfg.eval.cache_dir):
+        if split == "val" and (cfg.validation.paths or cfg.validation.cache_dir):
             pass  # real held-out data below
         else:
             num = cfg.train.synthetic_samples
             if split == "val":
-                num = cfg.eval.num_batches * cfg.data.batch_size * world_size
+                num = cfg.validation.num_batches * cfg.data.batch_size * world_size
             return SyntheticSource(
                 num_samples=num,
                 seq_len=cfg.data.max_length,
@@ -141,11 +141,14 @@ def build_batch_source(
 
     data_cfg = cfg.data
     if split == "val":
-        if not (cfg.eval.paths or cfg.eval.cache_dir):
+        if not (cfg.validation.paths or cfg.validation.cache_dir):
             return None
-        mode = "offline" if cfg.eval.cache_dir else "online"
+        mode = "offline" if cfg.validation.cache_dir else "online"
         data_cfg = replace(
-            cfg.data, paths=list(cfg.eval.paths), cache_dir=cfg.eval.cache_dir, mode=mode
+            cfg.data,
+            paths=list(cfg.validation.paths),
+            cache_dir=cfg.validation.cache_dir,
+            mode=mode,
         )
     return build_train_loader(
         data_cfg,

@@ -3,7 +3,7 @@
     <run>/checkpoints/
       latest                  the newest complete tag (replaced atomically, written last)
       step_00000100/          one DeepSpeed checkpoint (every rank's files) plus, from rank 0,
-        draft_config.json     the drafter's config (spec §13 fields)
+        draft_config.json     the drafter's config (docs/checkpoint-format.md fields)
         run_config.yaml       the resolved run config
         ds_config.json        the DeepSpeed config it was trained with
         COMPLETE              written after every rank has finished; a tag without it is junk
@@ -187,15 +187,15 @@ def export_checkpoint(
     dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
 ) -> Path:
-    """Any ZeRO stage's checkpoint → interchange directory (spec §13). A non-empty
-    `output_dir` is refused unless `overwrite`."""
+    """Any ZeRO stage's checkpoint → interchange directory (docs/checkpoint-format.md). A
+    non-empty `output_dir` is refused unless `overwrite`."""
     try:
         tag_dir = resolve_tag_dir(checkpoint)
     except FileNotFoundError as err:
         raise ValueError(f"checkpoint: {err}") from None
     claim_output_dir(output_dir, overwrite)
     if target_path is not None and not Path(target_path).is_dir():
-        raise ValueError(f"target_path: {target_path} is not a local model directory")
+        raise ValueError(f"target.path: {target_path} is not a local model directory")
 
     import yaml
 
@@ -243,7 +243,7 @@ def run_export(cfg) -> Path:
     out = export_checkpoint(
         cfg.checkpoint,
         cfg.output_dir,
-        target_path=cfg.target_path,
+        target_path=cfg.target.path,
         dtype=getattr(torch, cfg.dtype),
         overwrite=cfg.overwrite,
     )

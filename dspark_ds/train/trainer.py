@@ -24,14 +24,14 @@ import torch
 from dspark_ds import distributed
 from dspark_ds.config import TrainRunConfig, dump_config, flatten
 from dspark_ds.distributed import print0
-from dspark_ds.drafters import build_draft_config, build_draft_model, sample_anchor_positions
+from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.common.blocks import SAMPLER_STATS, sampler_stat_sums
 from dspark_ds.drafters.io import draft_config_dict
+from dspark_ds.drafters.registry import TRAIN_KEYS, StepArgs, get_spec
 from dspark_ds.train import checkpoint as ckpt
 from dspark_ds.train.batches import build_batch_source
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
-BATCH_KEYS = ("input_ids", "target_hidden_states", "loss_mask", "target_last_hidden_states")
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.0):
@@ -60,6 +60,7 @@ def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
 
 
 def make_draft_config(cfg: TrainRunConfig):
+    """The drafter's transformers config for this run's target (its kind's `build_config`)."""
     from transformers import AutoConfig
 
     from dspark_ds.target import default_layer_ids, text_config
@@ -75,54 +76,21 @@ def make_draft_config(cfg: TrainRunConfig):
         ) from err
     num_layers = int(text_config(target_config).num_hidden_layers)
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_layers)
-    if cfg.model.kind == "eagle3":  # the Eagle3 baseline (drafters/eagle3/model.py)
-        return make_eagle3_draft_config(cfg, target_config, layer_ids)
+    spec = get_spec(cfg.model.kind)
+    mask_token_id = resolve_mask_token_id(cfg) if spec.uses_mask_token else None
     try:
-        return build_draft_config(
+        return spec.build_config(
             target_config,
+            cfg.model,
             target_layer_ids=layer_ids,
-            mask_token_id=resolve_mask_token_id(cfg),
-            num_draft_layers=cfg.model.num_draft_layers,
-            block_size=cfg.model.block_size,
-            num_anchors=cfg.model.num_anchors,
-            markov_rank=cfg.model.markov_rank,
-            markov_head_type=cfg.model.markov_head_type,
-            confidence_head_alpha=cfg.model.confidence_head_alpha,
-            confidence_head_with_markov=cfg.model.confidence_head_with_markov,
+            mask_token_id=mask_token_id,
+            target_path=cfg.target.path,
         )
     except ValueError as err:
-        field_name = str(err).split(":", 1)[0]
-        prefix = "target." if field_name == "target_layer_ids" else "model."
-        raise ValueError(f"{prefix}{err}") from err
-
-
-def make_eagle3_draft_config(cfg: TrainRunConfig, target_config, layer_ids: list[int]):
-    from dspark_ds.drafters.eagle3.model import build_eagle3_config
-
-    try:
-        return build_eagle3_config(
-            target_config, target_layer_ids=layer_ids, ttt_length=cfg.model.ttt_length,
-            step_loss_decay=cfg.model.step_loss_decay,
-            num_draft_layers=cfg.model.num_draft_layers, target_model_name_or_path=cfg.target.path,
-        )  # fmt: skip
-    except ValueError as err:
-        prefix = "target." if str(err).startswith("target_layer_ids") else "model."
-        raise ValueError(f"{prefix}{err}") from err
-
-
-def sample_anchors(
-    loss_mask: torch.Tensor, sample_ids: torch.Tensor, num_anchors: int, seed: int, epoch: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchors of each row drawn from its own (seed, epoch, sample id) generator."""
-    rows = []
-    for b in range(loss_mask.shape[0]):
-        g = torch.Generator().manual_seed(
-            (seed * 1_000_003 + epoch) * 1_000_000_007 + int(sample_ids[b])
-        )
-        rows.append(sample_anchor_positions(loss_mask[b : b + 1].cpu(), num_anchors, generator=g))
-    anchors = torch.cat([r[0] for r in rows]).to(loss_mask.device)
-    keep = torch.cat([r[1] for r in rows]).to(loss_mask.device)
-    return anchors, keep
+        # the builders name the drafter config's field; the user set the run's option
+        field, _, why = str(err).partition(":")
+        option = {"target_layer_ids": "target.layer_ids", "model_type": "target.path"}
+        raise ValueError(f"{option.get(field, 'model.' + field)}:{why}") from err
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -164,6 +132,8 @@ class Trainer:
 
         self.cfg = cfg.validate().check_paths()
         # config-level failures (exit 2) come before any process group exists
+        self.spec = get_spec(cfg.model.kind)
+        self.spec.check_perf(cfg.perf)
         self.draft_config = make_draft_config(cfg)
         # the target runs in the job (features online, synthetic data) and then lends the
         # drafter its embedding and lm_head (engine.py: "the target inside the job")
@@ -241,15 +211,7 @@ class Trainer:
             init_state=init_state,
             zero_init=cfg.deepspeed.zero_init,
         )
-        if cfg.model.kind == "dspark":
-            from dspark_ds.drafters.dspark.step import apply_perf_config, resolve_loss_impl
-
-            apply_perf_config(self.engine.model, cfg.perf)
-            self.loss_impl = resolve_loss_impl(self.engine.model, cfg.perf.loss_impl)
-        else:
-            # NOTE: under ZeRO-3 the chunked Eagle3 loss's lm_head calls run outside the
-            # engine's forward and leave the gathered lm_head marked active; full logits there.
-            self.loss_impl = "reference" if self.engine.zero_stage == 3 else "chunked"
+        self.loss_impl = self.spec.apply_perf(self.engine.model, cfg.perf)
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
             f"loss {self.loss_impl}, world size {self.world}"
@@ -259,7 +221,12 @@ class Trainer:
         if resume_tag is not None:
             self._load(resume_tag)
 
-        from dspark_ds.tracking.mlflow import Tracker, default_uri, git_sha
+        from dspark_ds.tracking.mlflow import (
+            Tracker,
+            default_artifact_location,
+            default_uri,
+            git_sha,
+        )
 
         self.tracker = Tracker.for_rank(
             self.rank,
@@ -268,6 +235,7 @@ class Trainer:
             experiment=cfg.tracking.experiment,
             run_name=cfg.tracking.run_name or cfg.name,
             run_dir=str(self.run_dir),
+            artifact_location=default_artifact_location(cfg.output_dir),
             timeout_s=cfg.tracking.timeout_s,
         )
         if self.rank == 0:
@@ -421,53 +389,27 @@ class Trainer:
 
     # ---- one step -----------------------------------------------------------------------------
     def _forward_loss(self, batch: dict):
-        if (
-            self.cfg.model.kind == "eagle3"
-        ):  # TTT unroll + per-step soft CE (drafters/eagle3/loss.py)
-            from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
-
-            inputs = {k: batch[k].to(self.engine.device) for k in BATCH_KEYS}
-            return eagle3_forward_and_loss(
-                self.engine.model,
-                inputs,
-                forward=self.engine,
-                step_loss_decay=self.cfg.model.step_loss_decay,
-                impl=self.loss_impl,
-            )
-        anchors, keep = sample_anchors(
-            batch["loss_mask"],
-            batch["sample_ids"],
-            self.draft_config.num_anchors,
-            self.cfg.train.seed,
-            self.epoch,
-        )
-        from dspark_ds.drafters.dspark.step import forward_and_loss
-
-        if self.engine.model.training:  # the reference's sampler statistics (train/* only)
-            sums = sampler_stat_sums(
-                batch["loss_mask"].cpu(), anchors.cpu(), keep.cpu(),
-                num_anchors=self.draft_config.num_anchors,
-                block_size=self.draft_config.block_size,
-            )  # fmt: skip
-            self.sampler_sums = [a + b for a, b in zip(self.sampler_sums, sums)]
-        inputs = {k: batch[k].to(self.engine.device) for k in BATCH_KEYS}
-        inputs.update(anchor_positions=anchors, block_keep_mask=keep)
-        m = self.cfg.model
-        loss_args = dict(
-            loss_decay_gamma=m.loss_decay_gamma,
-            ce_loss_alpha=m.ce_loss_alpha,
-            l1_loss_alpha=m.l1_loss_alpha,
-            confidence_head_alpha=m.confidence_head_alpha,
-        )
-        # "auto": the chunked loss (no [B, A, G, V] tensors), in its recompute form under ZeRO-3
-        return forward_and_loss(
-            self.engine.model,
-            inputs,
-            loss_args,
-            impl=self.loss_impl,
-            chunk_anchors=self.cfg.perf.loss_chunk_anchors,
+        """The drafter kind's forward + loss on one micro-batch (and its metrics)."""
+        inputs = {k: batch[k].to(self.engine.device) for k in TRAIN_KEYS}
+        inputs["sample_ids"] = batch["sample_ids"]
+        args = StepArgs(
+            model=self.cfg.model,
+            perf=self.cfg.perf,
+            loss_impl=self.loss_impl,
+            seed=self.cfg.train.seed,
+            epoch=self.epoch,
+            on_anchors=self._count_sampler_stats if self.engine.model.training else None,
             forward=self.engine,
         )
+        return self.spec.forward_and_loss(self.engine.model, inputs, args)
+
+    def _count_sampler_stats(self, loss_mask, anchors, keep) -> None:
+        """The reference's anchor-sampler statistics, summed over the log window (train/*)."""
+        sums = sampler_stat_sums(
+            loss_mask.cpu(), anchors.cpu(), keep.cpu(),
+            num_anchors=self.draft_config.num_anchors, block_size=self.draft_config.block_size,
+        )  # fmt: skip
+        self.sampler_sums = [a + b for a, b in zip(self.sampler_sums, sums)]
 
     def validate(self) -> dict[str, float]:
         if self.val_source is None:
@@ -478,7 +420,7 @@ class Trainer:
         self.engine.eval()
         with torch.no_grad():
             for i, batch in enumerate(self.val_source):
-                if i >= self.cfg.eval.num_batches:
+                if i >= self.cfg.validation.num_batches:
                     break
                 _, metrics = self._forward_loss(batch)
                 for k, v in metrics.items():
@@ -576,7 +518,8 @@ class Trainer:
                 every = cfg.checkpoint.every_steps
                 if every and self.step % every == 0 and self.step < self.total_steps:
                     self.save()
-                if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+                val_every = cfg.validation.every_steps
+                if val_every and self.step % val_every == 0:
                     val = self.validate()
                     self.tracker.log_metrics(val, step=self.step)
                     result.val_metrics = val

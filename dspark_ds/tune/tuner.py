@@ -2,10 +2,10 @@
 stage × offload option, which fit, which should be fastest; `--measure` runs a few real steps of
 each option here and prints measured peak memory and step time beside the estimate.
 
-    python -m dspark_ds.tune.tuner --recipe dspark_ds/recipes/dspark_qwen3_8b.yaml \
+    dspark-ds tune --recipe dspark_ds/recipes/dspark_qwen3_8b.yaml \
         --nodes 1 --gpus_per_node 8 --gpu_memory_gb 80 --cpu_memory_gb 1024
-    python -m dspark_ds.tune.tuner --recipe dspark_ds/recipes/tiny_cpu.yaml \
-        --target_path runs/tiny_target --measure true        # (tools/zero_tuner.py is the same)
+    dspark-ds tune --recipe dspark_ds/recipes/tiny_cpu.yaml \
+        --target.path runs/tiny_target --measure true
 
 Estimate, per GPU (bytes; b = 2 under bf16, 4 under fp32; N = data-parallel world size):
 
@@ -23,11 +23,10 @@ Estimate, per GPU (bytes; b = 2 under bf16, 4 under fp32; N = data-parallel worl
   the tapped layers and one layer's working set.
 - DeepSpeed's buffers: ZeRO-1/2 gradient buckets (reduce_bucket_size elements, twice with
   overlap_comm), ZeRO-3 reduce + prefetch buckets.
-- activations of one micro-batch (B × S): features in, the context projection, per draft layer
-  the A·γ draft tokens and the attention over [context; block], and the vocabulary-sized tensors:
-  draft / Markov-corrected / target logits over B·A·γ·V and their fp32 softmaxes, log-softmax and
-  |p_d - p_t| (the chunked loss holds only loss_chunk_anchors·γ·V of them at a time), plus their
-  gradients in the backward.
+- activations of one micro-batch (B × S), the drafter kind's own terms (the registry's
+  `activation_bytes`: drafters/dspark/memory.py, drafters/eagle3/memory.py): features in, the
+  context projection, the draft layers' tokens and attention, and the vocabulary-sized logits
+  and softmaxes of the loss (the chunked loss holds only a chunk of them at a time).
 
 Speed: the same compute for every option, so the ranking is by overhead: ZeRO-3 gathers
 parameters in forward and backward (1.5× ZeRO-2's traffic), offloading the optimizer runs Adam on
@@ -44,11 +43,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from dspark_ds.target import TargetPathConfig
+
 GB = 1024**3
 MB = 1024**2
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Public configs of the targets the shipped recipes use (no download needed to estimate them).
 KNOWN_TARGETS: dict[str, dict] = {
@@ -123,8 +126,9 @@ class TunerConfig:
     """A `dspark-ds train` YAML recipe."""
     overrides: list[str] = field(default_factory=list)
     """Extra `dspark-ds train` flags applied on top of the recipe, e.g. [--data.batch_size, 2]."""
-    target_path: str | None = None
-    """Replace target.path (a local model directory or a hub id listed in KNOWN_TARGETS)."""
+    target: TargetPathConfig = field(default_factory=TargetPathConfig)
+    """target.path replaces the recipe's (a local model directory or a hub id listed in
+    KNOWN_TARGETS); None = the recipe's."""
     nodes: int = 1
     """Nodes in the job."""
     gpus_per_node: int = 8
@@ -148,6 +152,8 @@ class TunerConfig:
     """Timed optimizer steps per option (after one warm-up step that measures memory)."""
     output_json: str | None = None
     """Also write the table as JSON here."""
+
+    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target_path": "target.path"}
 
     def validate(self) -> TunerConfig:
         for name in ("nodes", "gpus_per_node", "measure_steps"):
@@ -183,15 +189,14 @@ class Inventory:
     draft_layers: int
     target_layers: int
     taps: int
-    markov_rank: int
 
 
 def load_recipe(cfg: TunerConfig):
     from dspark_ds.config import TrainRunConfig, parse
 
     argv = ["--config", cfg.recipe, *cfg.overrides]
-    if cfg.target_path:
-        argv += ["--target.path", cfg.target_path]
+    if cfg.target.path:
+        argv += ["--target.path", cfg.target.path]
     return parse(TrainRunConfig, argv, prog="dspark-ds tune")
 
 
@@ -210,32 +215,29 @@ def target_config_of(path: str):
 
 
 def inventory(run_cfg, persistence_threshold: int = 100_000) -> Inventory:
-    """Counts from the real drafter and target classes built on the meta device (no memory)."""
+    """Counts from the real drafter (of the recipe's kind) and target classes built on the meta
+    device (no memory)."""
     from transformers import AutoModelForCausalLM
 
-    from dspark_ds.drafters import build_draft_config, build_draft_model
+    from dspark_ds.drafters import build_draft_model
+    from dspark_ds.drafters.registry import get_spec
     from dspark_ds.target import default_layer_ids, text_config
 
     tcfg_full = target_config_of(run_cfg.target.path)
     tcfg = text_config(tcfg_full)
     layer_ids = run_cfg.target.layer_ids or default_layer_ids(int(tcfg.num_hidden_layers))
     m = run_cfg.model
-    draft_cfg = build_draft_config(
+    draft_cfg = get_spec(m.kind).build_config(
         tcfg_full,
+        m,
         target_layer_ids=layer_ids,
         mask_token_id=m.mask_token_id if m.mask_token_id is not None else 0,
-        num_draft_layers=m.num_draft_layers,
-        block_size=m.block_size,
-        num_anchors=m.num_anchors,
-        markov_rank=m.markov_rank,
-        markov_head_type=m.markov_head_type,
-        confidence_head_alpha=m.confidence_head_alpha,
-        confidence_head_with_markov=m.confidence_head_with_markov,
+        target_path=run_cfg.target.path,
     )
     with torch.device("meta"):
         drafter = build_draft_model(draft_cfg)
         target = AutoModelForCausalLM.from_config(tcfg_full)
-    frozen_names = {"embed_tokens.weight", "lm_head.weight"}
+    frozen_names = set(drafter.shared_parameter_names())
     trainable = frozen = persistent = 0
     for name, p in drafter.named_parameters():
         if name in frozen_names:
@@ -261,10 +263,9 @@ def inventory(run_cfg, persistence_threshold: int = 100_000) -> Inventory:
         heads=heads,
         kv_heads=int(getattr(tcfg, "num_key_value_heads", heads) or heads),
         head_dim=int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
-        draft_layers=m.num_draft_layers,
+        draft_layers=int(draft_cfg.num_hidden_layers),
         target_layers=int(tcfg.num_hidden_layers),
         taps=len(layer_ids),
-        markov_rank=m.markov_rank,
     )
 
 
@@ -312,56 +313,32 @@ def activation_bytes(
     inv: Inventory, run_cfg, device: str = "cuda", stage: int = 2
 ) -> dict[str, float]:
     """Peak activation memory of one micro-batch (forward saved tensors + the largest backward
-    transient), by component."""
-    b = 2 if run_cfg.train.precision == "bf16" else 4
-    bt = {"float32": 4, "bfloat16": 2, "float16": 2}[run_cfg.target.dtype]
-    B, S = run_cfg.data.batch_size, run_cfg.data.max_length
-    A, G = run_cfg.model.num_anchors, run_cfg.model.block_size
-    H, F, V = inv.hidden, inv.intermediate, inv.vocab
-    Q = min(A, S) * G  # draft tokens per sequence (at most one anchor per position)
-    kv = inv.kv_heads * inv.head_dim
-    qd = inv.heads * inv.head_dim
-    out: dict[str, float] = {}
-    out["features_in"] = B * S * (inv.taps + 1) * H * bt
-    out["context_proj"] = B * S * H * b * 3  # fc out, norm in/out
-    per_layer_tokens = B * Q * (6 * H + 2 * qd + 3 * F) * b  # norms, q, attn out, mlp
-    per_layer_kv = B * (S + Q) * 4 * kv * b  # k, v before / after norm + rope
-    perf = getattr(run_cfg, "perf", None)
-    attn = getattr(perf, "attn_implementation", "auto")
-    if device == "cuda" or attn in ("auto", "blockwise"):
-        # flex_attention (CUDA) and the blockwise kernel (elsewhere) keep only the output and
-        # a log-sum-exp per query and head; probabilities are recomputed in backward
-        per_layer_attn = B * Q * (qd * b + inv.heads * 4)
-    else:
-        # scores + probabilities (fp32) over [context; own block] for every draft token
-        per_layer_attn = B * inv.heads * Q * (S + G) * 4 * 2
-    out["draft_layers"] = inv.draft_layers * (per_layer_tokens + per_layer_kv + per_layer_attn)
-    # the trainer's rule (dspark_ds.drafters.dspark.step.resolve_loss_impl): "auto" is chunked, in its
-    # recompute form under ZeRO-3
-    loss_impl = getattr(perf, "loss_impl", "reference")
-    chunked = loss_impl != "reference"
-    recompute = loss_impl == "recompute" or (chunked and stage == 3)
-    rows = B * Q
-    if chunked:
-        rows = min(rows, int(getattr(perf, "loss_chunk_anchors", 64)) * G)
-    # at the peak (inside the L1 term): the Markov-corrected draft logits and the aligned target
-    # logits (compute dtype), the fp32 log-softmax saved by the CE, the softmaxes of draft and
-    # target and their difference (fp32), plus the fp32 copy of the draft logits under bf16.
-    # The backward frees these saved tensors as it creates the logits' gradients, so it does
-    # not add another full set.
-    # The fused chunked loss (drafters/dspark/loss_chunked.py) works in place: per chunk the draft and
-    # target logits, p_d and p_t (fp32; the gradient overwrites them), plus the fp32 copy under
-    # bf16; its recompute form holds what the reference path holds, for one chunk.
-    fp32_buffers = 2 if chunked and not recompute else 4
-    out["logits_softmax"] = rows * V * (2 * b + 4 * fp32_buffers + (4 if b == 2 else 0))
-    out["markov_confidence"] = B * Q * (2 * inv.markov_rank + H) * b
-    return out
+    transient), by component: the drafter kind's own model (drafters/<kind>/memory.py)."""
+    from dspark_ds.drafters.common.memory import StepShapes
+    from dspark_ds.drafters.registry import get_spec
+
+    shapes = StepShapes(
+        batch=run_cfg.data.batch_size,
+        seq_len=run_cfg.data.max_length,
+        hidden=inv.hidden,
+        intermediate=inv.intermediate,
+        vocab=inv.vocab,
+        heads=inv.heads,
+        kv_heads=inv.kv_heads,
+        head_dim=inv.head_dim,
+        draft_layers=inv.draft_layers,
+        taps=inv.taps,
+        compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
+        feature_bytes=_DTYPE_BYTES[run_cfg.target.dtype],
+    )
+    spec = get_spec(run_cfg.model.kind)
+    return spec.activation_bytes(shapes, run_cfg.model, run_cfg.perf, device, stage)
 
 
 def online_target_bytes(inv: Inventory, run_cfg) -> dict[str, float]:
     if run_cfg.data.mode == "offline" and not run_cfg.train.synthetic_samples:
         return {}
-    bt = {"float32": 4, "bfloat16": 2, "float16": 2}[run_cfg.target.dtype]
+    bt = _DTYPE_BYTES[run_cfg.target.dtype]
     B, S, H, F = run_cfg.data.batch_size, run_cfg.data.max_length, inv.hidden, inv.intermediate
     return {
         "target_weights": inv.target_params * bt,
@@ -595,12 +572,14 @@ def report(
     run_cfg,
     measured: dict[str, dict] | None = None,
 ) -> str:
+    from dspark_ds.drafters.registry import get_spec
+
+    drafter = get_spec(run_cfg.model.kind).describe(run_cfg.model)
     lines = [
-        f"recipe {cfg.recipe}: drafter {inv.trainable / 1e6:.1f} M trainable + "
+        f"recipe {cfg.recipe}: {drafter}: {inv.trainable / 1e6:.1f} M trainable + "
         f"{inv.frozen / 1e6:.1f} M frozen params, target {inv.target_params / 1e9:.2f} B "
         f"({run_cfg.data.mode}), micro-batch {run_cfg.data.batch_size} × "
-        f"{run_cfg.data.max_length}, A={run_cfg.model.num_anchors} γ={run_cfg.model.block_size} "
-        f"V={inv.vocab}, {run_cfg.train.precision}",
+        f"{run_cfg.data.max_length}, V={inv.vocab}, {run_cfg.train.precision}",
         f"cluster {cfg.nodes} node(s) × {cfg.gpus_per_node} GPU(s) of {cfg.gpu_memory_gb:g} GiB, "
         f"{cfg.cpu_memory_gb:g} GiB host RAM per node",
         "",
@@ -658,7 +637,8 @@ def report(
     lines.append("")
     if best is None:
         lines.append(
-            "nothing fits: lower data.batch_size / data.max_length / model.num_anchors, "
+            "nothing fits: lower data.batch_size / data.max_length / model.num_anchors "
+            "(Eagle3: model.ttt_length), "
             "use the chunked loss, more GPUs, or data.mode offline"
         )
     else:

@@ -6,6 +6,7 @@ import torch
 from transformers import Qwen3Config
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
+from dspark_ds.drafters.presets import preset
 
 VOCAB = 97
 MASK_ID = VOCAB - 1
@@ -28,7 +29,11 @@ def tiny_qwen3_config(**overrides) -> Qwen3Config:
     return Qwen3Config(**kw)
 
 
-DFLASH = dict(markov_rank=0, confidence_head_alpha=0.0, confidence_head_with_markov=False)
+# DFlash's heads (build_draft_config / tiny_drafter keywords), from its preset
+DFLASH = {
+    k: getattr(preset("dflash"), k)
+    for k in ("markov_rank", "confidence_head_alpha", "confidence_head_with_markov")
+}
 
 
 def tiny_drafter(seed: int = 0, target_config=None, **draft_kw):

@@ -1,4 +1,4 @@
-"""Block attention visibility (spec §4) and the attention kernels that apply it.
+"""Block attention visibility (docs/algorithm.md#the-block-mask) and the attention kernels that apply it.
 
 Query = draft slot of block qb; key index kv runs over [context (S); drafts (A*G)]:
     visible = (kv < S and kv < anchor[qb]) or (kv >= S and (kv - S) // G == qb)
@@ -29,7 +29,7 @@ BLOCKWISE_CHUNK_BLOCKS = 16
 
 @dataclass
 class BlockwiseMask:
-    """The spec §4 visibility in its factored form (no [Q, K] tensor is ever built)."""
+    """The block-mask visibility in its factored form (no [Q, K] tensor is ever built)."""
 
     anchor_positions: torch.Tensor  # [B, A] long
     block_keep_mask: torch.Tensor  # [B, A] bool

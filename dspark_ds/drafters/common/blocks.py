@@ -24,23 +24,6 @@ class DSparkForwardOutput:
     anchor_positions: torch.Tensor | None = None  # [B, A] the anchors used
 
 
-def validate_target_layer_ids(layer_ids, num_target_layers: int) -> list[int]:
-    """Checks spec §1: ids strictly increasing, each -1 (embeddings) or in [0, L-1]."""
-    ids = [int(i) for i in layer_ids]
-    if not ids:
-        raise ValueError("target_layer_ids: must not be empty")
-    for prev, cur in zip(ids, ids[1:]):
-        if cur <= prev:
-            raise ValueError(f"target_layer_ids: must be strictly increasing, got {ids}")
-    for i in ids:
-        if not (i == -1 or 0 <= i < num_target_layers):
-            raise ValueError(
-                f"target_layer_ids: {i} is outside {{-1}} ∪ [0, {num_target_layers - 1}] "
-                f"for a target with {num_target_layers} layers (-1 = embedding output)"
-            )
-    return ids
-
-
 def build_anchor_candidate_mask(loss_mask: torch.Tensor) -> torch.Tensor:
     """[B, S-1] bool: position p may anchor a block when p and p+1 are both supervised."""
     m = loss_mask > 0.5

@@ -1,4 +1,4 @@
-"""The DSpark loss (spec §8) and its metrics (spec §9).
+"""The DSpark loss (docs/algorithm.md#the-loss) and its metrics (docs/metrics.md).
 
 loss = (α_ce·CE + α_l1·L1 + α_c·BCE) · world_size, where each term's denominator is summed
 over every data-parallel rank first. DeepSpeed / DDP average gradients over ranks; the
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dspark_ds import distributed
 from dspark_ds.drafters.common.blocks import DSparkForwardOutput
+from dspark_ds.drafters.presets import DSPARK_LOSS
 
 EPS = 1e-6
 
@@ -62,7 +63,7 @@ class LossPlan:
     """What the loss knows before any logits: weights, global denominators, coefficients.
 
     `coef_*` multiply the local numerators; they already hold the global denominator and
-    the `· world_size` (spec §8), so the gradient of Σ coef·num is the step's gradient.
+    the `· world_size` (docs/algorithm.md#the-loss), so the gradient of Σ coef·num is the step's gradient.
     """
 
     w: torch.Tensor  # [B, A, G] position weights
@@ -82,10 +83,10 @@ def plan_loss(
     *,
     has_aligned: bool,
     has_confidence: bool,
-    loss_decay_gamma: float | None = 4.0,
-    ce_loss_alpha: float = 0.1,
-    l1_loss_alpha: float = 0.9,
-    confidence_head_alpha: float = 1.0,
+    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
+    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
+    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
+    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
 ) -> LossPlan:
     """Checks the inputs and all-reduces the denominators (one small all_reduce)."""
     world_size = distributed.world_size()
@@ -125,10 +126,10 @@ def plan_loss(
 def compute_dspark_loss(
     out: DSparkForwardOutput,
     *,
-    loss_decay_gamma: float | None = 4.0,
-    ce_loss_alpha: float = 0.1,
-    l1_loss_alpha: float = 0.9,
-    confidence_head_alpha: float = 1.0,
+    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
+    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
+    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
+    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns (loss to backpropagate, metrics). Metrics are global over all ranks."""
     logits = out.draft_logits

@@ -28,6 +28,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dspark_ds.drafters.dspark.loss import LossPlan, SlotTerms, finish_loss, l1_distance, plan_loss
+from dspark_ds.drafters.presets import DSPARK_LOSS
 
 # Anchors (blocks, over the whole micro-batch) per chunk. On CPU a chunk's [N, V] fp32
 # tensors (N = chunk × G; 32 × 7 × 32 000 × 4 B ≈ 29 MB) should roughly fit the last-level
@@ -239,10 +240,10 @@ def chunked_dspark_loss(
     confidence_pred: torch.Tensor | None,
     *,
     chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
-    loss_decay_gamma: float | None = 4.0,
-    ce_loss_alpha: float = 0.1,
-    l1_loss_alpha: float = 0.9,
-    confidence_head_alpha: float = 1.0,
+    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
+    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
+    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
+    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`compute_dspark_loss` on `model.forward_hidden(...)` output (`feats`), chunked.
 
@@ -307,10 +308,10 @@ def recompute_dspark_loss(
     confidence_pred: torch.Tensor | None,
     *,
     chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
-    loss_decay_gamma: float | None = 4.0,
-    ce_loss_alpha: float = 0.1,
-    l1_loss_alpha: float = 0.9,
-    confidence_head_alpha: float = 1.0,
+    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
+    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
+    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
+    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`chunked_dspark_loss` for ZeRO-3: the same chunks, differentiated by plain autograd,
     each chunk under `torch.utils.checkpoint` (its V-sized tensors recomputed in backward).

@@ -1,4 +1,4 @@
-"""Markov heads (spec §6): a low-rank bias on slot k's logits from the previous token.
+"""Markov heads (docs/algorithm.md#markov-heads): a low-rank bias on slot k's logits from the previous token.
 
 `apply_block_logits` is the teacher-forced training path over whole blocks;
 `sample_block` runs left to right at inference, feeding each sampled token to the next slot.

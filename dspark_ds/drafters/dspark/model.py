@@ -27,7 +27,10 @@ from dspark_ds.drafters.common.blocks import (
     gather_blocks,
     sample_anchor_positions,
 )
-from dspark_ds.drafters.dspark.markov import ConfidenceHead, build_markov_head, sample_from_logits
+from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal
+from dspark_ds.drafters.common.sampling import sample_from_logits
+from dspark_ds.drafters.dspark.markov import ConfidenceHead, build_markov_head
 
 
 @dataclass
@@ -43,21 +46,12 @@ class DSparkHiddenOutput:
     target_prev_hidden: torch.Tensor | None = None  # [B, A, G, H] target state one step back
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x_BHLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    cos, sin = (t.unsqueeze(1) for t in rope)  # [B, 1, L, D]
-    return x_BHLD * cos + rotate_half(x_BHLD) * sin
-
-
-class DraftAttention(nn.Module):
+class DraftAttention:
     """Queries from draft slots; keys/values from [context ; draft] with shared projections.
 
-    Backends implement `project_q(h) -> [B, Hq, L, D]` and `project_kv(x) -> (k, v)`, each
-    [B, Hkv, L, D] after their norms and before RoPE, and set `scaling`.
+    Mixed into a backend's projections (drafters/common/qwen3.py, gemma4.py), which provide
+    `project_q(h) -> [B, Hq, L, D]` and `project_kv(x) -> (k, v)`, each [B, Hkv, L, D] after
+    their norms and before RoPE, `o_proj` and `scaling`.
     """
 
     scaling: float
@@ -82,65 +76,18 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
-class TargetSharedWeights:
-    """What every drafter kind (DSpark, Eagle3) shares: the backend hooks that build its
-    layers, init, and the frozen embedding / lm_head shared with the target.
-
-    The class using it has `config`, `embed_tokens` and `lm_head`.
-    """
-
-    def make_embedding(self) -> nn.Module:
-        return nn.Embedding(int(self.config.vocab_size), int(self.config.hidden_size))
-
-    def make_layer(self, layer_idx: int) -> nn.Module:
-        raise NotImplementedError
-
-    def make_norm(self, dim: int) -> nn.Module:
-        raise NotImplementedError
-
-    def make_rotary(self) -> nn.Module:
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-
-    @torch.no_grad()
-    def initialize_embeddings_and_head(
-        self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, freeze: bool = True
-    ) -> None:
-        """Copies the target's embedding and lm_head (spec §2) and freezes them."""
-        for name, dst, src in (
-            ("embed_tokens", self.embed_tokens.weight, embed_weight),
-            ("lm_head", self.lm_head.weight, lm_head_weight),
-        ):
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(
-                    f"{name}: target weight {tuple(src.shape)} != drafter {tuple(dst.shape)}"
-                )
-            dst.copy_(src.detach().to(dst.dtype))
-        if freeze:
-            self.freeze_shared()
-
-    def freeze_shared(self) -> None:
-        self.embed_tokens.requires_grad_(False)
-        self.lm_head.requires_grad_(False)
-
-    @staticmethod
-    def shared_parameter_names() -> tuple[str, ...]:
-        """Parameters copied from the target, frozen, and never in a training checkpoint."""
-        return ("embed_tokens.weight", "lm_head.weight")
-
-
 class DSparkDraftModel(TargetSharedWeights, nn.Module):
     """Base class; see the module docstring. Construct through a backend or `from_config`."""
 
     architecture: str = ""
+    # config.json: what a drafter directory must carry, and what older ones may leave out
+    REQUIRED_CONFIG_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_anchors")
+    OPTIONAL_CONFIG_FIELDS = {
+        "markov_rank": 0,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": False,
+        "confidence_head_with_markov": False,
+    }
 
     def __init__(self, config):
         super().__init__()
@@ -178,17 +125,6 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    @staticmethod
-    def finalize_draft_config(cfg, target_text_config):
-        """Family fix-ups of the config `build_draft_config` made (Gemma4 rebuilds its
-        per-layer attributes); returns the config to use."""
-        return cfg
-
-    @staticmethod
-    def interchange_config_dict(data: dict, config) -> dict:
-        """Family fix-ups of the config.json dict `save_draft_model` writes."""
-        return data
-
     # ---- the shared backbone ---------------------------------------------------------
     def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """[B, L, n*H] tapped target features -> [B, L, H] context, shared by every layer."""
@@ -206,7 +142,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             return "flex" if device.type == "cuda" else "blockwise"
         return self.attn_implementation
 
-    # ---- training forward (spec §3-§7) -------------------------------------------------
+    # ---- training forward (docs/algorithm.md: anchors .. confidence head) -------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -350,7 +286,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             features = torch.cat([hidden, prev], dim=-1)
         return self.confidence_head(features).float()
 
-    # ---- inference primitives (spec §10) -------------------------------------------------
+    # ---- inference primitives (docs/algorithm.md#inference) -------------------------------------------------
     def new_cache(self) -> DraftKVCache:
         return DraftKVCache(len(self.layers))
 
@@ -441,3 +377,30 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             generator=generator,
             forced_tokens=forced_tokens,
         )
+
+    def propose_round(self, r: DraftRound) -> Proposal:
+        """One round of the decoding loop: `[x_start, MASK × (γ-1)]` in one forward, the Markov
+        head samples the block left to right, the confidence head scores every slot. Always
+        drafts the whole block (the loop verifies the first `r.budget`)."""
+        x_start = r.committed_ids[:, -1:]
+        block_ids = torch.full(
+            (1, self.block_size), self.mask_token_id, dtype=torch.long, device=x_start.device
+        )
+        block_ids[:, :1] = x_start
+        hidden = self.forward_draft_block(
+            context_features=r.context_features,
+            block_input_ids=block_ids,
+            start=r.start,
+            cache=r.cache,
+        )
+        if r.cache.seq_length > r.start:  # only verified context may persist between rounds
+            r.cache.crop(r.start)
+        tokens, logits = self.sample_draft_tokens(
+            self.compute_logits(hidden),
+            first_prev_token_ids=block_ids[:, 0],
+            hidden_states=hidden,
+            temperature=r.temperature,
+            generator=r.generator,
+        )
+        prev = torch.cat([block_ids[:, :1], tokens[:, :-1]], dim=1)
+        return Proposal(tokens, logits, self.predict_confidence(hidden, prev))

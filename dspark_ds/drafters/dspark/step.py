@@ -7,26 +7,22 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from dspark_ds.drafters.common.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.loss_chunked import (
     DEFAULT_CHUNK_ANCHORS,
     chunked_dspark_loss,
     recompute_dspark_loss,
 )
-from dspark_ds.perf.config import LOSS_IMPLEMENTATIONS, PerfConfig
+from dspark_ds.perf.config import LOSS_IMPLEMENTATIONS
 
 BATCH_KEYS = ("input_ids", "target_hidden_states", "loss_mask")
 OPTIONAL_BATCH_KEYS = ("target_last_hidden_states", "anchor_positions", "block_keep_mask")
 
 
-def apply_perf_config(model: nn.Module, cfg: PerfConfig) -> nn.Module:
-    """Sets the model's attention implementation ("auto" is resolved per device by it)."""
-    model.attn_implementation = cfg.attn_implementation
-    return model
-
-
-def resolve_loss_impl(model: nn.Module, impl: str) -> str:
-    """ "auto" -> "chunked"; "chunked" -> "recompute" under ZeRO-3 (partitioned parameters).
+def loss_impl_for(impl: str, zero3: bool) -> str:
+    """perf.loss_impl -> the path a step takes: "auto" -> "chunked"; "chunked" -> "recompute"
+    under ZeRO-3 (partitioned parameters).
 
     NOTE: the fused chunked loss hands autograd full-shape gradients for the head parameters
     it differentiates itself; ZeRO-3 partitions parameters (they carry `ds_id`) and gathers /
@@ -37,8 +33,28 @@ def resolve_loss_impl(model: nn.Module, impl: str) -> str:
         raise ValueError(f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {impl!r}")
     if impl == "auto":
         impl = "chunked"
-    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
     return "recompute" if impl == "chunked" and zero3 else impl
+
+
+def resolve_loss_impl(model: nn.Module, impl: str) -> str:
+    """`loss_impl_for` with ZeRO-3 read off the model (its parameters carry `ds_id`)."""
+    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in model.parameters()))
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, sample_ids: torch.Tensor, num_anchors: int, seed: int, epoch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors of each row drawn from its own (seed, epoch, sample id) generator, so a step sees
+    the same blocks whatever the world size or a resume."""
+    rows = []
+    for b in range(loss_mask.shape[0]):
+        g = torch.Generator().manual_seed(
+            (seed * 1_000_003 + epoch) * 1_000_000_007 + int(sample_ids[b])
+        )
+        rows.append(sample_anchor_positions(loss_mask[b : b + 1].cpu(), num_anchors, generator=g))
+    anchors = torch.cat([r[0] for r in rows]).to(loss_mask.device)
+    keep = torch.cat([r[1] for r in rows]).to(loss_mask.device)
+    return anchors, keep
 
 
 def forward_and_loss(

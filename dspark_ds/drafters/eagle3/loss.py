@@ -4,7 +4,7 @@
 
 `p_t[i] = softmax(lm_head(target_last_hidden_states[i]))` is the target's own distribution for
 token i + 1 (the one step k at position t predicts when i = t + k + 1), `m_k = eval_mask[..., k]`
-and `D_k` its sum over every data-parallel rank. As for DSpark (spec §8) the `· world_size`
+and `D_k` its sum over every data-parallel rank. As for DSpark (docs/algorithm.md#the-loss) the `· world_size`
 cancels DeepSpeed's gradient averaging, so a step is one global token-weighted mean per TTT step.
 
 NOTE: the reference normalizes each step by the LOCAL B·S instead (a per-sequence mean at micro
@@ -31,8 +31,37 @@ import torch
 
 from dspark_ds import distributed
 from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput, Eagle3Hidden
+from dspark_ds.drafters.presets import STEP_LOSS_DECAY
 
 EPS = 1e-6
+LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")  # perf.loss_impl values Eagle3 honours
+
+
+def loss_impl_for(impl: str, zero3: bool) -> str:
+    """perf.loss_impl -> the path a step takes: "auto" -> "chunked", or "reference" (full
+    logits) under ZeRO-3; "recompute" (a DSpark form) and "chunked" under ZeRO-3 are refused.
+
+    NOTE: the chunked loss calls the lm_head outside the engine's forward; under ZeRO-3 that
+    leaves the gathered lm_head marked active, so there the full logits are the only path.
+    """
+    if impl not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(
+            f"perf.loss_impl: {impl!r} is not available for eagle3 drafters; choose one of "
+            f"{LOSS_IMPLEMENTATIONS}"
+        )
+    if impl == "auto":
+        return "reference" if zero3 else "chunked"
+    if impl == "chunked" and zero3:
+        raise ValueError(
+            "perf.loss_impl: chunked is not available for eagle3 drafters under ZeRO-3 (its "
+            "lm_head calls run outside the engine's forward); use auto or reference"
+        )
+    return impl
+
+
+def resolve_loss_impl(model, impl: str) -> str:
+    """`loss_impl_for` with ZeRO-3 read off the model (its parameters carry `ds_id`)."""
+    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in model.parameters()))
 
 
 def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor:
@@ -45,7 +74,7 @@ def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor
 
 
 def compute_eagle3_loss(
-    out: Eagle3ForwardOutput, *, step_loss_decay: float = 0.8
+    out: Eagle3ForwardOutput, *, step_loss_decay: float = STEP_LOSS_DECAY
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns (loss to backpropagate, metrics) from full logits. Needs `out.target_logits`."""
     if out.target_logits is None:
@@ -79,7 +108,7 @@ def compute_eagle3_loss(
 
 
 def chunked_eagle3_loss(
-    model, feats: Eagle3Hidden, *, step_loss_decay: float = 0.8, chunk_rows: int = 1024
+    model, feats: Eagle3Hidden, *, step_loss_decay: float = STEP_LOSS_DECAY, chunk_rows: int = 1024
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The same loss and metrics as `compute_eagle3_loss(model(...))` from `forward_hidden`,
     with O(chunk_rows x V) vocabulary memory. Only valid (b, t, k) rows are projected."""
@@ -123,7 +152,7 @@ def eagle3_forward_and_loss(
     model,
     batch,
     *,
-    step_loss_decay: float = 0.8,
+    step_loss_decay: float = STEP_LOSS_DECAY,
     impl: str = "auto",
     chunk_rows: int = 1024,
     forward=None,

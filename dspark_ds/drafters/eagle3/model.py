@@ -15,7 +15,7 @@ of steps 1..k at the same t — exactly the keys an inference round drafting fro
 in its cache. So training step k at t equals the k-th chained draft of an inference round whose
 last verified position is t (train/serve parity; tested).
 
-Labels follow the DSpark convention (spec §5) with anchor a = t + 1: step k predicts token
+Labels follow the DSpark convention (docs/algorithm.md#labels-and-the-eval-mask) with anchor a = t + 1: step k predicts token
 t + k + 2, the target's own distribution for it is `lm_head(target_last_hidden_states[t + k + 1])`
 and `eval_mask[t, k]` = (x_{t+1}, x_{t+2}, ..., x_{t+k+2} supervised and inside the sequence).
 
@@ -24,25 +24,18 @@ Shape legend: B batch, S sequence, T ttt_length (chain steps), V vocab, H hidden
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from dspark_ds.drafters.common.attention import attend
-from dspark_ds.drafters.common.blocks import DraftKVCache, validate_target_layer_ids
-from dspark_ds.drafters.dspark.markov import sample_from_logits
-from dspark_ds.drafters.dspark.model import TargetSharedWeights, apply_rope
+from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal
+from dspark_ds.drafters.common.sampling import sample_from_logits
 
-# target text model_type -> Eagle3 architecture (Gemma4: drafters/eagle3/gemma4.py)
-EAGLE3_ARCHITECTURES = {
-    "qwen3": "Qwen3Eagle3Model",
-    "gemma4": "Gemma4Eagle3Model",
-    "gemma4_text": "Gemma4Eagle3Model",
-}
 EAGLE3_FIELDS = ("target_layer_ids", "num_target_layers", "ttt_length", "step_loss_decay")
 TTT_ATTN_IMPLEMENTATIONS = ("dense", "flex")
 
@@ -68,60 +61,6 @@ class Eagle3ForwardOutput:
     target_ids: torch.Tensor  # [B, S, T] that token (0 beyond the sequence)
     eval_mask: torch.Tensor  # [B, S, T] bool, a contiguous valid prefix along T
     target_logits: torch.Tensor | None = None  # [B, S, V]: the target's logits for token t + 1
-
-
-def build_eagle3_config(
-    target_config,
-    *,
-    target_layer_ids: list[int],
-    ttt_length: int = 7,
-    step_loss_decay: float = 0.8,
-    num_draft_layers: int = 1,
-    target_model_name_or_path: str | None = None,
-):
-    """A deep copy of the target's text config reshaped into an Eagle3 drafter config.
-
-    Writes the reference's `Qwen3Eagle3Model` fields (`target_layer_ids`, `ttt_length`,
-    `step_loss_decay`, `draft_num_hidden_layers`, `num_target_layers`). Raises ValueError naming
-    the offending field.
-    """
-    text = getattr(target_config, "text_config", None) or target_config
-    model_type = getattr(text, "model_type", None)
-    if model_type not in EAGLE3_ARCHITECTURES:
-        raise ValueError(
-            f"model_type: no Eagle3 backend for target family {model_type!r} "
-            f"(available: {sorted(EAGLE3_ARCHITECTURES)})"
-        )
-    num_target_layers = int(text.num_hidden_layers)
-    ids = validate_target_layer_ids(target_layer_ids, num_target_layers)
-    if int(ttt_length) < 1:
-        raise ValueError(f"ttt_length: must be >= 1, got {ttt_length!r}")
-    if not float(step_loss_decay) > 0.0:
-        raise ValueError(f"step_loss_decay: must be > 0, got {step_loss_decay!r}")
-    if int(num_draft_layers) < 1:
-        raise ValueError(f"num_draft_layers: must be >= 1, got {num_draft_layers!r}")
-
-    cfg = copy.deepcopy(text)
-    cfg.architectures = [EAGLE3_ARCHITECTURES[model_type]]
-    cfg.num_target_layers = num_target_layers
-    cfg.num_hidden_layers = int(num_draft_layers)
-    cfg.draft_num_hidden_layers = int(num_draft_layers)
-    cfg.layer_types = ["full_attention"] * int(num_draft_layers)
-    cfg.tie_word_embeddings = False
-    if hasattr(cfg, "use_sliding_window"):
-        cfg.use_sliding_window = False
-    cfg.target_layer_ids = ids
-    cfg.ttt_length = int(ttt_length)
-    cfg.step_loss_decay = float(step_loss_decay)
-    if target_model_name_or_path is not None:
-        cfg.target_model_name_or_path = str(target_model_name_or_path)
-    if cfg.architectures[0] == "Gemma4Eagle3Model":
-        from dspark_ds.drafters.eagle3.gemma4 import Gemma4Eagle3Model
-
-        cfg.target_model_type = getattr(target_config, "model_type", model_type)
-        cfg.target_text_model_type = model_type
-        cfg = Gemma4Eagle3Model.finalize_draft_config(cfg, text)
-    return cfg
 
 
 def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -205,32 +144,20 @@ def causal_cache_mask(q_len: int, cached: int, device: torch.device) -> torch.Te
     )
 
 
-# ---- Qwen3 backend ------------------------------------------------------------------------------
-class Qwen3Eagle3Attention(nn.Module):
-    """GQA attention whose q/k/v projections read the 2H-wide [embedding ; hidden] input."""
+# ---- the attention every Eagle3 layer uses ------------------------------------------------------
+class Eagle3Attention:
+    """GQA attention whose q/k/v projections read the 2H-wide [embedding ; hidden] input.
 
-    def __init__(self, config):
-        super().__init__()
-        hidden = int(config.hidden_size)
-        self.head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads)
-        self.scaling = self.head_dim**-0.5
-        bias = bool(config.attention_bias)
-        self.q_proj = nn.Linear(2 * hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(2 * hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+    Mixed into a backend's projections (drafters/common/qwen3.py, gemma4.py, built with
+    `in_features = 2H`); the kernel (`attend_fn`) decides what each query sees.
+    """
+
+    o_proj: nn.Linear
 
     def project(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, L, 2H] -> q [B, Hq, L, D], k, v [B, Hkv, L, D] (normed, RoPE applied)."""
-        bsz, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(bsz, length, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q = self.project_q(x)
+        k, v = self.project_kv(x)
         return apply_rope(q, rope), apply_rope(k, rope), v
 
     def forward(self, x: torch.Tensor, rope, attend_fn: AttendFn) -> torch.Tensor:
@@ -239,30 +166,13 @@ class Qwen3Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, length, -1))
 
 
-class Qwen3Eagle3DecoderLayer(nn.Module):
-    """x = [input_layernorm(emb) ; hidden_norm(h)]; h += attn(x); h += mlp(post_norm(h))."""
-
-    def __init__(self, config):
-        super().__init__()
-        hidden, eps = int(config.hidden_size), config.rms_norm_eps
-        self.self_attn = Qwen3Eagle3Attention(config)
-        self.mlp = Qwen3MLP(config)
-        self.hidden_norm = Qwen3RMSNorm(hidden, eps=eps)
-        self.input_layernorm = Qwen3RMSNorm(hidden, eps=eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(hidden, eps=eps)
-
-    def forward(self, embeds, h, rope, attend_fn: AttendFn) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
-        h = h + self.self_attn(x, rope, attend_fn)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
 # ---- the family-independent model ------------------------------------------------------------
 class Eagle3DraftModel(TargetSharedWeights, nn.Module):
     """Base class; a backend supplies its layer, norm, rotary embedding and logits."""
 
     architecture: str = ""
-    drafter_kind: str = "eagle3"
+    REQUIRED_CONFIG_FIELDS = EAGLE3_FIELDS  # what config.json must carry
+    OPTIONAL_CONFIG_FIELDS: dict = {}
 
     def __init__(self, config):
         super().__init__()
@@ -506,65 +416,19 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         cache.crop(start)
         return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)
 
-
-class Qwen3Eagle3Model(Eagle3DraftModel):
-    architecture = "Qwen3Eagle3Model"
-
-    def make_layer(self, layer_idx):
-        return Qwen3Eagle3DecoderLayer(self.config)
-
-    def make_norm(self, dim):
-        return Qwen3RMSNorm(dim, eps=self.config.rms_norm_eps)
-
-    def make_rotary(self):
-        return Qwen3RotaryEmbedding(self.config)
-
-
-def is_eagle3(model) -> bool:
-    """True for an Eagle3 drafter (unwraps DeepSpeed / DDP `.module`)."""
-    return getattr(getattr(model, "module", model), "drafter_kind", "dspark") == "eagle3"
-
-
-__all__ = [
-    "Eagle3DraftModel",
-    "Eagle3ForwardOutput",
-    "Eagle3Hidden",
-    "Qwen3Eagle3Model",
-    "build_eagle3_config",
-    "build_ttt_eval_mask",
-    "eagle3_propose",
-    "is_eagle3",
-    "ttt_attention_dense",
-    "ttt_attention_flex",
-]
-
-
-def eagle3_propose(
-    drafter: Eagle3DraftModel,
-    input_ids: torch.Tensor,
-    new_tokens: list[int],
-    context_features: torch.Tensor,
-    start: int,
-    cache: DraftKVCache,
-    num_tokens: int,
-    temperature: float,
-    generator: torch.Generator | None,
-    stop_token_ids: set[int] | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One round of the decoding loop (batch 1): the committed sequence is `input_ids` [1, P]
-    followed by `new_tokens`; x_start is its last token, at position `start`. Returns
-    (drafts [1, m], draft logits [1, m, V]), m <= num_tokens."""
-    tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=input_ids.device)
-    committed = torch.cat([input_ids, tail], dim=1)
-    # Position i of the context pairs the target's features of i with token i + 1.
-    next_ids = committed[:, cache.seq_length + 1 : start + 1]
-    return drafter.propose(
-        context_features=context_features,
-        next_token_ids=next_ids,
-        start=start,
-        cache=cache,
-        num_tokens=num_tokens,
-        temperature=temperature,
-        generator=generator,
-        stop_token_ids=stop_token_ids,
-    )
+    def propose_round(self, r: DraftRound) -> Proposal:
+        """One round of the decoding loop: chain-drafts up to `r.budget` tokens (fewer after a
+        stop token); no confidence head."""
+        # Position i of the context pairs the target's features of i with token i + 1.
+        next_ids = r.committed_ids[:, r.cache.seq_length + 1 : r.start + 1]
+        tokens, logits = self.propose(
+            context_features=r.context_features,
+            next_token_ids=next_ids,
+            start=r.start,
+            cache=r.cache,
+            num_tokens=r.budget,
+            temperature=r.temperature,
+            generator=r.generator,
+            stop_token_ids=r.stop_token_ids,
+        )
+        return Proposal(tokens=tokens, logits=logits)

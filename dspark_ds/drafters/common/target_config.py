@@ -1,0 +1,24 @@
+"""What a drafter reads from its target's config: the text config and the tapped layer ids."""
+
+from __future__ import annotations
+
+
+def text_config(config):
+    """The text sub-config of a (possibly multimodal, e.g. Gemma4) Hugging Face config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def validate_layer_ids(layer_ids, num_layers: int, field: str = "target_layer_ids") -> list[int]:
+    """The ids as ints, or ValueError naming `field`: not empty, strictly increasing, each -1
+    (the embedding output) or a decoder layer in [0, L-1] (docs/algorithm.md#target-features)."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError(f"{field}: must not be empty")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"{field}: must be strictly increasing, got {ids}")
+    if ids[0] < -1 or ids[-1] > num_layers - 1:
+        raise ValueError(
+            f"{field}: {ids} out of range: ids must lie in -1..{num_layers - 1} (the target has "
+            f"{num_layers} decoder layers; -1 = the embedding output)"
+        )
+    return ids

@@ -1,0 +1,64 @@
+"""Activation memory of one Eagle3 training step, by component (for `dspark-ds tune`).
+
+The unroll keeps every one of the T = ttt_length steps for the backward: per step and layer the
+2H-wide layer input, q / k / v (the keys of every step stay referenced by the later steps'
+attention), the attention (the dense kernel's fp32 scores and probabilities over the causal
+S × S part, or flex's output and log-sum-exp), o_proj and the MLP; then the T stacked outputs.
+The loss works over B·S·T rows of vocabulary size: the full logits, per step the fp32
+log-softmax and the target distribution it is compared with (the reference path), or
+T·loss_chunk_anchors rows at a time (the chunked path), plus the target's own logits.
+"""
+
+from __future__ import annotations
+
+from dspark_ds.drafters.common.memory import StepShapes
+from dspark_ds.drafters.eagle3.loss import loss_impl_for
+from dspark_ds.drafters.presets import DrafterConfig
+from dspark_ds.perf.config import PerfConfig
+
+
+def activation_bytes(
+    s: StepShapes, model: DrafterConfig, perf: PerfConfig, device: str, stage: int
+) -> dict[str, float]:
+    """Peak activation bytes of one micro-batch by component; `device` cuda | cpu, `stage` the
+    ZeRO stage (it decides the loss path, as in training)."""
+    b, B, S, T = s.compute_bytes, s.batch, s.seq_len, model.ttt_length
+    H, F, V = s.hidden, s.intermediate, s.vocab
+    kv = s.kv_heads * s.head_dim
+    qd = s.heads * s.head_dim
+    out: dict[str, float] = {}
+    out["features_in"] = s.features_in()
+    out["context_proj"] = B * S * H * b  # fc out (the layer's hidden_norm normalizes it)
+    # per step and layer: embedding, the two input norms and their 2H concatenation, q before /
+    # after norm + rope, k / v likewise, o_proj, the residuals and the MLP's three F-wide tensors
+    per_step_tokens = B * S * (8 * H + 3 * qd + 4 * kv + 3 * F) * b
+    flex = perf.attn_implementation == "flex" or (
+        device == "cuda" and perf.attn_implementation == "auto"
+    )
+    if flex:
+        per_step_attn = B * S * (qd * b + s.heads * 4)
+    else:
+        # the dense kernel saves fp32 q and the keys / values repeated to every head, and the
+        # probabilities (fp32) over the causal S × S part (+ the chain) for every query
+        per_step_attn = B * S * 3 * qd * 4 + B * s.heads * S * S * 4
+    out["ttt_steps"] = T * s.draft_layers * (per_step_tokens + per_step_attn)
+    impl = loss_impl_for(perf.loss_impl, zero3=stage == 3)
+    chunked = impl == "chunked"
+    # the stacked step outputs and their final norm (+ the chunked loss's valid rows, their
+    # norm and the [N, H] gradient it stores)
+    out["stacked_hidden"] = B * S * T * H * b * (4 if chunked else 2)
+    fp32_copy = 4 if b == 2 else 0
+    if chunked:
+        # per chunk of loss_chunk_anchors × T rows: draft and target logits (+ fp32 copies),
+        # the target distribution, log-softmax, the accept-rate terms and the closed-form
+        # gradient (fp32)
+        rows = min(B * S * T, perf.loss_chunk_anchors * T)
+        out["logits_softmax"] = rows * V * (2 * b + 2 * fp32_copy + 5 * 4)
+    else:
+        # the draft logits over every row, per step the fp32 log-softmax and the shifted target
+        # distribution the cross-entropy saves; the last step's transients (fp32 copy, product,
+        # accept-rate terms); the target's logits and distribution over every position
+        rows = B * S * T
+        out["logits_softmax"] = rows * V * (b + 2 * 4) + B * S * V * (fp32_copy + 3 * 4)
+        out["target_logits"] = B * S * V * (b + 4)
+    return out

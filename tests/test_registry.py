@@ -1,0 +1,116 @@
+"""The drafter registry: one spec per kind, found by name or from a model; each kind honours the
+`perf` section or refuses an option by name; the per-kind training step equals the direct call."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark_ds.drafters.dspark.loss import compute_dspark_loss
+from dspark_ds.drafters.dspark.step import sample_anchors
+from dspark_ds.drafters.eagle3 import loss as eagle3_loss
+from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.presets import preset
+from dspark_ds.drafters.registry import SPECS, StepArgs, get_spec, spec_of
+from dspark_ds.perf.config import PerfConfig
+
+from helpers.drafters import random_batch, tiny_drafter, tiny_qwen3_config
+
+LAYER_IDS = [-1, 1, 2]
+
+
+def tiny_eagle3(ttt_length: int = 3):
+    cfg = build_eagle3_config(
+        tiny_qwen3_config(), target_layer_ids=LAYER_IDS, ttt_length=ttt_length
+    )
+    torch.manual_seed(0)
+    model = build_draft_model(cfg)
+    model.freeze_shared()
+    return model
+
+
+def test_specs_by_name_and_by_model():
+    assert list(SPECS) == ["dspark", "eagle3"]
+    assert spec_of(tiny_drafter()) is get_spec("dspark")
+    # a DeepSpeed engine is looked through (`.module`)
+    assert spec_of(SimpleNamespace(module=tiny_eagle3())) is get_spec("eagle3")
+    with pytest.raises(ValueError, match="model.kind"):
+        get_spec("medusa")
+    with pytest.raises(ValueError, match="drafter"):
+        spec_of(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("kind", "architecture"), [("dspark", "Qwen3DSparkModel"), ("eagle3", "Qwen3Eagle3Model")]
+)
+def test_build_config_gives_the_kind_its_architecture(kind, architecture):
+    spec = get_spec(kind)
+    cfg = spec.build_config(
+        tiny_qwen3_config(),
+        preset(kind, num_draft_layers=1),
+        target_layer_ids=LAYER_IDS,
+        mask_token_id=5,
+        target_path="some/target",
+    )
+    assert cfg.architectures == [architecture] == [spec.architectures["qwen3"]]
+    assert isinstance(build_draft_model(cfg), spec.model_class)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("loss_impl", "recompute"), ("attn_implementation", "blockwise")]
+)
+def test_eagle3_refuses_perf_options_it_cannot_honour(option, value):
+    perf = PerfConfig(**{option: value})
+    get_spec("dspark").check_perf(perf)  # DSpark has both
+    with pytest.raises(ValueError, match=f"perf.{option}: '{value}' is not available for eagle3"):
+        get_spec("eagle3").check_perf(perf)
+
+
+def test_eagle3_honours_perf():
+    spec, model = get_spec("eagle3"), tiny_eagle3()
+    assert spec.apply_perf(model, PerfConfig()) == "chunked"
+    assert spec.apply_perf(model, PerfConfig(loss_impl="reference")) == "reference"
+    spec.apply_perf(model, PerfConfig(attn_implementation="dense"))
+    assert model.attn_implementation == "dense"
+    assert eagle3_loss.loss_impl_for("auto", zero3=True) == "reference"
+    with pytest.raises(ValueError, match="perf.loss_impl: chunked .* under ZeRO-3"):
+        eagle3_loss.loss_impl_for("chunked", zero3=True)
+
+
+def test_eagle3_chunk_size_comes_from_perf(monkeypatch):
+    """perf.loss_chunk_anchors positions of T steps each: loss_chunk_anchors × T rows."""
+    model = tiny_eagle3(ttt_length=3)
+    batch = random_batch(model, batch=2, seq_len=12)
+    seen = []
+    original = eagle3_loss.chunked_eagle3_loss
+
+    def spy(*args, chunk_rows, **kwargs):
+        seen.append(chunk_rows)
+        return original(*args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(eagle3_loss, "chunked_eagle3_loss", spy)
+    args = StepArgs(model=preset("eagle3"), perf=PerfConfig(loss_chunk_anchors=2), loss_impl="x")
+    losses = {}
+    for impl in ("chunked", "reference"):
+        step = replace(args, loss_impl=impl)
+        losses[impl], _ = get_spec("eagle3").forward_and_loss(model, batch, step)
+    assert seen == [6]
+    torch.testing.assert_close(losses["chunked"], losses["reference"], rtol=1e-5, atol=1e-6)
+
+
+def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():
+    model = tiny_drafter()
+    batch = random_batch(model, batch=2, seq_len=24)
+    batch["sample_ids"] = torch.tensor([7, 3])
+    m = preset("dflash")  # not the loss functions' defaults
+    args = StepArgs(model=m, perf=PerfConfig(), loss_impl="reference", seed=5, epoch=2)
+    loss, metrics = get_spec("dspark").forward_and_loss(model, batch, args)
+    anchors, keep = sample_anchors(batch["loss_mask"], batch["sample_ids"], 6, seed=5, epoch=2)
+    inputs = {k: v for k, v in batch.items() if k != "sample_ids"}
+    out = model(**inputs, anchor_positions=anchors, block_keep_mask=keep)
+    ref, ref_metrics = compute_dspark_loss(out, **asdict(m.loss_weights))
+    torch.testing.assert_close(loss, ref)
+    assert metrics["tau_greedy"] == ref_metrics["tau_greedy"]

@@ -189,6 +189,9 @@ class TrainRunConfig:
         _require(bool(self.name) and "/" not in self.name, "name", "must be a plain name", self)
         _require(bool(self.target.path), "target.path", "is required", self)
         self.model.validate()
+        from dspark_ds.drafters.registry import get_spec
+
+        get_spec(self.model.kind).check_perf(self.perf)  # a perf option the kind cannot honour
         self.train.validate()
         self.validation.validate()
         _require(self.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self)

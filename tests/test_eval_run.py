@@ -93,7 +93,7 @@ def test_paper_protocol_is_the_default():
         picked = select_prompts(rows, sizes[name], cfg.seed)
         assert sorted(map(tuple, picked)) == sorted(map(tuple, reference[: sizes[name]]))
     with pytest.raises(ValueError, match="eval.budget_accounting"):
-        EvalConfig(target="t", drafter="d", budget_accounting="paper").validate()
+        EvalConfig(target=TargetPathConfig("t"), drafter="d", budget_accounting="paper").validate()
 
 
 def test_prompts_are_chat_templated(tmp_path):

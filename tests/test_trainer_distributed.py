@@ -91,6 +91,11 @@ def train_many(out: Path, runs: list[list[str]], nproc: int):
     data = json.loads(result.read_text())
     for res in data.values():
         res["losses"] = {int(k): v for k, v in res["losses"].items()}
+    # every run was under the device guard; with 2 ranks it saw dspark_ds's own collectives
+    # (loss terms, logged counts, signal check, validation, barriers) and none was made on the
+    # host (a world of one makes no collective of its own)
+    guard = json.loads(Path(f"{result}.device_guard.json").read_text())
+    assert guard["policed"] >= (len(runs) * STEPS if nproc > 1 else 0), guard
     return data
 
 

@@ -12,7 +12,7 @@ import pytest
 from dspark_ds.cli import main as cli_main
 from dspark_ds.tune import tuner
 
-from helpers.dist import check, python
+from helpers.dist import GUARDED, check, guard_stats, guarded_env, python, torchrun
 from helpers.tiny_models import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,3 +155,42 @@ def test_tiny_estimate_within_30_percent_of_measurement(tmp_path, overrides):
         assert m["step_s"] > 0
     assert "measured peak" in proc.stdout and "est/meas" in proc.stdout
     print(result["text"], file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_rank_measure_under_the_device_guard(tmp_path):
+    """`--measure` on 2 gloo ranks (its barriers and the all-reduced peak / step time, the
+    training steps' loss reductions) under the device guard: no host-made tensor reaches a
+    collective, as NCCL would require."""
+    target = build_tiny_target(tmp_path / "tiny_target")
+    out = tmp_path / "tuner.json"
+    check(
+        torchrun(
+            [
+                *GUARDED,
+                "-m",
+                "dspark_ds.cli",
+                "tune",
+                "--recipe",
+                str(RECIPES / "tiny_cpu.yaml"),
+                "--target_path",
+                target,
+                "--measure",
+                "true",
+                "--measure_steps",
+                "1",
+                "--options",
+                "[zero2, zero3]",
+                "--output_json",
+                str(out),
+            ],
+            env=guarded_env(tmp_path / "guard"),
+            timeout_s=900,
+            cwd=tmp_path,
+        )
+    )
+    measured = json.loads(out.read_text())["measured"]
+    assert set(measured) == {"zero2", "zero3"}
+    assert all(m["peak_bytes"] > 0 and m["step_s"] > 0 for m in measured.values()), measured
+    assert [s["policed"] > 0 for s in guard_stats(tmp_path / "guard")] == [True, True]

@@ -241,7 +241,7 @@ class Trainer:
         if cfg.model.kind == "dspark":
             from dspark_ds.drafters.dspark.step import apply_perf_config, resolve_loss_impl
 
-            apply_perf_config(self.engine.model, cfg.perf)
+            apply_perf_config(self.engine.model, cfg.perf, self.engine.device)
             self.loss_impl = resolve_loss_impl(self.engine.model, cfg.perf.loss_impl)
         else:
             # NOTE: under ZeRO-3 the chunked Eagle3 loss's lm_head calls run outside the
@@ -278,6 +278,8 @@ class Trainer:
                     "derived.warmup_steps": warmup,
                     "derived.zero_stage": self.engine.zero_stage,
                     "derived.loss_impl": self.loss_impl,
+                    "derived.loss_chunk_anchors": cfg.perf.chunk_anchors(self.engine.device),
+                    "derived.compile": cfg.perf.compile_mode(self.engine.device),
                 }
             )
             self.tracker.log_params(params)
@@ -452,7 +454,7 @@ class Trainer:
             inputs,
             loss_args,
             impl=self.loss_impl,
-            chunk_anchors=self.cfg.perf.loss_chunk_anchors,
+            chunk_anchors=self.cfg.perf.chunk_anchors(self.engine.device),
             forward=self.engine,
         )
 

@@ -19,9 +19,16 @@ BATCH_KEYS = ("input_ids", "target_hidden_states", "loss_mask")
 OPTIONAL_BATCH_KEYS = ("target_last_hidden_states", "anchor_positions", "block_keep_mask")
 
 
-def apply_perf_config(model: nn.Module, cfg: PerfConfig) -> nn.Module:
-    """Sets the model's attention implementation ("auto" is resolved per device by it)."""
+def apply_perf_config(
+    model: nn.Module, cfg: PerfConfig, device: torch.device | str | None = None
+) -> nn.Module:
+    """Sets the model's attention implementation ("auto" is resolved per device by it) and,
+    given the run's device, compiles it per `perf.compile` (dspark_ds/perf/compile.py)."""
     model.attn_implementation = cfg.attn_implementation
+    if device is not None and cfg.compile_mode(device) != "off":
+        from dspark_ds.perf.compile import compile_drafter
+
+        compile_drafter(model, cfg.compile_mode(device))
     return model
 
 

@@ -23,11 +23,12 @@ Estimate, per GPU (bytes; b = 2 under bf16, 4 under fp32; N = data-parallel worl
   the tapped layers and one layer's working set.
 - DeepSpeed's buffers: ZeRO-1/2 gradient buckets (reduce_bucket_size elements, twice with
   overlap_comm), ZeRO-3 reduce + prefetch buckets.
-- activations of one micro-batch (B × S): features in, the context projection, per draft layer
-  the A·γ draft tokens and the attention over [context; block], and the vocabulary-sized tensors:
-  draft / Markov-corrected / target logits over B·A·γ·V and their fp32 softmaxes, log-softmax and
-  |p_d - p_t| (the chunked loss holds only loss_chunk_anchors·γ·V of them at a time), plus their
-  gradients in the backward.
+- activations of one micro-batch (B × S), per attention implementation and loss path
+  (dspark_ds/tune/activations.py): the batch's features, what autograd saves in the draft
+  layers (norms, q / k / v, the attention's own saves, the MLP), and the larger of the loss's
+  working set (the reference path's fp32 [B·A·γ, V] tensors, or one chunk of
+  loss_chunk_anchors·γ rows) and the attention backward's transients. Checked on CPU against
+  the bytes autograd saves and the peak of live tensors (docs/tuner.md).
 
 Speed: the same compute for every option, so the ranking is by overhead: ZeRO-3 gathers
 parameters in forward and backward (1.5× ZeRO-2's traffic), offloading the optimizer runs Adam on
@@ -311,51 +312,41 @@ def _zero_section(option: ZeroOption, run_cfg) -> dict:
 def activation_bytes(
     inv: Inventory, run_cfg, device: str = "cuda", stage: int = 2
 ) -> dict[str, float]:
-    """Peak activation memory of one micro-batch (forward saved tensors + the largest backward
-    transient), by component."""
-    b = 2 if run_cfg.train.precision == "bf16" else 4
-    bt = {"float32": 4, "bfloat16": 2, "float16": 2}[run_cfg.target.dtype]
-    B, S = run_cfg.data.batch_size, run_cfg.data.max_length
-    A, G = run_cfg.model.num_anchors, run_cfg.model.block_size
-    H, F, V = inv.hidden, inv.intermediate, inv.vocab
-    Q = min(A, S) * G  # draft tokens per sequence (at most one anchor per position)
-    kv = inv.kv_heads * inv.head_dim
-    qd = inv.heads * inv.head_dim
-    out: dict[str, float] = {}
-    out["features_in"] = B * S * (inv.taps + 1) * H * bt
-    out["context_proj"] = B * S * H * b * 3  # fc out, norm in/out
-    per_layer_tokens = B * Q * (6 * H + 2 * qd + 3 * F) * b  # norms, q, attn out, mlp
-    per_layer_kv = B * (S + Q) * 4 * kv * b  # k, v before / after norm + rope
-    perf = getattr(run_cfg, "perf", None)
-    attn = getattr(perf, "attn_implementation", "auto")
-    if device == "cuda" or attn in ("auto", "blockwise"):
-        # flex_attention (CUDA) and the blockwise kernel (elsewhere) keep only the output and
-        # a log-sum-exp per query and head; probabilities are recomputed in backward
-        per_layer_attn = B * Q * (qd * b + inv.heads * 4)
-    else:
-        # scores + probabilities (fp32) over [context; own block] for every draft token
-        per_layer_attn = B * inv.heads * Q * (S + G) * 4 * 2
-    out["draft_layers"] = inv.draft_layers * (per_layer_tokens + per_layer_kv + per_layer_attn)
-    # the trainer's rule (dspark_ds.drafters.dspark.step.resolve_loss_impl): "auto" is chunked, in its
-    # recompute form under ZeRO-3
-    loss_impl = getattr(perf, "loss_impl", "reference")
-    chunked = loss_impl != "reference"
-    recompute = loss_impl == "recompute" or (chunked and stage == 3)
-    rows = B * Q
-    if chunked:
-        rows = min(rows, int(getattr(perf, "loss_chunk_anchors", 64)) * G)
-    # at the peak (inside the L1 term): the Markov-corrected draft logits and the aligned target
-    # logits (compute dtype), the fp32 log-softmax saved by the CE, the softmaxes of draft and
-    # target and their difference (fp32), plus the fp32 copy of the draft logits under bf16.
-    # The backward frees these saved tensors as it creates the logits' gradients, so it does
-    # not add another full set.
-    # The fused chunked loss (drafters/dspark/loss_chunked.py) works in place: per chunk the draft and
-    # target logits, p_d and p_t (fp32; the gradient overwrites them), plus the fp32 copy under
-    # bf16; its recompute form holds what the reference path holds, for one chunk.
-    fp32_buffers = 2 if chunked and not recompute else 4
-    out["logits_softmax"] = rows * V * (2 * b + 4 * fp32_buffers + (4 if b == 2 else 0))
-    out["markov_confidence"] = B * Q * (2 * inv.markov_rank + H) * b
-    return out
+    """Peak activation memory of one micro-batch, by component (dspark_ds/tune/activations.py:
+    what autograd saves per attention implementation and loss path, and the loss's peak)."""
+    from dspark_ds.perf.config import PerfConfig
+    from dspark_ds.tune.activations import StepShape
+    from dspark_ds.tune.activations import activation_bytes as micro_batch_bytes
+
+    perf = getattr(run_cfg, "perf", None) or PerfConfig()
+    m = run_cfg.model
+    shape = StepShape(
+        batch=run_cfg.data.batch_size,
+        seq_len=run_cfg.data.max_length,
+        num_anchors=m.num_anchors,
+        block_size=m.block_size,
+        hidden=inv.hidden,
+        intermediate=inv.intermediate,
+        vocab=inv.vocab,
+        heads=inv.heads,
+        kv_heads=inv.kv_heads,
+        head_dim=inv.head_dim,
+        draft_layers=inv.draft_layers,
+        taps=inv.taps,
+        markov_rank=inv.markov_rank,
+        compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
+        feature_bytes={"float32": 4, "bfloat16": 2, "float16": 2}[run_cfg.target.dtype],
+        confidence_head=m.confidence_head_alpha > 0,
+    )
+    attn = perf.attn_implementation
+    if attn == "auto":  # the drafter's own rule (DSparkDraftModel.resolve_attn_implementation)
+        attn = "flex" if device == "cuda" else "blockwise"
+    # the trainer's rule (dspark_ds.drafters.dspark.step.resolve_loss_impl): "auto" is
+    # chunked, in its recompute form under ZeRO-3
+    loss = "chunked" if perf.loss_impl == "auto" else perf.loss_impl
+    if loss == "chunked" and stage == 3:
+        loss = "recompute"
+    return micro_batch_bytes(shape, attn, loss, perf.chunk_anchors(device))
 
 
 def online_target_bytes(inv: Inventory, run_cfg) -> dict[str, float]:

@@ -209,6 +209,10 @@ def build_batch(cfg: TrainBenchConfig, device: str):
         anchor_positions=anchors,
         block_keep_mask=keep,
     )
+    # the target's features come in the run's dtype (a bf16 target gives bf16 features)
+    dtype = getattr(torch, cfg.dtype)
+    for key in ("target_hidden_states", "target_last_hidden_states"):
+        batch[key] = batch[key].to(dtype)
     return {k: v.to(device) for k, v in batch.items()}
 
 

@@ -249,7 +249,8 @@ class Trainer:
             self.loss_impl = "reference" if self.engine.zero_stage == 3 else "chunked"
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
-            f"loss {self.loss_impl}, world size {self.world}"
+            f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "
+            f"world size {self.world}"
         )
         self.step, self.epoch = 0, 0
         self.resumed_from = None

@@ -14,17 +14,16 @@ host sync. `BlockMask.from_kv_blocks` takes the table in the same order `create_
 produces (tests/test_perf_flex.py compares the two).
 
 The kernel. Called without torch.compile, flex_attention runs an unfused fallback that
-materialises the whole score matrix (3.5x slower than dense SDPA on the issue's H200 run).
+materialises the whole score matrix (3.5x slower than dense SDPA on issue 13's H200 run).
 `flex_attend` uses one `torch.compile(flex_attention)` per process on CUDA. Varying shapes:
-the trainer pads each batch to its longest sample, so S changes from batch to batch while
-A*G stays fixed. The mask_mod reads S only through tensors it captures (never a Python int,
-which dynamo would specialise on), so the compiled kernel depends on S only through the
-shapes: the first call compiles for its shapes, the first call with another S (or B)
-recompiles once with those dimensions symbolic (dynamo's automatic dynamic shapes), and no
-call after that recompiles. Grad mode is part of the guard too (validation runs under
-no_grad), so a run compiles at most 4 graphs, within dynamo's recompile limit (8); the tests
-count them on CPU. Bucketing S instead (padding to a multiple of the tile) would still see
-up to max_length / 128 different shapes, more than that limit allows static kernels for.
+the trainer pads each batch to its longest sample, so the key length S + A*G changes from
+batch to batch while A*G stays fixed. The mask_mod reads S only through tensors it captures
+(never a Python int, which dynamo would specialise on, recompiling for every length), and the
+key length and key-tile counts are marked dynamic. The first call compiles for its shapes;
+the first call with another key length recompiles once with them symbolic, and no call after
+that recompiles: 2 graphs per grad mode (training; validation under no_grad), within dynamo's
+recompile limit (8). tests/test_perf_flex.py counts them on CPU. Bucketing S to a multiple of
+the tile instead would still leave up to max_length / 128 static shapes, more than that limit.
 On CPU the eager fallback stays the default: flex_attention has no CPU backward (training
 there uses the blockwise kernel), and compiling its forward costs ~20 s of C++ builds.
 """
@@ -60,7 +59,9 @@ def flex_attend(
     """flex_attention with GQA; compiled: None = on CUDA tensors (see the module docstring)."""
     if compiled is None:
         compiled = q.is_cuda
-    if not compiled:
+    if not compiled or torch.compiler.is_compiling():
+        # NOTE: inside a compiled region (perf.compile layers / model) dynamo compiles this
+        # call into the enclosing graph; a nested compiled function would only break it
         return flex_attention(
             q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
         )

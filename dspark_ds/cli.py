@@ -64,6 +64,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "dspark_ds.perf.bench:run_train_bench",
         "training-step throughput and memory of the drafter variants",
     ),
+    "gpu-check": (
+        "dspark_ds.perf.gpu_check:GpuCheckConfig",
+        "dspark_ds.perf.gpu_check:run_gpu_check",
+        "one-GPU self-check: bench, ZeRO-3 bf16 training, export, lossless decoding",
+    ),
     "tune": (
         "dspark_ds.tune.tuner:TunerConfig",
         "dspark_ds.tune.tuner:run",

@@ -391,6 +391,12 @@ class DrafterEngine:
     def compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.ds.bfloat16_enabled() else torch.float32
 
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer DeepSpeed built from the config (FusedAdam, DeepSpeedCPUAdam, AdamW...),
+        under whatever ZeRO wrapper."""
+        return type(getattr(self.ds, "basic_optimizer", None) or self.ds.optimizer).__name__
+
     # ---- checkpoints ------------------------------------------------------------------------
     def save(self, checkpoint_dir: str | Path, tag: str, client_state: dict) -> None:
         """Collective. Writes <checkpoint_dir>/<tag>/ without touching `latest` (the caller

@@ -67,7 +67,11 @@ def _rank_main(rank: int, world: int, port: int, cfg: RegenerateConfig) -> None:
         MASTER_PORT=str(port),
         LOCAL_RANK=str(rank),
     )
-    counts = regenerate(cfg)
+    from helpers.device_guard import DeviceGuard
+
+    with DeviceGuard() as guard:  # no host-made tensor reaches a collective
+        counts = regenerate(cfg)
+    assert guard.stats["policed"] > 0, guard.stats
     Path(f"{cfg.output}.counts{rank}").write_text(json.dumps(counts))
 
 

@@ -290,15 +290,17 @@ def test_bad_options_name_the_field(setup):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_ranks_split_the_prompts_through_the_cli(setup):
-    from helpers.dist import check, torchrun
+    from helpers.dist import GUARDED, check, guard_stats, guarded_env, torchrun
 
     root, target_dir, _ = setup
     single = run_eval(_cfg(root, target_dir, name="one", tracking=TrackingConfig(enabled=False)))
-    check(torchrun(["-m", "dspark_ds.cli", "eval", f"--target.path={target_dir}",
+    # under the device guard (helpers/device_guard.py): no host-made tensor reaches a collective
+    check(torchrun([*GUARDED, "-m", "dspark_ds.cli", "eval", f"--target.path={target_dir}",
                     f"--drafter={root / 'draft'}", "--benchmarks=[chat, math]",
                     f"--data_dir={root / 'data'}", "--max_samples=5", "--max_new_tokens=16",
                     "--temperature=0.0", f"--output_dir={root / 'runs'}", "--name=two",
-                    "--tracking.enabled=false"]))  # fmt: skip
+                    "--tracking.enabled=false"], env=guarded_env(root / "guard")))  # fmt: skip
+    assert [s["policed"] > 0 for s in guard_stats(root / "guard")] == [True, True]
     two = json.loads((root / "runs" / "two" / "results.json").read_text())
     for a, b in zip(single["benchmarks"], two["benchmarks"]):
         assert (a["benchmark"], a["num_prompts"], a["rounds"], a["new_tokens"]) == (

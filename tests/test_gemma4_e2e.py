@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.dist import check, torchrun
+from helpers.dist import GUARDED, check, guard_stats, guarded_env, torchrun
 from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import build_tiny_tokenizer, write_chat_jsonl
 
@@ -91,10 +91,11 @@ def test_tiny_gemma4_target_end_to_end(tmp_path):
     )
     assert rc == 0 and (cache / "manifest.json").exists()
 
-    # 2. training: 2 gloo ranks, ZeRO-3, features from the cache
+    # 2. training: 2 gloo ranks, ZeRO-3, features from the cache, under the device guard
     run = check(
         torchrun(
             [
+                *GUARDED,
                 "-m",
                 "dspark_ds.cli",
                 "train",
@@ -117,9 +118,11 @@ def test_tiny_gemma4_target_end_to_end(tmp_path):
                 "--deepspeed.config=zero3",
                 "--tracking.enabled=false",
                 *common_target,
-            ]
+            ],
+            env=guarded_env(tmp_path / "guard"),
         )
     )
+    assert [s["policed"] > 0 for s in guard_stats(tmp_path / "guard")] == [True, True]
     run_dir = tmp_path / "runs" / "g4"
     log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in log if "loss" in row]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dspark_ds.cli import main
-from dspark_ds.perf.bench import TrainBenchConfig, step_flops
+from dspark_ds.perf.bench import TrainBenchConfig, parse_variant, resident_bytes, step_flops
 
 
 def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
@@ -25,9 +25,20 @@ def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
     for r in results:
         for key in ("step_time_s", "peak_memory_bytes", "tokens_per_s", "achieved_flops_ratio"):
             assert r[key] > 0, key
+        # peak = resident + working + the process before the model
+        resident = r["weights_bytes"] + r["grads_bytes"] + r["optimizer_state_bytes"]
+        assert r["resident_bytes"] == resident and r["grads_bytes"] > 0
+        assert r["working_memory_bytes"] == (
+            r["peak_memory_bytes"] - r["baseline_memory_bytes"] - resident
+        )
+        assert (r["matmul_dtype"], r["matmul_size"]) == ("float32", 2048)
+    assert results[0]["step_time_vs_reference"] == 1.0
+    assert results[1]["step_time_vs_reference"] == pytest.approx(
+        results[1]["step_time_s"] / results[0]["step_time_s"]
+    )
+    assert "work/ref" in capsys.readouterr().out
     # Same weights, batch and anchors: both paths report the same first-step loss.
     assert results[0]["loss_first_step"] == pytest.approx(results[1]["loss_first_step"], rel=1e-5)
-    assert "blockwise/chunked" in capsys.readouterr().out
 
 
 def test_flop_count_scales_with_visible_pairs_only():
@@ -42,5 +53,36 @@ def test_flop_count_scales_with_visible_pairs_only():
 
 
 def test_bad_variant_names_the_option():
-    with pytest.raises(ValueError, match="variants"):
-        TrainBenchConfig(variants=["sparse/reference"])
+    for bad in ("sparse/reference", "dense/reference/jit", "dense"):
+        with pytest.raises(ValueError, match="variants"):
+            TrainBenchConfig(variants=[bad])
+    assert parse_variant("flex/chunked/layers") == ("flex", "chunked", "layers")
+    assert parse_variant("flex/chunked") == ("flex", "chunked", "off")
+    with pytest.raises(ValueError, match="loss_chunk_anchors"):
+        TrainBenchConfig(loss_chunk_anchors="many")
+
+
+def test_device_defaults():
+    cpu, gpu = TrainBenchConfig(), TrainBenchConfig(device="cuda")
+    assert (cpu.chunk_anchors, cpu.matmul_n) == (32, 2048)
+    assert (gpu.chunk_anchors, gpu.matmul_n) == (256, 8192)
+
+
+def test_resident_bytes_counts_weights_grads_and_adam_state():
+    import torch
+
+    from helpers.drafters import random_batch, tiny_drafter
+
+    model = tiny_drafter()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    out = model(**random_batch(model), generator=torch.Generator().manual_seed(0))
+    (out.draft_logits.square().mean() + out.confidence_pred.mean()).backward()
+    opt.step()
+    got = resident_bytes(model, opt)
+    n_all = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    n_train = sum(p.numel() for p in trainable)
+    assert got["weights_bytes"] == 4 * n_all
+    assert got["grads_bytes"] == 4 * n_train
+    # exp_avg + exp_avg_sq per parameter, plus its fp32 step counter
+    assert got["optimizer_state_bytes"] == 4 * 2 * n_train + 4 * len(trainable)

@@ -95,10 +95,17 @@ class DrafterSpec:
                     f"choose one of {allowed}"
                 )
 
-    def apply_perf(self, model: nn.Module, perf: PerfConfig) -> str:
-        """Sets the drafter's attention implementation; returns the resolved loss path."""
+    def apply_perf(
+        self, model: nn.Module, perf: PerfConfig, device: torch.device | str | None = None
+    ) -> str:
+        """Sets the drafter's attention implementation and, given the run's device, compiles
+        it per `perf.compile`; returns the resolved loss path."""
         self.check_perf(perf)
         model.attn_implementation = perf.attn_implementation
+        if device is not None and perf.compile_mode(device) != "off":
+            from dspark_ds.perf.compile import compile_drafter
+
+            compile_drafter(model, perf.compile_mode(device))
         return self.resolve_loss_impl(model, perf.loss_impl)
 
 
@@ -122,7 +129,7 @@ def _dspark_forward_and_loss(model: nn.Module, batch: Batch, args: StepArgs) -> 
         inputs,
         asdict(args.model.loss_weights),
         impl=args.loss_impl,
-        chunk_anchors=args.perf.loss_chunk_anchors,
+        chunk_anchors=args.perf.chunk_anchors(batch["input_ids"].device),
         forward=args.forward,
     )
 
@@ -149,7 +156,7 @@ def _eagle3_forward_and_loss(model: nn.Module, batch: Batch, args: StepArgs) -> 
         {k: batch[k] for k in TRAIN_KEYS},
         step_loss_decay=args.model.step_loss_decay,
         impl=args.loss_impl,
-        chunk_rows=args.perf.loss_chunk_anchors * model.ttt_length,
+        chunk_rows=args.perf.chunk_anchors(batch["input_ids"].device) * model.ttt_length,
         forward=args.forward,
     )
 

@@ -1,16 +1,21 @@
-"""Training-step benchmark: step time, tokens/s, peak memory and achieved FLOP/s per variant.
+"""Training-step benchmark: step time, tokens/s, peak memory (resident + working) and achieved
+FLOP/s per variant, each next to the dense/reference variant of the same run.
 
     dspark-ds bench                                    # the default shape, 4 variants
     dspark-ds bench --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
+    dspark-ds bench --device cuda --dtype bfloat16 --variants '[flex/chunked, dense/reference]'
 
-A variant is "<attention>/<loss>": attention dense | blockwise | flex, loss reference |
-chunked | recompute. Each variant runs in its own subprocess, so peak memory is that
-variant's alone (CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated), reported
-whole and as the part above the idle process (imports, model, batch). FLOPs count only what
-the math needs: linear layers, unmasked attention pairs, the logits (a frozen lm_head has no
-weight gradient, the target logits no backward); recomputation and masked work are not
-counted. The achieved rate is compared with a plain fp32 [2048 x 2048] matmul timed in the
-same process.
+A variant is "<attention>/<loss>[/<compile>]": attention dense | blockwise | flex, loss
+reference | chunked | recompute, compile off (default) | layers | model (perf.compile). Each
+variant runs in its own subprocess, so peak memory is that variant's alone (CPU: the process's
+peak RSS, VmHWM; CUDA: max_memory_allocated after the model is built). The peak is split into
+what stays resident — weights, gradients and optimizer state, counted exactly from the tensors
+— and the step's working memory: peak minus resident minus the process before the model
+existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs count only what the math
+needs: linear layers, unmasked attention pairs, the logits (a frozen lm_head has no weight
+gradient, the target logits no backward); recomputation and masked work are not counted. The
+achieved rate is compared with a plain [n x n] matmul of the run's own dtype timed in the same
+process (n = 8192 on CUDA, 2048 on CPU).
 """
 
 from __future__ import annotations
@@ -25,10 +30,29 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_ds.drafters.dspark.loss_chunked import DEFAULT_CHUNK_ANCHORS
-
 ATTN_CHOICES = ("dense", "blockwise", "flex")
 LOSS_CHOICES = ("reference", "chunked", "recompute")
+COMPILE_CHOICES = ("off", "layers", "model")
+REFERENCE_VARIANT = "dense/reference"
+"""The reference implementation's layout: the ratio columns compare every variant with it."""
+
+
+def parse_variant(variant: str) -> tuple[str, str, str]:
+    """ "<attention>/<loss>[/<compile>]" -> (attention, loss, compile)."""
+    parts = variant.split("/")
+    if len(parts) == 2:
+        parts.append("off")
+    if (
+        len(parts) != 3
+        or parts[0] not in ATTN_CHOICES
+        or parts[1] not in LOSS_CHOICES
+        or parts[2] not in COMPILE_CHOICES
+    ):
+        raise ValueError(
+            f"variants: {variant!r} is not '<attention>/<loss>[/<compile>]' with attention in "
+            f"{ATTN_CHOICES}, loss in {LOSS_CHOICES} and compile in {COMPILE_CHOICES}"
+        )
+    return parts[0], parts[1], parts[2]
 
 
 @dataclass
@@ -73,10 +97,14 @@ class TrainBenchConfig:
             "blockwise/chunked",
         ]
     )
-    """Variants "<attention>/<loss>" to run side by side (dense/reference is what the
-    reference implementation does on CPU)."""
-    loss_chunk_anchors: int = DEFAULT_CHUNK_ANCHORS
-    """Anchors per chunk of the chunked loss."""
+    """Variants "<attention>/<loss>[/<compile>]" to run side by side (dense/reference is the
+    reference implementation's layout; the ratio columns compare with it when it runs)."""
+    loss_chunk_anchors: int | str = "auto"
+    """Anchors per chunk of the chunked loss ("auto": perf.loss_chunk_anchors's device
+    default, 32 on CPU and 256 on CUDA)."""
+    matmul_size: int | None = None
+    """n of the [n x n] matmul the achieved FLOP/s is compared with (None: 8192 on CUDA, 2048
+    on CPU)."""
     warmup_steps: int = 1
     """Untimed steps first (allocator, optimizer state)."""
     repeats: int = 3
@@ -90,12 +118,7 @@ class TrainBenchConfig:
 
     def __post_init__(self) -> None:
         for v in self.variants:
-            attn, _, loss = v.partition("/")
-            if attn not in ATTN_CHOICES or loss not in LOSS_CHOICES:
-                raise ValueError(
-                    f"variants: {v!r} is not '<attention>/<loss>' with attention in "
-                    f"{ATTN_CHOICES} and loss in {LOSS_CHOICES}"
-                )
+            parse_variant(v)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("num_attention_heads: must divide hidden_size")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -106,6 +129,25 @@ class TrainBenchConfig:
             raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype: float32 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device: cpu or cuda, got {self.device!r}")
+        try:
+            self.chunk_anchors  # noqa: B018 - validates loss_chunk_anchors
+        except ValueError as err:
+            raise ValueError(str(err).replace("perf.", "", 1)) from None
+
+    @property
+    def chunk_anchors(self) -> int:
+        """loss_chunk_anchors with "auto" resolved for the device."""
+        from dspark_ds.perf.config import PerfConfig
+
+        return PerfConfig(loss_chunk_anchors=self.loss_chunk_anchors).chunk_anchors(self.device)
+
+    @property
+    def matmul_n(self) -> int:
+        if self.matmul_size is not None:
+            return self.matmul_size
+        return 8192 if self.device.startswith("cuda") else 2048
 
 
 # ---- what runs inside one variant's process ------------------------------------------------
@@ -140,9 +182,13 @@ def build_model(cfg: TrainBenchConfig):
         confidence_head_with_markov=dspark,
     )
     torch.manual_seed(cfg.seed)
-    model = build_draft_model(draft_cfg)
+    # NOTE: built on its device: a 2.3 B-parameter drafter built on the CPU and moved costs
+    # ~40 s per variant on a GPU node. The fp32 build before the cast is not in the peak
+    # (run_variant resets the peak statistics after it).
+    with torch.device(cfg.device):
+        model = build_draft_model(draft_cfg)
     model.freeze_shared()
-    return model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype)).train()
+    return model.to(dtype=getattr(torch, cfg.dtype)).train()
 
 
 def build_batch(cfg: TrainBenchConfig, device: str):
@@ -163,6 +209,10 @@ def build_batch(cfg: TrainBenchConfig, device: str):
         anchor_positions=anchors,
         block_keep_mask=keep,
     )
+    # the target's features come in the run's dtype (a bf16 target gives bf16 features)
+    dtype = getattr(torch, cfg.dtype)
+    for key in ("target_hidden_states", "target_last_hidden_states"):
+        batch[key] = batch[key].to(dtype)
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -207,12 +257,12 @@ def step_flops(cfg: TrainBenchConfig, anchors, keep) -> float:
     return flops
 
 
-def matmul_flops_per_s(device: str, size: int = 2048, repeats: int = 5) -> float:
-    """A plain fp32 [size x size] @ [size x size] rate, median of `repeats`."""
+def matmul_flops_per_s(device: str, dtype: str, size: int, repeats: int = 5) -> float:
+    """A plain [size x size] @ [size x size] rate in `dtype`, median of `repeats`."""
     import torch
 
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+    a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
     times = []
     for i in range(repeats + 1):
         _sync(device)
@@ -222,6 +272,25 @@ def matmul_flops_per_s(device: str, size: int = 2048, repeats: int = 5) -> float
         if i:  # the first one warms up
             times.append(time.perf_counter() - t0)
     return 2.0 * size**3 / statistics.median(times)
+
+
+def resident_bytes(model, optimizer) -> dict[str, int]:
+    """What stays allocated across steps, counted from the tensors: weights (parameters and
+    buffers), gradients, optimizer state."""
+    import torch
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    weights = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(b) for b in model.buffers())
+    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    state = sum(
+        nbytes(v)
+        for per_param in optimizer.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return {"weights_bytes": weights, "grads_bytes": grads, "optimizer_state_bytes": state}
 
 
 def _sync(device: str) -> None:
@@ -244,29 +313,41 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
     import torch
 
     from dspark_ds.drafters.dspark.step import forward_and_loss
+    from dspark_ds.perf.compile import compile_drafter
 
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
-    attn, _, loss_impl = variant.partition("/")
+    attn, loss_impl, compile_mode = parse_variant(variant)
     device = cfg.device
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    # the process before the model: nothing on a GPU, interpreter + libraries in RSS
+    baseline = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
     model = build_model(cfg)
     model.attn_implementation = attn
+    if compile_mode != "off":
+        compile_drafter(model, compile_mode)
     batch = build_batch(cfg, device)
     loss_args = loss_args_for(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
-    matmul_rate = matmul_flops_per_s(device)
+    matmul_rate = matmul_flops_per_s(device, cfg.dtype, cfg.matmul_n)
 
     def step():
+        # NOTE: gradients are cleared before the step, not after: they stay allocated between
+        # steps, as a DeepSpeed engine's gradient buffers do, and count as resident.
+        opt.zero_grad(set_to_none=True)
         loss, metrics = forward_and_loss(
-            model, batch, loss_args, impl=loss_impl, chunk_anchors=cfg.loss_chunk_anchors
+            model, batch, loss_args, impl=loss_impl, chunk_anchors=cfg.chunk_anchors
         )
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
         return loss.item(), metrics
 
-    cuda = device.startswith("cuda")
+    if cuda:  # the peak of the steps only (not the fp32 build, not the matmul's inputs)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     # The idle process: imports, model, batch, optimizer (its state appears in step 1).
     idle = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
     first_loss, metrics = None, {}
@@ -284,6 +365,8 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
     # NOTE: the peak covers warm-up and timed steps (the process high-water mark), so a
     # variant cannot look smaller because freed-but-retained heap hides its first step.
     peak = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")
+    resident = resident_bytes(model, opt)
+    resident_total = sum(resident.values())
     step_time = statistics.median(times)
     flops = step_flops(cfg, batch["anchor_positions"].cpu(), batch["block_keep_mask"].cpu())
     achieved = flops / step_time
@@ -299,12 +382,21 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
         "idle_memory_bytes": int(idle),
         # What the steps add on top of the idle process (activations, logits, gradients).
         "step_peak_memory_bytes": int(peak - idle),
+        "baseline_memory_bytes": int(baseline),
+        **resident,
+        "resident_bytes": resident_total,
+        # peak minus what stays allocated (weights, gradients, optimizer state) and minus the
+        # process before the model: activations, logits, the batch, transients
+        "working_memory_bytes": int(peak - baseline - resident_total),
         "tokens_per_s": metrics["supervised_tokens"] / step_time,
         "supervised_tokens": metrics["supervised_tokens"],
         "flops_per_step": flops,
         "achieved_flops": achieved,
         "matmul_flops": matmul_rate,
+        "matmul_size": cfg.matmul_n,
+        "matmul_dtype": cfg.dtype,
         "achieved_flops_ratio": achieved / matmul_rate,
+        "loss_chunk_anchors": cfg.chunk_anchors,
         "loss_first_step": first_loss,
         "num_threads": torch.get_num_threads(),
     }
@@ -335,10 +427,27 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             )
             continue
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    add_reference_ratios(results)
     print(format_table(cfg, results))
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(results, indent=2) + "\n")
     return results
+
+
+def add_reference_ratios(results: list[dict]) -> None:
+    """Each variant's step time, working memory and peak as a ratio to dense/reference's in the
+    same run (when it ran and did not fail)."""
+    ref = next((r for r in results if r["variant"] == REFERENCE_VARIANT and "error" not in r), None)
+    if ref is None:
+        return
+    for r in results:
+        if "error" in r:
+            continue
+        r["step_time_vs_reference"] = r["step_time_s"] / ref["step_time_s"]
+        r["working_memory_vs_reference"] = r["working_memory_bytes"] / max(
+            ref["working_memory_bytes"], 1
+        )
+        r["peak_memory_vs_reference"] = r["peak_memory_bytes"] / ref["peak_memory_bytes"]
 
 
 def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
@@ -346,25 +455,36 @@ def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
         f"H={cfg.hidden_size} layers={cfg.num_draft_layers} V={cfg.vocab_size} S={cfg.seq_len} "
         f"A={cfg.num_anchors} γ={cfg.block_size} markov={cfg.markov_head_type}:{cfg.markov_rank} "
         f"B={cfg.batch_size} {cfg.dtype} {cfg.device} threads={cfg.num_threads} "
-        f"chunk={cfg.loss_chunk_anchors}"
+        f"chunk={cfg.chunk_anchors} matmul={cfg.dtype}[{cfg.matmul_n}]"
     )
     head = (
-        f"{'variant':<22}{'step s':>9}{'cpu s':>8}{'tokens/s':>10}{'peak MB':>10}{'step MB':>9}"
-        f"{'GFLOP/s':>9}{'matmul':>8}{'ratio':>7}{'loss':>10}"
+        f"{'variant':<24}{'step s':>9}{'cpu s':>8}{'tokens/s':>10}{'peak MB':>10}{'step MB':>9}"
+        f"{'resid MB':>10}{'work MB':>9}{'GFLOP/s':>10}{'matmul':>9}{'ratio':>7}"
+        f"{'t/ref':>7}{'work/ref':>9}{'loss':>10}"
     )
     lines = [shape, head, "-" * len(head)]
+
+    def ratio(r: dict, key: str) -> str:
+        return f"{r[key]:.2f}" if key in r else "-"
+
     for r in results:
         if "error" in r:
-            lines.append(f"{r['variant']:<22}  FAILED: {r['error'][:120]}")
+            lines.append(f"{r['variant']:<24}  FAILED: {r['error'][:120]}")
             continue
         lines.append(
-            f"{r['variant']:<22}{r['step_time_s']:>9.3f}{r['step_cpu_time_s']:>8.2f}"
+            f"{r['variant']:<24}{r['step_time_s']:>9.3f}{r['step_cpu_time_s']:>8.2f}"
             f"{r['tokens_per_s']:>10.0f}"
             f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['step_peak_memory_bytes'] / 2**20:>9.0f}"
-            f"{r['achieved_flops'] / 1e9:>9.1f}"
-            f"{r['matmul_flops'] / 1e9:>8.1f}{r['achieved_flops_ratio']:>7.2f}"
+            f"{r['resident_bytes'] / 2**20:>10.0f}{r['working_memory_bytes'] / 2**20:>9.0f}"
+            f"{r['achieved_flops'] / 1e9:>10.1f}"
+            f"{r['matmul_flops'] / 1e9:>9.1f}{r['achieved_flops_ratio']:>7.2f}"
+            f"{ratio(r, 'step_time_vs_reference'):>7}{ratio(r, 'working_memory_vs_reference'):>9}"
             f"{r['loss_first_step']:>10.5f}"
         )
+    lines.append(
+        "peak = resident (weights + grads + optimizer state) + working + the process before the "
+        "model; t/ref, work/ref: step time and working memory / dense/reference's"
+    )
     return "\n".join(lines)
 
 

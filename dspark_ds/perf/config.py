@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
 from dspark_ds.drafters.dspark.loss_chunked import DEFAULT_CHUNK_ANCHORS
 
 LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked", "recompute")
+COMPILE_MODES = ("auto", "off", "layers", "model")
+
+CHUNK_ANCHORS_CPU = DEFAULT_CHUNK_ANCHORS
+"""32: the CPU sweep in docs/performance.md (a chunk's [N, V] fp32 tensors near the cache size)."""
+CHUNK_ANCHORS_CUDA = 256
+"""256: issue 13's H200 run (compiled flex attention, chunked loss with chunk 256: 0.134 s per
+step at the Qwen3-8B shape, vs 0.487 s for the uncompiled flex path); on a GPU a larger chunk
+only cuts kernel launches, and 256 x 7 x 151 936 fp32 logits are ~1 GiB."""
 
 
 @dataclass
@@ -23,29 +33,51 @@ class PerfConfig:
     may touch); "auto" = "chunked". Eagle3: auto | reference | chunked, "auto" = "reference"
     under ZeRO-3."""
 
-    loss_chunk_anchors: int = DEFAULT_CHUNK_ANCHORS
-    """Anchors (blocks, over the whole micro-batch) per chunk of the chunked loss. Small
-    keeps the chunk in CPU cache; on GPU 64-256 amortise kernel launches. Eagle3: positions,
-    each ttt_length rows."""
+    loss_chunk_anchors: int | str = "auto"
+    """Anchors (blocks, over the whole micro-batch) per chunk of the chunked loss; "auto" = 32
+    on CPU (keeps a chunk near the cache size; docs/performance.md) and 256 on CUDA (fewer
+    kernel launches; issue 13's H200 measurement). Eagle3: positions, each ttt_length rows."""
 
     attn_implementation: str = "auto"
-    """Block-mask attention of the training forward: "flex" (GPU), "blockwise" (exact, skips
-    masked work; CPU training path), "dense" (full boolean mask, reference) or "auto"
-    (flex on CUDA, blockwise elsewhere). Eagle3: auto (flex on CUDA, dense elsewhere) | flex |
+    """Block-mask attention of the training forward: "flex" (a BlockMask built from the
+    anchors, flex_attention compiled once per process on CUDA), "blockwise" (exact, skips
+    masked work; CPU training path), "dense" (full boolean mask, reference) or "auto" (flex
+    on CUDA, blockwise elsewhere). Eagle3: auto (flex on CUDA, dense elsewhere) | flex |
     dense."""
+
+    compile: str = "auto"
+    """torch.compile of the drafter: "off"; "layers" (each draft decoder layer compiled in
+    place, as torchtitan compiles its blocks; checkpoint names unchanged); "model" (the whole
+    drafter's forward, graph breaks where it samples anchors or runs the chunked loss);
+    "auto" = "off" on every device until a GPU measurement shows a gain (`dspark-ds
+    gpu-check` benches "layers" beside the default). The flex kernel is compiled whatever
+    this says."""
 
     def __post_init__(self) -> None:
         if self.loss_impl not in LOSS_IMPLEMENTATIONS:
             raise ValueError(
                 f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {self.loss_impl!r}"
             )
-        if self.loss_chunk_anchors < 1:
-            raise ValueError(
-                f"perf.loss_chunk_anchors: must be >= 1, got {self.loss_chunk_anchors}"
-            )
+        chunk = self.loss_chunk_anchors
+        if isinstance(chunk, str) and chunk != "auto":
+            raise ValueError(f"perf.loss_chunk_anchors: an integer or 'auto', got {chunk!r}")
+        if not isinstance(chunk, str) and chunk < 1:
+            raise ValueError(f"perf.loss_chunk_anchors: must be >= 1, got {chunk}")
         allowed = ("auto", *ATTN_IMPLEMENTATIONS)
         if self.attn_implementation not in allowed:
             raise ValueError(
                 f"perf.attn_implementation: expected one of {allowed}, "
                 f"got {self.attn_implementation!r}"
             )
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"perf.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
+
+    def chunk_anchors(self, device: torch.device | str) -> int:
+        """`loss_chunk_anchors` with "auto" resolved for the run's device."""
+        if self.loss_chunk_anchors != "auto":
+            return int(self.loss_chunk_anchors)
+        return CHUNK_ANCHORS_CUDA if torch.device(device).type == "cuda" else CHUNK_ANCHORS_CPU
+
+    def compile_mode(self, device: torch.device | str) -> str:
+        """`compile` with "auto" resolved for the run's device ("off" | "layers" | "model")."""
+        return "off" if self.compile == "auto" else self.compile

@@ -211,10 +211,11 @@ class Trainer:
             init_state=init_state,
             zero_init=cfg.deepspeed.zero_init,
         )
-        self.loss_impl = self.spec.apply_perf(self.engine.model, cfg.perf)
+        self.loss_impl = self.spec.apply_perf(self.engine.model, cfg.perf, self.engine.device)
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
-            f"loss {self.loss_impl}, world size {self.world}"
+            f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "
+            f"world size {self.world}"
         )
         self.step, self.epoch = 0, 0
         self.resumed_from = None
@@ -249,6 +250,8 @@ class Trainer:
                     "derived.warmup_steps": warmup,
                     "derived.zero_stage": self.engine.zero_stage,
                     "derived.loss_impl": self.loss_impl,
+                    "derived.loss_chunk_anchors": cfg.perf.chunk_anchors(self.engine.device),
+                    "derived.compile": cfg.perf.compile_mode(self.engine.device),
                 }
             )
             self.tracker.log_params(params)

@@ -9,7 +9,10 @@
 - ``python(argv, ...)``: the same for one plain process (``python3 <argv>``).
 - ``train_many``: ``python tests/helpers/dist.py train-many <json>`` runs several
   ``dspark-ds train`` argument lists in ONE process (one deepspeed import, one process group);
-  used under torchrun to keep 2-rank tests cheap.
+  used under torchrun to keep 2-rank tests cheap. The runs are under the device guard
+  (helpers/device_guard.py).
+- ``GUARDED``: prefix of a torchrun / python argv that runs the rest under the device guard;
+  ``guarded_env(dir)`` / ``guard_stats(dir)``: where its processes leave their counts.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[2]
+GUARDED = [str(REPO / "tests" / "helpers" / "device_guard.py")]
+
+
+def guarded_env(stats_dir: Path) -> dict:
+    """Env of a GUARDED launch whose ranks write their guard counts under `stats_dir`."""
+    stats_dir.mkdir(parents=True, exist_ok=True)
+    return {"DEVICE_GUARD_STATS": str(stats_dir / "guard")}
+
+
+def guard_stats(stats_dir: Path) -> list[dict]:
+    """The counts each guarded process of a launch left (one dict per process)."""
+    return [json.loads(p.read_text()) for p in sorted(stats_dir.glob("guard.*"))]
 
 
 def free_port() -> int:
@@ -148,34 +163,42 @@ def target_facts(trainer) -> dict | None:
 
 def train_many(runs: list[list[str]], result_file: str) -> None:
     """Each entry: the argv of `dspark-ds train`. Rank 0 writes {name: losses, ...} to
-    result_file (with `target_facts` of every rank, after the run)."""
+    result_file (with `target_facts` of every rank, after the run), and to
+    `<result_file>.device_guard.json` the counts of the collectives the device guard checked
+    (helpers/device_guard.py: every run here is guarded; a host-made tensor handed to a
+    collective by dspark_ds fails the run)."""
     import torch.distributed as dist
 
     from dspark_ds.cli import parse_config
     from dspark_ds.distributed import leave
     from dspark_ds.train.trainer import Trainer
 
+    from helpers.device_guard import DeviceGuard
+
     results = {}
-    for argv in runs:
-        cfg = parse_config("train", argv)
-        trainer = Trainer(cfg)
-        res = trainer.run()
-        facts = [None] * dist.get_world_size()
-        dist.all_gather_object(facts, target_facts(trainer))
-        results[cfg.name] = {
-            "losses": res.losses,
-            "export_dir": res.export_dir,
-            "mlflow_run_id": res.mlflow_run_id,
-            "val": res.val_metrics,
-            "target": facts,
-        }
-        del trainer
-    if int(os.environ.get("RANK", 0)) == 0:
-        Path(result_file).write_text(json.dumps(results))
-    leave(0)
+    with DeviceGuard() as guard:
+        for argv in runs:
+            cfg = parse_config("train", argv)
+            trainer = Trainer(cfg)
+            res = trainer.run()
+            facts = [None] * dist.get_world_size()
+            dist.all_gather_object(facts, target_facts(trainer))
+            results[cfg.name] = {
+                "losses": res.losses,
+                "export_dir": res.export_dir,
+                "mlflow_run_id": res.mlflow_run_id,
+                "val": res.val_metrics,
+                "target": facts,
+            }
+            del trainer
+        if int(os.environ.get("RANK", 0)) == 0:
+            Path(result_file).write_text(json.dumps(results))
+            Path(f"{result_file}.device_guard.json").write_text(json.dumps(guard.stats))
+        leave(0)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO / "tests"))  # `helpers.*` as the test modules import it
     if sys.argv[1] == "train-many":
         spec = json.loads(Path(sys.argv[2]).read_text())
         train_many(spec["runs"], spec["result_file"])

@@ -10,7 +10,8 @@ Implementations, chosen by `attn_implementation`:
 - "blockwise": exact, computes only what the mask can show: each chunk of blocks attends to
   the context prefix up to its largest anchor plus its own G x G block, in one softmax. The
   CPU training path (flex_attention has no backward on CPU).
-- "flex": a flex_attention BlockMask (GPU training; forward-only on CPU).
+- "flex": a flex_attention BlockMask built from the anchors, and flex_attention compiled once
+  per process on CUDA (flex.py; GPU training; forward-only on CPU, uncompiled there).
 - None mask: every key visible (inference rounds, where the cache holds only context).
 """
 
@@ -56,24 +57,12 @@ def dense_block_mask(
 def flex_block_mask(
     anchor_positions: torch.Tensor, block_keep_mask: torch.Tensor, *, seq_len: int, block_size: int
 ):
-    """The same visibility as a flex_attention BlockMask."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """The same visibility as a flex_attention BlockMask, built from the anchors in O(tiles)
+    (drafters/common/flex.py)."""
+    from dspark_ds.drafters.common.flex import dspark_block_mask
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        qb = q_idx // block_size
-        in_ctx = (kv_idx < seq_len) & (kv_idx < anchor_positions[b, qb])
-        in_block = (kv_idx >= seq_len) & ((kv_idx - seq_len) // block_size == qb)
-        return (in_ctx | in_block) & block_keep_mask[b, qb]
-
-    bsz, num_blocks = anchor_positions.shape
-    q_len = num_blocks * block_size
-    return create_block_mask(
-        mask_mod,
-        B=bsz,
-        H=None,
-        Q_LEN=q_len,
-        KV_LEN=seq_len + q_len,
-        device=anchor_positions.device,
+    return dspark_block_mask(
+        anchor_positions, block_keep_mask, seq_len=seq_len, block_size=block_size
     )
 
 
@@ -124,11 +113,9 @@ def attend(
         safe_mask = mask | ~row_sees_any
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, scale=scaling)
         return out * row_sees_any.to(out.dtype)
-    from torch.nn.attention.flex_attention import flex_attention
+    from dspark_ds.drafters.common.flex import flex_attend
 
-    return flex_attention(
-        q, k, v, block_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    return flex_attend(q, k, v, mask, scaling=scaling)  # compiled on CUDA
 
 
 def blockwise_attend(

@@ -150,8 +150,15 @@ class _ChunkRunner:
                 )
                 grad_hidden[b0:b1] += got[0]
                 for i, g in enumerate(got[1:]):
-                    if g is not None:
-                        grad_params[i] = g.float() if grad_params[i] is None else grad_params[i] + g
+                    if g is None:
+                        continue
+                    if grad_params[i] is None:
+                        grad_params[i] = g.float()
+                    else:  # NOTE: in place: a [V, r] Markov gradient per chunk otherwise
+                        grad_params[i].add_(g)
+                # NOTE: the lists hold this chunk's [N, V] logits and gradient: left alive,
+                # they would sit beside the next chunk's until its autograd.grad
+                del outputs, grad_outputs, got
             del logits, target_logits, grad_logits, grad_target
 
         main = plan.coef_ce * (ce_out * w).sum()

@@ -1,57 +1,212 @@
-"""Activation memory of one DSpark / DFlash training step, by component (for `dspark-ds tune`).
+"""Activation memory of one DSpark / DFlash training micro-batch, from what autograd keeps
+(the registry's `activation_bytes`, which `dspark-ds tune` adds to the ZeRO states).
 
-Forward-saved tensors plus the largest backward transient of one micro-batch (B × S):
-features in, the context projection, per draft layer the A·γ draft tokens and the attention over
-[context; block], and the vocabulary-sized tensors: draft / Markov-corrected / target logits over
-B·A·γ·V and their fp32 softmaxes, log-softmax and |p_d - p_t| (the chunked loss holds only
-loss_chunk_anchors·γ·V of them at a time), plus their gradients in the backward.
+The peak of a micro-batch is reached while the loss runs (forward or backward of its
+vocabulary-sized part) or, for small vocabularies, in the first layer backward. At that point
+memory holds: the batch (the target's features), every tensor the draft layers saved for their
+backward, and the loss's own working set. Each term below follows the code it models, op by
+op, and says what autograd saves there (S context tokens, T = B·A·γ draft tokens, b bytes of
+the compute dtype, fp32 where the code upcasts):
+
+- RMSNorm (transformers' Qwen3RMSNorm, on N rows of width W): the fp32 input (4NW), the
+  normalised value in the compute dtype (bNW), the fp32 rsqrt (4N); its output (bNW) when a
+  linear layer takes it (a Linear saves its input).
+- a draft layer: input RMSNorm (H) + q / k RMSNorms per head (D) + the attention's own saves
+  + o_proj's input + post-attention RMSNorm + the MLP (gate and up outputs, SiLU output, the
+  product: 4·b·T·F); per layer also the context keys' RMSNorm (k_norm over S·Hkv rows).
+- attention: "blockwise" and "flex" save q, k, v, the output and an fp32 log-sum-exp per query
+  and head (flex's backward recomputes scores from them like the blockwise kernel); "dense"
+  (SDPA with a boolean mask: the fused CPU kernel, the memory-efficient CUDA kernel) saves q,
+  k and v repeated to every query head (GQA), the output, the log-sum-exp and the mask
+  converted to an additive bias [B, 1, A·γ, S + A·γ] in the compute dtype.
+- the loss: "reference" saves three fp32 [T, V] tensors (the CE's log-softmax, the draft
+  softmax and the p_d - p_t difference of the L1 term); its peak adds the live logits of the
+  L1 term in forward (draft and target logits in the compute dtype, their fp32 copies, the
+  target softmax) or, in backward, the fp32 gradients flowing back to the logits. "chunked"
+  keeps the hidden-state gradient (fp32 [T, H]) and per chunk of c·γ rows the logits, their
+  fp32 copy, the softmaxes and the gradient; "recompute" saves nothing vocabulary-sized and
+  holds, in backward, one chunk of the reference path's tensors.
+
+`tests/test_tuner_activations.py` checks `saved_bytes` against the bytes autograd actually
+saves (saved_tensors_hooks) and `activation_bytes` against the peak of live tensors measured by
+the profiler, on CPU, at several shapes, both dtypes, every attention and loss path.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from dspark_ds.drafters.common.memory import StepShapes
 from dspark_ds.drafters.dspark.step import loss_impl_for
 from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.perf.config import PerfConfig
 
+ATTENTIONS = ("flex", "blockwise", "dense")
+LOSSES = ("reference", "chunked", "recompute")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one micro-batch's activations depend on."""
+
+    batch: int
+    seq_len: int
+    num_anchors: int
+    block_size: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    draft_layers: int
+    taps: int
+    markov_rank: int
+    compute_bytes: int = 2
+    """2 under bf16, 4 under fp32."""
+    feature_bytes: int = 2
+    """Bytes of the target's features (its dtype)."""
+    confidence_head: bool = True
+    aligned: bool = True
+    """The target's last hidden states are in the batch (L1 term, confidence head)."""
+
+    @property
+    def draft_tokens(self) -> int:
+        """T = B·A·γ (at most one anchor per position)."""
+        return self.batch * min(self.num_anchors, self.seq_len) * self.block_size
+
+    @property
+    def context_tokens(self) -> int:
+        return self.batch * self.seq_len
+
+
+def _rms_norm(rows: float, width: int, b: int, feeds_linear: bool) -> float:
+    return (
+        4 * rows * width + b * rows * width + 4 * rows + (b * rows * width if feeds_linear else 0)
+    )
+
+
+def saved_bytes(shape: StepShape, attn: str) -> dict[str, float]:
+    """Bytes the drafter's forward (up to the loss) saves for backward, by component."""
+    if attn not in ATTENTIONS:
+        raise ValueError(f"attn: expected one of {ATTENTIONS}, got {attn!r}")
+    s, b = shape, shape.compute_bytes
+    T, C = s.draft_tokens, s.context_tokens
+    H, F, D = s.hidden, s.intermediate, s.head_dim
+    q_width, kv_width = s.heads * D, s.kv_heads * D
+    keys = C + T  # [context; drafts] per layer
+    out: dict[str, float] = {}
+    # the context: fc's input is the batch itself; hidden_norm's output is every layer's k/v input
+    out["context_norm"] = _rms_norm(C, H, b, feeds_linear=True)
+    # RoPE's cos and sin of the context and draft positions, shared by every layer
+    out["rope"] = 2 * (C + T) * D * b
+    layer = (
+        _rms_norm(T, H, b, feeds_linear=True)  # input_layernorm
+        + _rms_norm(T * s.heads, D, b, feeds_linear=False)  # q_norm
+        + _rms_norm(T * s.kv_heads, D, b, feeds_linear=False)  # k_norm, draft keys
+        + _rms_norm(C * s.kv_heads, D, b, feeds_linear=False)  # k_norm, context keys
+        + b * T * q_width  # o_proj's input
+        + _rms_norm(T, H, b, feeds_linear=True)  # post_attention_layernorm
+        + 4 * b * T * F  # MLP: gate and up outputs, SiLU output, their product
+    )
+    if attn == "dense":
+        q_len = T // s.batch
+        attention = (
+            2 * b * T * q_width  # q, output
+            + 2 * b * keys * q_width  # k, v repeated to every query head
+            + 4 * T * s.heads  # log-sum-exp
+            + b * s.batch * q_len * (s.seq_len + q_len)  # the mask as an additive bias
+        )
+    else:
+        attention = 2 * b * T * q_width + 2 * b * keys * kv_width + 4 * T * s.heads
+    out["draft_layers"] = s.draft_layers * (layer + attention)
+    out["final_norm"] = _rms_norm(T, H, b, feeds_linear=False)
+    return out
+
+
+def loss_bytes(shape: StepShape, loss: str, chunk_anchors: int) -> dict[str, float]:
+    """The loss's working set at its peak (vocabulary-sized tensors and what goes with them)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss: expected one of {LOSSES}, got {loss!r}")
+    s, b = shape, shape.compute_bytes
+    T, V, H, r = s.draft_tokens, s.vocab, s.hidden, s.markov_rank
+    half = b < 4  # bf16: fp32 copies of the logits where the code upcasts
+    out: dict[str, float] = {}
+    # the confidence head's input (hidden and the Markov embedding of the previous token)
+    out["heads"] = b * T * (H + r) if s.confidence_head else 0.0
+    if loss == "reference":
+        # saved: log-softmax, p_d, p_d - p_t (fp32); live at the peak: p_t (fp32), draft and
+        # target logits (compute dtype) and, under bf16, no extra copy (freed after softmax)
+        out["logits"] = (12 + 4 + 2 * b) * T * V
+        return out
+    rows = min(chunk_anchors * s.block_size, T)
+    if loss == "chunked":
+        # per chunk: logits, target logits (+ their fp32 copies under bf16), p, q; or, inside
+        # autograd.grad, logits, target logits and the gradient (+ its cast), with the Markov
+        # weights' new gradients beside their fp32 accumulators
+        computing = (2 * b + 8 + (8 if half else 0)) * rows * V + 8 * r * V
+        backward = (2 * b + 4 + (b if half else 0)) * rows * V + 16 * r * V
+        out["logits_chunk"] = max(computing, backward)
+        out["grad_hidden"] = (4 + b) * T * H  # the fp32 accumulator and its cast
+        return out
+    # recompute: one chunk of the reference path, recomputed in backward, and the Markov
+    # weights' gradients of that chunk (dense [V, r] each)
+    out["logits_chunk"] = 24 * rows * V + 2 * b * r * V
+    return out
+
+
+def attention_backward_bytes(shape: StepShape, attn: str, chunk_blocks: int = 16) -> float:
+    """The attention backward's own transients (the loss's tensors are gone by then).
+
+    blockwise: per chunk of `chunk_blocks` blocks the recomputed scores, probabilities and
+    their gradients over [context up to the chunk's last anchor; own block] (4 fp32-sized
+    tensors under fp32, the equivalent of 2.5 under bf16: measured with the profiler on CPU);
+    flex and dense: the gradients of q, k and v (dense: k and v repeated to every head)."""
+    s, b = shape, shape.compute_bytes
+    T, keys = s.draft_tokens, s.context_tokens + s.draft_tokens
+    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    if attn == "blockwise":
+        rows = s.batch * s.heads * min(chunk_blocks, s.num_anchors) * s.block_size
+        return (16 if b == 4 else 10) * rows * (s.seq_len + s.block_size)
+    width = q_width if attn == "dense" else kv_width
+    return b * (T * q_width + 2 * keys * width) + 4 * T * s.heads
+
+
+def micro_batch_bytes(
+    shape: StepShape, attn: str, loss: str, chunk_anchors: int
+) -> dict[str, float]:
+    """Peak bytes of one micro-batch above the weights, gradients and optimizer state, by
+    component: the batch's features, what the drafter saves for backward, and the larger of
+    the loss's working set and the attention backward's transients (they never overlap: the
+    loss's tensors are freed before the layers' backward starts)."""
+    s = shape
+    features = s.batch * s.seq_len * (s.taps + (1 if s.aligned else 0)) * s.hidden
+    out = {"features_in": float(features * s.feature_bytes)}
+    out.update(saved_bytes(s, attn))
+    loss_part = loss_bytes(s, loss, chunk_anchors)
+    attn_part = attention_backward_bytes(s, attn)
+    if sum(loss_part.values()) >= attn_part:
+        out.update(loss_part)
+    else:
+        out["attention_backward"] = attn_part
+    return out
+
 
 def activation_bytes(
     s: StepShapes, model: DrafterConfig, perf: PerfConfig, device: str, stage: int
 ) -> dict[str, float]:
-    """Peak activation bytes of one micro-batch by component; `device` cuda | cpu, `stage` the
-    ZeRO stage (it decides the loss path, as in training)."""
-    b, B, S = s.compute_bytes, s.batch, s.seq_len
-    A, G = model.num_anchors, model.block_size
-    H, F, V = s.hidden, s.intermediate, s.vocab
-    Q = min(A, S) * G  # draft tokens per sequence (at most one anchor per position)
-    kv = s.kv_heads * s.head_dim
-    qd = s.heads * s.head_dim
-    out: dict[str, float] = {}
-    out["features_in"] = s.features_in()
-    out["context_proj"] = B * S * H * b * 3  # fc out, norm in/out
-    per_layer_tokens = B * Q * (6 * H + 2 * qd + 3 * F) * b  # norms, q, attn out, mlp
-    per_layer_kv = B * (S + Q) * 4 * kv * b  # k, v before / after norm + rope
-    if device == "cuda" or perf.attn_implementation in ("auto", "blockwise"):
-        # flex_attention (CUDA) and the blockwise kernel (elsewhere) keep only the output and
-        # a log-sum-exp per query and head; probabilities are recomputed in backward
-        per_layer_attn = B * Q * (qd * b + s.heads * 4)
-    else:
-        # scores + probabilities (fp32) over [context; own block] for every draft token
-        per_layer_attn = B * s.heads * Q * (S + G) * 4 * 2
-    out["draft_layers"] = s.draft_layers * (per_layer_tokens + per_layer_kv + per_layer_attn)
-    impl = loss_impl_for(perf.loss_impl, zero3=stage == 3)
-    rows = B * Q
-    if impl != "reference":
-        rows = min(rows, perf.loss_chunk_anchors * G)
-    # at the peak (inside the L1 term): the Markov-corrected draft logits and the aligned target
-    # logits (compute dtype), the fp32 log-softmax saved by the CE, the softmaxes of draft and
-    # target and their difference (fp32), plus the fp32 copy of the draft logits under bf16.
-    # The backward frees these saved tensors as it creates the logits' gradients, so it does
-    # not add another full set.
-    # The fused chunked loss (loss_chunked.py) works in place: per chunk the draft and target
-    # logits, p_d and p_t (fp32; the gradient overwrites them), plus the fp32 copy under bf16;
-    # its recompute form holds what the reference path holds, for one chunk.
-    fp32_buffers = 2 if impl == "chunked" else 4
-    out["logits_softmax"] = rows * V * (2 * b + 4 * fp32_buffers + (4 if b == 2 else 0))
-    out["markov_confidence"] = B * Q * (2 * model.markov_rank + H) * b
-    return out
+    """The registry's entry: `micro_batch_bytes` for a run's shapes, model section and perf
+    section on `device` (cuda | cpu) at ZeRO `stage`, resolving "auto" as training does."""
+    shape = StepShape(
+        batch=s.batch, seq_len=s.seq_len, num_anchors=model.num_anchors,
+        block_size=model.block_size, hidden=s.hidden, intermediate=s.intermediate,
+        vocab=s.vocab, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+        draft_layers=s.draft_layers, taps=s.taps, markov_rank=model.markov_rank,
+        compute_bytes=s.compute_bytes, feature_bytes=s.feature_bytes,
+        confidence_head=model.confidence_head_alpha > 0,
+    )  # fmt: skip
+    attn = perf.attn_implementation
+    if attn == "auto":  # the drafter's own rule (DSparkDraftModel.resolve_attn_implementation)
+        attn = "flex" if device == "cuda" else "blockwise"
+    loss = loss_impl_for(perf.loss_impl, zero3=stage == 3)
+    return micro_batch_bytes(shape, attn, loss, perf.chunk_anchors(device))

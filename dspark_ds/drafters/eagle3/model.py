@@ -118,22 +118,25 @@ def ttt_attention_flex(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float
 ) -> torch.Tensor:
     """The same visibility as one flex_attention call over [keys_0; ...; keys_k] (GPU training)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dspark_ds.drafters.common.flex import flex_attend
 
     seq = q.shape[2]
+    # NOTE: the sequence length as a tensor, not a Python int: the compiled kernel would
+    # specialise (and recompile) on a captured int (drafters/common/flex.py)
+    seq_t = torch.tensor(seq, device=q.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        pos = kv_idx % seq
-        return ((kv_idx < seq) & (kv_idx <= q_idx)) | ((kv_idx >= seq) & (pos == q_idx))
+        pos = kv_idx % seq_t
+        return ((kv_idx < seq_t) & (kv_idx <= q_idx)) | ((kv_idx >= seq_t) & (pos == q_idx))
 
     k = torch.cat(keys, dim=2)
     v = torch.cat(values, dim=2)
     block_mask = create_block_mask(
         mask_mod, B=None, H=None, Q_LEN=seq, KV_LEN=k.shape[2], device=q.device
     )
-    return flex_attention(
-        q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    return flex_attend(q, k, v, block_mask, scaling=scaling)  # compiled on CUDA
 
 
 def causal_cache_mask(q_len: int, cached: int, device: torch.device) -> torch.Tensor:

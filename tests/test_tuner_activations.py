@@ -1,0 +1,109 @@
+"""The tuner's activation model (dspark_ds/drafters/dspark/memory.py) against measurements that do not
+depend on an allocator (helpers/memory.py): the bytes autograd saves for backward, and the peak
+of live tensors over one micro-batch (forward, loss, backward), at several small shapes, both
+dtypes, every attention implementation CPU can train with and every loss path."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dspark_ds.drafters import build_draft_config, build_draft_model
+from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.memory import StepShape, saved_bytes
+from dspark_ds.drafters.dspark.memory import micro_batch_bytes as activation_bytes
+from dspark_ds.drafters.dspark.step import forward_and_loss
+
+from helpers.memory import micro_batch_memory
+
+LOSS_ARGS = dict(
+    loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
+)
+# (the vocabulary-sized loss dominates; the layers and the loss weigh alike)
+SHAPES = {
+    "vocab": StepShape(1, 256, 32, 4, 64, 160, 16000, 4, 2, 16, 2, 3, 16, 4, 4),
+    "mixed": StepShape(1, 384, 48, 6, 128, 320, 6000, 8, 2, 16, 2, 3, 32, 4, 4),
+}
+CHUNK_ANCHORS = 5
+
+
+def measure(shape: StepShape, attn: str, loss: str, dtype: torch.dtype) -> dict[str, int]:
+    s = shape
+    target = Qwen3Config(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.taps + 1,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        head_dim=s.head_dim,
+        tie_word_embeddings=False,
+    )
+    draft = build_draft_config(
+        target,
+        target_layer_ids=list(range(s.taps)),
+        mask_token_id=s.vocab - 1,
+        num_draft_layers=s.draft_layers,
+        block_size=s.block_size,
+        num_anchors=s.num_anchors,
+        markov_rank=s.markov_rank,
+        markov_head_type="vanilla",
+        confidence_head_alpha=1.0,
+        confidence_head_with_markov=True,
+    )
+    torch.manual_seed(0)
+    model = build_draft_model(draft)
+    model.freeze_shared()
+    model.to(dtype).train()
+    model.attn_implementation = attn
+    g = torch.Generator().manual_seed(1)
+    B, S, H = s.batch, s.seq_len, s.hidden
+    loss_mask = torch.ones(B, S)
+    loss_mask[:, :8] = 0
+    anchors, keep = sample_anchor_positions(loss_mask, s.num_anchors, generator=g)
+    batch = dict(
+        input_ids=torch.randint(0, s.vocab - 1, (B, S), generator=g),
+        loss_mask=loss_mask,
+        target_hidden_states=torch.randn(B, S, s.taps * H, generator=g).to(dtype),
+        target_last_hidden_states=torch.randn(B, S, H, generator=g).to(dtype),
+        anchor_positions=anchors,
+        block_keep_mask=keep,
+    )
+
+    def step() -> torch.Tensor:
+        return forward_and_loss(model, batch, LOSS_ARGS, impl=loss, chunk_anchors=CHUNK_ANCHORS)[0]
+
+    return micro_batch_memory(model, batch, step)
+
+
+CASES = list(
+    itertools.product(SHAPES, ("blockwise", "dense"), ("reference", "chunked", "recompute"))
+)
+
+
+@pytest.mark.parametrize("shape_name,attn,loss", CASES)
+def test_estimate_matches_saved_tensors_and_live_peak(shape_name, attn, loss):
+    for dtype in (torch.float32, torch.bfloat16):
+        b = 4 if dtype == torch.float32 else 2
+        shape = StepShape(**{**SHAPES[shape_name].__dict__, "compute_bytes": b, "feature_bytes": b})
+        got = measure(shape, attn, loss, dtype)
+        est = activation_bytes(shape, attn, loss, CHUNK_ANCHORS)
+        # the batch is allocated before the measured micro-batch
+        peak = sum(est.values()) - est["features_in"]
+        assert peak == pytest.approx(got["peak_bytes"], rel=0.05), (dtype, est, got)
+        if loss == "chunked":  # the drafter's saves; the chunked loss itself saves ~nothing
+            saved = sum(saved_bytes(shape, attn).values())
+            assert saved == pytest.approx(got["saved_bytes"], rel=0.02), (dtype, got)
+
+
+def test_qwen3_8b_shape_per_path():
+    """The Qwen3-8B DSpark shape of issue 13 (B 1, S 4096, A 512, γ 7, bf16): the compiled-flex
+    chunked path (chunk 256) needs well under the dense / reference path's working memory."""
+    shape = StepShape(1, 4096, 512, 7, 4096, 12288, 151936, 32, 8, 128, 5, 5, 256)
+    flex = sum(activation_bytes(shape, "flex", "chunked", 256).values())
+    dense = sum(activation_bytes(shape, "dense", "reference", 256).values())
+    assert 9 * 2**30 < flex < 10.5 * 2**30 and 14 * 2**30 < dense < 16 * 2**30
+    assert flex / dense < 0.7

@@ -86,7 +86,13 @@ def test_eagle3_recipe_is_estimated_as_eagle3():
 
     from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
 
-    result = tuner.run(tuner.TunerConfig(recipe=str(RECIPES / "eagle3_qwen3_8b.yaml")))
+    # the chunk pinned at 32 positions (perf.loss_chunk_anchors "auto" is 256 on CUDA)
+    result = tuner.run(
+        tuner.TunerConfig(
+            recipe=str(RECIPES / "eagle3_qwen3_8b.yaml"),
+            overrides=["--perf.loss_chunk_anchors", "32"],
+        )
+    )
     target = Qwen3Config(**tuner.KNOWN_TARGETS["Qwen/Qwen3-8B"])
     with torch.device("meta"):
         model = build_draft_model(build_eagle3_config(target, target_layer_ids=[1, 9, 17, 25, 33]))

@@ -52,7 +52,7 @@ def activation_bytes(
         # per chunk of loss_chunk_anchors × T rows: draft and target logits (+ fp32 copies),
         # the target distribution, log-softmax, the accept-rate terms and the closed-form
         # gradient (fp32)
-        rows = min(B * S * T, perf.loss_chunk_anchors * T)
+        rows = min(B * S * T, perf.chunk_anchors(device) * T)
         out["logits_softmax"] = rows * V * (2 * b + 2 * fp32_copy + 5 * 4)
     else:
         # the draft logits over every row, per step the fp32 log-softmax and the shifted target

@@ -331,6 +331,13 @@ class DrafterEngine:
     def step(self) -> None:
         self.ds.step()
 
+    def skip_step(self) -> None:
+        """An optimizer step that is not taken (its loss was not finite): no update, but the
+        learning-rate schedule moves on, so step numbers and rates stay those of the plan.
+        Only valid when no micro-batch of the step has been back-propagated."""
+        if self.ds.lr_scheduler is not None:
+            self.ds.lr_scheduler.step()
+
     def train(self) -> None:
         self.ds.train()
 

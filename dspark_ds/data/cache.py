@@ -367,10 +367,9 @@ def build_cache(
     if cfg.repair:
         bad, remake = repair_shards(cache_dir, len(store), per_shard)
         shown = "; ".join(bad.values()) if len(bad) <= 5 else f"{len(bad)} shards"
-        print(
-            f"[build-cache rank {rank}] repair: {len(bad)} damaged shard(s) removed"
-            + (f" ({shown}); re-making them" if bad else ""),
-            flush=True,
+        dist.log(
+            f"[build-cache] repair: {len(bad)} damaged shard(s) removed"
+            + (f" ({shown}); re-making them" if bad else "")
         )
         dist.barrier()
     done = completed_shards(cache_dir)
@@ -401,26 +400,23 @@ def build_cache(
         if on_shard_written is not None:
             on_shard_written(sidecar)
     bar.close()
-    print(
-        f"[build-cache rank {rank}] shards written: {counts['shards_written']}, already "
-        f"complete: {counts['shards_skipped']}",
-        flush=True,
+    dist.log(
+        f"[build-cache] shards written: {counts['shards_written']}, already "
+        f"complete: {counts['shards_skipped']}"
     )
     dist.barrier()
     manifest = None
     if rank == 0 or not dist.has_group():
         if dist.has_group() or _covered(cache_dir, len(store)):
             manifest = finalize(cache_dir)
-            print(
+            dist.log(
                 f"[build-cache] manifest written: {manifest['num_samples']} samples, "
-                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {len(manifest['shards'])} shards",
-                flush=True,
+                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {len(manifest['shards'])} shards"
             )
         else:
-            print(
-                f"[build-cache rank {rank}] other ranks still running; the last one to finish "
-                "writes the manifest",
-                flush=True,
+            dist.log(
+                "[build-cache] other ranks still running; the last one to finish "
+                "writes the manifest"
             )
     dist.barrier()
     return manifest

@@ -447,7 +447,7 @@ class TargetCache:
         self.layer_ids, self.hidden_size = m["layer_ids"], m["hidden_size"]
         self.storage = m["dtype"]
         self.out_dtype = _FLOAT_DTYPES[m["feature_dtype"]]
-        self._verify(verify)
+        self.verify(verify)
         n = m["num_samples"]
         self._where = torch.zeros(n, 3, dtype=torch.int64)  # shard index, offset, length
         for k, s in enumerate(m["shards"]):
@@ -462,8 +462,9 @@ class TargetCache:
         }
         self._files: OrderedDict = OrderedDict()
 
-    def _verify(self, verify: str) -> None:
-        """Presence + size of every shard; sha256 of this rank's share (errors are shared)."""
+    def verify(self, verify: str) -> None:
+        """Collective. Presence + size of every shard; sha256 ("sha256") of this rank's share;
+        CacheError naming the damaged shards and the repair (errors are shared)."""
         rank, world = dist.rank_and_world()
         errors = []
         for k, s in enumerate(self.manifest["shards"]):

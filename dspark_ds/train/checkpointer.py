@@ -70,11 +70,15 @@ class Checkpointer:
                     f"checkpoint.resume: {path} is damaged: {'; '.join(problems[:4])}; pass the "
                     "run directory to fall back to its newest intact checkpoint"
                 )
-            return path
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        return self._newest_intact(root, own=root.resolve() == self.dir.resolve())
+            chosen, damaged = path, set()
+        else:
+            root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+            chosen, damaged = self._newest_intact(root)
+        if chosen is not None and chosen.parent.resolve() == self.dir.resolve():
+            self._set_aside_newer(chosen, damaged)
+        return chosen
 
-    def _newest_intact(self, root: Path, own: bool) -> Path | None:
+    def _newest_intact(self, root: Path) -> tuple[Path | None, set[Path]]:
         tags = sorted(
             (p for p in root.iterdir() if ckpt.TAG_RE.match(p.name) and p.is_dir()),
             key=lambda p: ckpt.tag_step(p.name),
@@ -103,12 +107,10 @@ class Checkpointer:
                 )
             if self.cfg.resume != "auto":
                 raise ValueError(f"checkpoint.resume: {root} holds no complete checkpoint")
-            return None
+            return None, set()
         if damaged:
             print0(f"[train] falling back to {chosen.name}, the newest intact checkpoint")
-        if own:
-            self._set_aside_newer(chosen, {t for t, _ in damaged})
-        return chosen
+        return chosen, {t for t, _ in damaged}
 
     def _set_aside_newer(self, chosen: Path, damaged: set[Path]) -> None:
         """Complete tags newer than the one this run continues from belong to a continuation

@@ -80,11 +80,8 @@ def compare(saved: dict, new: dict) -> ConfigChanges:
     changes = ConfigChanges()
     for key in sorted(set(old_flat) | set(new_flat)):
         before, after = old_flat.get(key), new_flat.get(key)
-        if key not in old_flat or key not in new_flat:
-            # an option one version has and the other not, or a key of a dict-valued option
-            # (tracking.tags, deepspeed.overrides: both free)
-            if not _matches(key, FREE):
-                continue
+        if not (_known(key, old_flat) and _known(key, new_flat)):
+            continue  # an option only one of the two versions has
         if _same(before, after):
             continue
         if _matches(key, SCHEDULE):
@@ -96,6 +93,13 @@ def compare(saved: dict, new: dict) -> ConfigChanges:
         else:
             changes.refused[key] = (before, after)
     return changes
+
+
+def _known(key: str, flat: dict) -> bool:
+    """`key` is an option of this config, or a key inside one of its dict-valued options
+    (tracking.tags, deepspeed.overrides: {} / None flatten to the option itself)."""
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in flat for n in range(len(parts), 0, -1))
 
 
 def _same(a, b) -> bool:

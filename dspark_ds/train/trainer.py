@@ -34,6 +34,7 @@ import yaml
 
 from dspark_ds import distributed
 from dspark_ds.config import TrainRunConfig, dump_config, flatten, to_plain
+from dspark_ds.data.cache import CacheError
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_config, build_draft_model, sample_anchor_positions
 from dspark_ds.drafters.common.blocks import sampler_stat_sums
@@ -337,7 +338,7 @@ class Trainer:
                 f"{tag_dir} holds: {resume_rules.describe(differs)}; resume with the target "
                 "it was trained with"
             )
-        allowed = changes.allowed()
+        allowed = {k: v for k, v in changes.allowed().items() if k != "checkpoint.resume"}
         if allowed:
             print0(f"[train] resuming with changed options: {resume_rules.describe(allowed)}")
         return _Resume(tag_dir, meta, saved, allowed)
@@ -499,6 +500,7 @@ class Trainer:
         means over its micro-batches; None when a loss was non-finite on some rank and the step
         was skipped) and whether the engine is clean (False: gradients of earlier micro-batches
         of a skipped step are still accumulated)."""
+        at_start = self.epoch, self.source.state_dict()
         if self.source.position + self.grad_accum > len(self.source):
             # NOTE: a step never spans two epochs; the tail that is shorter than one step is
             # dropped (every rank drops the same number of batches).
@@ -507,7 +509,12 @@ class Trainer:
             self._iter = iter(self.source)
         step_metrics: dict[str, float] = {}
         for i in range(self.grad_accum):
-            batch = next(self._iter)
+            try:
+                batch = next(self._iter)
+            except CacheError as err:  # every rank (the cache's checks are collective)
+                if i > 0:
+                    raise
+                self._save_before_data_error(at_start, err)
             loss, metrics = self._forward_loss(batch)
             if not self._finite_on_every_rank(loss):
                 self._report_nonfinite(i, batch, loss)
@@ -521,6 +528,17 @@ class Trainer:
                 step_metrics[k] = step_metrics.get(k, 0.0) + float(v) / self.grad_accum
             self.metrics.add_micro_batch(batch)
         return step_metrics, True
+
+    def _save_before_data_error(self, at_start: tuple[int, dict], err: Exception) -> None:
+        """A cache found damaged when a step begins (e.g. at an epoch start): checkpoint the
+        finished steps (data rewound to this step's start), then the one-line error."""
+        self.epoch = at_start[0]
+        self.source.load_state_dict(at_start[1])
+        tag = self.save()
+        raise CacheError(
+            f"{err} (checkpoint {tag} holds every finished step; after the repair, "
+            "--checkpoint.resume auto continues from it)"
+        ) from None
 
     @staticmethod
     def _finite_on_every_rank(loss: torch.Tensor) -> bool:

@@ -590,9 +590,11 @@ class Trainer:
                                       grad_norm=self.engine.grad_norm,
                                       counters={"nonfinite_steps": self.nonfinite_total})  # fmt: skip
                 stop = self.signals.agreed()
-                if self.checkpointer.should_save(self.step, last_step=last) or stop or not clean:
+                diverged = self.nonfinite_in_row >= self.cfg.train.max_nonfinite_in_row
+                must_save = stop or diverged or not clean
+                if must_save or self.checkpointer.should_save(self.step, last_step=last):
                     self.save()
-                if self.nonfinite_in_row >= self.cfg.train.max_nonfinite_in_row:
+                if diverged:
                     self._stop_diverged()
                 if stop or not clean:
                     self._leave(stop or REQUEUE_EXIT_CODE, clean)

@@ -27,6 +27,7 @@ def test_meaning_is_refused_watching_is_free_length_has_a_rule():
     new["eval"]["every_steps"] = 7
     new["tracking"]["tags"] = {"team": "x"}
     new["deepspeed"]["overrides"] = {"zero_optimization": {"reduce_bucket_size": 1000}}
+    new["deepspeed"]["backend"] = "gloo"
     new["data"]["batch_size"] = 4
     new["target"]["path"] = "/mnt/other/target"
     ch = compare(saved, new)
@@ -45,6 +46,7 @@ def test_meaning_is_refused_watching_is_free_length_has_a_rule():
         "checkpoint.every_steps",
         "eval.every_steps",
         "tracking.tags.team",
+        "deepspeed.backend",
         "deepspeed.overrides.zero_optimization.reduce_bucket_size",
         "data.batch_size",
     } <= set(ch.free)

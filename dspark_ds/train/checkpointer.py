@@ -156,10 +156,16 @@ class Checkpointer:
 
         meta = json.loads((tag_dir / "meta.json").read_text())
         stage = eng_lib.zero_stage(ds_config)
-        if meta["zero_stage"] != stage:
+        saved = eng_lib.optimizer_layout(json.loads((tag_dir / "ds_config.json").read_text()))
+        saved["ZeRO stage"] = meta["zero_stage"]
+        now = eng_lib.optimizer_layout(ds_config)
+        differs = {k: (saved[k], now[k]) for k in saved if saved[k] != now[k]}
+        if differs:
+            shown = ", ".join(f"{k} {a} (now {b})" for k, (a, b) in differs.items())
             raise ValueError(
-                f"deepspeed.config: {tag_dir} was written with ZeRO-{meta['zero_stage']}, this "
-                f"run uses ZeRO-{stage}; resume with the same stage"
+                f"deepspeed.config: {tag_dir} was written with {shown}; its optimizer state "
+                "loads only into the same layout: resume with the same ZeRO stage, offload and "
+                "optimizer (deepspeed.torch_adam)"
             )
         if meta["world_size"] == self.world or stage == 0:
             return tag_dir, ds_config

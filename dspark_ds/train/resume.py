@@ -6,7 +6,10 @@ mean the same thing or be refused. Three kinds of options:
 - **free**: how the run is watched, saved and executed, not what it computes — `name`,
   `output_dir`, `train.log_every`, `train.progress_bar`, `train.max_nonfinite_in_row`,
   `tracking.*`, `checkpoint.*`, `eval.*` (validation), `perf.*` (same results, another cost),
-  `deepspeed.*` (the ZeRO stage itself must stay: checked where the checkpoint is loaded),
+  `deepspeed.*` as long as the resolved DeepSpeed config keeps the ZeRO stage, the offload and
+  the optimizer implementation (`engine.optimizer_layout`, checked where the checkpoint is
+  loaded: offloading the optimizer swaps torch's AdamW for DeepSpeed's CPU Adam, whose state
+  does not load from the other's);
   `data.batch_size` (the micro-batch; `train.global_batch_size` is what the optimizer sees),
   `data.num_workers`, `data.cache_verify`, `model.init_from` (a resume never reads it);
 - **the schedule length** — `train.max_steps`, `train.num_epochs`: allowed, the learning rate

@@ -444,6 +444,8 @@ class Trainer:
                 f"intact: dspark-ds export --checkpoint {self.run_dir} --output_dir <dir>"
             )
         print0(f"[train] exported the final weights to {out}")
+        if self.rank == 0:
+            self.tracker.log_artifacts(str(out), "export")
         return out
 
     # ---- one step -----------------------------------------------------------------------------

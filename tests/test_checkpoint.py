@@ -128,3 +128,11 @@ def test_publish_never_removes_a_newer_complete_tag(tmp_path):
         "step_00000030.abandoned2"
     )
     assert ckpt.complete_tags(tmp_path) == ["step_00000020"]
+
+
+def test_export_refuses_a_damaged_checkpoint(tmp_path):
+    tag = saved_tag(tmp_path / "run" / "checkpoints")
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"b" * 10)
+    with pytest.raises(ValueError, match=r"is damaged: zero_pp_rank_1_.* has 10 bytes, 500"):
+        ckpt.export_checkpoint(tmp_path / "run", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

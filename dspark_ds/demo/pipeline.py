@@ -276,7 +276,8 @@ class DemoPipeline:
         info: dict = {"export": str(export)}
         log = run_dir / "train_log.jsonl"
         if log.is_file():
-            losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if line]
+            rows = [json.loads(line) for line in log.read_text().splitlines() if line]
+            losses = [r["loss"] for r in rows if r["loss"] is not None]  # null: a skipped step
             tail = losses[-max(1, len(losses) // 10) :]
             info.update(steps=len(losses), first_loss=losses[0], final_loss=sum(tail) / len(tail))
         self.train_info[kind] = info

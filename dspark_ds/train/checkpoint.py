@@ -282,6 +282,10 @@ def export_checkpoint(
         tag_dir = resolve_tag_dir(checkpoint)
     except FileNotFoundError as err:
         raise ValueError(f"checkpoint: {err}") from None
+    manifest = read_manifest(tag_dir)
+    problems = check_files(tag_dir, manifest, set()) if manifest is not None else []
+    if problems:
+        raise ValueError(f"checkpoint: {tag_dir} is damaged: {'; '.join(problems[:4])}")
     claim_output_dir(output_dir, overwrite)
     if target_path is not None and not Path(target_path).is_dir():
         raise ValueError(f"target_path: {target_path} is not a local model directory")

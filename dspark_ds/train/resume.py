@@ -37,6 +37,7 @@ FREE = (
     "tracking.",
     "checkpoint.",
     "eval.",
+    "validation.",  # the section's later name
     "perf.",
     "deepspeed.",
     "data.batch_size",

@@ -320,7 +320,7 @@ def test_ctrl_c_checkpoints_and_a_damaged_checkpoint_falls_back(target, tmp_path
     intact one and recomputes the same losses. Status lines carry the time and the rank, and
     stdout being a pipe gives plain progress lines instead of a bar."""
     run = tmp_path / "int"
-    args = [*train_args(target, tmp_path, "int", "--train.max_steps", "60",
+    args = [*train_args(target, tmp_path, "int", "--train.max_steps", "40",
                         "--checkpoint.every_steps", "3", "--train.log_every", "1")]  # fmt: skip
     args.remove("--train.progress_bar")
     args.remove("false")
@@ -338,11 +338,11 @@ def test_ctrl_c_checkpoints_and_a_damaged_checkpoint_falls_back(target, tmp_path
     assert "Ctrl-C: finishing this step and writing a checkpoint" in text
     stopped = rows(run)
     stop = stopped[-1]["step"]
-    assert 4 <= stop < 60 and not (run / "REQUEUE").exists()
+    assert 4 <= stop < 40 and not (run / "REQUEUE").exists()
     assert (run / "checkpoints" / f"step_{stop:08d}" / "COMPLETE").exists()
     status = [line for line in text.splitlines() if "[train]" in line]
     assert status and all(STAMP.match(line) for line in status), status[:5]
-    assert any(f"[train] step {stop}/60" in line for line in status)
+    assert any(f"[train] step {stop}/40" in line for line in status)
 
     # damage the newest checkpoint: the resume falls back to the periodic one before it
     tag = run / "checkpoints" / f"step_{stop:08d}"
@@ -355,7 +355,7 @@ def test_ctrl_c_checkpoints_and_a_damaged_checkpoint_falls_back(target, tmp_path
     assert f"falling back to step_{fallback:08d}" in out, out[-3000:]
     assert (run / "checkpoints" / f"step_{stop:08d}.damaged").is_dir()
     again = rows(run)
-    assert [r["step"] for r in again] == list(range(1, 61))
+    assert [r["step"] for r in again] == list(range(1, 41))
     assert_same_losses(again, stopped, range(1, stop + 1))
 
 

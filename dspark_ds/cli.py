@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except (argparse.ArgumentError, ValueError, TypeError) as err:
         return _fail(_parse_error_text(err))
     from dspark_ds.distributed import leave
+    from dspark_ds.train.signals import INTERRUPT_EXIT_CODE, TrainingStopped
 
     try:
         entry(cfg)
@@ -157,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         # config problems found while setting up (cache mismatch, batch divisibility, a path
         # that does not exist, ...): one line, no traceback
         return _fail(_one_line(err))
-    except SystemExit as err:  # the trainer's requeue exit (75), every rank together
+    except TrainingStopped as err:  # raised by every rank together, after what could be saved
+        print(f"dspark-ds: error: {_one_line(err)}", file=sys.stderr, flush=True)
+        leave(err.exit_code)
+        return err.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints first)
+        print("dspark-ds: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPT_EXIT_CODE
+    except SystemExit as err:  # the trainer's signal exits (75, 130), every rank together
         leave(int(err.code or 0))
         raise
     leave(0)

@@ -59,7 +59,12 @@ class TrainConfig:
     """> 0: train on this many random token sequences of length data.max_length whose
     features the target computes online, instead of data.paths (smoke tests, ZeRO tuning)."""
     progress_bar: bool = True
-    """Show a tqdm bar on rank 0."""
+    """Show a tqdm bar on rank 0 when stdout is a terminal; otherwise (and with false) rank 0
+    prints a plain progress line every log_every steps (Slurm logs)."""
+    max_nonfinite_in_row: int = 3
+    """A step whose loss is NaN or inf on any rank is skipped (no update; counted in
+    train/nonfinite_steps); this many such steps in a row stop the run (exit 1) with a
+    checkpoint of the last finite weights."""
 
     def validate(self, prefix: str = "train") -> None:
         _require(self.lr > 0, f"{prefix}.lr", "must be > 0", self)
@@ -73,6 +78,9 @@ class TrainConfig:
             _require(self.max_steps >= 1, f"{prefix}.max_steps", "must be >= 1", self)
         _require(self.log_every >= 1, f"{prefix}.log_every", "must be >= 1", self)
         _require(self.synthetic_samples >= 0, f"{prefix}.synthetic_samples", "must be >= 0", self)
+        _require(
+            self.max_nonfinite_in_row >= 1, f"{prefix}.max_nonfinite_in_row", "must be >= 1", self
+        )
 
 
 @dataclass
@@ -129,6 +137,12 @@ class CheckpointConfig:
     """Save a checkpoint when training ends."""
     export_final: bool = True
     """Export the final weights to <run>/export (interchange format, docs/checkpoint-format.md)."""
+    verify: Literal["auto", "size", "sha256"] = "auto"
+    """How a checkpoint is checked before a resume loads it, against the sizes and sha256 that
+    every rank recorded for its files at save: "size" (presence and size of every file),
+    "sha256" (also the contents; the ranks split the hashing), "auto" (sha256 when the
+    checkpoint holds at most 4 GiB per rank, sizes only above). A damaged checkpoint is skipped
+    for the newest one that passes, with a line saying which and why."""
 
 
 @dataclass
@@ -289,11 +303,11 @@ _WARNED: set[str] = set()
 
 def warn(message: str) -> None:
     """A config warning on stderr, once per process, on rank 0 only."""
-    from dspark_ds.distributed import is_rank0
+    from dspark_ds.distributed import print0
 
-    if message not in _WARNED and is_rank0():
+    if message not in _WARNED:
         _WARNED.add(message)
-        print(f"dspark-ds: warning: {message}", file=sys.stderr, flush=True)
+        print0(f"dspark-ds: warning: {message}", file=sys.stderr)
 
 
 def _require(ok: bool, option: str, why: str, section) -> None:

@@ -34,6 +34,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from dspark_ds import logs
+
 Launcher = Literal["torchrun", "mpi", "slurm", "single"]
 
 DEFAULT_MASTER_PORT = 29500
@@ -343,10 +345,17 @@ def is_rank0() -> bool:
     return rank_and_world()[0] == 0
 
 
-def print0(*args, **kwargs) -> None:
-    """print() on rank 0 only, flushed (batch logs interleave otherwise)."""
-    if is_rank0():
-        print(*args, **kwargs, flush=True)
+def print0(*args, file=None, sep: str = " ") -> None:
+    """A status line on rank 0 only, with the time and the rank (`dspark_ds.logs`), flushed.
+    `file`: the stream (stdout by default)."""
+    rank, _ = rank_and_world()
+    if rank == 0:
+        logs.emit(sep.join(str(a) for a in args), rank, file)
+
+
+def log(*args, file=None, sep: str = " ") -> None:
+    """A status line from this rank (every rank prints), with the time and the rank."""
+    logs.emit(sep.join(str(a) for a in args), rank_and_world()[0], file)
 
 
 def free_port() -> int:

@@ -134,6 +134,20 @@ def zero_stage(ds_config: dict) -> int:
     return int(ds_config.get("zero_optimization", {}).get("stage", 0))
 
 
+def optimizer_layout(ds_config: dict) -> dict[str, object]:
+    """What a checkpoint's optimizer state depends on: the ZeRO stage (how it is partitioned),
+    where optimizer and parameters live, and the optimizer implementation (torch's AdamW,
+    DeepSpeed's fused or CPU Adam keep different param-group keys)."""
+    zero = ds_config.get("zero_optimization", {})
+    params = ds_config.get("optimizer", {}).get("params", {})
+    return {
+        "ZeRO stage": zero_stage(ds_config),
+        "optimizer offload": zero.get("offload_optimizer", {}).get("device") or "none",
+        "parameter offload": zero.get("offload_param", {}).get("device") or "none",
+        "torch AdamW": bool(params.get("torch_adam", False)),
+    }
+
+
 def optimizer_offloaded(ds_config: dict) -> bool:
     device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
     return device in ("cpu", "nvme")
@@ -363,6 +377,13 @@ class DrafterEngine:
 
     def step(self) -> None:
         self.ds.step()
+
+    def skip_step(self) -> None:
+        """An optimizer step that is not taken (its loss was not finite): no update, but the
+        learning-rate schedule moves on, so step numbers and rates stay those of the plan.
+        Only valid when no micro-batch of the step has been back-propagated."""
+        if self.ds.lr_scheduler is not None:
+            self.ds.lr_scheduler.step()
 
     def train(self) -> None:
         self.ds.train()

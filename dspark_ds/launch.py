@@ -17,11 +17,13 @@ def main(argv: list[str] | None = None) -> int:
 
     info = prepare_env()
     if os.environ.get("DSPARK_LAUNCH_VERBOSE", "1") != "0" and info.rank in (0, None):
-        print(
+        from dspark_ds.logs import emit
+
+        emit(
             f"[launch] {info.launcher}: world_size={info.world_size} "
             f"master={info.master_addr}:{info.master_port}",
-            file=sys.stderr,
-            flush=True,
+            info.rank,
+            sys.stderr,
         )
     return cli.main(sys.argv[1:] if argv is None else argv)
 

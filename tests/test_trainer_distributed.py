@@ -366,6 +366,11 @@ def test_preempt_then_resume_auto_continues_exactly(runs):
         )
     )
     assert not (out / name / "REQUEUE").exists()
+    # the log follows the resumed state: each step once, the replayed ones not twice
+    steps = [
+        json.loads(x)["step"] for x in (out / name / "train_log.jsonl").read_text().splitlines()
+    ]
+    assert steps == list(range(1, STEPS + 1))
     got, ref = read_log(out / name), runs["res"]["a_z0"]["losses"]
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:

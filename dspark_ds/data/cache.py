@@ -367,10 +367,9 @@ def build_cache(
     if cfg.repair:
         bad, remake = repair_shards(cache_dir, len(store), per_shard)
         shown = "; ".join(bad.values()) if len(bad) <= 5 else f"{len(bad)} shards"
-        print(
-            f"[build-cache rank {rank}] repair: {len(bad)} damaged shard(s) removed"
-            + (f" ({shown}); re-making them" if bad else ""),
-            flush=True,
+        dist.log(
+            f"[build-cache] repair: {len(bad)} damaged shard(s) removed"
+            + (f" ({shown}); re-making them" if bad else "")
         )
         dist.barrier()
     done = completed_shards(cache_dir)
@@ -401,26 +400,23 @@ def build_cache(
         if on_shard_written is not None:
             on_shard_written(sidecar)
     bar.close()
-    print(
-        f"[build-cache rank {rank}] shards written: {counts['shards_written']}, already "
-        f"complete: {counts['shards_skipped']}",
-        flush=True,
+    dist.log(
+        f"[build-cache] shards written: {counts['shards_written']}, already "
+        f"complete: {counts['shards_skipped']}"
     )
     dist.barrier()
     manifest = None
     if rank == 0 or not dist.has_group():
         if dist.has_group() or _covered(cache_dir, len(store)):
             manifest = finalize(cache_dir)
-            print(
+            dist.log(
                 f"[build-cache] manifest written: {manifest['num_samples']} samples, "
-                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {len(manifest['shards'])} shards",
-                flush=True,
+                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {len(manifest['shards'])} shards"
             )
         else:
-            print(
-                f"[build-cache rank {rank}] other ranks still running; the last one to finish "
-                "writes the manifest",
-                flush=True,
+            dist.log(
+                "[build-cache] other ranks still running; the last one to finish "
+                "writes the manifest"
             )
     dist.barrier()
     return manifest
@@ -451,7 +447,7 @@ class TargetCache:
         self.layer_ids, self.hidden_size = m["layer_ids"], m["hidden_size"]
         self.storage = m["dtype"]
         self.out_dtype = _FLOAT_DTYPES[m["feature_dtype"]]
-        self._verify(verify)
+        self.verify(verify)
         n = m["num_samples"]
         self._where = torch.zeros(n, 3, dtype=torch.int64)  # shard index, offset, length
         for k, s in enumerate(m["shards"]):
@@ -466,8 +462,9 @@ class TargetCache:
         }
         self._files: OrderedDict = OrderedDict()
 
-    def _verify(self, verify: str) -> None:
-        """Presence + size of every shard; sha256 of this rank's share (errors are shared)."""
+    def verify(self, verify: str) -> None:
+        """Collective. Presence + size of every shard; sha256 ("sha256") of this rank's share;
+        CacheError naming the damaged shards and the repair (errors are shared)."""
         rank, world = dist.rank_and_world()
         errors = []
         for k, s in enumerate(self.manifest["shards"]):

@@ -159,6 +159,7 @@ class TrainLoader:
         self.lengths = ref.lengths
         self.pad_token_id = int(ref.meta.get("pad_token_id", 0))
         self.epoch, self.position = 0, 0
+        self._checked_epoch: int | None = None
 
     def source_for(self, epoch: int) -> str:
         """Where features come from in ``epoch``: "cache" or "target"."""
@@ -216,9 +217,19 @@ class TrainLoader:
             check_cache_matches(self.cache, self.samples)
         return self.cache
 
+    def _cache_for_epoch(self) -> cache_lib.TargetCache:
+        """Collective. The cache, checked again (``cfg.cache_verify``) at the start of every
+        epoch after the one it was opened in: a shard damaged since then is named, with the
+        repair, instead of being read."""
+        cache = self._open_cache()
+        if self._checked_epoch is not None and self._checked_epoch != self.epoch:
+            cache.verify(self.cfg.cache_verify)
+        self._checked_epoch = self.epoch
+        return cache
+
     def __iter__(self) -> Iterator[dict]:
         from_cache = self.source_for(self.epoch) == "cache"
-        dataset = self._open_cache() if from_cache else self.samples
+        dataset = self._cache_for_epoch() if from_cache else self.samples
         todo = self.batches()[self.position :]
         loader = DataLoader(
             _Subset(dataset),

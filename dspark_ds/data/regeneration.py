@@ -349,11 +349,10 @@ def regenerate(cfg: RegenerateConfig) -> dict:
             os.fsync(f.fileno())
             bar.update(min(cfg.batch_size, len(mine) - k))
             bar.set_postfix(written=counts["written"], failed=counts["failed"])
-    print(
-        f"[regenerate rank {rank}/{world}] written {counts['written']}, failed "
+    dist.log(
+        f"[regenerate] rank {rank}/{world}: written {counts['written']}, failed "
         f"{counts['failed']}, skipped {counts['skipped']}, already done "
-        f"{counts['already_done']}",
-        flush=True,
+        f"{counts['already_done']}"
     )
     atomic_write_text(part.with_suffix(".done"), json.dumps(counts))
 
@@ -368,10 +367,9 @@ def regenerate(cfg: RegenerateConfig) -> dict:
             json.loads(_part_path(cfg.output, r, world).with_suffix(".done").read_text())["skipped"]
             for r in range(world)
         )
-        print(
+        dist.log(
             f"[regenerate] {cfg.output}: written {total['written']}, failed "
-            f"{total['failed']}, skipped {total['skipped']}",
-            flush=True,
+            f"{total['failed']}, skipped {total['skipped']}"
         )
     dist.barrier()
     return total if total is not None else counts

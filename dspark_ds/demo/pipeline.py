@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dspark_ds.config import TrainRunConfig, dump_config
 from dspark_ds.demo.config import DemoConfig
-from dspark_ds.distributed import free_port
+from dspark_ds.distributed import free_port, print0
 from dspark_ds.drafters.presets import DrafterConfig, preset
 
 _LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
@@ -49,14 +49,12 @@ class _Stages:
         self._t0 = time.perf_counter()
 
     def run(self, name: str, what: str, fn, *args, **kwargs):
-        print(
-            f"\n{'=' * 78}\n[demo] stage {len(self.seconds) + 1}: {name} — {what}\n{'=' * 78}",
-            flush=True,
-        )
+        print(flush=True)
+        print0(f"{'=' * 78}\n[demo] stage {len(self.seconds) + 1}: {name} — {what}\n{'=' * 78}")
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
         self.seconds[name] = time.perf_counter() - t0
-        print(f"[demo] {name}: {self.seconds[name]:.1f} s", flush=True)
+        print0(f"[demo] {name}: {self.seconds[name]:.1f} s")
         return out
 
     @property
@@ -113,7 +111,7 @@ class DemoPipeline:
                "-m", "dspark_ds.cli", subcommand, "--config", str(config)]  # fmt: skip
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{stage}.log"
-        print("[demo] $ " + " ".join(cmd[1:]), flush=True)
+        print0("[demo] $ " + " ".join(cmd[1:]))
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
                 cmd,
@@ -154,7 +152,7 @@ class DemoPipeline:
             ],
             bench / "demo.jsonl",
         )  # type: ignore[misc]
-        print(
+        print0(
             f"[demo] {len(train)} training prompts, {len(heldout)} held-out prompts -> "
             f"{self.data_dir}"
         )
@@ -166,7 +164,7 @@ class DemoPipeline:
         self.target = ensure_demo_target(self.cfg.target)
         r = self.target.report
         state = "cached" if self.target.from_cache else "trained now"
-        print(
+        print0(
             f"[demo] target ({state}): {self.target.path}\n"
             f"[demo]   {r.get('num_parameters', 0) / 1e6:.2f} M parameters, final loss "
             f"{r.get('final_loss', float('nan')):.3f}, assistant entropy "
@@ -289,7 +287,8 @@ class DemoPipeline:
         info: dict = {"export": str(export)}
         log = run_dir / "train_log.jsonl"
         if log.is_file():
-            losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if line]
+            rows = [json.loads(line) for line in log.read_text().splitlines() if line]
+            losses = [r["loss"] for r in rows if r["loss"] is not None]  # null: a skipped step
             tail = losses[-max(1, len(losses) // 10) :]
             info.update(steps=len(losses), first_loss=losses[0], final_loss=sum(tail) / len(tail))
         self.train_info[kind] = info
@@ -342,10 +341,9 @@ class DemoPipeline:
         # a rerun into the same directory redoes every stage (the target stays cached)
         for sub in ("data", "runs", "configs", "logs"):
             shutil.rmtree(self.out / sub, ignore_errors=True)
-        print(
+        print0(
             f"[demo] output {self.out}; {self.nproc} rank(s); MLflow {self.uri} "
-            f"(experiment {cfg.experiment!r})",
-            flush=True,
+            f"(experiment {cfg.experiment!r})"
         )
         s.run("corpus", "synthetic chat corpus from the seed", self.corpus)
         s.run(
@@ -382,7 +380,7 @@ class DemoPipeline:
         (self.out / "summary.txt").write_text(text + "\n")
         (self.out / "summary.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
         self.log_summary(summary, text)
-        print(f"[demo] done in {s.total:.0f} s: {self.out / 'summary.json'}", flush=True)
+        print0(f"[demo] done in {s.total:.0f} s: {self.out / 'summary.json'}")
         return summary
 
     def summary(self) -> dict:

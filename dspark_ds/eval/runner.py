@@ -162,7 +162,7 @@ def _decode_batched(cfg: EvalConfig, target, drafter, tokenizer, device, stops):
         if not mine:
             continue
         if rank == 0:
-            print(f"[eval] {name}: {len(mine)} prompts, batch {cfg.batch_size}", flush=True)
+            distributed.print0(f"[eval] {name}: {len(mine)} prompts, batch {cfg.batch_size}")
         prompts = [encode_prompt(tokenizer, turns, cfg.chat_template_kwargs) for _, turns in mine]
         main, baseline, policies = batched.decode_prompts(
             cfg, target, drafter, prompts, cfg.seed + 1_000_003 * b + rank, stops, sps
@@ -233,11 +233,12 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
                 out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
                 where = f"{out['written_to']}, which later decoding applies"
             except OSError as err:
-                print(f"[eval] WARNING: could not store STS temperatures in {cfg.drafter}: {err}")
-        print(
+                distributed.print0(
+                    f"[eval] WARNING: could not store STS temperatures in {cfg.drafter}: {err}"
+                )
+        distributed.print0(
             f"[eval] STS temperatures fitted on {len(fit)} prompt(s) "
-            f"({_records(fit, block_size).num_rounds} rounds) -> {where}",
-            flush=True,
+            f"({_records(fit, block_size).num_rounds} rounds) -> {where}"
         )
     out["threshold_sweep"] = cal.threshold_sweep(all_records, c.thresholds, temps_G)
     out["threshold_sweep_temperatures"] = temps_G.tolist() if temps_G is not None else None
@@ -386,7 +387,7 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
     report.plot_tau_by_benchmark(out_dir / "tau_by_benchmark.png", rows)
     (out_dir / "results.txt").write_text(table + "\n")
     payload["mlflow_run_id"] = log_to_tracking(cfg, drafter, _flat_metrics(rows, calib), out_dir)
-    print(f"[eval] results in {out_dir}", flush=True)
+    distributed.print0(f"[eval] results in {out_dir}")
     return payload
 
 

@@ -137,11 +137,9 @@ class Tracker:
     def _disable(self, why: str) -> None:
         if self.enabled:
             warnings.warn(f"MLflow tracking disabled, training continues: {why}", stacklevel=3)
-            print(
-                f"[tracking] WARNING: {why}; training continues without MLflow",
-                file=sys.stderr,
-                flush=True,
-            )
+            from dspark_ds.distributed import log
+
+            log(f"[tracking] WARNING: {why}; training continues without MLflow", file=sys.stderr)
         self.enabled = False
 
     def _call(self, fn_name: str, *args, **kwargs) -> None:

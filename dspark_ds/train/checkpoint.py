@@ -1,13 +1,18 @@
-"""Training checkpoints: layout, crash-safe publication, retention, resume, RNG state, export.
+"""Training checkpoints on disk: layout, crash-safe publication, integrity, retention, RNG
+state, export. No process group here (`checkpointer.py` is the collective side).
 
     <run>/checkpoints/
       latest                  the newest complete tag (replaced atomically, written last)
       step_00000100/          one DeepSpeed checkpoint (every rank's files) plus, from rank 0,
-        draft_config.json     the drafter's config (docs/checkpoint-format.md fields)
+        draft_config.json     the drafter's config (the interchange fields)
         run_config.yaml       the resolved run config
         ds_config.json        the DeepSpeed config it was trained with
-        COMPLETE              written after every rank has finished; a tag without it is junk
+        meta.json             step, world size, ZeRO stage, the learning-rate schedule
+        MANIFEST.json         size and sha256 of every file above (each rank hashed its own)
+        COMPLETE              written after the manifest, once every rank has finished
       step_00000100_universal/  made on demand when resuming on another world size
+      step_00000200.damaged/  a checkpoint that failed verification on resume (kept, ignored)
+      step_00000300.abandoned/  newer than the checkpoint a run resumed from (kept, ignored)
 
 A crash during a save leaves a tag without COMPLETE; `latest` still names the previous one.
 """
@@ -26,7 +31,13 @@ import torch
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 TAG_RE = re.compile(r"^step_(\d+)$")
+_RANK_FILE = re.compile(r"zero_pp_rank_(\d+)_|^offloaded_tensors/rank0*(\d+)/")
+
+
+def tag_step(tag: str) -> int:
+    return int(TAG_RE.match(tag).group(1))
 
 
 def tag_for_step(step: int) -> str:
@@ -55,32 +66,110 @@ def latest_tag(checkpoint_dir: str | Path) -> str | None:
 
 
 def publish(checkpoint_dir: str | Path, tag: str, keep_last: int) -> None:
-    """Rank 0, after every rank saved: mark complete, point `latest` at it, prune old tags."""
+    """Rank 0, after every rank saved and the manifest is written: mark complete, point
+    `latest` at it, prune older complete tags beyond `keep_last` and every incomplete one."""
     root = Path(checkpoint_dir)
-    _atomic_write(root / tag / COMPLETE, "ok\n")
-    _atomic_write(root / LATEST, tag + "\n")
-    for old in complete_tags(root)[:-keep_last]:
-        shutil.rmtree(root / old, ignore_errors=True)
+    atomic_write(root / tag / COMPLETE, "ok\n")
+    atomic_write(root / LATEST, tag + "\n")
+    newest = tag_step(tag)
+    older = [t for t in complete_tags(root) if tag_step(t) < newest]
+    for old in older[: max(0, len(older) - (keep_last - 1))]:
+        remove_tag(root / old)
         shutil.rmtree(root / f"{old}_universal", ignore_errors=True)
-    # incomplete leftovers of crashed saves, older than the newest complete tag
-    newest = int(TAG_RE.match(tag).group(1))
+    # leftovers of crashed saves (a newer one too: `latest` has just moved past it)
     for p in root.iterdir():
-        m = TAG_RE.match(p.name)
-        if m and int(m.group(1)) < newest and not (p / COMPLETE).exists():
+        if TAG_RE.match(p.name) and p.name != tag and not (p / COMPLETE).exists():
             shutil.rmtree(p, ignore_errors=True)
 
 
-def write_metadata(
-    tag_dir: str | Path, *, draft_config: dict, run_config_yaml: str, ds_config: dict
-) -> None:
-    tag_dir = Path(tag_dir)
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(tag_dir / "draft_config.json", json.dumps(draft_config, indent=2, sort_keys=True))
-    _atomic_write(tag_dir / "run_config.yaml", run_config_yaml)
-    _atomic_write(tag_dir / "ds_config.json", json.dumps(ds_config, indent=2))
+def remove_tag(tag_dir: Path) -> None:
+    """COMPLETE first, so that a crash in the middle never leaves a half-deleted tag that
+    looks complete."""
+    (tag_dir / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(tag_dir, ignore_errors=True)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def set_aside(tag_dir: Path, why: str) -> Path:
+    """Rename a tag out of the way (`step_X.<why>`): never loaded, never pruned, not lost."""
+    target = tag_dir.with_name(f"{tag_dir.name}.{why}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = tag_dir.with_name(f"{tag_dir.name}.{why}{n}")
+    os.replace(tag_dir, target)
+    return target
+
+
+# ---- integrity --------------------------------------------------------------------------------
+def file_owner(name: str, world_size: int) -> int:
+    """The rank that writes (and at save time hashes) a checkpoint file: DeepSpeed's
+    `zero_pp_rank_<r>_...` files and `offloaded_tensors/rank<r>/` (NVMe offload) belong to rank
+    r, everything else to rank 0."""
+    m = _RANK_FILE.search(name)
+    rank = int(m.group(1) or m.group(2)) if m else 0
+    return rank if rank < world_size else 0
+
+
+def payload_files(tag_dir: Path) -> list[str]:
+    """The files a manifest covers, as paths relative to the tag: everything but the manifest,
+    COMPLETE and temp files."""
+    return sorted(
+        p.relative_to(tag_dir).as_posix()
+        for p in tag_dir.rglob("*")
+        if p.is_file() and p.name not in (MANIFEST, COMPLETE) and not p.name.endswith(".tmp")
+    )
+
+
+def describe_files(tag_dir: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"size": bytes, "sha256": hex}}."""
+    from dspark_ds.files import sha256_file
+
+    return {
+        n: {"size": (tag_dir / n).stat().st_size, "sha256": sha256_file(tag_dir / n)} for n in names
+    }
+
+
+def write_manifest(tag_dir: Path, files: dict[str, dict], step: int) -> None:
+    atomic_write(tag_dir / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+
+
+def read_manifest(tag_dir: Path) -> dict | None:
+    """The tag's manifest; None when it has none (written by a version before manifests).
+    A manifest that cannot be parsed is reported as damage by `check_files`."""
+    path = tag_dir / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest.get("files"), dict):
+            raise ValueError("no file list")
+        return manifest
+    except (OSError, ValueError) as err:
+        return {"files": {}, "error": f"{MANIFEST} cannot be read ({err})"}
+
+
+def check_files(tag_dir: Path, manifest: dict, hash_names: set[str]) -> list[str]:
+    """What is wrong with a tag against its manifest: missing files, other sizes (always), other
+    sha256 (the files in `hash_names`). An empty list: the tag is as it was saved."""
+    from dspark_ds.files import sha256_file
+
+    if "error" in manifest:
+        return [manifest["error"]]
+    problems = []
+    for name, rec in sorted(manifest["files"].items()):
+        path = tag_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != rec["size"]:
+            problems.append(f"{name} has {size} bytes, {rec['size']} when saved")
+        elif name in hash_names and sha256_file(path) != rec["sha256"]:
+            problems.append(f"{name}: sha256 differs from the one recorded at save")
+    return problems
+
+
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -193,6 +282,10 @@ def export_checkpoint(
         tag_dir = resolve_tag_dir(checkpoint)
     except FileNotFoundError as err:
         raise ValueError(f"checkpoint: {err}") from None
+    manifest = read_manifest(tag_dir)
+    problems = check_files(tag_dir, manifest, set()) if manifest is not None else []
+    if problems:
+        raise ValueError(f"checkpoint: {tag_dir} is damaged: {'; '.join(problems[:4])}")
     claim_output_dir(output_dir, overwrite)
     if target_path is not None and not Path(target_path).is_dir():
         raise ValueError(f"target.path: {target_path} is not a local model directory")
@@ -247,5 +340,7 @@ def run_export(cfg) -> Path:
         dtype=getattr(torch, cfg.dtype),
         overwrite=cfg.overwrite,
     )
-    print(f"[export] wrote {out}")
+    from dspark_ds.distributed import print0
+
+    print0(f"[export] wrote {out}")
     return out

@@ -1,10 +1,23 @@
-"""The training loop: DeepSpeed step with the DSpark loss, schedule, validation, checkpoints,
-signals, MLflow. `train(cfg)` is the whole of `dspark-ds train`.
+"""The training loop. `train(cfg)` is the whole of `dspark-ds train`; `Trainer.run` is the loop,
+and each concern it calls on is a component with a small interface:
+
+    Checkpointer   train/checkpointer.py   which checkpoint to resume from (verified), save(step)
+    Validator      train/validator.py      should_validate(step), validate()
+    MetricsLogger  train/metrics.py        train_log.jsonl, MLflow, progress, the summary
+    Signals        train/signals.py        SIGTERM / SIGUSR1 → exit 75 (requeue), Ctrl-C → 130
+    Schedule       train/schedule.py       warmup + cosine, and what a changed length does
+    resume rules   train/resume.py         which options may change when a run is resumed
 
 One optimizer step = `grad_accum` micro-batches per rank; anchors are sampled per sample from
 (seed, epoch, sample id), so a step sees the same blocks whatever the world size or a resume.
-SIGTERM / SIGUSR1 (Slurm's pre-emption warning) → checkpoint at the end of the current step,
-write <run>/REQUEUE, exit with REQUEUE_EXIT_CODE (the sbatch script requeues the job).
+
+A non-finite loss (NaN / inf on any rank) never reaches a backward: the step is skipped (no
+update, the learning rate moves on, counted as train/nonfinite_steps). When the bad micro-batch
+was not the step's first, the step's earlier micro-batches have already accumulated gradients
+inside the ZeRO optimizer, which has no public way to drop them: the run then checkpoints (the
+skipped step included) and leaves with exit 75 for a restart from that checkpoint (Slurm's
+requeue does it). `train.max_nonfinite_in_row` skipped steps in a row stop the run (exit 1)
+with a checkpoint of the last finite weights.
 """
 
 from __future__ import annotations
@@ -12,39 +25,29 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from dspark_ds import distributed
-from dspark_ds.config import TrainRunConfig, dump_config, flatten
+from dspark_ds.config import TrainRunConfig, dump_config, flatten, to_plain
+from dspark_ds.data.cache import CacheError
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model
-from dspark_ds.drafters.common.blocks import SAMPLER_STATS, sampler_stat_sums
+from dspark_ds.drafters.common.blocks import sampler_stat_sums
 from dspark_ds.drafters.io import draft_config_dict
 from dspark_ds.drafters.registry import TRAIN_KEYS, StepArgs, get_spec
 from dspark_ds.train import checkpoint as ckpt
+from dspark_ds.train import resume as resume_rules
 from dspark_ds.train.batches import build_batch_source
-
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
-
-
-def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.0):
-    """lr multiplier of optimizer step k (0-based): linear warmup (k+1)/W, then cosine to
-    min_ratio at the last step."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
+from dspark_ds.train.checkpointer import Checkpointer
+from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
+from dspark_ds.train.schedule import Schedule
+from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, TrainingStopped
+from dspark_ds.train.validator import Validator
 
 
 def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
@@ -93,37 +96,28 @@ def make_draft_config(cfg: TrainRunConfig):
         raise ValueError(f"{option.get(field, 'model.' + field)}:{why}") from err
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
 @dataclass
 class TrainResult:
     steps: int
     losses: dict[int, float] = field(default_factory=dict)
-    """Training loss of every optimizer step run by this process (1-based step)."""
+    """Training loss of every optimizer step run by this process (1-based step; skipped steps
+    are absent)."""
     val_metrics: dict[str, float] = field(default_factory=dict)
     run_dir: str = ""
     export_dir: str | None = None
     mlflow_run_id: str | None = None
+    nonfinite_steps: int = 0
+    """Steps skipped for a non-finite loss over the whole run (resumes included)."""
 
 
-class _Signals:
-    """Remembers SIGTERM / SIGUSR1; the loop checks at step boundaries (all ranks agree)."""
+@dataclass
+class _Resume:
+    """What the checkpoint a run resumes from says about the run that wrote it."""
 
-    def __init__(self):
-        self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.received = signum
-
-    def any_rank(self) -> bool:
-        [flag] = distributed.all_reduce_values([self.received is not None], op="max")
-        return flag > 0
+    tag_dir: Path
+    meta: dict
+    run_config: dict
+    changes: dict[str, tuple]
 
 
 class Trainer:
@@ -132,20 +126,19 @@ class Trainer:
 
         self.cfg = cfg.validate().check_paths()
         # config-level failures (exit 2) come before any process group exists
-        self.spec = get_spec(cfg.model.kind)
-        self.spec.check_perf(cfg.perf)
         self.draft_config = make_draft_config(cfg)
         # the target runs in the job (features online, synthetic data) and then lends the
         # drafter its embedding and lm_head (engine.py: "the target inside the job")
-        needs_target = cfg.data.mode != "offline" or cfg.train.synthetic_samples > 0
-        if needs_target:
+        self.needs_target = cfg.data.mode != "offline" or cfg.train.synthetic_samples > 0
+        if self.needs_target:
             eng_lib.check_target_dtype(cfg.target.torch_dtype, cfg.train.precision)
         self.rank, self.world, _ = distributed.init(cfg.deepspeed.backend)
         self.device = distributed.local_device()
         self.run_dir = Path(cfg.run_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.rank, self.world)
+        tag_dir = self.checkpointer.find_resume()
+        self.resume = self._check_resume(tag_dir) if tag_dir is not None else None
         ckpt.seed_everything(cfg.train.seed)
-
         self.ds_config = eng_lib.build_ds_config(
             cfg.deepspeed,
             cfg.train,
@@ -153,37 +146,8 @@ class Trainer:
             world_size=self.world,
             use_gpu=self.device.type == "cuda",
         )
-        from dspark_ds.target import load_target
-
-        self.target = (
-            load_target(cfg.target, eng_lib.target_load_device(self.ds_config, self.device))
-            if needs_target
-            else None
-        )
-        # offline: the target's tensors, copied into the drafter; export writes these (a bf16
-        # engine holds its copies rounded). Online the drafter holds the target's own weights.
-        self.shared = None if needs_target else ckpt.target_shared_weights(cfg.target.path)
-
-        self.source = build_batch_source(
-            cfg,
-            rank=self.rank,
-            world_size=self.world,
-            target=self.target,
-            draft_config=self.draft_config,
-        )
-        self.val_source = build_batch_source(
-            cfg,
-            rank=self.rank,
-            world_size=self.world,
-            target=self.target,
-            draft_config=self.draft_config,
-            split="val",
-        )
-        self.val_start = self.val_source.state_dict() if self.val_source is not None else None
-
+        self._build_data(eng_lib)
         self.grad_accum = int(self.ds_config["gradient_accumulation_steps"])
-        # Window sums of the anchor sampler's statistics, then the sample count (logged, reset).
-        self.sampler_sums = [0.0] * (len(SAMPLER_STATS) + 1)
         self.steps_per_epoch = len(self.source) // self.grad_accum
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -191,37 +155,77 @@ class Trainer:
                 f"of data ({len(self.source)} micro-batches per rank)"
             )
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.steps_per_epoch
-        warmup = int(cfg.train.warmup_ratio * self.total_steps)
-
-        resume_tag = self._resume_tag()
-        if resume_tag is not None:
-            resume_tag, self.ds_config = self._prepare_resume(resume_tag, eng_lib)
-        init_state = None
-        if cfg.model.init_from:
-            from dspark_ds.drafters import load_draft_model
-
-            init_state = load_draft_model(cfg.model.init_from).state_dict()
-        self.engine = eng_lib.DrafterEngine.build(
-            lambda: build_draft_model(self.draft_config),
-            ds_config=self.ds_config,
-            seed=cfg.train.seed,
-            target=self.target,
-            shared_weights=self.shared,
-            lr_lambda=warmup_cosine(self.total_steps, warmup, cfg.train.min_lr_ratio),
-            init_state=init_state,
-            zero_init=cfg.deepspeed.zero_init,
-        )
-        self.loss_impl = self.spec.apply_perf(self.engine.model, cfg.perf, self.engine.device)
+        self.schedule = self._schedule()
+        load_dir = None
+        if self.resume is not None:
+            load_dir, self.ds_config = self.checkpointer.loadable(tag_dir, self.ds_config)
+        self.engine = self._build_engine(eng_lib)
+        self.loss_impl = self._choose_loss_impl()
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
             f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "
             f"world size {self.world}"
         )
         self.step, self.epoch = 0, 0
+        self.nonfinite_total, self.nonfinite_in_row = 0, 0
         self.resumed_from = None
-        if resume_tag is not None:
-            self._load(resume_tag)
+        if load_dir is not None:
+            self._load(load_dir)
+        self.tracker = self._start_tracking()
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            self.tracker,
+            rank=self.rank,
+            log_every=cfg.train.log_every,
+            total_steps=self.total_steps,
+            progress_bar=cfg.train.progress_bar,
+            device=self.device,
+        )
+        self.validator = Validator(cfg.validation, self.val_source)
+        self.signals = Signals()
 
+    # ---- building ---------------------------------------------------------------------------
+    def _build_data(self, eng_lib) -> None:
+        from dspark_ds.target import load_target
+
+        cfg = self.cfg
+        self.target = (
+            load_target(cfg.target, eng_lib.target_load_device(self.ds_config, self.device))
+            if self.needs_target
+            else None
+        )
+        # offline: the target's tensors, copied into the drafter; export writes these (a bf16
+        # engine holds its copies rounded). Online the drafter holds the target's own weights.
+        self.shared = None if self.needs_target else ckpt.target_shared_weights(cfg.target.path)
+        kwargs = dict(rank=self.rank, world_size=self.world, target=self.target,
+                      draft_config=self.draft_config)  # fmt: skip
+        self.source = build_batch_source(cfg, **kwargs)
+        self.val_source = build_batch_source(cfg, **kwargs, split="val")
+
+    def _build_engine(self, eng_lib):
+        init_state = None
+        if self.cfg.model.init_from and self.resume is None:
+            from dspark_ds.drafters import load_draft_model
+
+            init_state = load_draft_model(self.cfg.model.init_from).state_dict()
+        return eng_lib.DrafterEngine.build(
+            lambda: build_draft_model(self.draft_config),
+            ds_config=self.ds_config,
+            seed=self.cfg.train.seed,
+            target=self.target,
+            shared_weights=self.shared,
+            lr_lambda=self.schedule.lr_lambda(),
+            init_state=init_state,
+            zero_init=self.cfg.deepspeed.zero_init,
+        )
+
+    def _choose_loss_impl(self) -> str:
+        """The kind's attention / compile / loss-path choice for this run (the perf section)."""
+        return get_spec(self.cfg.model.kind).apply_perf(
+            self.engine.model, self.cfg.perf, self.engine.device
+        )
+
+    def _start_tracking(self):
         from dspark_ds.tracking.mlflow import (
             Tracker,
             default_artifact_location,
@@ -229,7 +233,8 @@ class Trainer:
             git_sha,
         )
 
-        self.tracker = Tracker.for_rank(
+        cfg = self.cfg
+        tracker = Tracker.for_rank(
             self.rank,
             enabled=cfg.tracking.enabled,
             uri=cfg.tracking.uri or default_uri(cfg.output_dir),
@@ -239,155 +244,180 @@ class Trainer:
             artifact_location=default_artifact_location(cfg.output_dir),
             timeout_s=cfg.tracking.timeout_s,
         )
-        if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            params = flatten(cfg)
-            params.update(
-                {
-                    "derived.world_size": self.world,
-                    "derived.grad_accum": self.grad_accum,
-                    "derived.total_steps": self.total_steps,
-                    "derived.warmup_steps": warmup,
-                    "derived.zero_stage": self.engine.zero_stage,
-                    "derived.loss_impl": self.loss_impl,
-                    "derived.loss_chunk_anchors": cfg.perf.chunk_anchors(self.engine.device),
-                    "derived.compile": cfg.perf.compile_mode(self.engine.device),
-                }
-            )
-            self.tracker.log_params(params)
-            self.tracker.log_dict(self.ds_config, "ds_config.json")
-            self.tracker.log_text(self.config_yaml(), "config.yaml")
-            self.tracker.set_tags(
-                {
-                    **cfg.tracking.tags,
-                    "git_sha": git_sha(),
-                    "world_size": self.world,
-                    "zero_stage": self.engine.zero_stage,
-                    "ds_config": cfg.deepspeed.config,
-                    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                    "resumed_from": self.resumed_from,
-                }
-            )
-        self.signals = _Signals()
+        if self.rank != 0:
+            return tracker
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        params = flatten(cfg)
+        params.update(
+            {
+                "derived.world_size": self.world,
+                "derived.grad_accum": self.grad_accum,
+                "derived.total_steps": self.total_steps,
+                "derived.warmup_steps": self.schedule.warmup_steps,
+                "derived.zero_stage": self.engine.zero_stage,
+                "derived.loss_impl": self.loss_impl,
+                "derived.loss_chunk_anchors": cfg.perf.chunk_anchors(self.engine.device),
+                "derived.compile": cfg.perf.compile_mode(self.engine.device),
+            }
+        )
+        tracker.log_params(params)  # params are immutable: a resume adds only new ones
+        tracker.log_dict(self.ds_config, "ds_config.json")
+        tracker.log_text(self.config_yaml(), "config.yaml")
+        tags = {
+            **cfg.tracking.tags,
+            "git_sha": git_sha(),
+            "world_size": self.world,
+            "zero_stage": self.engine.zero_stage,
+            "ds_config": cfg.deepspeed.config,
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "resumed_from": self.resumed_from,
+            "total_steps": self.total_steps,
+        }
+        if self.resume is not None:
+            # MLflow keeps the first value of a param; what a resume changed is said here
+            for key, (before, after) in self.resume.changes.items():
+                tags[f"changed_on_resume.{key}"] = f"{before} -> {after} at step {self.step}"
+        tracker.set_tags(tags)
+        return tracker
 
-    # ---- config / resume ----------------------------------------------------------------------
     def config_yaml(self) -> str:
         return dump_config(self.cfg)
 
-    def _resume_tag(self) -> str | None:
-        resume = self.cfg.checkpoint.resume
-        existing = ckpt.latest_tag(self.ckpt_dir)
-        if resume is None:
-            if existing is not None:
-                raise ValueError(
-                    f"checkpoint.resume: {self.ckpt_dir} already holds {existing}; pass "
-                    "--checkpoint.resume auto to continue it, or choose another --name"
-                )
-            return None
-        if resume == "auto":
-            return str(self.ckpt_dir / existing) if existing is not None else None
-        try:
-            return str(ckpt.resolve_tag_dir(resume))
-        except FileNotFoundError as err:
-            raise ValueError(f"checkpoint.resume: {err}") from None
-
-    def _prepare_resume(self, tag_dir: str, eng_lib) -> tuple[str, dict]:
-        """Same world size: load as is. Otherwise (ZeRO >= 1) convert to a universal
-        checkpoint once (rank 0) and load that."""
-        meta = json.loads((Path(tag_dir) / "meta.json").read_text())
-        stage = eng_lib.zero_stage(self.ds_config)
-        if meta["zero_stage"] != stage:
+    # ---- resume -----------------------------------------------------------------------------
+    def _check_resume(self, tag_dir: Path) -> _Resume:
+        """Refuses (ValueError naming every option, exit 2) a resume whose settings would change
+        what the checkpoint means (train/resume.py); returns what the checkpoint says."""
+        meta = json.loads((tag_dir / "meta.json").read_text())
+        saved = yaml.safe_load((tag_dir / "run_config.yaml").read_text()) or {}
+        changes = resume_rules.compare(saved, to_plain(self.cfg))
+        if changes.refused:
             raise ValueError(
-                f"deepspeed.config: {tag_dir} was written with ZeRO-{meta['zero_stage']}, this "
-                f"run uses ZeRO-{stage}; resume with the same stage"
+                f"checkpoint.resume: {tag_dir} was trained with other settings, which a resume "
+                f"cannot change: {resume_rules.describe(changes.refused)}; resume with the saved "
+                "values, or start a new run from its weights (dspark-ds export, then "
+                "--model.init_from)"
             )
-        if meta["world_size"] == self.world or stage == 0:
-            return tag_dir, self.ds_config
-        universal = Path(f"{tag_dir}_universal")
-        if self.rank == 0 and not (universal / ckpt.COMPLETE).exists():
-            print0(
-                f"[train] world size {meta['world_size']} -> {self.world}: converting "
-                f"{tag_dir} to a universal checkpoint"
+        saved_draft = json.loads((tag_dir / "draft_config.json").read_text())
+        new_draft = json.loads(json.dumps(self._draft_config_record(), sort_keys=True))
+        differs = {
+            k: (saved_draft[k], new_draft[k])
+            for k in sorted(set(saved_draft) & set(new_draft))
+            if k != "transformers_version" and saved_draft[k] != new_draft[k]
+        }
+        if differs:
+            raise ValueError(
+                f"target.path: the drafter built from {self.cfg.target.path} is not the one "
+                f"{tag_dir} holds: {resume_rules.describe(differs)}; resume with the target "
+                "it was trained with"
             )
-            eng_lib.convert_to_universal(tag_dir, universal)
-            (universal / ckpt.COMPLETE).write_text("ok\n")
-        distributed.barrier()
-        return str(universal), eng_lib.enable_universal_load(self.ds_config)
+        allowed = {k: v for k, v in changes.allowed().items() if k != "checkpoint.resume"}
+        if allowed:
+            print0(f"[train] resuming with changed options: {resume_rules.describe(allowed)}")
+        return _Resume(tag_dir, meta, saved, allowed)
 
-    def _load(self, tag_dir: str) -> None:
-        tag_dir = Path(tag_dir)
-        state = self.engine.load(tag_dir.parent, tag_dir.name)
+    def _schedule(self) -> Schedule:
+        t = self.cfg.train
+        fresh = Schedule(int(t.warmup_ratio * self.total_steps), self.total_steps, t.min_lr_ratio)
+        if self.resume is None:
+            return fresh
+        meta, saved = self.resume.meta, self.resume.run_config["train"]
+        if "schedule" in meta:
+            old = Schedule.from_dict(meta["schedule"])
+        else:  # a checkpoint from before schedules were recorded: its config says
+            total = saved["max_steps"] or saved["num_epochs"] * self.steps_per_epoch
+            old = Schedule(int(saved["warmup_ratio"] * total), total, t.min_lr_ratio)
+        schedule = old.resized(int(meta["step"]), self.total_steps)
+        if schedule != old:
+            lr = t.lr * old.factor(int(meta["step"]))
+            print0(
+                f"[train] schedule: {old.total_steps} -> {self.total_steps} steps; the learning "
+                f"rate continues from {lr:.3g} and reaches lr x min_lr_ratio at step "
+                f"{self.total_steps} (the warmup keeps its {old.warmup_steps} steps)"
+            )
+        return schedule
+
+    def _load(self, load_dir: Path) -> None:
+        state = self.checkpointer.load(load_dir, self.engine, int(self.resume.meta["step"]))
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self.source.load_state_dict(state["data"]) if state["world_size"] == self.world else (
-            self._load_data_other_world(state)
-        )
+        self._restore_data(state)
         if state["world_size"] == self.world:
             ckpt.set_rng_state(state["rng"])
-        self.resumed_from = str(tag_dir)
-        print0(f"[train] resumed from {tag_dir} at step {self.step} (epoch {self.epoch})")
+        nonfinite = state.get("nonfinite", {})
+        self.nonfinite_total = int(nonfinite.get("total", 0))
+        self.nonfinite_in_row = int(nonfinite.get("in_row", 0))
+        self.resumed_from = str(self.resume.tag_dir)
+        print0(f"[train] resumed from {load_dir} at step {self.step} (epoch {self.epoch})")
 
-    def _load_data_other_world(self, state: dict) -> None:
+    def _restore_data(self, state: dict) -> None:
         data = dict(state["data"])
-        if "samples_consumed" not in data:  # the data package's loader counts batches
-            # NOTE: its order depends on the world size; continue at the same fraction of the
-            # epoch (no sample is repeated twice in a row, the order differs).
-            data["position"] = data["position"] * state["world_size"] // self.world
+        saved_batch = int(self.resume.run_config["data"]["batch_size"])
+        per_step_before = saved_batch * state["world_size"]
+        per_step_now = self.cfg.data.batch_size * self.world
+        if "samples_consumed" not in data and per_step_before != per_step_now:
+            # NOTE: the data package's loader counts batches and its order depends on the world
+            # size and micro-batch; continue at the same fraction of the epoch (no sample is
+            # repeated twice in a row, the order differs).
+            data["position"] = data["position"] * per_step_before // per_step_now
             data["world_size"] = self.world
-            print0("[train] WARNING: world size changed; the data order within the epoch differs")
+            print0(
+                "[train] WARNING: world size x data.batch_size changed; the data order within "
+                "the epoch differs"
+            )
         self.source.load_state_dict(data)
 
-    # ---- checkpoints --------------------------------------------------------------------------
-    def save(self) -> None:
-        tag = ckpt.tag_for_step(self.step)
-        if (self.ckpt_dir / tag / ckpt.COMPLETE).exists():
-            return
-        if self.rank == 0:
-            ckpt.write_metadata(
-                self.ckpt_dir / tag,
-                draft_config=draft_config_dict(self.draft_config)
-                | {"architectures": self.draft_config.architectures},
-                run_config_yaml=self.config_yaml(),
-                ds_config=self.ds_config,
-            )
-            (self.ckpt_dir / tag / "meta.json").write_text(
-                json.dumps(
-                    {
-                        "step": self.step,
-                        "world_size": self.world,
-                        "zero_stage": self.engine.zero_stage,
-                    }
-                )
-            )
-        distributed.barrier()
-        self.engine.save(
-            self.ckpt_dir,
-            tag,
-            {
-                "step": self.step,
-                "epoch": self.epoch,
-                "data": self.source.state_dict(),
-                "rng": ckpt.rng_state(),
-                "world_size": self.world,
-            },
-        )
-        distributed.barrier()
-        if self.rank == 0:
-            ckpt.publish(self.ckpt_dir, tag, self.cfg.checkpoint.keep_last)
-        distributed.barrier()
+    # ---- checkpoints and export ---------------------------------------------------------------
+    def _draft_config_record(self) -> dict:
+        return draft_config_dict(self.draft_config) | {
+            "architectures": self.draft_config.architectures
+        }
 
-    def export_live(self) -> Path | None:
+    def save(self) -> Path:
+        self.metrics.sync()  # the log's rows of these steps reach the disk first
+        meta = {"step": self.step, "world_size": self.world,
+                "zero_stage": self.engine.zero_stage, "schedule": self.schedule.to_dict()}  # fmt: skip
+        files = {
+            "draft_config.json": json.dumps(self._draft_config_record(), indent=2, sort_keys=True),
+            "run_config.yaml": self.config_yaml(),
+            "ds_config.json": json.dumps(self.ds_config, indent=2),
+            "meta.json": json.dumps(meta),
+        }
+        state = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "data": self.source.state_dict(),
+            "rng": ckpt.rng_state(),
+            "world_size": self.world,
+            "schedule": self.schedule.to_dict(),
+            "nonfinite": {"total": self.nonfinite_total, "in_row": self.nonfinite_in_row},
+        }
+        return self.checkpointer.save(self.step, self.engine, state, files)
+
+    def export(self) -> Path:
+        """Collective: the live weights (fp32 master copies) as an interchange directory."""
         from dspark_ds.drafters import save_draft_model
 
         state = self.engine.full_fp32_state_dict()
         out = self.run_dir / "export"
+        error = None
         if self.rank == 0:
             # online, `state` already holds the target's own (shared) weights
             names = self.engine.model.shared_parameter_names()
             for name, weight in zip(names, self.shared or ()):
                 if name in state:
                     state[name] = weight.detach().float().cpu().clone()
-            save_draft_model(self.engine.model, out, state_dict=state)
-        distributed.barrier()
+            try:
+                save_draft_model(self.engine.model, out, state_dict=state)
+            except (OSError, RuntimeError) as err:
+                error = f"{type(err).__name__}: {err}"
+        errors = [e for e in distributed.all_gather_object(error) if e]
+        if errors:
+            raise TrainingStopped(
+                f"export to {out} failed ({errors[0].splitlines()[0]}); the final checkpoint is "
+                f"intact: dspark-ds export --checkpoint {self.run_dir} --output_dir <dir>"
+            )
+        print0(f"[train] exported the final weights to {out}")
+        if self.rank == 0:
+            self.tracker.log_artifacts(str(out), "export")
         return out
 
     # ---- one step -----------------------------------------------------------------------------
@@ -404,164 +434,178 @@ class Trainer:
             on_anchors=self._count_sampler_stats if self.engine.model.training else None,
             forward=self.engine,
         )
-        return self.spec.forward_and_loss(self.engine.model, inputs, args)
+        return get_spec(self.cfg.model.kind).forward_and_loss(self.engine.model, inputs, args)
 
     def _count_sampler_stats(self, loss_mask, anchors, keep) -> None:
-        """The reference's anchor-sampler statistics, summed over the log window (train/*)."""
-        sums = sampler_stat_sums(
+        """The reference's anchor-sampler statistics of a training micro-batch (train/*)."""
+        self.metrics.add_sampler_stats(sampler_stat_sums(
             loss_mask.cpu(), anchors.cpu(), keep.cpu(),
             num_anchors=self.draft_config.num_anchors, block_size=self.draft_config.block_size,
-        )  # fmt: skip
-        self.sampler_sums = [a + b for a, b in zip(self.sampler_sums, sums)]
+        ))  # fmt: skip
+
+    def train_step(self) -> tuple[dict[str, float] | None, bool]:
+        """One optimizer step over `grad_accum` micro-batches. Returns (the step's metrics,
+        means over its micro-batches; None when a loss was non-finite on some rank and the step
+        was skipped) and whether the engine is clean (False: gradients of earlier micro-batches
+        of a skipped step are still accumulated)."""
+        at_start = self.epoch, self.source.state_dict()
+        if self.source.position + self.grad_accum > len(self.source):
+            # NOTE: a step never spans two epochs; the tail that is shorter than one step is
+            # dropped (every rank drops the same number of batches).
+            self.epoch += 1
+            self.source.set_epoch(self.epoch)
+            self._iter = iter(self.source)
+        step_metrics: dict[str, float] = {}
+        for i in range(self.grad_accum):
+            try:
+                batch = next(self._iter)
+            except CacheError as err:  # every rank (the cache's checks are collective)
+                if i > 0:
+                    raise
+                self._save_before_data_error(at_start, err)
+            loss, metrics = self._forward_loss(batch)
+            if not self._finite_on_every_rank(loss):
+                self._report_nonfinite(i, batch, loss)
+                for _ in range(i + 1, self.grad_accum):  # the step's other batches go with it
+                    next(self._iter)
+                self.engine.skip_step()
+                return None, i == 0
+            self.engine.backward(loss)
+            self.engine.step()
+            for k, v in metrics.items():
+                step_metrics[k] = step_metrics.get(k, 0.0) + float(v) / self.grad_accum
+            self.metrics.add_micro_batch(batch)
+        return step_metrics, True
+
+    def _save_before_data_error(self, at_start: tuple[int, dict], err: Exception) -> None:
+        """A cache found damaged when a step begins (e.g. at an epoch start): checkpoint the
+        finished steps (data rewound to this step's start), then the one-line error."""
+        self.epoch = at_start[0]
+        self.source.load_state_dict(at_start[1])
+        tag = self.save()
+        raise CacheError(
+            f"{err} (checkpoint {tag} holds every finished step; after the repair, "
+            "--checkpoint.resume auto continues from it)"
+        ) from None
+
+    @staticmethod
+    def _finite_on_every_rank(loss: torch.Tensor) -> bool:
+        [bad] = distributed.all_reduce_values(
+            [0.0 if math.isfinite(float(loss.detach())) else 1.0], "max"
+        )
+        return bad == 0
+
+    def _report_nonfinite(self, i: int, batch: dict, loss: torch.Tensor) -> None:
+        self.nonfinite_total += 1
+        self.nonfinite_in_row += 1
+        ids = [int(x) for x in batch["sample_ids"][:8]]
+        mine = "" if math.isfinite(float(loss)) else f" (here: {float(loss)}, sample ids {ids})"
+        distributed.log(
+            f"[train] step {self.step + 1}: non-finite loss in micro-batch {i + 1}/"
+            f"{self.grad_accum} on some rank{mine}; the step is skipped ({self.nonfinite_in_row} "
+            f"in a row, {self.nonfinite_total} in the run)"
+        )
 
     def validate(self) -> dict[str, float]:
-        if self.val_source is None:
-            return {}
-        self.val_source.load_state_dict(self.val_start)
-        sums: dict[str, float] = {}
-        n = 0
-        self.engine.eval()
-        with torch.no_grad():
-            for i, batch in enumerate(self.val_source):
-                if i >= self.cfg.validation.num_batches:
-                    break
-                _, metrics = self._forward_loss(batch)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                n += 1
-        self.engine.train()
-        return {f"val/{k}": v / max(n, 1) for k, v in sums.items()}
+        return self.validator.validate(self.engine, self._forward_loss)
 
+    # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        cfg = self.cfg
-        result = TrainResult(
-            steps=self.step, run_dir=str(self.run_dir), mlflow_run_id=self.tracker.run_id
-        )
-        # continue where the checkpoint left the data (same epoch, same position)
-        self.source.set_epoch(self.epoch)
+        result = TrainResult(steps=self.step, run_dir=str(self.run_dir),
+                             mlflow_run_id=self.tracker.run_id)  # fmt: skip
+        self.source.set_epoch(self.epoch)  # continue where the checkpoint left the data
         self._iter = iter(self.source)
-        log_path = self.run_dir / "train_log.jsonl"
-        bar = None
-        if self.rank == 0 and cfg.train.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=self.total_steps,
-                initial=self.step,
-                desc="train",
-                unit="step",
-                dynamic_ncols=True,
-                file=sys.stdout,
-            )
-        window: dict[str, float] = {}
-        window_steps, tokens, samples, t0 = 0, 0, 0, time.perf_counter()
+        self.metrics.start(self.step)
+        self.signals.install()
         self.engine.train()
-        status = "FINISHED"
+        self._t0, self._first_step = time.perf_counter(), self.step
         try:
             while self.step < self.total_steps:
-                step_metrics: dict[str, float] = {}
                 lr = self.engine.lr  # the rate this step uses (the scheduler moves on after it)
-                if self.source.position + self.grad_accum > len(self.source):
-                    # NOTE: a step never spans two epochs; the tail that is shorter than one
-                    # step is dropped (every rank drops the same number of batches).
-                    self.epoch += 1
-                    self.source.set_epoch(self.epoch)
-                    self._iter = iter(self.source)
-                for _ in range(self.grad_accum):
-                    batch = next(self._iter)
-                    loss, metrics = self._forward_loss(batch)
-                    self.engine.backward(loss)
-                    self.engine.step()
-                    for k, v in metrics.items():
-                        step_metrics[k] = step_metrics.get(k, 0.0) + float(v) / self.grad_accum
-                    tokens += int(batch["attention_mask"].sum())
-                    samples += int(batch["input_ids"].shape[0])
+                step_metrics, clean = self.train_step()
                 self.step += 1
-                result.losses[self.step] = step_metrics["loss"]
-                for k, v in step_metrics.items():
-                    window[k] = window.get(k, 0.0) + v
-                window_steps += 1
-                if self.rank == 0:
-                    with open(log_path, "a") as f:
-                        f.write(
-                            json.dumps({"step": self.step, "loss": step_metrics["loss"], "lr": lr})
-                            + "\n"
-                        )
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{step_metrics['loss']:.4f}",
-                        tau=f"{step_metrics.get('tau_probabilistic', 0):.2f}",
-                    )
-                if self.step % cfg.train.log_every == 0 or self.step == self.total_steps:
-                    all_tokens, all_samples, *sampler = distributed.all_reduce_values(
-                        [tokens, samples, *self.sampler_sums]
-                    )
-                    elapsed = max(time.perf_counter() - t0, 1e-9)
-                    logged = {f"train/{k}": v / window_steps for k, v in window.items()}
-                    if sampler[-1] > 0:  # samples seen by the anchor sampler (DSpark / DFlash)
-                        logged.update(
-                            {f"train/{k}": v / sampler[-1] for k, v in zip(SAMPLER_STATS, sampler)}
-                        )
-                    self.sampler_sums = [0.0] * (len(SAMPLER_STATS) + 1)
-                    logged.update(
-                        {
-                            "train/lr": lr,
-                            "train/epoch": self.epoch,
-                            "system/tokens_per_s": all_tokens / elapsed,
-                            "system/samples_per_s": all_samples / elapsed,
-                            "system/peak_memory_mb": peak_memory_mb(self.device),
-                        }
-                    )
-                    if self.engine.grad_norm is not None:
-                        logged["train/grad_norm"] = self.engine.grad_norm
-                    self.tracker.log_metrics(logged, step=self.step)
-                    window, window_steps, tokens, samples = {}, 0, 0, 0
-                    t0 = time.perf_counter()
-                every = cfg.checkpoint.every_steps
-                if every and self.step % every == 0 and self.step < self.total_steps:
+                last = self.step == self.total_steps
+                if step_metrics is not None:
+                    result.losses[self.step] = step_metrics["loss"]
+                    self.nonfinite_in_row = 0
+                val = (
+                    self.validate()
+                    if self.validator.should_validate(self.step, last_step=last)
+                    else {}
+                )
+                result.val_metrics = val or result.val_metrics
+                self.metrics.log_step(self.step, step_metrics, val, lr=lr, epoch=self.epoch,
+                                      grad_norm=self.engine.grad_norm,
+                                      counters={"nonfinite_steps": self.nonfinite_total})  # fmt: skip
+                stop = self.signals.agreed()
+                diverged = self.nonfinite_in_row >= self.cfg.train.max_nonfinite_in_row
+                must_save = stop or diverged or not clean
+                if must_save or self.checkpointer.should_save(self.step, last_step=last):
                     self.save()
-                val_every = cfg.validation.every_steps
-                if val_every and self.step % val_every == 0:
-                    val = self.validate()
-                    self.tracker.log_metrics(val, step=self.step)
-                    result.val_metrics = val
-                if self.signals.any_rank():
-                    print0(
-                        f"[train] signal received: checkpoint at step {self.step}, then "
-                        f"exit {REQUEUE_EXIT_CODE} for requeue"
-                    )
-                    self.save()
-                    if self.rank == 0:
-                        (self.run_dir / "REQUEUE").write_text(f"{self.step}\n")
-                    status = "KILLED"
-                    # NOTE: every rank leaves together, after rank 0 closed its MLflow run:
-                    # `srun --kill-on-bad-exit` stops the whole step at the first exit 75.
-                    self.tracker.finish(status)
-                    distributed.barrier()
-                    raise SystemExit(REQUEUE_EXIT_CODE)
-            if cfg.checkpoint.save_final:
-                self.save()
-            val = self.validate()
-            if val:
-                self.tracker.log_metrics(val, step=self.step)
-                result.val_metrics = val
-            if cfg.checkpoint.export_final:
-                result.export_dir = str(self.export_live())
-                if self.rank == 0:
-                    self.tracker.log_artifacts(result.export_dir, "export")
+                if diverged:
+                    self._stop_diverged()
+                if stop or not clean:
+                    self._leave(stop or REQUEUE_EXIT_CODE, clean)
+            if self.cfg.checkpoint.export_final:
+                result.export_dir = str(self.export())
             if self.rank == 0:
                 (self.run_dir / "REQUEUE").unlink(missing_ok=True)
+            self._finish("FINISHED", f"finished at step {self.step}", result.export_dir)
+        except TrainingStopped:
+            self._finish("FAILED", f"stopped at step {self.step}", None)
+            raise
         except BaseException:
-            if status == "FINISHED":
-                status = "FAILED"
+            self._finish("FAILED", None, None)
             raise
         finally:
-            if bar is not None:
-                bar.close()
-            self.tracker.finish(status)
-        result.steps = self.step
+            self.signals.restore()
+            self.metrics.close()
+        result.steps, result.nonfinite_steps = self.step, self.nonfinite_total
         return result
+
+    def _leave(self, code: int, clean: bool) -> None:
+        """After the checkpoint: every rank leaves with `code` (75: requeue, 130: Ctrl-C)."""
+        why = {REQUEUE_EXIT_CODE: "requeue"}.get(code, "interrupted")
+        if not clean:
+            why = "restart from it to drop the skipped step's partial gradients"
+        if code == REQUEUE_EXIT_CODE and self.rank == 0:
+            (self.run_dir / "REQUEUE").write_text(f"{self.step}\n")
+        self._finish("KILLED", f"stopped at step {self.step} (exit {code}: {why})", None)
+        # NOTE: every rank leaves together, after rank 0 closed its MLflow run:
+        # `srun --kill-on-bad-exit` stops the whole step at the first exit 75.
+        distributed.barrier()
+        raise SystemExit(code)
+
+    def _stop_diverged(self) -> None:
+        n = self.nonfinite_in_row
+        raise TrainingStopped(
+            f"the loss was non-finite in {n} steps in a row (steps {self.step - n + 1}-"
+            f"{self.step}; train.max_nonfinite_in_row {self.cfg.train.max_nonfinite_in_row}): "
+            f"stopped; {self.checkpointer.dir / ckpt.tag_for_step(self.step)} holds the last "
+            f"finite weights (those of step {self.step - n})"
+        )
+
+    def _finish(self, status: str, outcome: str | None, export_dir: str | None) -> None:
+        """Rank 0: the end-of-run summary (when the run ended in good order) and the MLflow run's
+        status. Safe to call twice (the tracker finishes once)."""
+        if outcome is not None:
+            lines = [
+                f"{outcome}: steps {self._first_step + 1}-{self.step} of {self.total_steps} in "
+                f"{time.perf_counter() - self._t0:.0f} s",
+                f"log: {self.run_dir / LOG_FILE}",
+                f"checkpoints: {self.checkpointer.dir} (latest "
+                f"{ckpt.latest_tag(self.checkpointer.dir)})",
+            ]
+            if self.resumed_from:
+                lines.insert(1, f"resumed from {self.resumed_from}")
+            if self.nonfinite_total:
+                lines.append(f"steps skipped for a non-finite loss: {self.nonfinite_total}")
+            if export_dir:
+                lines.append(f"export: {export_dir}")
+            if self.tracker.run_id:
+                lines.append(f"MLflow run {self.tracker.run_id} ({self.tracker.uri})")
+            self.metrics.summary(lines)
+        self.tracker.finish(status)
 
 
 def train(cfg: TrainRunConfig) -> TrainResult:

@@ -1,0 +1,279 @@
+"""The trainer's checkpoints, collectively: which one a run resumes from (verified, with a
+fall-back that says which and why), and `save(step, ...)` that either publishes a complete,
+checksummed tag or raises `TrainingStopped` on every rank with the previous one intact.
+
+    checkpointer.should_save(step, last_step=...)   the cadence (checkpoint.every_steps, save_final)
+    checkpointer.find_resume()                      -> a verified tag directory or None
+    checkpointer.save(step, engine, state, files)   collective; every rank hashes its own files,
+                                                    rank 0 writes MANIFEST.json, then COMPLETE
+
+The on-disk layout is `dspark_ds.train.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dspark_ds import distributed
+from dspark_ds.config import CheckpointConfig
+from dspark_ds.distributed import print0
+from dspark_ds.train import checkpoint as ckpt
+from dspark_ds.train.signals import TrainingStopped
+
+HASH_ON_RESUME_BYTES_PER_RANK = 4 * 2**30
+"""checkpoint.verify auto: sha256 up to this much per rank (a few seconds at disk speed)."""
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, rank: int, world: int):
+        self.cfg = cfg
+        self.dir = Path(run_dir) / "checkpoints"
+        self.rank, self.world = rank, world
+        self.saved_step: int | None = None
+        """The step of the checkpoint this process saved or resumed from last."""
+
+    # ---- cadence -------------------------------------------------------------------------------
+    def should_save(self, step: int, *, last_step: bool) -> bool:
+        if last_step:
+            return self.cfg.save_final
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
+
+    # ---- resume --------------------------------------------------------------------------------
+    def find_resume(self) -> Path | None:
+        """Collective. The tag directory to resume from, or None to start fresh.
+
+        checkpoint.resume null refuses a run directory that already holds checkpoints; "auto"
+        and a run / checkpoints directory take the newest complete tag that passes verification
+        (a tag without COMPLETE or one that fails is named, and the next older one tried); a
+        tag directory must pass itself. ValueError (exit 2) when nothing usable is left."""
+        resume = self.cfg.resume
+        if resume is None:
+            existing = ckpt.complete_tags(self.dir)
+            if existing:
+                raise ValueError(
+                    f"checkpoint.resume: {self.dir} already holds {existing[-1]}; pass "
+                    "--checkpoint.resume auto to continue it, or choose another --name"
+                )
+            return None
+        path = self.dir if resume == "auto" else Path(resume)
+        if _is_tag_dir(path):
+            if not (path / ckpt.COMPLETE).exists():
+                raise ValueError(
+                    f"checkpoint.resume: {path} has no {ckpt.COMPLETE} marker (its save did not "
+                    "finish); pass the run directory to use its newest complete checkpoint"
+                )
+            problems = self.verify(path)
+            if problems:
+                raise ValueError(
+                    f"checkpoint.resume: {path} is damaged: {'; '.join(problems[:4])}; pass the "
+                    "run directory to fall back to its newest intact checkpoint"
+                )
+            chosen, damaged = path, set()
+        else:
+            root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+            chosen, damaged = self._newest_intact(root)
+        if chosen is not None and chosen.parent.resolve() == self.dir.resolve():
+            self._set_aside_newer(chosen, damaged)
+        return chosen
+
+    def _newest_intact(self, root: Path) -> tuple[Path | None, set[Path]]:
+        tags = sorted(
+            (p for p in root.iterdir() if ckpt.TAG_RE.match(p.name) and p.is_dir()),
+            key=lambda p: ckpt.tag_step(p.name),
+            reverse=True,
+        ) if root.is_dir() else []  # fmt: skip
+        damaged: list[tuple[Path, list[str]]] = []
+        chosen = None
+        for tag in tags:
+            if not (tag / ckpt.COMPLETE).exists():
+                print0(
+                    f"[train] skipping {tag.name}: no {ckpt.COMPLETE} marker (a save that did "
+                    "not finish)"
+                )
+                continue
+            problems = self.verify(tag)
+            if not problems:
+                chosen = tag
+                break
+            damaged.append((tag, problems))
+            print0(f"[train] skipping {tag.name}: damaged ({'; '.join(problems[:4])})")
+        if chosen is None:
+            if damaged:
+                raise ValueError(
+                    f"checkpoint.resume: no intact checkpoint in {root}: "
+                    + "; ".join(f"{t.name}: {p[0]}" for t, p in damaged)
+                )
+            if self.cfg.resume != "auto":
+                raise ValueError(f"checkpoint.resume: {root} holds no complete checkpoint")
+            return None, set()
+        if damaged:
+            print0(f"[train] falling back to {chosen.name}, the newest intact checkpoint")
+        return chosen, {t for t, _ in damaged}
+
+    def _set_aside_newer(self, chosen: Path, damaged: set[Path]) -> None:
+        """Complete tags newer than the one this run continues from belong to a continuation
+        that is being replaced (damaged ones, or ones an explicit older resume skips): renamed,
+        so that nothing loads or prunes them by mistake, and nothing is deleted."""
+        newer = [
+            p
+            for p in self.dir.iterdir()
+            if ckpt.TAG_RE.match(p.name)
+            and (p / ckpt.COMPLETE).exists()
+            and ckpt.tag_step(p.name) > ckpt.tag_step(chosen.name)
+        ]
+        if self.rank == 0:
+            for tag in sorted(newer):
+                why = "damaged" if tag in damaged else "abandoned"
+                moved = ckpt.set_aside(tag, why)
+                print0(f"[train] {tag.name} set aside as {moved.name} (this run continues from "
+                       f"{chosen.name})")  # fmt: skip
+        distributed.barrier()
+
+    def verify(self, tag_dir: Path) -> list[str]:
+        """Collective. What is wrong with `tag_dir` against its manifest (see checkpoint.verify);
+        the ranks split the hashing. A tag written before manifests existed passes, with a note."""
+        manifest = ckpt.read_manifest(tag_dir)
+        if manifest is None:
+            print0(f"[train] {tag_dir.name} has no {ckpt.MANIFEST} (an older version wrote it): "
+                   "not verified")  # fmt: skip
+            return []
+        names = sorted(manifest["files"])
+        total = sum(int(r.get("size", 0)) for r in manifest["files"].values())
+        mode = self.cfg.verify
+        hashing = mode == "sha256" or (
+            mode == "auto" and total / self.world <= HASH_ON_RESUME_BYTES_PER_RANK
+        )
+        mine = set(names[self.rank :: self.world]) if hashing else set()
+        found = distributed.all_gather_object(ckpt.check_files(tag_dir, manifest, mine))
+        return list(dict.fromkeys(p for rank_problems in found for p in rank_problems))
+
+    def loadable(self, tag_dir: Path, ds_config: dict) -> tuple[Path, dict]:
+        """Collective. Same world size (or ZeRO-0): the tag itself. Otherwise DeepSpeed's
+        universal checkpoint, converted once by rank 0, and a ds config that loads it."""
+        from dspark_ds import engine as eng_lib
+
+        meta = json.loads((tag_dir / "meta.json").read_text())
+        stage = eng_lib.zero_stage(ds_config)
+        saved = eng_lib.optimizer_layout(json.loads((tag_dir / "ds_config.json").read_text()))
+        saved["ZeRO stage"] = meta["zero_stage"]
+        now = eng_lib.optimizer_layout(ds_config)
+        differs = {k: (saved[k], now[k]) for k in saved if saved[k] != now[k]}
+        if differs:
+            shown = ", ".join(f"{k} {a} (now {b})" for k, (a, b) in differs.items())
+            raise ValueError(
+                f"deepspeed.config: {tag_dir} was written with {shown}; its optimizer state "
+                "loads only into the same layout: resume with the same ZeRO stage, offload and "
+                "optimizer (deepspeed.torch_adam)"
+            )
+        if meta["world_size"] == self.world or stage == 0:
+            return tag_dir, ds_config
+        universal = Path(f"{tag_dir}_universal")
+        if self.rank == 0 and not (universal / ckpt.COMPLETE).exists():
+            print0(
+                f"[train] world size {meta['world_size']} -> {self.world}: converting "
+                f"{tag_dir} to a universal checkpoint"
+            )
+            eng_lib.convert_to_universal(tag_dir, universal)
+            (universal / ckpt.COMPLETE).write_text("ok\n")
+        distributed.barrier()
+        return universal, eng_lib.enable_universal_load(ds_config)
+
+    def load(self, tag_dir: Path, engine, step_of_tag: int) -> dict:
+        """Collective. Restores the engine; returns the client state."""
+        state = engine.load(tag_dir.parent, tag_dir.name)
+        self.saved_step = step_of_tag
+        return state
+
+    # ---- save ----------------------------------------------------------------------------------
+    def save(self, step: int, engine, client_state: dict, files: dict[str, str]) -> Path:
+        """Collective. Writes tag `step` (rank 0: `files`, {name: text}; every rank: its
+        DeepSpeed files), records size and sha256 of every file in MANIFEST.json, then COMPLETE
+        and `latest`. A failure on any rank (disk full, I/O error) removes the partial tag and
+        raises TrainingStopped on every rank; the previous checkpoint stays intact."""
+        tag = ckpt.tag_for_step(step)
+        tag_dir = self.dir / tag
+        if self.saved_step == step and (tag_dir / ckpt.COMPLETE).exists():
+            return tag_dir
+        t0 = time.perf_counter()
+        error = None
+        if self.rank == 0:
+            try:
+                if tag_dir.exists():  # a save of this step that did not finish
+                    ckpt.remove_tag(tag_dir)
+                tag_dir.mkdir(parents=True)
+                for name, text in files.items():
+                    ckpt.atomic_write(tag_dir / name, text)
+            except OSError as err:
+                error = err
+        self._agree(error, tag_dir)
+        own: dict[str, dict] = {}
+        try:
+            engine.save(self.dir, tag, client_state)
+            names = [
+                n
+                for n in ckpt.payload_files(tag_dir)
+                if ckpt.file_owner(n, self.world) == self.rank
+            ]
+            own = ckpt.describe_files(tag_dir, names)
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
+            error = err
+        self._agree(error, tag_dir)
+        described = distributed.gather_object(own)
+        if self.rank == 0:
+            try:
+                merged = {k: v for part in described for k, v in part.items()}
+                rest = [n for n in ckpt.payload_files(tag_dir) if n not in merged]
+                merged.update(ckpt.describe_files(tag_dir, rest))
+                ckpt.write_manifest(tag_dir, merged, step)
+                ckpt.publish(self.dir, tag, self.cfg.keep_last)
+            except OSError as err:
+                error = err
+        self._agree(error, tag_dir)
+        self.saved_step = step
+        if self.rank == 0:
+            size = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file())
+            print0(f"[train] checkpoint {tag_dir} ({size / 2**20:.1f} MiB, "
+                   f"{time.perf_counter() - t0:.1f} s)")  # fmt: skip
+        return tag_dir
+
+    def _agree(self, error: BaseException | None, tag_dir: Path) -> None:
+        """Collective: every rank learns whether any rank failed; if so the partial tag goes
+        (it would only take space) and every rank raises the same TrainingStopped."""
+        errors = distributed.all_gather_object(None if error is None else _one_line(error))
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
+        if self.rank == 0:
+            ckpt.remove_tag(tag_dir)
+        distributed.barrier()
+        previous = ckpt.latest_tag(self.dir)
+        rank, why = failed[0]
+        where = f" (rank {rank})" if self.world > 1 else ""
+        kept = (
+            f"the previous checkpoint {self.dir / previous} is intact; free space and resume "
+            "with --checkpoint.resume auto"
+            if previous
+            else "there is no earlier checkpoint"
+        )
+        raise TrainingStopped(
+            f"checkpoint {tag_dir.name} could not be written{where}: {why}; {kept}"
+        )
+
+
+def _is_tag_dir(path: Path) -> bool:
+    return (
+        bool(ckpt.TAG_RE.match(path.name))
+        or (path / ckpt.COMPLETE).exists()
+        or (path / "meta.json").exists()
+    )
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        where = f"{err.filename}: " if err.filename else ""
+        return f"{where}[Errno {err.errno}] {err.strerror}"
+    from dspark_ds.files import first_line
+
+    return first_line(err)

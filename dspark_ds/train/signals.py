@@ -1,0 +1,80 @@
+"""Signals that stop a training run in good order: the step in progress finishes, a checkpoint
+is written, then the process leaves with an exit code that says why.
+
+    SIGTERM, SIGUSR1   Slurm's pre-emption warning, `scontrol requeue`, `scancel`, torchrun
+                       passing on a stop → exit 75 (EX_TEMPFAIL) and <run>/REQUEUE: the sbatch
+                       script requeues the job, which resumes from the checkpoint.
+    SIGINT (Ctrl-C)    → exit 130 (128 + SIGINT, what a shell reports for an interrupted
+                       command); no REQUEUE: a person asked to stop. A second Ctrl-C ends the
+                       process at once (the default action is back after the first), without a
+                       checkpoint: the last complete one stays in charge.
+
+The first signal a rank receives decides for that rank; ranks agree at each step boundary
+(`Signals.agreed`, one small all-reduce): if any rank was asked to requeue, every rank requeues.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from dspark_ds import distributed, logs
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
+INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT
+STOPPED_EXIT_CODE = 1
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (a checkpoint that cannot be written, a loss that stays NaN); raised
+    on every rank together, after whatever could be saved was saved. The CLI prints the message
+    as one line and exits with `exit_code`."""
+
+    exit_code = STOPPED_EXIT_CODE
+
+
+_REQUEUE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Signals:
+    """Installs the handlers for the training loop (`install` / `restore`) and says at a step
+    boundary whether, and how, every rank should stop (`agreed`)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in (*_REQUEUE_SIGNALS, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            # NOTE: SIGINT stays at its default once the first Ctrl-C is handled
+            if not (sig == signal.SIGINT and self.received == signal.SIGINT):
+                signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        first = self.received is None
+        if first:
+            self.received = signum
+        if signum == signal.SIGINT:
+            # a second Ctrl-C is handled by the kernel: the process ends at once
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if first:
+                logs.emit_from_signal_handler(
+                    "[train] Ctrl-C: finishing this step and writing a checkpoint, then exit "
+                    f"{INTERRUPT_EXIT_CODE}; press Ctrl-C again to stop at once without one",
+                    distributed.rank_and_world()[0],
+                )
+
+    def agreed(self) -> int | None:
+        """Collective. The exit code every rank leaves with after checkpointing (75 if any rank
+        was asked to requeue, else 130 if any got Ctrl-C), or None to go on."""
+        mine = 0
+        if self.received in _REQUEUE_SIGNALS:
+            mine = 2
+        elif self.received == signal.SIGINT:
+            mine = 1
+        [worst] = distributed.all_reduce_values([mine], op="max")
+        return {0: None, 1: INTERRUPT_EXIT_CODE, 2: REQUEUE_EXIT_CODE}[int(worst)]

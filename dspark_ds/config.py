@@ -232,7 +232,7 @@ class TrainRunConfig:
     def _warn_block_shapes(self) -> None:
         """Settings that run but waste the step: said once, on rank 0, not refused."""
         m, length = self.model, self.data.max_length
-        candidates = length - 1  # anchor p needs p and p+1 supervised (spec §3)
+        candidates = length - 1  # anchor p needs p and p+1 supervised (docs/algorithm.md#anchors)
         if m.num_anchors > candidates:
             warn(
                 f"model.num_anchors {m.num_anchors} exceeds the {candidates} anchor positions a "

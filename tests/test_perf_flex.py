@@ -1,5 +1,5 @@
 """The flex_attention path (drafters/common/flex.py): the BlockMask built from the anchors equals
-create_block_mask's on the spec §4 mask_mod, and flex forward (eager; compiled in the slow test)
+create_block_mask's on the block mask's mask_mod (docs/algorithm.md#the-block-mask), and flex forward (eager; compiled in the slow test)
 equals the dense and blockwise attention. flex_attention has no backward on CPU."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dspark_ds.drafters.common.flex import dspark_block_mask, flex_attend
 
 
 def spec_block_mask(anchors, keep, seq_len: int, block_size: int):
-    """create_block_mask over every (query, key) pair of the spec §4 visibility, as written."""
+    """create_block_mask over every (query, key) pair of the block-mask visibility (docs/algorithm.md), as written."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         qb = q_idx // block_size

@@ -38,7 +38,7 @@ def check_drafter_matches_target(target, drafter) -> None:
     # NOTE: id L-1 means two things. Here and in training (target.py) it is HF's
     # hidden_states[L], the final *normed* state, so dspark-ds agrees with itself; but the
     # reference implementation's cache stores the raw output of decoder layer L-1. A checkpoint
-    # tapping L-1 is therefore ambiguous across the interchange format, and (as spec §1 and the
+    # tapping L-1 is therefore ambiguous across the interchange format, and (as docs/algorithm.md#target-features and the
     # reference's evaluator do) evaluation refuses it.
     if num_layers - 1 in layer_ids:
         raise ValueError(

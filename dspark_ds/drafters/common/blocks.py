@@ -172,7 +172,7 @@ def sampler_stat_sums(
     """Sums over the samples of a micro-batch of each `SAMPLER_STATS` entry, then the sample
     count: divide the first six by the last (summed over micro-batches and ranks) for the means.
 
-    Per sample: valid anchors (candidates, spec §3) and that count over the batch's padded
+    Per sample: valid anchors (candidates, docs/algorithm.md#anchors) and that count over the batch's padded
     length S; sampled anchors (kept blocks) and that count over `num_anchors`; supervised slots
     per kept block (the eval mask's prefix length) and that over γ.
     """

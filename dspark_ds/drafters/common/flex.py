@@ -4,7 +4,7 @@ and one compiled flex_attention per process.
 The BlockMask. flex_attention skips every (128 query x 128 key) tile the mask hides and skips
 the mask itself on tiles it shows whole. `create_block_mask` finds those tiles by evaluating
 `mask_mod` on every (query, key) pair: [B, A*G, S + A*G] work and memory per call (B 1, S 4096,
-A 512, γ 7: 27 M pairs, every step). The DSpark visibility (spec §4) has structure that gives the
+A 512, γ 7: 27 M pairs, every step). The DSpark visibility (docs/algorithm.md#the-block-mask) has structure that gives the
 tiles directly: query row r of block qb = r // G sees the context keys [0, anchor[qb]) and its
 own block's keys [S + qb*G, S + qb*G + G), nothing if the block is dropped. So per query tile
 the largest and smallest visible context length decide which context tiles it touches and which
@@ -135,7 +135,7 @@ def dspark_block_mask(
     block_size: int,
     tile: int = TILE,
 ) -> BlockMask:
-    """The spec §4 visibility as a BlockMask, built from the anchors in O(B x (A*G + tiles)).
+    """The block-mask visibility (docs/algorithm.md#the-block-mask) as a BlockMask, built from the anchors in O(B x (A*G + tiles)).
 
     Queries: the A*G draft slots; keys: [context (S); drafts (A*G)]. Equal to
     `create_block_mask(mask_mod, B, None, A*G, S + A*G)` on the same visibility.

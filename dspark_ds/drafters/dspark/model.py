@@ -323,7 +323,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         """Append verified context to the cache without drafting (batched decoding).
 
         context_features [B, L, n*H] at RoPE `positions` [B, L]: every layer's context keys /
-        values come from the same projected context C (spec §2), so no block has to run.
+        values come from the same projected context C (docs/algorithm.md#the-drafter), so no block has to run.
         """
         ctx = self.project_context(context_features)
         rope = self.rotary_emb(ctx, positions)

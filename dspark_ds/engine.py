@@ -523,7 +523,7 @@ def checkpoint_trainable_fp32(tag_dir: str | Path) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.items()}
 
 
-# ---- memory estimates (for the ZeRO tuner) --------------------------------------------------------
+# ---- memory estimates (for the ZeRO tuner) -------------------------------------------------------
 def deepspeed_model_states_estimate(
     stage: int,
     trainable_params: int,

@@ -663,7 +663,7 @@ class BatchedDecoder:
 
 def verify_sample(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     """[R, 1, V] -> [R, 1] drafted tokens (argmax at T = 0)."""
-    from dspark_ds.drafters.dspark.markov import sample_from_logits
+    from dspark_ds.drafters.common.sampling import sample_from_logits
 
     return sample_from_logits(logits, temperature, generator)
 

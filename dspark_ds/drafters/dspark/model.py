@@ -142,7 +142,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             return "flex" if device.type == "cuda" else "blockwise"
         return self.attn_implementation
 
-    # ---- training forward (docs/algorithm.md: anchors .. confidence head) -------------------------------------------------
+    # ---- training forward (docs/algorithm.md: anchors .. confidence head) ------------------------
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -286,7 +286,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             features = torch.cat([hidden, prev], dim=-1)
         return self.confidence_head(features).float()
 
-    # ---- inference primitives (docs/algorithm.md#inference) -------------------------------------------------
+    # ---- inference primitives (docs/algorithm.md#inference) --------------------------------------
     def new_cache(self) -> DraftKVCache:
         return DraftKVCache(len(self.layers))
 

@@ -325,7 +325,13 @@ def test_two_rank_measure_under_the_device_guard(tmp_path):
             cwd=tmp_path,
         )
     )
-    measured = json.loads(out.read_text())["measured"]
+    result = json.loads(out.read_text())
+    measured = result["measured"]
     assert set(measured) == {"zero2", "zero3"}
-    assert all(m["peak_bytes"] > 0 and m["step_s"] > 0 for m in measured.values()), measured
+    # the estimate for this machine's 2 ranks holds for the peak of the larger one
+    est = {e["option"]: e for e in result["estimates"]}
+    for name, m in measured.items():
+        estimate = est[name]["device_total"] + est[name]["host_total_per_rank"]
+        assert 0.7 <= estimate / m["peak_bytes"] <= 1.3, (name, estimate, m, result["text"])
+        assert m["step_s"] > 0
     assert [s["policed"] > 0 for s in guard_stats(tmp_path / "guard")] == [True, True]

@@ -121,6 +121,9 @@ def test_bad_option_names_the_field(capsys):
         == 2
     )
     assert "gpus_per_node" in capsys.readouterr().err
+    recipe = str(RECIPES / "dspark_qwen3_8b.yaml")
+    assert cli_main(["tune", "--recipe", recipe, "--device", "cuda:0"]) == 2
+    assert "device: expected cuda or cpu, got 'cuda:0'" in capsys.readouterr().err
 
 
 def _shipped_zero(name: str) -> dict:

@@ -70,8 +70,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "one-GPU self-check: bench, ZeRO-3 bf16 training, export, lossless decoding",
     ),
     "tune": (
-        "dspark_ds.tune.tuner:TunerConfig",
-        "dspark_ds.tune.tuner:run",
+        "dspark_ds.tune.config:TunerConfig",
+        "dspark_ds.tune:run",
         "per-GPU memory of every ZeRO stage x offload option; which fit, which is fastest",
     ),
     "compare": (

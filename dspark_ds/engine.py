@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import deepspeed
@@ -51,11 +52,13 @@ def resolve_ds_config_path(name_or_path: str) -> Path:
     return shipped
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_config(base: dict, extra: dict) -> dict:
+    """`base` with `extra` merged in key by key (nested dicts merged, other values replaced), as
+    `deepspeed.overrides` applies to a JSON config; neither argument is modified."""
     out = copy.deepcopy(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_config(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -75,7 +78,7 @@ def build_ds_config(
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"deepspeed.config: {path} is not valid JSON: {err}") from err
-    cfg = _merge(cfg, section.overrides or {})
+    cfg = merge_config(cfg, section.overrides or {})
     per_step = micro_batch_size * world_size
     if train.global_batch_size % per_step:
         raise ValueError(
@@ -151,6 +154,60 @@ def optimizer_layout(ds_config: dict) -> dict[str, object]:
 def optimizer_offloaded(ds_config: dict) -> bool:
     device = ds_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device")
     return device in ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The ZeRO settings memory depends on, as DeepSpeed reads them from a config (`zero_settings`).
+    Sizes are in elements."""
+
+    stage: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_bucket_size: int
+    """stage3_prefetch_bucket_size."""
+    param_persistence_threshold: int
+    """stage3_param_persistence_threshold: ZeRO-3 never partitions a parameter this small."""
+    model_persistence_threshold: int
+    """stage3_model_persistence_threshold: the most elements kept whole that way, in all."""
+    offload_optimizer: str | None
+    """cpu | nvme | None."""
+    offload_param: str | None
+    """cpu | nvme | None."""
+
+
+def zero_settings(ds_config: dict) -> ZeroSettings:
+    """The config's zero_optimization section parsed by DeepSpeed's own config class, so keys the
+    section leaves out (or sets to "auto") take DeepSpeed's defaults, e.g. overlap_comm on at
+    ZeRO-3 only, 5e8-element reduce buckets."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        zero = DeepSpeedZeroConfig(**ds_config.get("zero_optimization", {}))
+    except ValueError as err:  # pydantic's ValidationError: one entry per bad key
+        problems = [
+            f"zero_optimization.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+            for e in getattr(err, "errors", lambda: [])()
+        ] or [str(err).splitlines()[0]]
+        raise ValueError(f"deepspeed.config: {'; '.join(problems)}") from err
+
+    def device(offload) -> str | None:
+        return offload.device if offload is not None and offload.device != "none" else None
+
+    return ZeroSettings(
+        stage=int(zero.stage),
+        overlap_comm=bool(zero.overlap_comm),
+        contiguous_gradients=bool(zero.contiguous_gradients),
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        allgather_bucket_size=int(zero.allgather_bucket_size),
+        prefetch_bucket_size=int(zero.prefetch_bucket_size),
+        param_persistence_threshold=int(zero.param_persistence_threshold),
+        model_persistence_threshold=int(zero.model_persistence_threshold),
+        offload_optimizer=device(zero.offload_optimizer),
+        offload_param=device(zero.offload_param),
+    )
 
 
 # ---- the target inside the job (online / hybrid mode) ----------------------------------------

@@ -84,6 +84,7 @@ def _ranks(rank: int, world: int) -> None:
     assert dist.all_reduce is not None and "checked" not in dist.all_reduce.__qualname__
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_collectives_refuse_host_tensors_from_policed_code():
     run_distributed(_ranks, world_size=2)

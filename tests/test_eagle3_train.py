@@ -86,7 +86,11 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
         "val/tau_greedy",
     ):
         assert key in metrics, (key, sorted(metrics))
-    assert 1.0 <= metrics["train/tau_probabilistic"] <= 5.0
+    # what MLflow holds is the local log's last window (test_eagle3.py checks the metrics
+    # themselves against plain loops)
+    last = json.loads((run / "train_log.jsonl").read_text().splitlines()[-1])
+    assert metrics["train/tau_probabilistic"] == pytest.approx(last["train/tau_probabilistic"])
+    assert metrics["train/loss"] == pytest.approx(last["train/loss"])
 
 
 @pytest.mark.parametrize("family", ["qwen3_4b", "qwen3_8b", "qwen3_14b", "gemma4_12b"])

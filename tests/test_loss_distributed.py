@@ -55,6 +55,7 @@ def _worker(rank: int, world: int, init_file: str, result_file: str):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_rank_gradients_equal_single_process():
     # NOTE: not pytest's tmp_path: a concurrent pytest session may rotate that folder away

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.slurm_cluster import ensure_installed
+from helpers.system import require_binaries, require_python_module
 from helpers.tiny_models import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,30 +21,16 @@ TINY = REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 
-def _mpi_ready() -> str | None:
-    """Installs Open MPI (apt, root) and mpi4py (pip) when missing, as tools/install.sh does;
-    returns why MPI is unavailable, or None."""
-    why = ensure_installed(("openmpi-bin", "libopenmpi-dev"), ("mpirun", "mpicc"))
-    if why is not None:
-        return why
-    probe = [sys.executable, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"]
-    if subprocess.run(probe, capture_output=True).returncode != 0:
-        pip = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "mpi4py>=4.0"],
-            capture_output=True,
-            text=True,
-        )
-        if pip.returncode != 0:
-            return f"mpi4py is not importable and `pip install mpi4py` failed: {pip.stderr[-500:]}"
-        if subprocess.run(probe, capture_output=True).returncode != 0:
-            return "mpi4py does not import after installing it"
-    return None
+def _require_mpi() -> None:
+    """Open MPI and mpi4py, as tools/install.sh installs them; the test fails without them."""
+    require_binaries(("mpirun", "mpicc"), ("openmpi-bin", "libopenmpi-dev"))
+    require_python_module(
+        "from mpi4py import MPI; print(MPI.Get_library_version())", "mpi4py", "mpi4py>=4.0"
+    )
 
 
 def test_mpirun_two_ranks_train_tiny(tmp_path):
-    why = _mpi_ready()
-    if why is not None:
-        pytest.skip(f"no MPI: {why}")
+    _require_mpi()
     target = build_tiny_target(tmp_path / "tiny_target")
     out = tmp_path / "runs"
     env = dict(

@@ -10,6 +10,7 @@ from dspark_ds.cli import main
 from dspark_ds.perf.bench import TrainBenchConfig, parse_variant, resident_bytes, step_flops
 
 
+@pytest.mark.slow  # a subprocess per variant
 def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = [

@@ -73,8 +73,10 @@ def test_eagle3_honours_perf():
     spec, model = get_spec("eagle3"), tiny_eagle3()
     assert spec.apply_perf(model, PerfConfig()) == "chunked"
     assert spec.apply_perf(model, PerfConfig(loss_impl="reference")) == "reference"
-    spec.apply_perf(model, PerfConfig(attn_implementation="dense"))
-    assert model.attn_implementation == "dense"
+    # flex, not what a CPU drafter picks by itself (dense), so a dropped option shows
+    assert model.resolve_attn_implementation(torch.device("cpu")) == "dense"
+    spec.apply_perf(model, PerfConfig(attn_implementation="flex"))
+    assert model.resolve_attn_implementation(torch.device("cpu")) == "flex"
     assert eagle3_loss.loss_impl_for("auto", zero3=True) == "reference"
     with pytest.raises(ValueError, match="perf.loss_impl: chunked .* under ZeRO-3"):
         eagle3_loss.loss_impl_for("chunked", zero3=True)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dspark_ds import tune
 from dspark_ds.cli import main as cli_main
-from dspark_ds.tune import tuner
 
 from helpers.dist import GUARDED, check, guard_stats, guarded_env, python, torchrun
 from helpers.tiny_models import build_tiny_target
@@ -21,8 +21,8 @@ GIB = 1024**3
 
 
 def _estimates(**kw) -> dict:
-    cfg = tuner.TunerConfig(recipe=str(RECIPES / "dspark_qwen3_8b.yaml"), **kw)
-    return tuner.run(cfg)
+    cfg = tune.TunerConfig(recipe=str(RECIPES / "dspark_qwen3_8b.yaml"), **kw)
+    return tune.run(cfg)
 
 
 def test_qwen3_8b_on_8x80gb(capsys):
@@ -87,13 +87,13 @@ def test_eagle3_recipe_is_estimated_as_eagle3():
     from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
 
     # the chunk pinned at 32 positions (perf.loss_chunk_anchors "auto" is 256 on CUDA)
-    result = tuner.run(
-        tuner.TunerConfig(
+    result = tune.run(
+        tune.TunerConfig(
             recipe=str(RECIPES / "eagle3_qwen3_8b.yaml"),
             overrides=["--perf.loss_chunk_anchors", "32"],
         )
     )
-    target = Qwen3Config(**tuner.KNOWN_TARGETS["Qwen/Qwen3-8B"])
+    target = Qwen3Config(**tune.KNOWN_TARGETS["Qwen/Qwen3-8B"])
     with torch.device("meta"):
         model = build_draft_model(build_eagle3_config(target, target_layer_ids=[1, 9, 17, 25, 33]))
     shared = set(model.shared_parameter_names())
@@ -121,6 +121,108 @@ def test_bad_option_names_the_field(capsys):
         == 2
     )
     assert "gpus_per_node" in capsys.readouterr().err
+    recipe = str(RECIPES / "dspark_qwen3_8b.yaml")
+    assert cli_main(["tune", "--recipe", recipe, "--device", "cuda:0"]) == 2
+    assert "device: expected cuda or cpu, got 'cuda:0'" in capsys.readouterr().err
+
+
+def _shipped_zero(name: str) -> dict:
+    return json.loads((RECIPES.parent / "ds_configs" / f"{name}.json").read_text())[
+        "zero_optimization"
+    ]
+
+
+def _small_trainable_params(recipe: str, threshold: int) -> int:
+    """Elements of the recipe's trainable drafter parameters of at most `threshold` elements,
+    counted here on a drafter built on the meta device."""
+    import torch
+    from transformers import Qwen3Config
+
+    from dspark_ds.config import TrainRunConfig, parse
+    from dspark_ds.drafters.io import build_draft_model, dspark_config
+
+    run_cfg = parse(TrainRunConfig, ["--config", str(RECIPES / recipe)])
+    target = Qwen3Config(**tune.KNOWN_TARGETS["Qwen/Qwen3-8B"])
+    config = dspark_config(target, run_cfg.model, target_layer_ids=[1, 9, 17, 25, 33],
+                           mask_token_id=0)  # fmt: skip
+    with torch.device("meta"):
+        model = build_draft_model(config)
+    shared = set(model.shared_parameter_names())
+    return sum(
+        p.numel() for n, p in model.named_parameters() if n not in shared and p.numel() <= threshold
+    )
+
+
+def test_deepspeed_values_come_from_the_resolved_config():
+    """Bucket sizes, overlap_comm and the ZeRO-3 persistence threshold are read from the
+    DeepSpeed config training builds (the shipped JSON + --deepspeed.overrides): changing them
+    moves the estimate by what the new values hold, option by option."""
+    zero2, zero3 = _shipped_zero("zero2"), _shipped_zero("zero3")
+    assert zero2["overlap_comm"] and zero3["stage3_param_persistence_threshold"] > 0
+    changed = {
+        "reduce_bucket_size": 3 * zero2["reduce_bucket_size"],
+        "stage3_prefetch_bucket_size": 2 * zero3["stage3_prefetch_bucket_size"],
+        "stage3_param_persistence_threshold": 0,
+        "overlap_comm": False,
+    }
+    base = _estimates()
+    new = _estimates(
+        overrides=["--deepspeed.overrides", json.dumps({"zero_optimization": changed})]
+    )
+    base_est = {e["option"]: e for e in base["estimates"]}
+    new_est = {e["option"]: e for e in new["estimates"]}
+    bf16, world = 2, 8
+
+    def delta(option: str, key: str) -> float:
+        return new_est[option]["device"].get(key, 0.0) - base_est[option]["device"].get(key, 0.0)
+
+    # ZeRO-1 / 2: the reduce bucket, twice with overlap_comm (DeepSpeed's default: off below
+    # ZeRO-3), fp32 at ZeRO-1, bf16 at ZeRO-2
+    for option, config, elem_bytes in (
+        ("zero1", "zero1", 4), ("zero2", "zero2", bf16), ("zero2+offload_opt", "zero2", bf16)
+    ):  # fmt: skip
+        shipped = _shipped_zero(config)
+        before = shipped["reduce_bucket_size"] * (2 if shipped.get("overlap_comm") else 1)
+        want = (changed["reduce_bucket_size"] - before) * elem_bytes
+        assert want != 0
+        assert delta(option, "ds_grad_buckets") == pytest.approx(want)
+        total = new_est[option]["device_total"] - base_est[option]["device_total"]
+        assert total == pytest.approx(want)
+    # ZeRO-3: one contiguous reduce buffer, the prefetch bucket, and no persistent parameters
+    # any more: each rank holds 1/world of the ones it kept whole
+    assert delta("zero3", "ds_grad_buckets") == pytest.approx(
+        (changed["reduce_bucket_size"] - zero3["reduce_bucket_size"]) * bf16
+    )
+    assert delta("zero3", "ds_prefetch") == pytest.approx(
+        (changed["stage3_prefetch_bucket_size"] - zero3["stage3_prefetch_bucket_size"]) * bf16
+    )
+    small = _small_trainable_params(
+        "dspark_qwen3_8b.yaml", zero3["stage3_param_persistence_threshold"]
+    )
+    assert small > 0
+    assert delta("zero3", "params") == pytest.approx(-small * bf16 * (1 - 1 / world))
+    assert new_est["zero3"]["zero"]["param_persistence_threshold"] == 0
+
+
+def test_a_bad_deepspeed_value_is_refused_by_name(capsys):
+    bad = json.dumps({"zero_optimization": {"reduce_bucket_size": "large"}})
+    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"),
+            "--overrides", json.dumps(["--deepspeed.overrides", bad])]  # fmt: skip
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "deepspeed.config: zero_optimization.reduce_bucket_size" in err and "\n" not in (
+        err.strip()
+    )
+
+
+def test_a_global_batch_the_cluster_cannot_split_is_reported(capsys):
+    # 512 sequences over 3 × 8 ranks: the estimate still comes (memory does not depend on the
+    # accumulation) and says that training would refuse the shape
+    result = _estimates(nodes=3, gpus_per_node=8)
+    assert result["recommended"] == "zero2"
+    assert "train.global_batch_size 512 is not a multiple of" in capsys.readouterr().out
+    _estimates(nodes=1, gpus_per_node=8)
+    assert "global_batch_size" not in capsys.readouterr().out
 
 
 # NOTE: with the shipped configs DeepSpeed's fixed-size gradient buckets (5e7 elements) dominate
@@ -155,7 +257,7 @@ def test_tiny_estimate_within_30_percent_of_measurement(tmp_path, overrides):
     result = _estimate_and_measure(tmp_path, "tiny_cpu.yaml", overrides)
     measured = result["measured"]
     est = {e["option"]: e for e in result["estimates"]}
-    assert set(measured) == set(tuner.OPTION_NAMES) - {"zero3+nvme"}, result["text"]
+    assert set(measured) == set(tune.OPTION_NAMES) - {"zero3+nvme"}, result["text"]
     # NOTE: with the shipped 5e7-element buckets, DeepSpeed's ZeRO-1/2 bucket set-up (a new
     # buffer allocated while the old one is still referenced) now and then holds one extra fp32
     # reduce bucket at the peak: seen once in CI (zero2+offload_opt measured 601.2 MB against
@@ -226,7 +328,13 @@ def test_two_rank_measure_under_the_device_guard(tmp_path):
             cwd=tmp_path,
         )
     )
-    measured = json.loads(out.read_text())["measured"]
+    result = json.loads(out.read_text())
+    measured = result["measured"]
     assert set(measured) == {"zero2", "zero3"}
-    assert all(m["peak_bytes"] > 0 and m["step_s"] > 0 for m in measured.values()), measured
+    # the estimate for this machine's 2 ranks holds for the peak of the larger one
+    est = {e["option"]: e for e in result["estimates"]}
+    for name, m in measured.items():
+        estimate = est[name]["device_total"] + est[name]["host_total_per_rank"]
+        assert 0.7 <= estimate / m["peak_bytes"] <= 1.3, (name, estimate, m, result["text"])
+        assert m["step_s"] > 0
     assert [s["policed"] > 0 for s in guard_stats(tmp_path / "guard")] == [True, True]

@@ -79,9 +79,13 @@ def measure(shape: StepShape, attn: str, loss: str, dtype: torch.dtype) -> dict[
     return micro_batch_memory(model, batch, step)
 
 
-CASES = list(
-    itertools.product(SHAPES, ("blockwise", "dense"), ("reference", "chunked", "recompute"))
-)
+# the "mixed" shape takes most of the time: it runs with the slow tests
+CASES = [
+    pytest.param(*case, marks=[pytest.mark.slow] if case[0] == "mixed" else [])
+    for case in itertools.product(
+        SHAPES, ("blockwise", "dense"), ("reference", "chunked", "recompute")
+    )
+]
 
 
 @pytest.mark.parametrize("shape_name,attn,loss", CASES)

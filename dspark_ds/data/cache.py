@@ -334,6 +334,54 @@ def _covered(cache_dir: str | Path, num_samples: int) -> bool:
     return len(seen) == num_samples
 
 
+def _repair(cache_dir: Path, num_samples: int, per_shard: int) -> dict[str, list[int]]:
+    """--repair: removes every damaged shard; returns the non-build ones to re-make by id."""
+    bad, remake = repair_shards(cache_dir, num_samples, per_shard)
+    shown = "; ".join(bad.values()) if len(bad) <= 5 else f"{len(bad)} shards"
+    dist.log(
+        f"[build-cache] repair: {len(bad)} damaged shard(s) removed"
+        + (f" ({shown}); re-making them" if bad else "")
+    )
+    dist.barrier()
+    return remake
+
+
+def _shard_jobs(
+    cache_dir: Path, num_samples: int, per_shard: int, rank: int, world: int, remake: dict
+) -> tuple[list[tuple[str, list[int]]], int]:
+    """(shard name, sample ids) this rank still has to write, and how many of its shards are
+    complete already."""
+    num_shards = math.ceil(num_samples / per_shard)
+    done = completed_shards(cache_dir)
+    # a hybrid-mode cache (h<rank>-<k> shards) is repaired shard by shard, never re-laid out
+    hybrid = bool(remake) or any(not _BUILD_SHARD.match(n) for n in done)
+    mine = [] if hybrid else list(range(rank, num_shards, world))
+    jobs = [
+        (f"{k:06d}", list(range(k * per_shard, min(num_samples, (k + 1) * per_shard))))
+        for k in mine
+        if f"{k:06d}" not in done
+    ] + sorted(remake.items())
+    return jobs, len(mine) + len(remake) - len(jobs)
+
+
+def _finish(cache_dir: Path, num_samples: int, rank: int) -> dict | None:
+    """Rank 0 writes the manifest (without a process group: the rank that finds every sample
+    covered); returns it, or None."""
+    if not (rank == 0 or not dist.has_group()):
+        return None
+    if not (dist.has_group() or _covered(cache_dir, num_samples)):
+        dist.log(
+            "[build-cache] other ranks still running; the last one to finish writes the manifest"
+        )
+        return None
+    manifest = finalize(cache_dir)
+    dist.log(
+        f"[build-cache] manifest written: {manifest['num_samples']} samples, "
+        f"{manifest['total_bytes'] / 2**20:.1f} MiB in {len(manifest['shards'])} shards"
+    )
+    return manifest
+
+
 def build_cache(
     cfg: BuildCacheConfig, on_shard_written: Callable[[dict], None] | None = None
 ) -> dict | None:
@@ -362,62 +410,26 @@ def build_cache(
         )
         return json.loads((cache_dir / "manifest.json").read_text())
     per_shard = cfg.data.samples_per_shard
-    num_shards = math.ceil(len(store) / per_shard)
-    remake: dict[str, list[int]] = {}
-    if cfg.repair:
-        bad, remake = repair_shards(cache_dir, len(store), per_shard)
-        shown = "; ".join(bad.values()) if len(bad) <= 5 else f"{len(bad)} shards"
-        dist.log(
-            f"[build-cache] repair: {len(bad)} damaged shard(s) removed"
-            + (f" ({shown}); re-making them" if bad else "")
-        )
-        dist.barrier()
-    done = completed_shards(cache_dir)
-    # a hybrid-mode cache (h<rank>-<k> shards) is repaired shard by shard, never re-laid out
-    hybrid = bool(remake) or any(not _BUILD_SHARD.match(n) for n in done)
-    mine = [] if hybrid else list(range(rank, num_shards, world))
-    jobs = [
-        (f"{k:06d}", list(range(k * per_shard, min(len(store), (k + 1) * per_shard))))
-        for k in mine
-        if f"{k:06d}" not in done
-    ] + sorted(remake.items())
+    remake = _repair(cache_dir, len(store), per_shard) if cfg.repair else {}
+    jobs, skipped = _shard_jobs(cache_dir, len(store), per_shard, rank, world, remake)
     provider = TargetFeatureProvider(target)
     pad = header["dataset"]["pad_token_id"]
-    counts = {"shards_written": 0, "shards_skipped": len(mine) + len(remake) - len(jobs)}
-    bar = tqdm(
-        total=sum(len(ids) for _, ids in jobs),
-        desc=f"build-cache rank {rank}",
-        unit="sample",
-        disable=rank != 0,
-    )
+    written = 0
+    bar = tqdm(total=sum(len(ids) for _, ids in jobs), desc=f"build-cache rank {rank}",
+               unit="sample", disable=rank != 0)  # fmt: skip
     for name, ids in jobs:
         feats = compute_features(provider, store, ids, cfg.batch_size, pad)
         sidecar = write_shard(
             cache_dir, name, [feats[i] for i in ids], storage, len(target.layer_ids)
         )
-        counts["shards_written"] += 1
+        written += 1
         bar.update(len(ids))
         if on_shard_written is not None:
             on_shard_written(sidecar)
     bar.close()
-    dist.log(
-        f"[build-cache] shards written: {counts['shards_written']}, already "
-        f"complete: {counts['shards_skipped']}"
-    )
+    dist.log(f"[build-cache] shards written: {written}, already complete: {skipped}")
     dist.barrier()
-    manifest = None
-    if rank == 0 or not dist.has_group():
-        if dist.has_group() or _covered(cache_dir, len(store)):
-            manifest = finalize(cache_dir)
-            dist.log(
-                f"[build-cache] manifest written: {manifest['num_samples']} samples, "
-                f"{manifest['total_bytes'] / 2**20:.1f} MiB in {len(manifest['shards'])} shards"
-            )
-        else:
-            dist.log(
-                "[build-cache] other ranks still running; the last one to finish "
-                "writes the manifest"
-            )
+    manifest = _finish(cache_dir, len(store), rank)
     dist.barrier()
     return manifest
 

@@ -265,9 +265,7 @@ def merge_parts(output: str, world: int) -> dict:
     return {"written": len(good), "failed": len(bad)}
 
 
-def regenerate(cfg: RegenerateConfig) -> dict:
-    """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges."""
-
+def _check_paths(cfg: RegenerateConfig) -> None:
     if not cfg.output:
         raise ValueError("output is required (the jsonl to write)")
     if not cfg.target.path:
@@ -276,8 +274,11 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         check_exists(path, f"data.paths[{i}]")
     check_model_path(cfg.target.path, "target.path")
     check_model_path(cfg.data.tokenizer, "data.tokenizer")
-    dist.init("gloo", always=False, timeout_s=1800)
-    rank, world = dist.rank_and_world()
+
+
+def _open_part(cfg: RegenerateConfig, rank: int, world: int) -> tuple[Path, set[int]]:
+    """This rank's part file, ready to append to, and the ids it already holds. Rows an earlier
+    run wrote with other inputs are refused by every rank together (or discarded on restart)."""
     part = _part_path(cfg.output, rank, world)
     inputs = run_inputs(cfg)
     problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
@@ -293,8 +294,10 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     part.parent.mkdir(parents=True, exist_ok=True)
     part.with_suffix(".done").unlink(missing_ok=True)  # a stale one would start the merge early
     atomic_write_text(_inputs_path(part), json.dumps(inputs, indent=1, sort_keys=True))
-    done = {rec["id"] for rec in read_part(part)}
+    return part, {rec["id"] for rec in read_part(part)}
 
+
+def _load_generator(cfg: RegenerateConfig) -> _Generator:
     from transformers import AutoModelForCausalLM
 
     device = torch.device(cfg.target.device) if cfg.target.device else dist.local_device()
@@ -314,29 +317,34 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         tok, cfg.data.max_length, cfg.data.enable_thinking, cfg.data.system_prompt,
         chat_format="answer_only",
     )  # fmt: skip
-    gen = _Generator(cfg, chat, model, device)
+    return _Generator(cfg, chat, model, device)
 
+
+def _rows_to_answer(
+    cfg: RegenerateConfig, chat: ChatTokenizer, rank: int, world: int, done: set[int]
+) -> tuple[list, dict[str, int]]:
+    """This rank's rows still to answer, and the counts of those it leaves out."""
     stats = ReadStats()
     counts = {"written": 0, "failed": 0, "skipped": 0, "already_done": 0}
     mine = []
     for row in read_conversations(cfg.data.paths, cfg.data.skip_bad_rows, stats):
         if row.index % world != rank:
             continue
+        system, users = _prompt(row.messages)
         if row.index in done:
             counts["already_done"] += 1
-        elif (
-            len(
-                chat.prompt_ids(
-                    _prompt(row.messages)[0]
-                    + [{"role": "user", "content": _prompt(row.messages)[1][0]}]
-                )
-            )
-            >= cfg.data.max_length
+        elif len(chat.prompt_ids(system + [{"role": "user", "content": users[0]}])) >= (
+            cfg.data.max_length
         ):
             counts["skipped"] += 1  # the prompt alone exceeds max_length
         else:
             mine.append(row)
     counts["skipped"] += stats.bad if rank == 0 else 0
+    return mine, counts
+
+
+def _answer_into(part: Path, gen: _Generator, mine: list, cfg, rank: int, counts: dict) -> None:
+    """Appends a record per row to the part, batch by batch, each batch synced to disk."""
     with (
         open(part, "a", encoding="utf-8") as f,
         tqdm(total=len(mine), desc=f"regenerate rank {rank}", unit="row", disable=rank != 0) as bar,
@@ -349,27 +357,39 @@ def regenerate(cfg: RegenerateConfig) -> dict:
             os.fsync(f.fileno())
             bar.update(min(cfg.batch_size, len(mine) - k))
             bar.set_postfix(written=counts["written"], failed=counts["failed"])
+
+
+def _merge_when_all_done(cfg: RegenerateConfig, rank: int, world: int) -> dict | None:
+    """Rank 0 (or, without a process group, whichever rank finds every part done) merges."""
+    done_files = [_part_path(cfg.output, r, world).with_suffix(".done") for r in range(world)]
+    all_done = all(f.exists() for f in done_files)
+    if not (rank == 0 if dist.has_group() else all_done):
+        return None
+    total = merge_parts(cfg.output, world)
+    total["skipped"] = sum(json.loads(f.read_text())["skipped"] for f in done_files)
+    dist.log(
+        f"[regenerate] {cfg.output}: written {total['written']}, failed "
+        f"{total['failed']}, skipped {total['skipped']}"
+    )
+    return total
+
+
+def regenerate(cfg: RegenerateConfig) -> dict:
+    """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges."""
+    _check_paths(cfg)
+    dist.init("gloo", always=False, timeout_s=1800)
+    rank, world = dist.rank_and_world()
+    part, done = _open_part(cfg, rank, world)
+    gen = _load_generator(cfg)
+    mine, counts = _rows_to_answer(cfg, gen.chat, rank, world, done)
+    _answer_into(part, gen, mine, cfg, rank, counts)
     dist.log(
         f"[regenerate] rank {rank}/{world}: written {counts['written']}, failed "
         f"{counts['failed']}, skipped {counts['skipped']}, already done "
         f"{counts['already_done']}"
     )
     atomic_write_text(part.with_suffix(".done"), json.dumps(counts))
-
     dist.barrier()
-    total = None
-    all_done = all(
-        _part_path(cfg.output, r, world).with_suffix(".done").exists() for r in range(world)
-    )
-    if rank == 0 if dist.has_group() else all_done:
-        total = merge_parts(cfg.output, world)
-        total["skipped"] = sum(
-            json.loads(_part_path(cfg.output, r, world).with_suffix(".done").read_text())["skipped"]
-            for r in range(world)
-        )
-        dist.log(
-            f"[regenerate] {cfg.output}: written {total['written']}, failed "
-            f"{total['failed']}, skipped {total['skipped']}"
-        )
+    total = _merge_when_all_done(cfg, rank, world)
     dist.barrier()
     return total if total is not None else counts

@@ -308,31 +308,28 @@ def _rss_bytes(field_name: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field_name}")
 
 
-def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
-    """Builds, warms up and times one variant in this process."""
+def _memory_now(cuda: bool) -> int:
+    import torch
+
+    return torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
+
+
+def _training_step(cfg: TrainBenchConfig, attn: str, loss_impl: str, compile_mode: str):
+    """The variant's drafter, batch and optimizer, and its training step (forward + loss,
+    backward, AdamW) -> (model, batch, optimizer, step)."""
     import torch
 
     from dspark_ds.drafters.dspark.step import forward_and_loss
     from dspark_ds.perf.compile import compile_drafter
 
-    if cfg.num_threads > 0:
-        torch.set_num_threads(cfg.num_threads)
-    attn, loss_impl, compile_mode = parse_variant(variant)
-    device = cfg.device
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(torch.device(device))
-    # the process before the model: nothing on a GPU, interpreter + libraries in RSS
-    baseline = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
     model = build_model(cfg)
     model.attn_implementation = attn
     if compile_mode != "off":
         compile_drafter(model, compile_mode)
-    batch = build_batch(cfg, device)
+    batch = build_batch(cfg, cfg.device)
     loss_args = loss_args_for(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
-    matmul_rate = matmul_flops_per_s(device, cfg.dtype, cfg.matmul_n)
 
     def step():
         # NOTE: gradients are cleared before the step, not after: they stay allocated between
@@ -345,23 +342,48 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
         opt.step()
         return loss.item(), metrics
 
-    if cuda:  # the peak of the steps only (not the fp32 build, not the matmul's inputs)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    # The idle process: imports, model, batch, optimizer (its state appears in step 1).
-    idle = torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
+    return model, batch, opt, step
+
+
+def _timed_steps(cfg: TrainBenchConfig, step):
+    """Warm-up steps, then `repeats` timed ones -> (first loss, last metrics, wall times, CPU
+    times)."""
     first_loss, metrics = None, {}
     for _ in range(cfg.warmup_steps):
         first_loss, metrics = step()
     times, cpu_times = [], []
     for _ in range(cfg.repeats):
-        _sync(device)
+        _sync(cfg.device)
         t0, c0 = time.perf_counter(), time.process_time()
         loss, metrics = step()
-        _sync(device)
+        _sync(cfg.device)
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
         first_loss = loss if first_loss is None else first_loss
+    return first_loss, metrics, times, cpu_times
+
+
+def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
+    """Builds, warms up and times one variant in this process."""
+    import torch
+
+    if cfg.num_threads > 0:
+        torch.set_num_threads(cfg.num_threads)
+    attn, loss_impl, compile_mode = parse_variant(variant)
+    device = cfg.device
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    # the process before the model: nothing on a GPU, interpreter + libraries in RSS
+    baseline = _memory_now(cuda)
+    model, batch, opt, step = _training_step(cfg, attn, loss_impl, compile_mode)
+    matmul_rate = matmul_flops_per_s(device, cfg.dtype, cfg.matmul_n)
+    if cuda:  # the peak of the steps only (not the fp32 build, not the matmul's inputs)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    # The idle process: imports, model, batch, optimizer (its state appears in step 1).
+    idle = _memory_now(cuda)
+    first_loss, metrics, times, cpu_times = _timed_steps(cfg, step)
     # NOTE: the peak covers warm-up and timed steps (the process high-water mark), so a
     # variant cannot look smaller because freed-but-retained heap hides its first step.
     peak = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")

@@ -421,7 +421,7 @@ class Trainer:
         return out
 
     # ---- one step -----------------------------------------------------------------------------
-    def _forward_loss(self, batch: dict):
+    def forward_loss(self, batch: dict):
         """The drafter kind's forward + loss on one micro-batch (and its metrics)."""
         inputs = {k: batch[k].to(self.engine.device) for k in TRAIN_KEYS}
         inputs["sample_ids"] = batch["sample_ids"]
@@ -463,7 +463,7 @@ class Trainer:
                 if i > 0:
                     raise
                 self._save_before_data_error(at_start, err)
-            loss, metrics = self._forward_loss(batch)
+            loss, metrics = self.forward_loss(batch)
             if not self._finite_on_every_rank(loss):
                 self._report_nonfinite(i, batch, loss)
                 for _ in range(i + 1, self.grad_accum):  # the step's other batches go with it
@@ -507,7 +507,7 @@ class Trainer:
         )
 
     def validate(self) -> dict[str, float]:
-        return self.validator.validate(self.engine, self._forward_loss)
+        return self.validator.validate(self.engine, self.forward_loss)
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:

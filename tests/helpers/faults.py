@@ -67,7 +67,7 @@ def install(faults: list[dict]) -> None:
 
             Trainer.train_step = train_step
         elif kind == "nonfinite_loss":
-            real_forward = Trainer._forward_loss
+            real_forward = Trainer.forward_loss
             seen: dict[int, int] = {}
 
             def forward_loss(self, batch, _real=real_forward, _fault=fault, _seen=seen):
@@ -81,7 +81,7 @@ def install(faults: list[dict]) -> None:
                     metrics = {**metrics, "loss": float("nan")}
                 return loss, metrics
 
-            Trainer._forward_loss = forward_loss
+            Trainer.forward_loss = forward_loss
         elif kind == "sleep_in_save":
             import time
 

@@ -9,15 +9,14 @@
 Everything lives in a temp directory: a private munge key and socket, `slurm.conf` (no cgroups,
 no systemd, no accounting), state / spool / logs / pid files, free TCP ports; commands reach this
 cluster through `SLURM_CONF` (`cluster.env`). Debian's `slurm-wlm` and `munge` are installed
-with apt-get when missing and the test runs as root; otherwise the fixture skips, saying exactly
-what is missing. A daemon that does not come up fails the test with its log. The daemons are
+by `tools/install.sh`; when they are missing the fixture fails, naming them and that command
+(tests install nothing). A daemon that does not come up fails the test with its log. The daemons are
 stopped by their pid files when the session ends.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from helpers.system import SBIN, require_binaries, which
 
 APT_PACKAGES = ("slurm-wlm", "munge")
 BINARIES = (
@@ -38,36 +39,6 @@ BINARIES = (
     "scontrol",
     "sinfo",
 )
-SBIN = ("/usr/sbin", "/sbin", "/usr/bin")
-
-
-def _which(name: str) -> str | None:
-    path = os.environ.get("PATH", "") + os.pathsep + os.pathsep.join(SBIN)
-    return shutil.which(name, path=path)
-
-
-def ensure_installed(
-    packages: tuple[str, ...] = APT_PACKAGES, binaries: tuple[str, ...] = BINARIES
-) -> str | None:
-    """Install `packages` with apt-get when a binary is missing (root only). Returns None when
-    everything is there, else the reason it is not (for pytest.skip)."""
-    missing = [b for b in binaries if _which(b) is None]
-    if not missing:
-        return None
-    if os.geteuid() != 0:
-        return f"{', '.join(missing)} not installed and not root (apt-get install {' '.join(packages)})"
-    if shutil.which("apt-get") is None:
-        return f"{', '.join(missing)} not installed and no apt-get on this machine"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (
-        ["apt-get", "update", "-qq"],
-        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages],
-    ):
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            return f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()[-800:]}"
-    missing = [b for b in binaries if _which(b) is None]
-    return f"still missing after apt-get: {', '.join(missing)}" if missing else None
 
 
 def _free_ports(n: int) -> list[int]:
@@ -133,7 +104,7 @@ class SlurmCluster:
         self._write_conf()
         for daemon in ("slurmctld", "slurmd"):
             proc = subprocess.run(
-                [_which(daemon), "-f", str(self.conf)], capture_output=True, text=True, env=self.env
+                [which(daemon), "-f", str(self.conf)], capture_output=True, text=True, env=self.env
             )
             if proc.returncode != 0:
                 raise RuntimeError(
@@ -160,7 +131,7 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)
         cmd = [
-            _which("munged"),
+            which("munged"),
             f"--key-file={key}",
             f"--socket={self.munge_socket}",
             f"--pid-file={self.pid_files['munged']}",
@@ -173,10 +144,10 @@ class SlurmCluster:
         if proc.returncode != 0:
             raise RuntimeError(f"munged did not start ({proc.returncode}): {proc.stderr}")
         enc = subprocess.run(
-            [_which("munge"), "-S", str(self.munge_socket), "-n"], capture_output=True, text=True
+            [which("munge"), "-S", str(self.munge_socket), "-n"], capture_output=True, text=True
         )
         dec = subprocess.run(
-            [_which("unmunge"), "-S", str(self.munge_socket)],
+            [which("unmunge"), "-S", str(self.munge_socket)],
             input=enc.stdout,
             capture_output=True,
             text=True,
@@ -322,10 +293,9 @@ def _terminate(pid: int, timeout_s: float = 15) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A started one-node cluster; skips (with the exact reason) where it cannot exist."""
-    why = ensure_installed()
-    if why is not None:
-        pytest.skip(f"no Slurm cluster: {why}")
+    """A started one-node cluster. Fails when Slurm or munge is not installed (with the command
+    that installs them); skips when not root (slurmd must run as root)."""
+    require_binaries(BINARIES, APT_PACKAGES)
     if os.geteuid() != 0:
         pytest.skip(
             "no Slurm cluster: slurmd must run as root (run the test as root, as .ci/run does)"

@@ -1,0 +1,298 @@
+"""Per-GPU memory of one ZeRO option for a recipe on a cluster (docs/tuner.md has the model).
+
+Bytes per GPU; b = 2 under bf16, 4 under fp32; N = the data-parallel world size. Every ZeRO
+value (stage, offload devices, bucket sizes, overlap_comm, the ZeRO-3 persistence thresholds)
+is read from the DeepSpeed config training would use for the option: `engine.build_ds_config`
+of the shipped JSON + the recipe's and the option's deepspeed.overrides, parsed by DeepSpeed's
+own config class (`engine.zero_settings`).
+
+- trainable drafter params P (exact counts from the drafter built on the meta device): params
+  b, grads b, fp32 master 4 and fp32 grads 4 (bf16 only; ZeRO-1/2 keep an fp32 copy of their
+  partition either way), Adam m + v 8. ZeRO-1 partitions the fp32 states, ZeRO-2 also the
+  grads, ZeRO-3 also the params (except the persistent ones); offload_optimizer moves the fp32
+  states to host RAM, offload_param the params. DeepSpeed's own estimators
+  (estimate_zero2/zero3_model_states_mem_needs) are kept beside ours for bf16.
+- the frozen embedding + lm_head (2·V·H): with the target in the job (online / hybrid) the
+  drafter uses the target's own Parameters, counted once with the target; offline a copy in the
+  compute dtype. ZeRO-3 partitions them (and the in-job target) and gathers the lm_head / one
+  target layer while in use.
+- the in-job target's weights (whole on every GPU under ZeRO-0/1/2) and its forward (no grad):
+  one layer's working set.
+- DeepSpeed's buffers: ZeRO-1/2 gradient buckets (reduce_bucket_size elements, twice with
+  overlap_comm), ZeRO-3's contiguous reduce buffer and prefetch bucket.
+- activations of one micro-batch (B × S): the drafter kind's own terms (the registry's
+  `activation_bytes`: drafters/dspark/memory.py, drafters/eagle3/memory.py).
+
+Speed: the same compute for every option, so the ranking is by overhead: ZeRO-3 gathers
+parameters in forward and backward (1.5× ZeRO-2's traffic), offloading the optimizer runs Adam on
+the CPU and moves gradients and weights over PCIe every step, offloading parameters moves them
+every forward and backward. The fastest option that fits is recommended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from dspark_ds.engine import (
+    ZeroSettings,
+    build_ds_config,
+    deepspeed_model_states_estimate,
+    merge_config,
+    zero_settings,
+)
+from dspark_ds.tune.config import OPTION_NAMES, TunerConfig, ZeroOption
+from dspark_ds.tune.inventory import DTYPE_BYTES, Inventory
+
+GB = 1024**3
+STATE_KEYS = ("params", "params_working_set", "grads", "optimizer_states")
+"""The device components that are trainable model states (the report's "states" column)."""
+
+
+@dataclass
+class Estimate:
+    option: str
+    device: dict[str, float] = field(default_factory=dict)
+    """Bytes per GPU by component."""
+    host_per_rank: dict[str, float] = field(default_factory=dict)
+    """Host bytes per rank by component (offloaded states)."""
+    deepspeed_states: float | None = None
+    """DeepSpeed's own estimator for the trainable model states (bf16 ZeRO-2/3), per GPU."""
+    deepspeed_host_per_node: float | None = None
+    overhead: float = 0.0
+    """Relative step overhead used for the ranking (0 = ZeRO-0/1/2 without offload)."""
+    fits: bool = False
+    why: str = ""
+    zero: dict = field(default_factory=dict)
+    """The ZeRO settings the estimate read (engine.ZeroSettings as a dict)."""
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def host_total_per_rank(self) -> float:
+        return sum(self.host_per_rank.values())
+
+    @property
+    def states(self) -> float:
+        return sum(v for k, v in self.device.items() if k in STATE_KEYS)
+
+    @property
+    def activations(self) -> float:
+        return sum(v for k, v in self.device.items() if k.startswith("act_"))
+
+
+# ---- the DeepSpeed config of an option ---------------------------------------------------------
+def option_overrides(option: ZeroOption, run_cfg) -> dict:
+    """The recipe's own deepspeed.overrides (bucket sizes, NVMe path...) with the option's on
+    top."""
+    return merge_config(run_cfg.deepspeed.overrides or {}, option.overrides or {})
+
+
+def batch_mismatch(run_cfg, world_size: int) -> str | None:
+    """Why training would refuse the recipe's global batch on `world_size` ranks, or None."""
+    per_step = run_cfg.data.batch_size * world_size
+    if run_cfg.train.global_batch_size % per_step == 0:
+        return None
+    return (
+        f"train.global_batch_size {run_cfg.train.global_batch_size} is not a multiple of "
+        f"data.batch_size × world size = {run_cfg.data.batch_size} × {world_size}: training "
+        f"on this cluster would refuse it; change it with --overrides"
+    )
+
+
+def resolved_ds_config(option: ZeroOption, run_cfg, world_size: int, use_gpu: bool) -> dict:
+    """The DeepSpeed config `dspark-ds train` builds for this option on `world_size` ranks."""
+    section = replace(
+        run_cfg.deepspeed, config=option.config, overrides=option_overrides(option, run_cfg)
+    )
+    train = run_cfg.train
+    if batch_mismatch(run_cfg, world_size):
+        # NOTE: memory does not depend on gradient accumulation; the report says what to fix
+        train = replace(train, global_batch_size=run_cfg.data.batch_size * world_size)
+    return build_ds_config(
+        section,
+        train,
+        micro_batch_size=run_cfg.data.batch_size,
+        world_size=world_size,
+        use_gpu=use_gpu,
+    )
+
+
+# ---- the terms ------------------------------------------------------------------------------------
+def partitioned_params(inv: Inventory, zero: ZeroSettings, world: int) -> int:
+    """Trainable elements the option partitions across ranks (ZeRO-3 keeps persistent ones)."""
+    if zero.stage != 3:
+        return inv.trainable
+    model_threshold = zero.model_persistence_threshold // world  # as zero.Init divides it
+    return inv.trainable - inv.persistent(zero.param_persistence_threshold, model_threshold)
+
+
+def model_states(
+    inv: Inventory, zero: ZeroSettings, b: int, world: int, partitioned: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The trainable drafter's params, grads, fp32 copies and Adam states: (device, host)."""
+    P, stage = inv.trainable, zero.stage
+    params = ((P - partitioned) + partitioned / world) * b if stage == 3 else P * b
+    grads = P * b / world if stage >= 2 else P * b
+    # fp32 master + fp32 grads under bf16; under fp32 ZeRO-1/2/3 still keep an fp32 partition
+    fp32_copies = 8 if b == 2 else (4 if stage >= 1 else 0)
+    opt_states = P * (fp32_copies + 8) / (world if stage >= 1 else 1)
+    device: dict[str, float] = {}
+    host: dict[str, float] = {}
+    if stage == 3 and zero.offload_param:
+        host["params"] = params
+        device["params_working_set"] = min(P, inv.largest_module) * b
+    else:
+        device["params"] = params
+    device["grads"] = grads
+    if not zero.offload_optimizer:
+        device["optimizer_states"] = opt_states
+    else:
+        host["optimizer_states"] = 0 if zero.offload_optimizer == "nvme" else opt_states
+    return device, host
+
+
+def online_target_bytes(inv: Inventory, run_cfg) -> dict[str, float]:
+    """The in-job target's weights and forward working set; {} when it does not run in the job."""
+    if run_cfg.data.mode == "offline" and not run_cfg.train.synthetic_samples:
+        return {}
+    bt = DTYPE_BYTES[run_cfg.target.dtype]
+    B, S, H, F = run_cfg.data.batch_size, run_cfg.data.max_length, inv.hidden, inv.intermediate
+    return {
+        "target_weights": inv.target_params * bt,
+        # no grad: one layer's working set at a time (hidden, q/k/v, mlp) on top of the taps
+        "target_forward": B * S * (4 * H + 3 * F) * bt,
+    }
+
+
+def frozen_and_target(
+    inv: Inventory, zero: ZeroSettings, b: int, world: int, target: dict[str, float]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The frozen embedding + lm_head and the in-job target's weights: (device, host).
+
+    With the target in the job (online / hybrid / synthetic) the drafter uses the target's own
+    two Parameters (one copy, counted with the target, which ZeRO-3 partitions like the
+    drafter); offline it holds a copy in the compute dtype."""
+    device: dict[str, float] = {}
+    host: dict[str, float] = {}
+    in_job = "target_weights" in target
+    off_param = zero.offload_param is not None
+    if zero.stage == 3:
+        if not in_job:
+            (host if off_param else device)["frozen_embed_lm_head"] = inv.frozen * b / world
+        device["frozen_gathered"] = inv.frozen / 2 * b  # the lm_head, gathered while in use
+    elif not in_job:
+        device["frozen_embed_lm_head"] = inv.frozen * b
+    if in_job and zero.stage == 3:
+        (host if off_param else device)["target_weights"] = target["target_weights"] / world
+        # one decoder layer gathered at a time while the target runs
+        layer = (inv.target_params - inv.frozen) / max(inv.target_layers, 1)
+        device["target_gathered_layer"] = layer * target["target_weights"] / inv.target_params
+    elif in_job:
+        device["target_weights"] = target["target_weights"]
+    return device, host
+
+
+def deepspeed_buffers(zero: ZeroSettings, b: int, partitioned: int) -> dict[str, float]:
+    """Gradient buckets (and ZeRO-3's parameter prefetch), sized by the config's own values."""
+    if zero.stage in (1, 2) and zero.contiguous_gradients:
+        # ZeRO-1 stages the fp32 accumulator, ZeRO-2 the low-precision grads
+        copies = 2 if zero.overlap_comm else 1
+        return {"ds_grad_buckets": zero.reduce_bucket_size * copies * (4 if zero.stage == 1 else b)}
+    if zero.stage == 3:
+        # the contiguous gradient buffer is allocated whole (measured), even when every
+        # parameter is persistent; prefetched parameters are in flight up to the bucket size
+        return {
+            "ds_grad_buckets": zero.reduce_bucket_size * b if zero.contiguous_gradients else 0.0,
+            "ds_prefetch": min(zero.prefetch_bucket_size, partitioned) * b,
+        }
+    return {}
+
+
+def activation_bytes(
+    inv: Inventory, run_cfg, device: str = "cuda", stage: int = 2
+) -> dict[str, float]:
+    """Peak activation memory of one micro-batch (forward saved tensors + the largest backward
+    transient), by component: the drafter kind's own model (drafters/<kind>/memory.py)."""
+    from dspark_ds.drafters.registry import get_spec
+
+    spec = get_spec(run_cfg.model.kind)
+    return spec.activation_bytes(
+        inv.step_shapes(run_cfg), run_cfg.model, run_cfg.perf, device, stage
+    )
+
+
+def peak_phase(acts: dict[str, float], target: dict[str, float]) -> dict[str, float]:
+    """The micro-batch's share of the peak. The target's forward ends (its transient freed)
+    before the drafter's begins: the peak holds whichever phase is larger (the features it
+    produced are part of both)."""
+    if target.get("target_forward", 0.0) > sum(acts.values()) - acts["features_in"]:
+        return {"act_features_in": acts["features_in"], "target_forward": target["target_forward"]}
+    return {f"act_{k}": v for k, v in acts.items()}
+
+
+def overhead(zero: ZeroSettings) -> float:
+    """Relative step overhead of the option over plain data parallelism (for the ranking)."""
+    out = 0.15 if zero.stage == 3 else 0.0
+    if zero.offload_optimizer:
+        out += 0.8 if zero.offload_optimizer == "nvme" else 0.35
+    if zero.offload_param:
+        out += 0.6 if zero.offload_param == "nvme" else 0.3
+    return out
+
+
+def judge_fit(est: Estimate, cfg: TunerConfig) -> None:
+    """Sets `fits`, or `why` not: GPU memory less the reserve, 80 % of the node's host RAM."""
+    limit = cfg.gpu_memory_gb * GB - cfg.reserve_gb * GB
+    host_limit = cfg.cpu_memory_gb * GB * 0.8 / cfg.gpus_per_node
+    if est.device_total > limit:
+        est.why = f"needs {est.device_total / GB:.1f} GiB per GPU > {limit / GB:.1f} GiB usable"
+    elif est.host_total_per_rank > host_limit:
+        est.why = (
+            f"needs {est.host_total_per_rank * cfg.gpus_per_node / GB:.0f} GiB host RAM "
+            f"per node > 80% of {cfg.cpu_memory_gb:.0f} GiB"
+        )
+    else:
+        est.fits = True
+
+
+# ---- one option -----------------------------------------------------------------------------------
+def estimate(option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig) -> Estimate:
+    device = cfg.device or "cuda"
+    ds_config = resolved_ds_config(option, run_cfg, cfg.world_size, use_gpu=device == "cuda")
+    zero = zero_settings(ds_config)
+    b = 2 if ds_config.get("bf16", {}).get("enabled") is True else 4
+    world = cfg.world_size
+    partitioned = partitioned_params(inv, zero, world)
+    est = Estimate(option.name, zero=asdict(zero), overhead=overhead(zero))
+    target = online_target_bytes(inv, run_cfg)
+    for dev, host in (
+        model_states(inv, zero, b, world, partitioned),
+        frozen_and_target(inv, zero, b, world, target),
+    ):
+        est.device.update(dev)
+        est.host_per_rank.update(host)
+    est.device.update(deepspeed_buffers(zero, b, partitioned))
+    acts = activation_bytes(inv, run_cfg, device, zero.stage)
+    est.device.update(peak_phase(acts, target))
+    if b == 2 and zero.stage in (2, 3):  # DeepSpeed's estimators assume bf16 / fp16
+        cpu_mem, gpu_mem = deepspeed_model_states_estimate(
+            zero.stage, inv.trainable, inv.largest_module, cfg.gpus_per_node, cfg.nodes,
+            zero.offload_optimizer is not None, zero.offload_param is not None,
+        )  # fmt: skip
+        est.deepspeed_states, est.deepspeed_host_per_node = float(gpu_mem), float(cpu_mem)
+    judge_fit(est, cfg)
+    return est
+
+
+def recommend(estimates: list[Estimate]) -> Estimate | None:
+    order = {name: i for i, name in enumerate(OPTION_NAMES)}
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        return None
+    # least overhead; among equals the lower stage (less communication, simpler checkpoints),
+    # except that ZeRO-0/1 replicate more memory for no speed gain over ZeRO-2
+    return min(
+        fitting, key=lambda e: (e.overhead, 0 if e.option == "zero2" else 1, order[e.option])
+    )

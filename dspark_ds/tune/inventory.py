@@ -1,0 +1,180 @@
+"""What a run holds: the recipe's drafter (of its kind, through the drafter registry) and target,
+built on the meta device and counted, and the shapes one micro-batch flows through."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark_ds.drafters.common.memory import StepShapes
+from dspark_ds.tune.config import TunerConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Public configs of the targets the shipped recipes use (no download needed to estimate them).
+KNOWN_TARGETS: dict[str, dict] = {
+    "Qwen/Qwen3-4B": dict(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "Qwen/Qwen3-8B": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-14B": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass
+class Inventory:
+    """Parameter counts and the shapes the activations depend on."""
+
+    trainable: int
+    frozen: int
+    largest_module: int
+    """Elements of the largest module (DeepSpeed's `largest_layer_params`)."""
+    target_params: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    draft_layers: int
+    target_layers: int
+    taps: int
+    trainable_numels: tuple[int, ...] = field(default=(), repr=False)
+    """Elements of each trainable parameter, in the drafter's order (ZeRO-3's persistence)."""
+
+    def persistent(self, param_threshold: int, model_threshold: int) -> int:
+        """Trainable elements ZeRO-3 keeps whole on every rank: parameters of at most
+        `param_threshold` elements, in order, while their sum stays within `model_threshold`
+        (DeepSpeed's rule; zero.Init divides the model threshold by the world size first)."""
+        kept = 0
+        for n in self.trainable_numels:
+            if n <= param_threshold and kept + n <= model_threshold:
+                kept += n
+        return kept
+
+    def summary(self) -> dict[str, int]:
+        """The counts and shapes (without the per-parameter list)."""
+        out = asdict(self)
+        del out["trainable_numels"]
+        return out
+
+    def step_shapes(self, run_cfg) -> StepShapes:
+        """One micro-batch of the run through these sizes (the registry's activation input)."""
+        return StepShapes(
+            batch=run_cfg.data.batch_size,
+            seq_len=run_cfg.data.max_length,
+            hidden=self.hidden,
+            intermediate=self.intermediate,
+            vocab=self.vocab,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            draft_layers=self.draft_layers,
+            taps=self.taps,
+            compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
+            feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
+        )
+
+
+def load_recipe(cfg: TunerConfig):
+    """The recipe as `dspark-ds train` would parse it, with the tuner's overrides."""
+    from dspark_ds.config import TrainRunConfig, parse
+
+    argv = ["--config", cfg.recipe, *cfg.overrides]
+    if cfg.target.path:
+        argv += ["--target.path", cfg.target.path]
+    return parse(TrainRunConfig, argv, prog="dspark-ds tune")
+
+
+def target_config_of(path: str):
+    from transformers import AutoConfig, Qwen3Config
+
+    if path in KNOWN_TARGETS and not Path(path).exists():
+        return Qwen3Config(**KNOWN_TARGETS[path])
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise ValueError(
+            f"target.path: cannot read the config of {path!r} ({err}); use a local "
+            f"directory or one of {sorted(KNOWN_TARGETS)}"
+        ) from err
+
+
+def _draft_config(run_cfg, target_config, layer_ids: list[int]):
+    """The drafter's config, built by the recipe's kind as training builds it."""
+    from dspark_ds.drafters.registry import get_spec
+
+    m = run_cfg.model
+    return get_spec(m.kind).build_config(
+        target_config,
+        m,
+        target_layer_ids=layer_ids,
+        mask_token_id=m.mask_token_id if m.mask_token_id is not None else 0,
+        target_path=run_cfg.target.path,
+    )
+
+
+def inventory(run_cfg) -> Inventory:
+    """Counts from the real drafter (of the recipe's kind) and target classes built on the meta
+    device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ds.drafters import build_draft_model
+    from dspark_ds.target import default_layer_ids, text_config
+
+    tcfg_full = target_config_of(run_cfg.target.path)
+    tcfg = text_config(tcfg_full)
+    layer_ids = run_cfg.target.layer_ids or default_layer_ids(int(tcfg.num_hidden_layers))
+    draft_cfg = _draft_config(run_cfg, tcfg_full, layer_ids)
+    with torch.device("meta"):
+        drafter = build_draft_model(draft_cfg)
+        target = AutoModelForCausalLM.from_config(tcfg_full)
+    shared = set(drafter.shared_parameter_names())
+    params = list(drafter.named_parameters())
+    trainable_numels = tuple(p.numel() for name, p in params if name not in shared)
+    heads = int(tcfg.num_attention_heads)
+    return Inventory(
+        trainable=sum(trainable_numels),
+        frozen=sum(p.numel() for name, p in params if name in shared),
+        largest_module=max(
+            sum(p.numel() for p in mod.parameters(recurse=False)) for mod in drafter.modules()
+        ),
+        target_params=sum(p.numel() for p in target.parameters()),
+        hidden=int(tcfg.hidden_size),
+        intermediate=int(tcfg.intermediate_size),
+        vocab=int(tcfg.vocab_size),
+        heads=heads,
+        kv_heads=int(getattr(tcfg, "num_key_value_heads", heads) or heads),
+        head_dim=int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
+        draft_layers=int(draft_cfg.num_hidden_layers),
+        target_layers=int(tcfg.num_hidden_layers),
+        taps=len(layer_ids),
+        trainable_numels=trainable_numels,
+    )

@@ -1,0 +1,102 @@
+"""Real steps of one ZeRO option on this machine: peak memory and step time (`--measure`)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import time
+
+import torch
+
+from dspark_ds.tune.config import ZeroOption
+from dspark_ds.tune.estimate import option_overrides
+
+
+def cpu_peak(prof) -> float:
+    """Peak of the bytes held by torch's CPU allocator during the profile, relative to its
+    start (every allocation and free is a "[memory]" event with a signed size)."""
+    events = prof.profiler.kineto_results.events()
+    mem = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")
+    )
+    live = peak = 0
+    for _, n in mem:
+        live += n
+        peak = max(peak, live)
+    return float(peak)
+
+
+def option_run_config(option: ZeroOption, run_cfg, steps: int, workdir: str):
+    """The recipe turned into a short, silent run of this option under `workdir`."""
+    cfg = copy.deepcopy(run_cfg)
+    cfg.deepspeed.config = option.config
+    cfg.deepspeed.overrides = option_overrides(option, run_cfg) or None
+    cfg.name = "tuner_" + option.name.replace("+", "_")
+    cfg.output_dir = workdir
+    cfg.tracking.enabled = False
+    cfg.checkpoint.every_steps, cfg.checkpoint.resume = 0, None
+    cfg.checkpoint.save_final = cfg.checkpoint.export_final = False
+    cfg.train.progress_bar = False
+    cfg.train.max_steps = steps + 1
+    return cfg
+
+
+def measure(option: ZeroOption, run_cfg, steps: int, workdir: str) -> dict[str, float]:
+    """Builds the trainer for this option and runs 1 + `steps` optimizer steps: peak memory of
+    the build + first step (CUDA: max_memory_allocated; CPU: the profiler's allocation timeline),
+    then the mean time of the next `steps`; both the maximum over ranks."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dspark_ds import distributed
+    from dspark_ds.train.trainer import Trainer
+
+    cfg = option_run_config(option, run_cfg, steps, workdir)
+    gc.collect()
+    cuda = torch.cuda.is_available()
+    base = 0
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    prof_ctx = (
+        contextlib.nullcontext()
+        if cuda
+        else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    )
+    with prof_ctx as prof:
+        trainer = Trainer(cfg)
+        batches = iter(trainer.source)
+        _one_step(trainer, batches)
+    peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
+    times = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        distributed.barrier()
+        t0 = time.perf_counter()
+        _one_step(trainer, batches)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak, step_s = distributed.all_reduce_values([peak, sum(times) / len(times)], op="max")
+    _release(trainer)
+    return {"peak_bytes": peak, "step_s": step_s}
+
+
+def _one_step(trainer, batches) -> None:
+    for _ in range(trainer.grad_accum):
+        loss, _ = trainer.forward_loss(next(batches))
+        trainer.engine.backward(loss)
+        trainer.engine.step()
+
+
+def _release(trainer) -> None:
+    ds = trainer.engine.ds
+    if hasattr(ds, "destroy"):
+        ds.destroy()
+    trainer.engine = None
+    trainer.target = None
+    gc.collect()

@@ -72,21 +72,7 @@ def test_greedy_drafter_that_matches_the_target_is_fully_accepted(target, monkey
     drafter = random_drafter(target, markov_rank=8, block_size=4)
     prompt = _prompt(0)
     full = target_generate(target, prompt, max_new_tokens=31)[0].tolist() + [0] * 8
-    starts = []
-    real_forward = drafter.forward_draft_block
-
-    def forward_block(**kwargs):
-        starts.append(kwargs["start"])
-        return real_forward(**kwargs)
-
-    def oracle(base_logits, **_):
-        # Propose exactly the target's greedy continuation after x_start.
-        start = starts[-1]
-        tokens = torch.tensor([full[start + 1 : start + 1 + base_logits.shape[1]]])
-        return tokens, torch.nn.functional.one_hot(tokens, base_logits.shape[-1]).float() * 50
-
-    monkeypatch.setattr(drafter, "forward_draft_block", forward_block)
-    monkeypatch.setattr(drafter, "sample_draft_tokens", oracle)
+    _oracle(monkeypatch, drafter, full)
     out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=31)
     assert out[0].tolist() == full[: prompt.shape[1] + 31]
     assert stats.accepted_per_round == [4] * 6
@@ -218,20 +204,20 @@ def test_golden_reference_drafter_decodes(golden_dir):
 
 
 def _oracle(monkeypatch, drafter, full):
-    """Make `drafter` propose exactly the target's greedy continuation `full`."""
+    """Make `drafter` propose exactly the target's greedy continuation `full` after x_start."""
     starts = []
-    real_forward = drafter.forward_draft_block
+    real_block = drafter.draft_block_from_cache
 
-    def forward_block(**kwargs):
-        starts.append(kwargs["start"])
-        return real_forward(**kwargs)
+    def draft_block(block_ids, block_positions, *args, **kwargs):
+        starts.append(int(block_positions[0, 0]))  # the position of x_start
+        return real_block(block_ids, block_positions, *args, **kwargs)
 
     def oracle(base_logits, **_):
         start = starts[-1]
         tokens = torch.tensor([full[start + 1 : start + 1 + base_logits.shape[1]]])
         return tokens, torch.nn.functional.one_hot(tokens, base_logits.shape[-1]).float() * 50
 
-    monkeypatch.setattr(drafter, "forward_draft_block", forward_block)
+    monkeypatch.setattr(drafter, "draft_block_from_cache", draft_block)
     monkeypatch.setattr(drafter, "sample_draft_tokens", oracle)
 
 

@@ -10,18 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark_ds.drafters.common.sampling import sample_from_logits
+
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-
-
-def sample_from_logits(
-    logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """[..., V] -> [...]: argmax at T = 0, else a draw from softmax(logits / T)."""
-    if temperature <= 0.0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
 class VanillaMarkov(nn.Module):

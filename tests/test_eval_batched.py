@@ -4,13 +4,10 @@ Eagle3 drafters, with and without the confidence scheduler."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
-from dspark_ds.drafters.registry import SPECS, spec_of
 from dspark_ds.eval import speculative_generate, target_generate, verify
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.policy import schedule_prefixes
@@ -19,6 +16,7 @@ from helpers.evaluation import (
     chi_square_pvalue,
     exact_continuation_probs,
     random_drafter,
+    record_proposals,
     tiny_target,
 )
 
@@ -45,20 +43,6 @@ def _eagle3(target, seed=0):
                 p.normal_(0.0, 0.3)
     drafter.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
     return drafter.eval()
-
-
-def _record_drafts_batch1(drafter, monkeypatch) -> list[list[int]]:
-    """The drafts of every batch-1 round, as the kind's registry step returns them."""
-    seen = []
-    spec = spec_of(drafter)
-
-    def recording(model, draft_round):
-        proposal = spec.propose(model, draft_round)
-        seen.append(proposal.tokens[0].tolist())
-        return proposal
-
-    monkeypatch.setitem(SPECS, spec.kind, dataclasses.replace(spec, propose=recording))
-    return seen
 
 
 def _record_drafts_batched(monkeypatch) -> dict[int, list[list[int]]]:
@@ -92,7 +76,7 @@ def test_greedy_batched_equals_greedy_target_and_batch_one(target, kind, monkeyp
     budget = 24
     single = {}
     with monkeypatch.context() as m:
-        seen = _record_drafts_batch1(drafter, m)
+        seen = record_proposals(m, drafter)
         for i, p in enumerate(prompts):
             seen.clear()
             _, stats = speculative_generate(target, drafter, p, max_new_tokens=budget)

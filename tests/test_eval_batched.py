@@ -9,12 +9,14 @@ import torch
 
 from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
 from dspark_ds.eval import speculative_generate, target_generate, verify
-from dspark_ds.eval.batched import batched_generate, schedule_prefixes
+from dspark_ds.eval.batched import batched_generate
+from dspark_ds.eval.policy import schedule_prefixes
 
 from helpers.evaluation import (
     chi_square_pvalue,
     exact_continuation_probs,
     random_drafter,
+    record_proposals,
     tiny_target,
 )
 
@@ -43,31 +45,17 @@ def _eagle3(target, seed=0):
     return drafter.eval()
 
 
-def _record_drafts_batch1(drafter, monkeypatch) -> list[list[int]]:
-    seen = []
-    name = "propose" if hasattr(drafter, "ttt_length") else "sample_draft_tokens"
-    original = getattr(drafter, name)
-
-    def recording(*args, **kwargs):
-        drafts, logits = original(*args, **kwargs)
-        seen.append(drafts[0].tolist())
-        return drafts, logits
-
-    monkeypatch.setattr(drafter, name, recording)
-    return seen
-
-
 def _record_drafts_batched(monkeypatch) -> dict[int, list[list[int]]]:
     from dspark_ds.eval.batched import BatchedDecoder
 
     seen: dict[int, list[list[int]]] = {}
     original = BatchedDecoder._draft
 
-    def recording(self, active, caches, last):
-        out = original(self, active, caches, last)
-        for req, row in zip(active, out[1].tolist()):
+    def recording(self, active, *args):
+        proposal = original(self, active, *args)
+        for req, row in zip(active, proposal.tokens.tolist()):
             seen.setdefault(req.index, []).append(row)
-        return out
+        return proposal
 
     monkeypatch.setattr(BatchedDecoder, "_draft", recording)
     return seen
@@ -88,7 +76,7 @@ def test_greedy_batched_equals_greedy_target_and_batch_one(target, kind, monkeyp
     budget = 24
     single = {}
     with monkeypatch.context() as m:
-        seen = _record_drafts_batch1(drafter, m)
+        seen = record_proposals(m, drafter)
         for i, p in enumerate(prompts):
             seen.clear()
             _, stats = speculative_generate(target, drafter, p, max_new_tokens=budget)
@@ -102,6 +90,7 @@ def test_greedy_batched_equals_greedy_target_and_batch_one(target, kind, monkeyp
         drafts1, stats1 = single[r.index]
         assert r.stats.accepted_per_round == stats1.accepted_per_round
         assert r.stats.committed_per_round == stats1.committed_per_round
+        assert len(drafts1) == len(batched_drafts[r.index]) == stats1.rounds  # every round seen
         for a, b in zip(drafts1, batched_drafts[r.index]):
             n = min(len(a), len(b))  # batch 1 shortens Eagle3's last chains to the budget
             assert a[:n] == b[:n]
@@ -233,6 +222,6 @@ def test_sampled_batched_decoding_has_the_target_distribution(small, kwargs):
 
 
 def test_a_batched_verifier_that_resamples_from_the_target_fails(small, monkeypatch):
-    monkeypatch.setattr(verify, "residual_distributions", lambda p_target, p_draft: p_target)
+    monkeypatch.setattr(verify, "residual_distribution", lambda p_target, p_draft: p_target)
     pvalues, _ = _pvalues(small)
     assert min(pvalues) < ALPHA

@@ -10,7 +10,7 @@ from dspark_ds.drafters import load_draft_model
 from dspark_ds.eval import speculative_generate, target_generate
 from dspark_ds.eval.target_step import TargetDecoder, tap_layers
 
-from helpers.evaluation import random_drafter, tiny_target
+from helpers.evaluation import counting_forwards, random_drafter, record_proposals, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +20,20 @@ def target():
 
 def _prompt(seed: int, length: int = 9, vocab: int = 64) -> torch.Tensor:
     return torch.randint(0, vocab - 1, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy_acceptances(drafts: list[list[int]], proposed: list[int], new_tokens: list[int]):
+    """A naive greedy verifier: per round, the leading proposed drafts that equal the greedy
+    continuation `new_tokens` (a round starts after the prefill's token; each commits its
+    accepted drafts and one target token)."""
+    out, pos = [], 1
+    for round_drafts, m in zip(drafts, proposed):
+        matches = 0
+        while matches < m and round_drafts[matches] == new_tokens[pos + matches]:
+            matches += 1
+        out.append(matches)
+        pos += matches + 1
+    return out
 
 
 def _hf_greedy(target, prompt, n):
@@ -42,24 +56,31 @@ def _hf_greedy(target, prompt, n):
     ],
 )
 def test_greedy_speculative_equals_greedy_target(
-    target, markov_head_type, markov_rank, confidence, threshold
+    target, markov_head_type, markov_rank, confidence, threshold, monkeypatch
 ):
     drafter = random_drafter(
         target, markov_rank=markov_rank, markov_head_type=markov_head_type, confidence=confidence,
         block_size=4, markov_std=0.5 if markov_rank else None,
     )  # fmt: skip
+    drafts = record_proposals(monkeypatch, drafter)
     rounds_cut = accepted = 0
     for seed in range(3):
         prompt = _prompt(seed)
-        out, stats = speculative_generate(
-            target, drafter, prompt, max_new_tokens=40, confidence_threshold=threshold
-        )
+        drafts.clear()
+        with counting_forwards(target) as forwards:
+            out, stats = speculative_generate(
+                target, drafter, prompt, max_new_tokens=40, confidence_threshold=threshold
+            )
         ref = _hf_greedy(target, prompt, 40)
         assert out.tolist() == ref.tolist(), f"seed {seed}: speculative output differs from greedy"
         assert stats.new_tokens == 40
-        assert stats.target_forwards == stats.rounds + 1
+        assert forwards[0] == stats.target_forwards == stats.rounds + 1  # one verify per round
         assert sum(stats.committed_per_round) == 39  # the first token comes from the prefill
-        assert all(a <= p <= 4 for a, p in zip(stats.accepted_per_round, stats.proposed_per_round))
+        # every round accepted exactly the drafts a naive greedy verifier accepts
+        assert all(len(d) == 4 and p <= 4 for d, p in zip(drafts, stats.proposed_per_round))
+        assert stats.accepted_per_round == _greedy_acceptances(
+            drafts, stats.proposed_per_round, ref[0, prompt.shape[1] :].tolist()
+        )
         rounds_cut += sum(p < 4 for p in stats.proposed_per_round[:-1])
         accepted += sum(stats.accepted_per_round)
     assert accepted > 0, "no draft was ever accepted: only the rejection path ran"
@@ -72,26 +93,13 @@ def test_greedy_drafter_that_matches_the_target_is_fully_accepted(target, monkey
     drafter = random_drafter(target, markov_rank=8, block_size=4)
     prompt = _prompt(0)
     full = target_generate(target, prompt, max_new_tokens=31)[0].tolist() + [0] * 8
-    starts = []
-    real_forward = drafter.forward_draft_block
-
-    def forward_block(**kwargs):
-        starts.append(kwargs["start"])
-        return real_forward(**kwargs)
-
-    def oracle(base_logits, **_):
-        # Propose exactly the target's greedy continuation after x_start.
-        start = starts[-1]
-        tokens = torch.tensor([full[start + 1 : start + 1 + base_logits.shape[1]]])
-        return tokens, torch.nn.functional.one_hot(tokens, base_logits.shape[-1]).float() * 50
-
-    monkeypatch.setattr(drafter, "forward_draft_block", forward_block)
-    monkeypatch.setattr(drafter, "sample_draft_tokens", oracle)
-    out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=31)
+    _oracle(monkeypatch, drafter, full)
+    with counting_forwards(target) as forwards:
+        out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=31)
     assert out[0].tolist() == full[: prompt.shape[1] + 31]
     assert stats.accepted_per_round == [4] * 6
     assert stats.committed_per_round == [5] * 6
-    assert stats.tau == 5.0 and stats.target_forwards == 7
+    assert stats.tau == 5.0 and forwards[0] == stats.target_forwards == 7
 
 
 def test_stop_token_and_budget(target):
@@ -210,28 +218,37 @@ def test_golden_reference_drafter_decodes(golden_dir):
     assert out.tolist() == _hf_greedy(target, prompt, 24).tolist()
     assert stats.rounds >= 1 and stats.proposed_per_round[0] == cfg.block_size
     assert len(stats.confidence_logits_per_round[0]) == cfg.block_size  # its confidence head ran
+    # Rejection sampling near T = 0 is greedy: drafts, draft probabilities and the residual
+    # draw must line up slot by slot for the output to stay the target's argmax chain.
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        out, stats = speculative_generate(
+            target, drafter, prompt, max_new_tokens=24, temperature=1e-3, generator=g
+        )
+        assert out.tolist() == _hf_greedy(target, prompt, 24).tolist()
     g = torch.Generator().manual_seed(0)
     out, stats = speculative_generate(
         target, drafter, prompt, max_new_tokens=24, temperature=1.0, generator=g
     )
-    assert stats.new_tokens == 24 and out.shape == (1, 36)
+    # at T = 1 its sampled drafts are accepted (this random target's argmax never is its own)
+    assert stats.new_tokens == 24 and sum(stats.accepted_per_round) > 0
 
 
 def _oracle(monkeypatch, drafter, full):
-    """Make `drafter` propose exactly the target's greedy continuation `full`."""
+    """Make `drafter` propose exactly the target's greedy continuation `full` after x_start."""
     starts = []
-    real_forward = drafter.forward_draft_block
+    real_block = drafter.draft_block_from_cache
 
-    def forward_block(**kwargs):
-        starts.append(kwargs["start"])
-        return real_forward(**kwargs)
+    def draft_block(block_ids, block_positions, *args, **kwargs):
+        starts.append(int(block_positions[0, 0]))  # the position of x_start
+        return real_block(block_ids, block_positions, *args, **kwargs)
 
     def oracle(base_logits, **_):
         start = starts[-1]
         tokens = torch.tensor([full[start + 1 : start + 1 + base_logits.shape[1]]])
         return tokens, torch.nn.functional.one_hot(tokens, base_logits.shape[-1]).float() * 50
 
-    monkeypatch.setattr(drafter, "forward_draft_block", forward_block)
+    monkeypatch.setattr(drafter, "draft_block_from_cache", draft_block)
     monkeypatch.setattr(drafter, "sample_draft_tokens", oracle)
 
 

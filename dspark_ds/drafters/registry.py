@@ -2,9 +2,10 @@
 
 In the spirit of torchtitan's `ModelSpec`: a kind ("dspark", which covers DFlash, or "eagle3")
 is one `DrafterSpec` holding how its config is built from a target, its training forward and
-loss (with the `perf` section), how its loss path is resolved, its proposal step for decoding,
-its activation memory for the tuner and the architectures it exports. Code outside drafters/
-asks `get_spec(cfg.model.kind)` or `spec_of(model)` instead of branching on the kind.
+loss (with the `perf` section), how its loss path is resolved, its two decoding steps (extend
+its cache with verified context, propose a round), its activation memory for the tuner and the
+architectures it exports. Code outside drafters/ asks `get_spec(cfg.model.kind)` or
+`spec_of(model)` instead of branching on the kind.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 from dspark_ds.drafters import io
 from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
 from dspark_ds.drafters.common.memory import StepShapes
-from dspark_ds.drafters.common.rounds import DraftRound, Proposal
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.dspark import memory as dspark_memory
 from dspark_ds.drafters.dspark import step as dspark_step
 from dspark_ds.drafters.dspark.model import DSparkDraftModel
@@ -76,8 +77,11 @@ class DrafterSpec:
     """(bare drafter, perf.loss_impl) -> the path a step takes (ZeRO-3 read off the drafter)."""
     forward_and_loss: Callable[[nn.Module, Batch, StepArgs], LossAndMetrics]
     """(bare drafter, batch (TRAIN_KEYS on the device, sample_ids), args) -> (loss, metrics)."""
+    extend: Callable[[nn.Module, VerifiedContext], None]
+    """Appends positions the target verified to the drafter's cache (both decoding loops;
+    drafters/common/rounds.py)."""
     propose: Callable[[nn.Module, DraftRound], Proposal]
-    """One drafting round of speculative decoding."""
+    """One drafting round of speculative decoding for every row in flight, against the cache."""
     activation_bytes: Callable[[StepShapes, DrafterConfig, PerfConfig, str, int], dict]
     """(shapes, model section, perf, device, ZeRO stage) -> activation bytes by component."""
     describe: Callable[[DrafterConfig], str]
@@ -177,6 +181,7 @@ SPECS: dict[str, DrafterSpec] = {
         attn_impls=("auto", *ATTN_IMPLEMENTATIONS),
         resolve_loss_impl=dspark_step.resolve_loss_impl,
         forward_and_loss=_dspark_forward_and_loss,
+        extend=DSparkDraftModel.extend_context,
         propose=DSparkDraftModel.propose_round,
         activation_bytes=dspark_memory.activation_bytes,
         describe=_describe_dspark,
@@ -192,6 +197,7 @@ SPECS: dict[str, DrafterSpec] = {
         attn_impls=("auto", *TTT_ATTN_IMPLEMENTATIONS),
         resolve_loss_impl=eagle3_loss.resolve_loss_impl,
         forward_and_loss=_eagle3_forward_and_loss,
+        extend=Eagle3DraftModel.extend_context,
         propose=Eagle3DraftModel.propose_round,
         activation_bytes=eagle3_memory.activation_bytes,
         describe=_describe_eagle3,

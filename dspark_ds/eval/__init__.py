@@ -2,13 +2,14 @@
 
 - `speculative_generate` / `target_generate`: the lossless decoding loop and the plain baseline.
 - `batched.batched_generate`: the same with several prompts in flight (`--batch_size`), and the
-  paper's confidence scheduler (`batched.schedule_prefixes`).
+  paper's confidence scheduler (`policy.schedule_prefixes`).
 - `run_eval(EvalConfig)`: `dspark-ds eval`, benchmarks → τ, acceptance by position, confidence
   calibration (ECE / AUROC / Brier, STS), tables, JSON / CSV, plots, MLflow.
 """
 
 from dspark_ds.eval.config import BenchConfig, CalibrationConfig, EvalConfig
-from dspark_ds.eval.decoding import DecodeStats, speculative_generate, target_generate
+from dspark_ds.eval.decoding import speculative_generate, target_generate
+from dspark_ds.eval.rounds import DecodeStats
 from dspark_ds.eval.runner import run_eval
 
 __all__ = [

@@ -10,16 +10,15 @@ from dspark_ds.eval.benchmarks import benchmark_path, encode_prompt, load_benchm
 from dspark_ds.eval.config import BenchConfig
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.report import write_json
+from dspark_ds.eval.rounds import sync
 from dspark_ds.eval.runner import _resolve_device, load_models, stop_token_ids
 
 
 def _timed(device: torch.device, fn, *args, **kwargs):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    sync(device)
     return out, time.perf_counter() - t0
 
 

@@ -1,62 +1,29 @@
-"""The speculative decoding loop (batch 1; docs/algorithm.md#inference), and plain target
+"""The speculative decoding loop at batch 1 (docs/algorithm.md#inference), and plain target
 decoding to compare with.
 
-One round: the drafter proposes up to γ tokens (its kind's `propose` step: DSpark drafts
-`[x_start, MASK × (γ-1)]` in one forward and samples it through the Markov head, Eagle3 drafts
-a chain; its KV cache holds only verified context), the confidence head may cut the proposal,
-the target verifies `[x_start, d_1..d_m]` in one forward, and the accepted prefix plus one
-target token (correction or bonus) is committed.
+One round: the drafter's cache takes the positions verified last round and the drafter proposes
+up to γ tokens (its kind's registry steps `extend` and `propose`, the same ones the batched loop
+uses: DSpark drafts `[x_start, MASK × (γ-1)]` in one forward and samples it through the Markov
+head, Eagle3 drafts a chain), the confidence threshold and the budget may cut the proposal, the
+target verifies `[x_start, d_1..d_m]` in one forward, and the accepted prefix plus one target
+token (correction or bonus) is committed (eval/rounds.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from dspark_ds.drafters.common.rounds import DraftRound
+from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.registry import spec_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
+from dspark_ds.eval.policy import VerifyPolicy
+from dspark_ds.eval.rounds import Budget, DecodeStats, Verdict, draft_budget, settle, sync
 from dspark_ds.eval.target_step import TargetDecoder, check_drafter_matches_target
-
-
-@dataclass
-class DecodeStats:
-    """Per-generation counters; one entry per verification round in the `*_per_round` lists."""
-
-    target_forwards: int = 0
-    """Target forwards, the prefill included (= rounds + 1)."""
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    """Tokens generated (after stop-token and max_new_tokens trimming)."""
-    proposed_per_round: list[int] = field(default_factory=list)
-    """Draft tokens the target verified (after confidence truncation, budget and stop token)."""
-    accepted_per_round: list[int] = field(default_factory=list)
-    """Draft tokens accepted by verification."""
-    committed_per_round: list[int] = field(default_factory=list)
-    """Tokens appended by the round: accepted drafts + the correction / bonus token."""
-    confidence_logits_per_round: list[list[float]] = field(default_factory=list)
-    """Raw confidence logits of the verified slots (empty lists without a confidence head)."""
-    draft_time_s: float = 0.0
-    verify_time_s: float = 0.0
-    prefill_time_s: float = 0.0
-
-    @property
-    def rounds(self) -> int:
-        return len(self.committed_per_round)
-
-    @property
-    def tau(self) -> float:
-        """Tokens per verifying target forward, bonus included (τ, the paper's Table 1)."""
-        return sum(self.committed_per_round) / max(self.rounds, 1)
-
-
-def _sync(device: torch.device) -> None:
-    # NOTE: CUDA kernels run asynchronously; without a sync the draft / verify split is fiction.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _check_args(input_ids: torch.Tensor, max_new_tokens: int, temperature: float, threshold: float):
@@ -70,51 +37,120 @@ def _check_args(input_ids: torch.Tensor, max_new_tokens: int, temperature: float
         raise ValueError(f"confidence_threshold must be in [0, 1], got {threshold}")
 
 
-def _first_stop(tokens: list[int], stop_token_ids: set[int]) -> int | None:
-    for i, token in enumerate(tokens):
-        if token in stop_token_ids:
-            return i
-    return None
+@dataclass
+class _Row:
+    """The prompt being decoded."""
+
+    prompt_1P: torch.Tensor
+    new_tokens: list[int]
+    decoder: TargetDecoder
+    """The target and its cache."""
+    cache: DraftKVCache
+    """The drafter's cache: every verified position before `pending`'s."""
+    pending_1LnH: torch.Tensor
+    """The target's features of the positions verified since the last round."""
+
+    @property
+    def start(self) -> int:
+        """Position of x_start, the last committed token."""
+        return self.prompt_1P.shape[1] + len(self.new_tokens) - 1
+
+    def committed_ids(self) -> torch.Tensor:
+        """[1, start + 1] every committed token."""
+        tail = torch.tensor([self.new_tokens], dtype=self.prompt_1P.dtype, device=self.device)
+        return torch.cat([self.prompt_1P, tail], dim=1)
+
+    @property
+    def device(self) -> torch.device:
+        return self.prompt_1P.device
 
 
-def _confident_prefix(
-    conf_logits_G: torch.Tensor, temps_G: torch.Tensor | None, threshold: float
-) -> int:
-    """Slots before the first one whose (temperature-scaled) confidence is below the threshold."""
-    probs_G = torch.sigmoid(conf_logits_G / temps_G if temps_G is not None else conf_logits_G)
-    below = torch.nonzero(probs_G < threshold)
-    return int(below[0].item()) if below.numel() else conf_logits_G.numel()
+class _OneRowDecoder:
+    """`speculative_generate`'s loop; see the module docstring."""
 
+    def __init__(self, target, drafter, *, budget: Budget, policy: VerifyPolicy,
+                 temperature: float, generator: torch.Generator | None, stops: set[int]):  # fmt: skip
+        self.target, self.drafter, self.spec = target, drafter, spec_of(drafter)
+        self.budget, self.policy, self.stops = budget, policy, stops
+        self.temperature, self.generator = temperature, generator
+        self.block_size = int(drafter.config.block_size)
 
-def _verify_round(
-    decoder: TargetDecoder,
-    x_start_1: torch.Tensor,
-    drafts_M: torch.Tensor,
-    draft_logits_MV: torch.Tensor,
-    temperature: float,
-    generator: torch.Generator | None,
-    stops: set[int],
-):
-    """The target's forward on `[x_start, d_1..d_M]` and the lossless acceptance. Returns
-    (proposed, accepted, committed tokens, the target step): an accepted stop token ends the
-    round there, as if the slots after it had never been proposed."""
-    step = decoder.forward(torch.cat([x_start_1, drafts_M]).unsqueeze(0))
-    if temperature == 0.0:
-        num_accepted, next_token = verify.verify_greedy(drafts_M, step.logits_LV)
-    else:
-        num_accepted, next_token = verify.verify_sampled(
-            drafts_M,
-            verify.logits_to_probs(draft_logits_MV, temperature),
-            verify.logits_to_probs(step.logits_LV, temperature),
-            generator,
+    def run(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
+        stats = DecodeStats(prompt_tokens=input_ids.shape[1])
+        row = self._prefill(input_ids, stats)
+        while self.budget.running(row.new_tokens, self.stops):
+            t0 = time.perf_counter()
+            proposal, num_proposed = self._draft(row)
+            sync(row.device)
+            t1 = time.perf_counter()
+            verdict = self._verify(row, proposal, num_proposed)
+            sync(row.device)
+            stats.draft_time_s += t1 - t0
+            stats.verify_time_s += time.perf_counter() - t1
+            conf = proposal.confidence_logits
+            stats.record(verdict, conf[0, : verdict.proposed].tolist() if conf is not None else [])
+        tokens = self.budget.output(row.new_tokens, self.stops)
+        stats.new_tokens = len(tokens)
+        tail = torch.tensor([tokens], dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([input_ids, tail], dim=1), stats
+
+    def _prefill(self, input_ids: torch.Tensor, stats: DecodeStats) -> _Row:
+        """The target's forward over the prompt and the first token; the drafter's cache takes
+        the prompt in the first round."""
+        t0 = time.perf_counter()
+        decoder = TargetDecoder(self.target, list(self.drafter.config.target_layer_ids))
+        step = decoder.forward(input_ids, logits_to_keep=1)
+        stats.target_forwards += 1
+        first = verify.sample_token(step.logits_LV[-1], self.temperature, self.generator)
+        row = _Row(input_ids, [first], decoder, self.drafter.new_cache(), step.features_LnH)
+        sync(input_ids.device)
+        stats.prefill_time_s = time.perf_counter() - t0
+        return row
+
+    def _draft(self, row: _Row) -> tuple[Proposal, int]:
+        """The drafter's cache takes the pending context, then proposes; returns the proposal
+        and how many of its drafts the target verifies."""
+        committed = row.committed_ids()
+        start, cached = row.start, row.cache.seq_length
+        positions = torch.arange(cached, start, device=row.device).unsqueeze(0)
+        self.spec.extend(
+            self.drafter,
+            VerifiedContext(
+                row.pending_1LnH, positions, row.cache, next_ids=committed[:, cached + 1 :]
+            ),
         )
-    num_proposed = drafts_M.shape[0]
-    committed = drafts_M[:num_accepted].tolist() + [next_token]
-    stop_at = _first_stop(committed, stops)
-    if stop_at is not None and stop_at < num_accepted:
-        num_proposed = num_accepted = stop_at + 1
-        committed = committed[: stop_at + 1]
-    return num_proposed, num_accepted, committed, step
+        rooms = [self.budget.room(row.new_tokens)]
+        proposal = self.spec.propose(
+            self.drafter,
+            DraftRound(
+                x_start=committed[:, -1],
+                starts=torch.tensor([start], device=row.device),
+                cache=row.cache,
+                budget=draft_budget(self.block_size, rooms),
+                temperature=self.temperature,
+                generator=self.generator,
+                stop_token_ids=self.stops,
+            ),
+        )
+        return proposal, self.policy.lengths(proposal, rooms)[0]
+
+    def _verify(self, row: _Row, proposal: Proposal, num_proposed: int) -> Verdict:
+        """The target's forward on `[x_start, d_1..d_m]`, the lossless verdict, and the target's
+        cache rolled back to the kept positions; commits the round's tokens."""
+        drafts_1M = proposal.tokens[:, :num_proposed]
+        x_start = row.committed_ids()[:, -1:]
+        step = row.decoder.forward(torch.cat([x_start, drafts_1M], dim=1))
+        accepted, next_token = verify.verify_rows(
+            drafts_1M, torch.tensor([num_proposed], device=row.device), step.logits_LV[None],
+            proposal.logits[:, :num_proposed], self.temperature, self.generator,
+        )  # fmt: skip
+        verdict = settle(
+            drafts_1M[0].tolist(), num_proposed, accepted[0], next_token[0], self.stops
+        )
+        row.decoder.keep(row.start + verdict.accepted + 1)  # x_start and the accepted drafts
+        row.pending_1LnH = step.features_LnH[:, : verdict.accepted + 1]
+        row.new_tokens.extend(verdict.committed)
+        return verdict
 
 
 @torch.inference_mode()
@@ -141,83 +177,17 @@ def speculative_generate(
     than the budget, then trims it: every round, the last one's overshoot included, counts in τ.
     """
     _check_args(input_ids, max_new_tokens, temperature, confidence_threshold)
-    if budget_accounting not in ("exact", "reference"):
-        raise ValueError(f"budget_accounting must be exact | reference, got {budget_accounting!r}")
-    exact = budget_accounting == "exact"
+    budget = Budget(max_new_tokens, budget_accounting)
     check_drafter_matches_target(target, drafter)
-    cfg = drafter.config
-    block_size = int(cfg.block_size)
-    device = input_ids.device
-    temps_G = confidence_temperatures(cfg, device=device)
-    stops = set(int(t) for t in (stop_token_ids or []))
-    prompt_len = input_ids.shape[1]
-    stats = DecodeStats(prompt_tokens=prompt_len)
-
-    t0 = time.perf_counter()
-    decoder = TargetDecoder(target, list(cfg.target_layer_ids))
-    step = decoder.forward(input_ids, logits_to_keep=1)
-    stats.target_forwards += 1
-    new_tokens = [verify.sample_token(step.logits_LV[-1], temperature, generator)]
-    context_1CnH = step.features_LnH  # features of positions [drafter cache, start)
-    draft_cache = drafter.new_cache()
-    _sync(device)
-    stats.prefill_time_s = time.perf_counter() - t0
-
-    propose = spec_of(drafter).propose
-    while new_tokens[-1] not in stops and len(new_tokens) < max_new_tokens + (not exact):
-        start = prompt_len + len(new_tokens) - 1  # position of x_start, the last committed token
-        # Exact: the round commits at most num_proposed + 1 tokens, so never verify past the budget.
-        room = max_new_tokens - len(new_tokens) - 1 if exact else block_size
-        t0 = time.perf_counter()
-        tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=device)
-        proposal = propose(
-            drafter,
-            DraftRound(
-                committed_ids=torch.cat([input_ids, tail], dim=1),
-                context_features=context_1CnH,
-                cache=draft_cache,
-                budget=max(1, min(block_size, room)),
-                temperature=temperature,
-                generator=generator,
-                stop_token_ids=stops,
-            ),
-        )
-        drafts_1G, draft_logits_1GV = proposal.tokens, proposal.logits
-        conf_1G = proposal.confidence_logits
-        num_proposed = drafts_1G.shape[1]  # Eagle3 may stop early at a stop token
-        if conf_1G is not None and confidence_threshold > 0.0:
-            num_proposed = _confident_prefix(conf_1G[0], temps_G, confidence_threshold)
-        num_proposed = min(num_proposed, room)
-        drafts_M = drafts_1G[0, :num_proposed]
-        _sync(device)
-        stats.draft_time_s += time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        num_proposed, num_accepted, committed, step = _verify_round(
-            decoder, tail[0, -1:], drafts_M, draft_logits_1GV[0, :num_proposed], temperature,
-            generator, stops,
-        )  # fmt: skip
-        stats.target_forwards += 1
-        decoder.keep(start + num_accepted + 1)  # x_start and the accepted drafts stay cached
-        context_1CnH = step.features_LnH[:, : num_accepted + 1]
-        new_tokens.extend(committed)
-        _sync(device)
-        stats.verify_time_s += time.perf_counter() - t0
-
-        stats.proposed_per_round.append(num_proposed)
-        stats.accepted_per_round.append(num_accepted)
-        stats.committed_per_round.append(len(committed))
-        stats.confidence_logits_per_round.append(
-            conf_1G[0, :num_proposed].tolist() if conf_1G is not None else []
-        )
-
-    stop_at = _first_stop(new_tokens, stops)
-    if stop_at is not None:
-        new_tokens = new_tokens[: stop_at + 1]
-    new_tokens = new_tokens[:max_new_tokens]
-    stats.new_tokens = len(new_tokens)
-    tail = torch.tensor([new_tokens], dtype=input_ids.dtype, device=device)
-    return torch.cat([input_ids, tail], dim=1), stats
+    policy = VerifyPolicy(
+        "threshold" if confidence_threshold > 0.0 else "full",
+        threshold=confidence_threshold,
+        temps_G=confidence_temperatures(drafter.config, device=input_ids.device),
+    )
+    return _OneRowDecoder(
+        target, drafter, budget=budget, policy=policy, temperature=temperature,
+        generator=generator, stops={int(t) for t in (stop_token_ids or [])},
+    ).run(input_ids)  # fmt: skip
 
 
 @torch.inference_mode()

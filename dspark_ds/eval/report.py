@@ -8,7 +8,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dspark_ds.eval.decoding import DecodeStats
+from dspark_ds.eval.rounds import DecodeStats
 
 
 @dataclass

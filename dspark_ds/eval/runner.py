@@ -27,7 +27,8 @@ from dspark_ds.eval.benchmarks import (
     shard,
 )
 from dspark_ds.eval.config import EvalConfig
-from dspark_ds.eval.decoding import DecodeStats, speculative_generate, target_generate
+from dspark_ds.eval.decoding import speculative_generate, target_generate
+from dspark_ds.eval.rounds import DecodeStats, sync
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,75 +95,87 @@ def load_models(cfg: EvalConfig, device: torch.device):
 
 
 def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> list[PromptResult]:
-    """This rank's share of every benchmark, decoded (one seeded generator per prompt)."""
-    rank, world = distributed.rank_and_world()
+    """This rank's share of every benchmark, decoded one prompt at a time (one seeded
+    generator per prompt), or `cfg.batch_size` at a time (`_decode_batched`)."""
     stops = stop_token_ids(target, tokenizer)
-    results: list[PromptResult] = []
     if cfg.batch_size > 1 or cfg.scheduler.enabled or cfg.scheduler.compare:
-        return _decode_batched(cfg, target, drafter, tokenizer, device, stops)
+        return _decode_batched(cfg, target, drafter, tokenizer, stops)
+    rank = distributed.rank_and_world()[0]
+    results: list[PromptResult] = []
     for b, name in enumerate(cfg.benchmarks):
-        rows = select_prompts(
-            load_benchmark(benchmark_path(name, cfg.data_dir)),
-            num_prompts(name, cfg.max_samples),
-            cfg.seed,
-        )
-        mine = shard(rows, rank, world)
+        mine = _my_prompts(cfg, name)
         for index, turns in tqdm(mine, desc=f"eval {name}", disable=rank != 0, unit="prompt"):
             input_ids = encode_prompt(tokenizer, turns, cfg.chat_template_kwargs).to(device)
             seed = cfg.seed + 1_000_003 * b + index
-            generator = torch.Generator(device=device).manual_seed(seed)
-            _, stats = speculative_generate(
-                target, drafter, input_ids,
-                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                confidence_threshold=cfg.confidence_threshold, generator=generator,
-                stop_token_ids=stops, budget_accounting=cfg.budget_accounting,
-            )  # fmt: skip
-            baseline_s = None
-            if cfg.measure_baseline:
-                generator = torch.Generator(device=device).manual_seed(seed)
-                t0 = time.perf_counter()
-                target_generate(
-                    target, input_ids, max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature, generator=generator, stop_token_ids=stops,
-                )  # fmt: skip
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                baseline_s = time.perf_counter() - t0
+            stats, baseline_s = _decode_prompt(cfg, target, drafter, input_ids, seed, stops)
             results.append(PromptResult(name, index, stats, baseline_s))
     return results
 
 
-def _decode_batched(cfg: EvalConfig, target, drafter, tokenizer, device, stops):
+def _my_prompts(cfg: EvalConfig, name: str) -> list[tuple[int, list[str]]]:
+    """This rank's (index, turns) of a benchmark's selected prompts."""
+    rows = select_prompts(
+        load_benchmark(benchmark_path(name, cfg.data_dir)),
+        num_prompts(name, cfg.max_samples),
+        cfg.seed,
+    )
+    return shard(rows, *distributed.rank_and_world())
+
+
+def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops: list[int]):
+    """One prompt at batch 1: (its stats, the target alone's seconds when measured)."""
+    device = input_ids.device
+    _, stats = speculative_generate(
+        target, drafter, input_ids,
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        confidence_threshold=cfg.confidence_threshold,
+        generator=torch.Generator(device=device).manual_seed(seed),
+        stop_token_ids=stops, budget_accounting=cfg.budget_accounting,
+    )  # fmt: skip
+    if not cfg.measure_baseline:
+        return stats, None
+    t0 = time.perf_counter()
+    target_generate(
+        target, input_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        generator=torch.Generator(device=device).manual_seed(seed), stop_token_ids=stops,
+    )  # fmt: skip
+    sync(device)
+    return stats, time.perf_counter() - t0
+
+
+def _scheduler_sps(cfg: EvalConfig, target, drafter):
+    """The scheduler's cost table SPS(rows, tokens), profiled on this machine (None when no
+    run uses the scheduler)."""
+    from dspark_ds.eval.policy import profile_sps
+
+    if not (cfg.scheduler.enabled or cfg.scheduler.compare):
+        return None
+    if drafter.confidence_head is None:
+        raise ValueError(
+            "eval.scheduler needs a drafter with a confidence head (DSpark); this one "
+            f"({drafter.config.architectures[0]}) has none"
+        )
+    table = profile_sps(
+        target, max_rows=cfg.batch_size, max_tokens=int(drafter.config.block_size) + 1,
+        context_tokens=cfg.scheduler.context_tokens,
+        layer_ids=[int(i) for i in drafter.config.target_layer_ids],
+        repeats=cfg.scheduler.repeats, progress=distributed.rank_and_world()[0] == 0,
+    )  # fmt: skip
+    return lambda rows, length: table[(rows, length)]
+
+
+def _decode_batched(cfg: EvalConfig, target, drafter, tokenizer, stops) -> list[PromptResult]:
     """`decode_benchmarks` with `cfg.batch_size` prompts in flight (eval/batched.py)."""
     from dspark_ds.eval import batched
 
-    rank, world = distributed.rank_and_world()
-    sps = None
-    if cfg.scheduler.enabled or cfg.scheduler.compare:
-        if getattr(drafter, "confidence_head", None) is None:
-            raise ValueError(
-                "eval.scheduler needs a drafter with a confidence head (DSpark); this one "
-                f"({drafter.config.architectures[0]}) has none"
-            )
-        table = batched.profile_sps(
-            target, max_rows=cfg.batch_size, max_tokens=int(drafter.config.block_size) + 1,
-            context_tokens=cfg.scheduler.context_tokens,
-            layer_ids=[int(i) for i in drafter.config.target_layer_ids],
-            repeats=cfg.scheduler.repeats, progress=rank == 0,
-        )  # fmt: skip
-        sps = lambda rows, length: table[(rows, length)]  # noqa: E731
+    rank = distributed.rank_and_world()[0]
+    sps = _scheduler_sps(cfg, target, drafter)
     results: list[PromptResult] = []
     for b, name in enumerate(cfg.benchmarks):
-        rows = select_prompts(
-            load_benchmark(benchmark_path(name, cfg.data_dir)),
-            num_prompts(name, cfg.max_samples),
-            cfg.seed,
-        )
-        mine = shard(rows, rank, world)
+        mine = _my_prompts(cfg, name)
         if not mine:
             continue
-        if rank == 0:
-            distributed.print0(f"[eval] {name}: {len(mine)} prompts, batch {cfg.batch_size}")
+        distributed.print0(f"[eval] {name}: {len(mine)} prompts, batch {cfg.batch_size}")
         prompts = [encode_prompt(tokenizer, turns, cfg.chat_template_kwargs) for _, turns in mine]
         main, baseline, policies = batched.decode_prompts(
             cfg, target, drafter, prompts, cfg.seed + 1_000_003 * b + rank, stops, sps
@@ -195,7 +208,7 @@ def _records(results: list[PromptResult], block_size: int) -> cal.ConfidenceReco
 
 def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Path) -> dict | None:
     """ECE / AUROC / Brier before and after STS, the threshold sweep, and their plots."""
-    if getattr(drafter, "confidence_head", None) is None or not results:
+    if drafter.confidence_head is None or not results:
         return None
     if cfg.confidence_threshold > 0.0:
         # Truncated proposals hide the slots the head was least sure of: the labels would be
@@ -203,13 +216,7 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
         return {"skipped": "confidence_threshold > 0: calibration needs uncut proposals"}
     block_size = int(drafter.config.block_size)
     c = cfg.calibration
-    fit, held = [], []
-    for name in cfg.benchmarks:
-        mine = sorted((r for r in results if r.benchmark == name), key=lambda r: r.index)
-        n_fit = math.ceil(c.fit_fraction * len(mine)) if len(mine) > 1 else 0
-        fit += mine[:n_fit]
-        held += mine[n_fit:]
-    all_records = _records(results, block_size)
+    fit, held = _fit_and_held_out(cfg, results)
     held_records = _records(held, block_size)
     out: dict = {"raw": cal.confidence_report(held_records, None, c.num_bins), "split": {
         "fit_prompts": len(fit), "held_out_prompts": len(held)}}  # fmt: skip
@@ -222,29 +229,53 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
     temps_G = cal.confidence_temperatures(drafter.config)
     curves = {"raw": out["raw"]}
     if c.fit_sts and fit:
-        temps = cal.fit_sequential_temperatures(_records(fit, block_size), c.num_bins)
-        temps_G = torch.tensor(temps, dtype=torch.float64)
-        out["sts"] = cal.confidence_report(held_records, temps_G, c.num_bins)
+        sts, temps_G = _fit_sts(cfg, fit, held_records, block_size, out_dir)
+        out.update(sts)
         curves["STS"] = out["sts"]
-        report.write_json(out_dir / "confidence_temperatures.json", {cal.CONFIG_KEY: temps})
-        where = f"{out_dir / 'confidence_temperatures.json'}; the drafter is unchanged"
-        if c.write_to_drafter:
-            try:
-                out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
-                where = f"{out['written_to']}, which later decoding applies"
-            except OSError as err:
-                distributed.print0(
-                    f"[eval] WARNING: could not store STS temperatures in {cfg.drafter}: {err}"
-                )
-        distributed.print0(
-            f"[eval] STS temperatures fitted on {len(fit)} prompt(s) "
-            f"({_records(fit, block_size).num_rounds} rounds) -> {where}"
-        )
-    out["threshold_sweep"] = cal.threshold_sweep(all_records, c.thresholds, temps_G)
+    out["threshold_sweep"] = cal.threshold_sweep(
+        _records(results, block_size), c.thresholds, temps_G
+    )
     out["threshold_sweep_temperatures"] = temps_G.tolist() if temps_G is not None else None
     report.plot_reliability(out_dir / "reliability_diagram.png", curves)
     report.plot_threshold_sweep(out_dir / "threshold_sweep.png", out["threshold_sweep"])
     return out
+
+
+def _fit_and_held_out(cfg: EvalConfig, results: list[PromptResult]):
+    """The first `calibration.fit_fraction` of each benchmark's prompts, and the rest."""
+    fit, held = [], []
+    for name in cfg.benchmarks:
+        mine = sorted((r for r in results if r.benchmark == name), key=lambda r: r.index)
+        n_fit = math.ceil(cfg.calibration.fit_fraction * len(mine)) if len(mine) > 1 else 0
+        fit += mine[:n_fit]
+        held += mine[n_fit:]
+    return fit, held
+
+
+def _fit_sts(cfg: EvalConfig, fit: list[PromptResult], held, block_size: int, out_dir: Path):
+    """STS temperatures fitted on the `fit` prompts and reported on the `held` records; saved
+    to the output directory (and to the drafter's config.json when asked). Returns (the
+    report's entries, the temperatures)."""
+    c = cfg.calibration
+    fit_records = _records(fit, block_size)
+    temps = cal.fit_sequential_temperatures(fit_records, c.num_bins)
+    temps_G = torch.tensor(temps, dtype=torch.float64)
+    out = {"sts": cal.confidence_report(held, temps_G, c.num_bins)}
+    report.write_json(out_dir / "confidence_temperatures.json", {cal.CONFIG_KEY: temps})
+    where = f"{out_dir / 'confidence_temperatures.json'}; the drafter is unchanged"
+    if c.write_to_drafter:
+        try:
+            out["written_to"] = str(cal.write_confidence_temperatures(cfg.drafter, temps))
+            where = f"{out['written_to']}, which later decoding applies"
+        except OSError as err:
+            distributed.print0(
+                f"[eval] WARNING: could not store STS temperatures in {cfg.drafter}: {err}"
+            )
+    distributed.print0(
+        f"[eval] STS temperatures fitted on {len(fit)} prompt(s) "
+        f"({fit_records.num_rounds} rounds) -> {where}"
+    )
+    return out, temps_G
 
 
 def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dict[str, float]:
@@ -335,27 +366,12 @@ def run_eval(cfg: EvalConfig) -> dict | None:
 
 
 def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
+    """Rank 0: the per-benchmark rows, calibration, the printed table, the files of the run
+    directory and the MLflow run; returns the results payload."""
     out_dir = Path(cfg.run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     block_size = int(drafter.config.block_size)
-    rows = []
-    for name in cfg.benchmarks:
-        mine = [r for r in results if r.benchmark == name]
-        base = [r.baseline_time_s for r in mine if r.baseline_time_s is not None]
-        base_tokens = [r.baseline_new_tokens for r in mine if r.baseline_new_tokens is not None]
-        row = report.summarize_benchmark(
-            name, [r.stats for r in mine], block_size, sum(base) if base else None,
-            sum(base_tokens) if base_tokens else None,
-        )  # fmt: skip
-        row.extra["batch_size"] = cfg.batch_size
-        if mine and mine[0].policies:
-            from dspark_ds.eval.batched import policy_summary
-
-            row.extra["policies"] = {
-                p: policy_summary([r.policies[p] for r in mine], row.baseline_tokens_per_s)
-                for p in mine[0].policies
-            }
-        rows.append(row)
+    rows = [_benchmark_row(cfg, name, results, block_size) for name in cfg.benchmarks]
     calib = calibrate(cfg, drafter, results, out_dir)
     table = report.format_table(rows)
     policies = report.format_policy_table(rows)
@@ -363,18 +379,7 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
         table += "\n\nverification policies (same batch size, same run):\n" + policies
     print(table, flush=True)
     if calib and "raw" in calib:
-        line = "confidence (held-out, cumulative): raw ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(
-            calib["raw"]["pooled"]["ece"],
-            calib["raw"]["pooled"]["auroc"],
-            calib["raw"]["pooled"]["brier"],
-        )
-        if "sts" in calib:
-            line += " | STS ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(
-                calib["sts"]["pooled"]["ece"],
-                calib["sts"]["pooled"]["auroc"],
-                calib["sts"]["pooled"]["brier"],
-            )
-        print(line, flush=True)
+        print(_confidence_line(calib), flush=True)
     payload = {
         "config": json.loads(json.dumps(_config_dict(cfg), default=str)),
         "benchmarks": [report.result_dict(r) for r in rows],
@@ -389,6 +394,40 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
     payload["mlflow_run_id"] = log_to_tracking(cfg, drafter, _flat_metrics(rows, calib), out_dir)
     distributed.print0(f"[eval] results in {out_dir}")
     return payload
+
+
+def _benchmark_row(
+    cfg: EvalConfig, name: str, results: list[PromptResult], block_size: int
+) -> report.BenchmarkResult:
+    """One benchmark's row: τ, acceptance, timing, the baseline and (batched) the policies."""
+    mine = [r for r in results if r.benchmark == name]
+    base = [r.baseline_time_s for r in mine if r.baseline_time_s is not None]
+    base_tokens = [r.baseline_new_tokens for r in mine if r.baseline_new_tokens is not None]
+    row = report.summarize_benchmark(
+        name, [r.stats for r in mine], block_size, sum(base) if base else None,
+        sum(base_tokens) if base_tokens else None,
+    )  # fmt: skip
+    row.extra["batch_size"] = cfg.batch_size
+    if mine and mine[0].policies:
+        from dspark_ds.eval.batched import policy_summary
+
+        row.extra["policies"] = {
+            p: policy_summary([r.policies[p] for r in mine], row.baseline_tokens_per_s)
+            for p in mine[0].policies
+        }
+    return row
+
+
+def _confidence_line(calib: dict) -> str:
+    """The held-out confidence metrics, raw and (when fitted) after STS, on one line."""
+    line = "confidence (held-out, cumulative):"
+    for variant, label in (("raw", "raw"), ("sts", "| STS")):
+        if variant in calib:
+            pooled = calib[variant]["pooled"]
+            line += " {} ECE {:.4f} AUROC {:.4f} Brier {:.4f}".format(
+                label, pooled["ece"], pooled["auroc"], pooled["brier"]
+            )
+    return line
 
 
 def _config_dict(cfg: EvalConfig) -> dict:

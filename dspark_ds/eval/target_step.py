@@ -1,10 +1,12 @@
 """The target side of decoding: incremental forwards with a KV cache and the feature tap.
 
-Legend: L = tokens in one forward, V = vocabulary, n = tapped layers, H = target hidden size.
+Legend: R rows, L = tokens in one forward, V = vocabulary, n = tapped layers, H = target hidden
+size.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -56,6 +58,51 @@ def check_drafter_matches_target(target, drafter) -> None:
         )
 
 
+def new_target_cache(target) -> DynamicCache:
+    """An empty KV cache for `target` that a rejected draft can be rolled back out of."""
+    cache = DynamicCache(config=target.config)
+    # NOTE: sliding-window layers (Gemma4) drop old K/V as they go unless past recording is
+    # on, and then a rejected draft could not be rolled back.
+    cache.activate_past_recording()
+    return cache
+
+
+@functools.cache
+def _cache_kwarg(model_class: type) -> str:
+    # NOTE: transformers 5.2x renamed `past_key_values` to `cache` (the old name warns).
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward_target(
+    target,
+    cache: DynamicCache,
+    ids_RL: torch.Tensor,
+    positions_RL: torch.Tensor,
+    layer_ids: list[int],
+    *,
+    attention_mask: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target on L new tokens per row, after the cached ones, at RoPE `positions_RL`;
+    `attention_mask` [R, cached + L] hides padding (None: nothing is padded).
+
+    Returns (fp32 logits [R, L or logits_to_keep, V], tapped features [R, L, n*H] or None when
+    no layer is tapped). The new tokens are in the cache afterwards.
+    """
+    out = target(
+        input_ids=ids_RL,
+        position_ids=positions_RL,
+        attention_mask=attention_mask,
+        **{_cache_kwarg(type(target)): cache},
+        use_cache=True,
+        output_hidden_states=bool(layer_ids),
+        logits_to_keep=logits_to_keep,
+    )
+    features = tap_layers(out.hidden_states, layer_ids) if layer_ids else None
+    return out.logits.float(), features
+
+
 @dataclass
 class TargetStep:
     """What one target forward returns to the decoding loop."""
@@ -68,19 +115,14 @@ class TargetStep:
 
 
 class TargetDecoder:
-    """A target under incremental decoding: one KV cache, rolled back after each verification."""
+    """A target under incremental decoding of one row: one KV cache, rolled back after each
+    verification (the batched loop's padded rows: eval/padded.py)."""
 
     def __init__(self, target, layer_ids: list[int]):
         self.target = target
         self.layer_ids = [int(i) for i in layer_ids]
-        self.cache = DynamicCache(config=target.config)
-        # NOTE: sliding-window layers (Gemma4) drop old K/V as they go unless past recording is
-        # on, and then a rejected draft could not be rolled back.
-        self.cache.activate_past_recording()
+        self.cache = new_target_cache(target)
         self.num_cached = 0
-        # NOTE: transformers 5.2x renamed `past_key_values` to `cache` (the old name warns).
-        params = inspect.signature(target.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def forward(self, input_ids_1L: torch.Tensor, *, logits_to_keep: int = 0) -> TargetStep:
         """Run the target on new tokens placed right after the cached ones."""
@@ -88,17 +130,12 @@ class TargetDecoder:
         position_ids = torch.arange(
             self.num_cached, self.num_cached + length, device=input_ids_1L.device
         ).unsqueeze(0)
-        out = self.target(
-            input_ids=input_ids_1L,
-            position_ids=position_ids,
-            **{self._cache_kwarg: self.cache},
-            use_cache=True,
-            output_hidden_states=bool(self.layer_ids),
+        logits, features = forward_target(
+            self.target, self.cache, input_ids_1L, position_ids, self.layer_ids,
             logits_to_keep=logits_to_keep,
-        )
+        )  # fmt: skip
         self.num_cached += length
-        features = tap_layers(out.hidden_states, self.layer_ids) if self.layer_ids else None
-        return TargetStep(logits_LV=out.logits[0].float(), features_LnH=features)
+        return TargetStep(logits_LV=logits[0], features_LnH=features)
 
     def keep(self, num_tokens: int) -> None:
         """Roll the cache back to its first `num_tokens` positions (drop rejected drafts)."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
+from dspark_ds.drafters.registry import SPECS, spec_of
 
 
 def tiny_target(
@@ -91,3 +94,32 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     assert dof >= 3, f"too few cells for a chi-square test (dof={dof})"
     # The chi-square survival function: the regularised upper incomplete gamma Q(k/2, x/2).
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+def record_proposals(monkeypatch, drafter) -> list[list[int]]:
+    """The drafts of every batch-1 round (row 0), as the kind's registry step `propose`
+    returns them, in the list returned (cleared by the caller between generations)."""
+    seen: list[list[int]] = []
+    spec = spec_of(drafter)
+
+    def recording(model, draft_round):
+        proposal = spec.propose(model, draft_round)
+        seen.append(proposal.tokens[0].tolist())
+        return proposal
+
+    monkeypatch.setitem(SPECS, spec.kind, dataclasses.replace(spec, propose=recording))
+    return seen
+
+
+@contextlib.contextmanager
+def counting_forwards(model):
+    """Counts the calls of `model` inside the block: `with counting_forwards(t) as n: ...`,
+    then `n[0]`."""
+    count = [0]
+    handle = model.register_forward_pre_hook(
+        lambda module, args: count.__setitem__(0, count[0] + 1)
+    )
+    try:
+        yield count
+    finally:
+        handle.remove()

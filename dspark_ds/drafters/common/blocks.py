@@ -122,13 +122,15 @@ def gather_blocks(x_BSD: torch.Tensor, index_BAG: torch.Tensor) -> torch.Tensor:
 class DraftKVCache:
     """Per-layer keys / values of the context features already projected (inference only).
 
-    Only verified context is ever appended; draft-slot keys never enter the cache, so
-    nothing has to be cropped after a round unless the caller rewinds on purpose.
+    Only verified context stays between rounds (a chain drafter crops its draft keys off
+    again). `last_hidden` [B, H] is the drafter's state at each row's last verified position,
+    for a kind that drafts on from it (Eagle3); the decoding loops move it with the rows.
     """
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.last_hidden: torch.Tensor | None = None
 
     @property
     def seq_length(self) -> int:

@@ -28,7 +28,7 @@ from dspark_ds.drafters.common.blocks import (
     sample_anchor_positions,
 )
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
-from dspark_ds.drafters.common.rounds import DraftRound, Proposal
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.common.sampling import sample_from_logits
 from dspark_ds.drafters.dspark.markov import ConfidenceHead, build_markov_head
 
@@ -290,6 +290,42 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
     def new_cache(self) -> DraftKVCache:
         return DraftKVCache(len(self.layers))
 
+    def extend_context(self, c: VerifiedContext) -> None:
+        """Append verified context to the cache (the registry's `extend`).
+
+        Every layer's context keys / values come from the same projected context C
+        (docs/algorithm.md#the-drafter), so no block has to run; positions never attend to
+        each other here, so `c.key_mask`, `c.next_ids` and `c.num_kept` are not needed.
+        """
+        ctx = self.project_context(c.features)
+        rope = self.rotary_emb(ctx, c.positions)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k, v = attn.project_kv(ctx)
+            c.cache.append(i, attn.rope(k, rope), v)
+
+    def draft_block_from_cache(
+        self,
+        block_input_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        cache: DraftKVCache,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One draft block per row against the context in the cache -> normed hidden [B, G, H].
+
+        block_input_ids / block_positions [B, G]; key_mask [B, cache.seq_length] marks the
+        cached context each row may see (left-padded rows), None: all of it. The block's keys
+        are not cached.
+        """
+        bsz, q_len = block_input_ids.shape
+        h = self.embed_tokens(block_input_ids)
+        no_ctx = h.new_zeros(bsz, 0, h.shape[-1])
+        mask = None
+        if key_mask is not None:
+            own_block = key_mask.new_ones(bsz, q_len)
+            mask = torch.cat([key_mask.bool(), own_block.bool()], dim=1)[:, None, None, :]
+        return self.backbone(h, no_ctx, block_positions[:, :0], block_positions, mask, cache)
+
     def forward_draft_block(
         self,
         *,
@@ -298,7 +334,8 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         start: int,
         cache: DraftKVCache,
     ) -> torch.Tensor:
-        """One draft round: append the new context, run `[x_start, MASK...]` at start.. .
+        """`extend_context` then `draft_block_from_cache` for one unpadded batch, the block
+        `[x_start, MASK...]` at `start` (the train / serve parity tests' entry).
 
         context_features [B, start - cache.seq_length, n*H] are the tapped target features of
         the positions verified since the last round. Returns normed hidden [B, G, H].
@@ -311,45 +348,10 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             )
         device = block_input_ids.device
         bsz, q_len = block_input_ids.shape
-        ctx = self.project_context(context_features)
         ctx_pos = torch.arange(cached, start, device=device).expand(bsz, -1)
+        self.extend_context(VerifiedContext(context_features, ctx_pos, cache))
         draft_pos = torch.arange(start, start + q_len, device=device).expand(bsz, -1)
-        h = self.embed_tokens(block_input_ids)
-        return self.backbone(h, ctx, ctx_pos, draft_pos, mask=None, cache=cache)
-
-    def extend_context(
-        self, context_features: torch.Tensor, positions: torch.Tensor, cache: DraftKVCache
-    ) -> None:
-        """Append verified context to the cache without drafting (batched decoding).
-
-        context_features [B, L, n*H] at RoPE `positions` [B, L]: every layer's context keys /
-        values come from the same projected context C (docs/algorithm.md#the-drafter), so no block has to run.
-        """
-        ctx = self.project_context(context_features)
-        rope = self.rotary_emb(ctx, positions)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            k, v = attn.project_kv(ctx)
-            cache.append(i, attn.rope(k, rope), v)
-
-    def draft_block_from_cache(
-        self,
-        block_input_ids: torch.Tensor,
-        block_positions: torch.Tensor,
-        cache: DraftKVCache,
-        key_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """One draft round per row against context already in the cache (batched decoding).
-
-        block_input_ids / block_positions [B, G]; key_mask [B, cache.seq_length] marks the
-        cached context each row may see (rows are left-padded). Returns normed hidden [B, G, H].
-        """
-        bsz, q_len = block_input_ids.shape
-        h = self.embed_tokens(block_input_ids)
-        no_ctx = h.new_zeros(bsz, 0, h.shape[-1])
-        own_block = key_mask.new_ones(bsz, q_len)
-        mask = torch.cat([key_mask.bool(), own_block.bool()], dim=1)[:, None, None, :]
-        return self.backbone(h, no_ctx, block_positions[:, :0], block_positions, mask, cache)
+        return self.draft_block_from_cache(block_input_ids, draft_pos, cache)
 
     def sample_draft_tokens(
         self,
@@ -379,22 +381,16 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         )
 
     def propose_round(self, r: DraftRound) -> Proposal:
-        """One round of the decoding loop: `[x_start, MASK × (γ-1)]` in one forward, the Markov
-        head samples the block left to right, the confidence head scores every slot. Always
-        drafts the whole block (the loop verifies the first `r.budget`)."""
-        x_start = r.committed_ids[:, -1:]
-        block_ids = torch.full(
-            (1, self.block_size), self.mask_token_id, dtype=torch.long, device=x_start.device
-        )
-        block_ids[:, :1] = x_start
-        hidden = self.forward_draft_block(
-            context_features=r.context_features,
-            block_input_ids=block_ids,
-            start=r.start,
-            cache=r.cache,
-        )
-        if r.cache.seq_length > r.start:  # only verified context may persist between rounds
-            r.cache.crop(r.start)
+        """One round (the registry's `propose`): `[x_start, MASK × (γ-1)]` per row in one
+        forward, the Markov head samples each block left to right, the confidence head scores
+        every slot. Always drafts the whole block (the loop verifies what it can)."""
+        rows = r.x_start.shape[0]
+        G = self.block_size
+        device = r.x_start.device
+        block_ids = torch.full((rows, G), self.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, 0] = r.x_start
+        positions = r.starts.unsqueeze(1) + torch.arange(G, device=device)
+        hidden = self.draft_block_from_cache(block_ids, positions, r.cache, r.key_mask)
         tokens, logits = self.sample_draft_tokens(
             self.compute_logits(hidden),
             first_prev_token_ids=block_ids[:, 0],
@@ -403,4 +399,4 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             generator=r.generator,
         )
         prev = torch.cat([block_ids[:, :1], tokens[:, :-1]], dim=1)
-        return Proposal(tokens, logits, self.predict_confidence(hidden, prev))
+        return Proposal(tokens, logits, [G] * rows, self.predict_confidence(hidden, prev))

@@ -33,7 +33,7 @@ from torch import nn
 from dspark_ds.drafters.common.attention import attend
 from dspark_ds.drafters.common.blocks import DraftKVCache
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
-from dspark_ds.drafters.common.rounds import DraftRound, Proposal
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop
 from dspark_ds.drafters.common.sampling import sample_from_logits
 
 EAGLE3_FIELDS = ("target_layer_ids", "num_target_layers", "ttt_length", "step_loss_decay")
@@ -176,6 +176,7 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
     architecture: str = ""
     REQUIRED_CONFIG_FIELDS = EAGLE3_FIELDS  # what config.json must carry
     OPTIONAL_CONFIG_FIELDS: dict = {}
+    confidence_head: nn.Module | None = None  # Eagle3 has none (every drafter answers it)
 
     def __init__(self, config):
         super().__init__()
@@ -366,6 +367,54 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
             positions = torch.arange(cached, cached + q_len, device=device).expand(bsz, -1)
         return self.run_layers(self.embed_tokens(token_ids), hidden, positions, attend_fns)
 
+    def extend_context(self, c: VerifiedContext) -> None:
+        """Append verified positions to the cache (the registry's `extend`): position i pairs
+        the target's features of i with `c.next_ids[:, i]`, the token after it. Keeps each
+        row's output at its last kept position in `cache.last_hidden`, where the next chain
+        starts."""
+        hidden = self.extend(
+            self.project_context(c.features), c.next_ids, c.cache,
+            positions=c.positions, key_mask=c.key_mask,
+        )  # fmt: skip
+        if c.num_kept is None:
+            c.cache.last_hidden = hidden[:, -1]
+        else:
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            c.cache.last_hidden = hidden[rows, c.num_kept - 1]
+
+    def propose_round(self, r: DraftRound) -> Proposal:
+        """One round (the registry's `propose`): every row chains up to `r.budget` single-token
+        steps from its last verified state; the chain ends early once every row has drawn a
+        stop token. No confidence head."""
+        cache = r.cache
+        verified = cache.seq_length
+        last = cache.last_hidden.unsqueeze(1)  # [R, 1, H]
+        rows = last.shape[0]
+        tokens, logits = [], []
+        for i in range(r.budget):
+            step_logits = self.compute_logits(last)  # [R, 1, V]
+            token = sample_from_logits(step_logits, r.temperature, r.generator)  # [R, 1]
+            tokens.append(token)
+            logits.append(step_logits)
+            if i + 1 == r.budget or (
+                r.stop_token_ids and all(int(t) in r.stop_token_ids for t in token[:, 0])
+            ):
+                break
+            key_mask = None
+            if r.key_mask is not None:  # the padded context, then the chain so far
+                key_mask = torch.cat([r.key_mask, r.key_mask.new_ones(rows, i + 1)], dim=1)
+            positions = (r.starts + i).unsqueeze(1)
+            last = self.extend(last, token, cache, positions=positions, key_mask=key_mask)
+        # Draft positions' keys came from the drafter's own hidden states; the next round
+        # replaces them with the target's features, so only verified context may persist.
+        cache.crop(verified)
+        drafts = torch.cat(tokens, dim=1)
+        lengths = []
+        for row in drafts.tolist():
+            stop = first_stop(row, r.stop_token_ids)
+            lengths.append(len(row) if stop is None else stop + 1)
+        return Proposal(drafts, torch.cat(logits, dim=1), lengths)
+
     def propose(
         self,
         *,
@@ -378,7 +427,8 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         generator: torch.Generator | None = None,
         stop_token_ids: set[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chain-drafting round (batch 1 typical) -> (tokens [B, k], draft logits [B, k, V]).
+        """`extend_context` then `propose_round` for one unpadded batch -> (tokens [B, k], draft
+        logits [B, k, V]) (the train / serve parity tests' entry).
 
         `start` is the position of x_start, the last committed token. `context_features`
         [B, start - cache.seq_length, n*H] are the target features of the positions verified
@@ -387,51 +437,32 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         early after a stop token; the cache is cropped back to `start` (verified context only).
         """
         cached = cache.seq_length
-        new = context_features.shape[1]
+        bsz, new = context_features.shape[:2]
         if new < 1 or cached + new != start:
             raise ValueError(
                 f"context_features: cache holds {cached} positions and {new} new ones were "
                 f"given, but the round starts at {start} (needs >= 1 new position)"
             )
-        if tuple(next_token_ids.shape) != tuple(context_features.shape[:2]):
+        if tuple(next_token_ids.shape) != (bsz, new):
             raise ValueError(
                 f"next_token_ids: shape {tuple(next_token_ids.shape)} != context_features "
-                f"{tuple(context_features.shape[:2])}"
+                f"{(bsz, new)}"
             )
         count = int(num_tokens if num_tokens is not None else self.ttt_length)
         if count < 1:
             raise ValueError(f"num_tokens: must be >= 1, got {count}")
-        hidden = self.extend(self.project_context(context_features), next_token_ids, cache)
-        last = hidden[:, -1:]
-        tokens, logits = [], []
-        for i in range(count):
-            step_logits = self.compute_logits(last)  # [B, 1, V]
-            token = sample_from_logits(step_logits, temperature, generator)  # [B, 1]
-            tokens.append(token)
-            logits.append(step_logits)
-            if i + 1 == count or (
-                stop_token_ids and all(int(t) in stop_token_ids for t in token[:, 0])
-            ):
-                break
-            last = self.extend(last, token, cache)
-        # Draft positions' keys came from the drafter's own hidden states; the next round
-        # replaces them with the target's features, so only verified context may persist.
-        cache.crop(start)
-        return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)
-
-    def propose_round(self, r: DraftRound) -> Proposal:
-        """One round of the decoding loop: chain-drafts up to `r.budget` tokens (fewer after a
-        stop token); no confidence head."""
-        # Position i of the context pairs the target's features of i with token i + 1.
-        next_ids = r.committed_ids[:, r.cache.seq_length + 1 : r.start + 1]
-        tokens, logits = self.propose(
-            context_features=r.context_features,
-            next_token_ids=next_ids,
-            start=r.start,
-            cache=r.cache,
-            num_tokens=r.budget,
-            temperature=r.temperature,
-            generator=r.generator,
-            stop_token_ids=r.stop_token_ids,
+        device = context_features.device
+        positions = torch.arange(cached, start, device=device).expand(bsz, -1)
+        self.extend_context(VerifiedContext(context_features, positions, cache, next_token_ids))
+        proposal = self.propose_round(
+            DraftRound(
+                x_start=next_token_ids[:, -1],
+                starts=torch.full((bsz,), start, dtype=torch.long, device=device),
+                cache=cache,
+                budget=count,
+                temperature=temperature,
+                generator=generator,
+                stop_token_ids=set(stop_token_ids or ()),
+            )
         )
-        return Proposal(tokens=tokens, logits=logits)
+        return proposal.tokens, proposal.logits

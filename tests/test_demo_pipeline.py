@@ -10,14 +10,14 @@ decode losslessly: greedy speculative output == plain greedy target output.
 from __future__ import annotations
 
 import json
-import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dspark_ds.cli import main, parse_config
 from dspark_ds.demo.config import DemoConfig
-from dspark_ds.demo.pipeline import format_summary
+from dspark_ds.demo.summary import build_summary, format_summary
 
 # A tiny target (seconds to train) and a budget of a few steps: the smoke checks that every
 # stage runs and fits together, not what the drafters learn.
@@ -42,6 +42,7 @@ SMOKE_ARGS = [
 def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dspark_ds.data.tokens import TokenStore
     from dspark_ds.drafters import load_draft_model
     from dspark_ds.eval.benchmarks import encode_prompt, load_benchmark
     from dspark_ds.eval.decoding import speculative_generate, target_generate
@@ -58,48 +59,56 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     assert len(list((out / "runs" / "mlartifacts").rglob("model.safetensors"))) == 3
 
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["drafters"]) == {"dspark", "dflash", "eagle3"}
-    for kind, entry in summary["drafters"].items():
+    assert summary["seeds"] == [0]
+    runs = summary["per_seed"]["0"]
+    assert set(runs) == {"dspark", "dflash", "eagle3"}
+    for kind, entry in runs.items():
         for t in ("T0", "T1"):
             row = entry[t]
-            assert row["tau"] >= 1.0, (kind, t, row)
             assert len(row["accept_rate_by_position"]) == 4
             assert all(a is None or 0.0 <= a <= 1.0 for a in row["accept_rate_by_position"])
             assert row["prompts"] == 4 and row["rounds"] > 0
+            # the target alone was decoded in the same evaluation
+            assert row["baseline_tokens_per_s"] > 0 and row["speedup"] > 0, (kind, t, row)
         assert entry["train"]["steps"] == 3
-        assert entry["stage_seconds"]["train-" + kind] > 0
+    # equal supervision: DSpark / DFlash anchor every valid position of every sequence, so A is
+    # the most valid positions (p and p + 1 supervised) any prepared sequence has
+    store = TokenStore.load(out / "data" / "seed0" / "prepared")
+    most = max(
+        sum(1 for p in range(len(m) - 1) if m[p] and m[p + 1])
+        for m in (store[i]["loss_mask"].tolist() for i in range(len(store)))
+    )
+    for kind in ("dspark", "dflash"):
+        assert runs[kind]["train"]["num_anchors"] == most
+        assert runs[kind]["train"]["anchored_share_of_valid"] == pytest.approx(1.0)
     # calibration only for the drafter with a confidence head
-    assert 0.0 <= summary["drafters"]["dspark"]["T1"]["calibration"]["raw"]["ece"] <= 1.0
-    assert "calibration" not in summary["drafters"]["dflash"]["T1"]
+    assert 0.0 <= runs["dspark"]["T1"]["calibration"]["raw"]["ece"] <= 1.0
+    assert "calibration" not in runs["dflash"]["T1"]
     stages = summary["stage_seconds"]
-    for name in (
-        "corpus",
-        "target",
-        "regenerate",
-        "prepare",
-        "build-cache",
-        "train-dspark",
-        "train-dflash",
-        "train-eagle3",
-        "eval-dspark-T0",
-        "eval-eagle3-T1",
-    ):
+    for name in ("corpus", "target", "regenerate-s0", "prepare-s0", "build-cache-s0",
+                 "train-dspark-s0", "train-dflash-s0", "train-eagle3-s0", "eval-dspark-T0-s0",
+                 "eval-eagle3-T1-s0"):  # fmt: skip
         assert stages[name] >= 0.0, name
     assert summary["target"]["from_cache"] is False
-    assert set(summary["tau_ratio_dspark_over_dflash"]) == {"T0", "T1"}
+    assert set(summary["ratios"]["tau_dspark_over_dflash"]) == {"T0", "T1"}
+    assert {c["ratio"] for c in summary["checks"]} == {
+        "tau_dspark_over_dflash",
+        "speedup_dspark_over_eagle3",
+    }
     assert "DSpark" in (out / "summary.txt").read_text()
 
     # every stage ran through its real subcommand (the configs are what users would pass)
     for name in ("regenerate", "build-cache", "train-dspark", "train-dflash", "train-eagle3"):
-        assert (out / "configs" / f"{name}.yaml").is_file()
-    assert "zero3" in (out / "configs" / "train-eagle3.yaml").read_text()
+        assert (out / "configs" / f"{name}-s0.yaml").is_file()
+    assert "zero3" in (out / "configs" / "train-eagle3-s0.yaml").read_text()
     # the training runs used 2 ranks (the machine has >= 2 cores) or 1
     assert summary["ranks"] in (1, 2)
 
     # MLflow: a summary run with the comparison metrics
     run_id = (out / "runs" / "summary" / "mlflow_run_id").read_text().strip()
     run = read_run(summary["mlflow"]["uri"], run_id)
-    assert "dspark/T1/tau" in run.data.metrics and "seconds/train-eagle3" in run.data.metrics
+    assert "dspark/T1/tau" in run.data.metrics and "s0/eagle3/T1/speedup" in run.data.metrics
+    assert "seconds/train-eagle3-s0" in run.data.metrics
 
     # lossless: greedy speculative decoding == greedy target decoding, for every drafter
     target_dir = summary["target"]["path"]
@@ -108,7 +117,7 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     prompts = load_benchmark(out / "data" / "bench" / "demo.jsonl")
     eos = [tok.convert_tokens_to_ids("<|im_end|>")]
     for kind in ("dspark", "dflash", "eagle3"):
-        drafter = load_draft_model(out / "runs" / kind / "export", dtype=torch.float32)
+        drafter = load_draft_model(out / "runs" / f"{kind}-s0" / "export", dtype=torch.float32)
         for turns in prompts[:3]:
             ids = encode_prompt(tok, turns, None)
             spec, stats = speculative_generate(
@@ -129,9 +138,9 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
 
 
 def test_demo_trains_each_drafter_from_its_preset(tmp_path):
-    """Typed train configs: the presets sized to the tiny target, everything else shared."""
+    """Typed train configs: the presets sized to the tiny target, everything else shared; a seed
+    changes only the seed, the data it was regenerated with, and the names."""
     from dataclasses import asdict
-    from types import SimpleNamespace
 
     from dspark_ds.config import TrainRunConfig, parse
     from dspark_ds.demo.pipeline import DemoPipeline
@@ -140,18 +149,36 @@ def test_demo_trains_each_drafter_from_its_preset(tmp_path):
     cfg = parse_config("demo", ["--output_dir", str(tmp_path / "demo"), *SMOKE_ARGS])
     demo = DemoPipeline(cfg)
     demo.target = SimpleNamespace(path=tmp_path / "target")
-    runs = {kind: demo.train_config(kind) for kind in cfg.drafters}
-    sized = dict(num_draft_layers=1, block_size=4, num_anchors=4)
-    assert runs["dspark"].model == preset("dspark", markov_rank=8, **sized)
-    assert runs["dflash"].model == preset("dflash", **sized)
+    demo.num_anchors = {0: 37, 1: 41}
+    runs = {kind: demo.train_config(kind, 0) for kind in cfg.drafters}
+    sized = dict(num_draft_layers=1, block_size=4)
+    assert runs["dspark"].model == preset("dspark", markov_rank=8, num_anchors=37, **sized)
+    assert runs["dflash"].model == preset("dflash", num_anchors=37, **sized)
     assert runs["eagle3"].model == preset("eagle3", num_draft_layers=1, ttt_length=4)
     plain = {k: asdict(r) for k, r in runs.items()}
     for kind, run in plain.items():
         differs = {s for s in run if run[s] != plain["dspark"][s]}
         assert differs <= {"name", "model", "tracking"}, (kind, differs)
+    other = demo.train_config("dspark", 1)
+    assert other.train.seed == 1 and other.data.seed == 1 and runs["dspark"].train.seed == 0
+    assert other.model.num_anchors == 41 and "seed1" in other.data.cache_dir
+    assert other.name != runs["dspark"].name
     # what the subprocess reads back is the same config
     path = demo._write_config("train-eagle3", runs["eagle3"])
     assert parse(TrainRunConfig, ["--config", str(path)]) == runs["eagle3"]
+
+
+def test_demo_max_valid_anchors_counts_supervised_pairs(tmp_path):
+    from dspark_ds.data.tokens import TokenStore
+    from dspark_ds.demo.pipeline import max_valid_anchors
+
+    samples = [
+        ([1, 2, 3, 4, 5, 6], [0, 1, 1, 1, 0, 1]),  # pairs (1,2) (2,3): 2
+        ([1, 2, 3, 4], [0, 1, 1, 1]),  # (1,2) (2,3): 2
+        ([1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 1, 1, 1, 1]),  # (2,3) .. (5,6): 4
+    ]
+    TokenStore.from_samples(samples, {}).save(tmp_path / "prepared")
+    assert max_valid_anchors(tmp_path / "prepared") == 4
 
 
 def test_demo_config_from_cli_and_defaults():
@@ -160,6 +187,8 @@ def test_demo_config_from_cli_and_defaults():
     assert cfg.budget.max_steps == 7 and cfg.drafters == ["dspark", "dflash", "eagle3"]
     assert cfg.eval.temperatures == [0.0, 1.0]
     assert cfg.budget.zero == "zero3"
+    assert cfg.seeds == [0] and cfg.drafter.num_anchors is None
+    assert parse_config("demo", ["--output_dir", "x", "--seeds", "[0,1,2]"]).seeds == [0, 1, 2]
 
 
 @pytest.mark.parametrize(
@@ -179,7 +208,11 @@ def test_demo_config_from_cli_and_defaults():
             "budget.global_batch_size",
         ),
         (["--eval.temperatures", "[-1.0]"], "eval.temperatures"),
+        (["--eval.batch_size", "0"], "eval.batch_size"),
         (["--data.mode", "hybrid"], "data.mode"),
+        (["--drafter.num_anchors", "0"], "drafter.num_anchors"),
+        (["--seeds", "[1,1]"], "seeds"),
+        (["--seeds", "[]"], "seeds"),
     ],
 )
 def test_demo_bad_config_exits_2_naming_the_field(argv, field, capsys):
@@ -187,27 +220,66 @@ def test_demo_bad_config_exits_2_naming_the_field(argv, field, capsys):
     assert field in capsys.readouterr().err
 
 
-def test_format_summary_table():
-    row = {"tau": 2.5, "accept_rate_by_position": [0.9, 0.5, None], "prompts": 3, "rounds": 10}
-    summary = {
-        "temperatures": [1.0],
-        "drafters": {
-            "dspark": {
-                "T1": {**row, "calibration": {"raw": {"ece": 0.05, "auroc": 0.8}}},
-                "stage_seconds": {"train-dspark": 12.0},
-            },
-            "dflash": {"T1": {**row, "tau": 2.0}, "stage_seconds": {"train-dflash": 11.0}},
-        },
-        "tau_ratio_dspark_over_dflash": {"T1": 1.25},
-        "stage_seconds": {"corpus": 0.1, "train-dspark": 12.0},
-        "total_seconds": 20.0,
-        "target": {"from_cache": True},
-        "ranks": 2,
+def _row(tau: float, speedup: float) -> dict:
+    return {"tau": tau, "speedup": speedup, "accept_rate_by_position": [0.9, 0.5, None],
+            "prompts": 3, "rounds": 10}  # fmt: skip
+
+
+def test_summary_spread_ratios_and_claims_over_seeds():
+    """Two seeds: per-seed ratios, their min / max, the spread, and the claims judged on the
+    worst seed (seed 1 breaks the T = 0 claim; seed 0 alone would pass it)."""
+    cfg = parse_config("demo", ["--output_dir", "x", "--seeds", "[0,1]"])
+    results = {
+        0: {"dspark": {"T0": _row(2.2, 1.5), "T1": _row(1.8, 1.3), "train": {}},
+            "dflash": {"T0": _row(2.0, 1.4), "T1": _row(1.5, 1.2), "train": {}},
+            "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}}},
+        1: {"dspark": {"T0": _row(1.9, 1.5), "T1": _row(1.7, 1.1), "train": {}},
+            "dflash": {"T0": _row(2.0, 1.4), "T1": _row(1.5, 1.2), "train": {}},
+            "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}}},
+    }  # fmt: skip
+    target = SimpleNamespace(path="t", from_cache=True, report={})
+    summary = build_summary(cfg, results, {"corpus": 0.1}, 9.0, target, 2, "sqlite:///x")
+    r = summary["ratios"]["tau_dspark_over_dflash"]
+    assert r["T1"]["per_seed"] == pytest.approx({"0": 1.2, "1": 1.7 / 1.5})
+    assert (r["T1"]["min"], r["T1"]["max"]) == pytest.approx((1.7 / 1.5, 1.2))
+    assert (r["T0"]["min"], r["T0"]["max"]) == pytest.approx((0.95, 1.1))
+    sp = summary["ratios"]["speedup_dspark_over_eagle3"]["T1"]
+    assert (sp["min"], sp["max"]) == pytest.approx((1.1, 1.3))
+    assert summary["spread"]["dspark"]["T1"]["tau"] == pytest.approx(
+        {"min": 1.7, "mean": 1.75, "max": 1.8}
+    )
+    holds = {(c["ratio"], c["T"]): c["holds"] for c in summary["checks"]}
+    assert holds == {
+        ("tau_dspark_over_dflash", "T1"): True,
+        ("tau_dspark_over_dflash", "T0"): False,
+        ("speedup_dspark_over_eagle3", "T1"): True,
     }
-    text = format_summary(summary)
+
+
+def test_format_summary_table():
+    cfg = parse_config(
+        "demo", ["--output_dir", "x", "--seeds", "[0,1]", "--drafters", "[dspark,dflash]",
+                 "--eval.temperatures", "[1.0]"],
+    )  # fmt: skip
+    dspark = {**_row(2.5, 1.4), "calibration": {"raw": {"ece": 0.05, "auroc": 0.8}}}
+    results = {
+        s: {"dspark": {"T1": dspark, "train": {"num_anchors": 40 + s,
+                                               "anchored_share_of_valid": 1.0}},
+            "dflash": {"T1": _row(2.0 + s, 1.2), "train": {}}}
+        for s in (0, 1)
+    }  # fmt: skip
+    target = SimpleNamespace(path="t", from_cache=True, report={})
+    stages = {"corpus": 0.1, "train-dspark-s0": 12.0, "train-dspark-s1": 13.0}
+    text = format_summary(build_summary(cfg, results, stages, 20.0, target, 2, "sqlite:///x"))
     lines = text.splitlines()
-    assert lines[0].split()[:3] == ["drafter", "T", "tau"]
-    assert "DSpark" in lines[2] and "2.500" in lines[2] and "0.050" in lines[2]
-    assert "DFlash" in lines[3] and "2.000" in lines[3]
-    assert "tau(DSpark) / tau(DFlash) at T = 1: 1.250" in text
-    assert math.isclose(summary["tau_ratio_dspark_over_dflash"]["T1"], 1.25)
+    assert lines[0].startswith("supervision: DSpark: every valid position")
+    assert "A = 40/41 blocks" in lines[0] and "share of valid positions 1.00" in lines[0]
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["drafter", "T", "seed"])
+    first, second = lines[header + 2].split(), lines[header + 3].split()
+    assert first[:5] == ["DSpark", "1", "0", "2.500", "1.40"] and "0.050" in first
+    assert second[:3] == ["DSpark", "1", "1"] and first[-1] == "12.0"
+    assert (
+        "tau(DSpark) / tau(DFlash) at T = 1: 1.250, 0.833 (seed 0, 1); min 0.833, max 1.250" in text
+    )
+    assert "at T = 1 in every seed (2): does NOT hold (min 0.833)" in text
+    assert "spread over seeds 0, 1" in text and "  seed 1: train-dspark 13.0" in text

@@ -1,10 +1,12 @@
 """`dspark-ds demo` configuration: the whole pipeline on CPU in minutes, nothing downloaded.
 
-    dspark-ds demo --output_dir runs/demo                     # the measured demo
+    dspark-ds demo --output_dir runs/demo                     # the measured demo (one seed)
+    dspark-ds demo --output_dir runs/demo3 --seeds [0,1,2]    # the 3-seed check
     dspark-ds demo --output_dir /tmp/d --budget.max_steps 40  # a smaller budget
 
-Every drafter (DSpark, DFlash, Eagle3) gets the same data and the same budget
-(`budget.*`: steps, batch, learning-rate schedule, ZeRO stage, ranks).
+Every drafter (DSpark, DFlash, Eagle3) gets the same data, the same budget (`budget.*`: steps,
+batch, learning-rate schedule, ZeRO stage, ranks) and the same supervision (every valid position
+of every sequence, over γ draft positions).
 """
 
 from __future__ import annotations
@@ -72,8 +74,6 @@ class DemoBudgetConfig:
     nproc: int | None = None
     """Training (and regeneration / cache) ranks; None = 2 when the machine has >= 2 cores,
     else 1."""
-    seed: int = 0
-    """Seed of the drafter init, anchor sampling and data order."""
 
     def validate(self) -> None:
         for name in ("max_steps", "global_batch_size", "micro_batch_size"):
@@ -102,18 +102,22 @@ class DemoDrafterConfig:
     """DSpark / DFlash backbone layers."""
     block_size: int = 7
     """γ: tokens drafted per round (Eagle3: ttt_length); the paper's 7."""
-    num_anchors: int = 16
-    """Anchor blocks per training sequence (DSpark / DFlash)."""
+    num_anchors: int | None = None
+    """Anchor blocks per training sequence (DSpark / DFlash); None = as many as the training
+    sequence with the most valid anchor positions has (counted in the prepared data), so every
+    valid position of every sequence anchors a block of γ supervised slots, as Eagle3 is
+    supervised at every position over its γ unrolled steps: equal supervision."""
     markov_rank: int = 64
     """DSpark's Markov head rank (DFlash: 0)."""
     eagle3_layers: int = 1
     """Eagle3 layers (the paper's baseline has one)."""
 
     def validate(self) -> None:
-        for name in ("num_draft_layers", "block_size", "num_anchors", "markov_rank",
-                     "eagle3_layers"):  # fmt: skip
+        for name in ("num_draft_layers", "block_size", "markov_rank", "eagle3_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_anchors is not None and self.num_anchors < 1:
+            raise ValueError(f"drafter.num_anchors: must be >= 1 or null, got {self.num_anchors}")
 
 
 @dataclass
@@ -124,22 +128,25 @@ class DemoEvalConfig:
     """Sampling temperatures (0 = greedy)."""
     max_new_tokens: int = 96
     """Generation budget per prompt."""
-    seed: int = 0
-    """Seed of each prompt's sampling generator."""
+    batch_size: int = 8
+    """Prompts in flight (batched speculative decoding); the target alone is decoded at the same
+    batch size in the same evaluation, for the wall-clock speedup."""
 
     def validate(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(
                 f"eval.temperatures: need >= 1 value, all >= 0, got {self.temperatures}"
             )
-        if self.max_new_tokens < 1:
-            raise ValueError(f"eval.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        for name in ("max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
 class DemoConfig:
-    """`dspark-ds demo`: corpus → tokenizer + tiny target → regenerate → cache → DSpark, DFlash
-    and Eagle3 trained with DeepSpeed → speculative decoding at T = 0 and T = 1 → MLflow."""
+    """`dspark-ds demo`: corpus → tokenizer + tiny target, then per seed: regenerate → cache →
+    DSpark, DFlash and Eagle3 trained with DeepSpeed → batched speculative decoding at T = 0 and
+    T = 1 with the target alone alongside (τ and speedup) → the spread over seeds → MLflow."""
 
     output_dir: str = "runs/demo"
     """Everything the demo writes: data, runs, mlflow.db, summary.json, summary.txt."""
@@ -155,6 +162,10 @@ class DemoConfig:
     """Speculative-decoding evaluation."""
     drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))
     """Which drafters to train and compare (dspark, dflash, eagle3)."""
+    seeds: list[int] = field(default_factory=lambda: [0])
+    """Each seed repeats everything after the target: regeneration sampling, the drafters'
+    init, anchor sampling and data order, and evaluation sampling (the corpus, the target and
+    the held-out prompts stay the same). The summary shows every seed and the spread."""
     tracking_uri: str | None = None
     """MLflow tracking URI; None = sqlite:///<output_dir>/mlflow.db."""
     experiment: str = "dspark-ds-demo"
@@ -173,6 +184,8 @@ class DemoConfig:
             raise ValueError(
                 f"drafters: choose distinct names from {list(DRAFTERS)}, got {self.drafters}"
             )
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds: need >= 1 distinct seeds >= 0, got {self.seeds}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         self.data.validate()

@@ -4,62 +4,90 @@ Stages (each timed, each printed with a header):
 
 1. corpus      synthetic chat corpus from the seed (`dspark_ds.data.synthetic`), no downloads
 2. target      BPE tokenizer + tiny Qwen3 trained on it, cached (`dspark_ds.demo.target`)
+
+then for every seed of `seeds` (stage names end in `-s<seed>`):
+
 3. regenerate  the target answers the training prompts (`dspark-ds regenerate`, N ranks)
 4. prepare     chat template + assistant loss masks → token store (`dspark-ds prepare`)
 5. build-cache the target's features, once (`dspark-ds build-cache`, N ranks; offline mode)
 6. train       DSpark, DFlash, Eagle3: `torchrun -m dspark_ds.cli train`, DeepSpeed ZeRO-3,
-               the same budget; each run exports its interchange directory
-7. eval        real speculative decoding of held-out prompts at every temperature (`run_eval`)
-8. summary     τ, acceptance by position, calibration, stage times → table, summary.json, MLflow
+               the same budget and supervision; each run exports its interchange directory
+7. eval        batched speculative decoding of the held-out prompts at every temperature, and
+               the target alone at the same batch size (`run_eval`): τ and wall-clock speedup
 
-Layout of `output_dir`: data/ (corpus, regenerated answers, token store, cache, held-out
-prompts), configs/ (the YAML each subprocess ran with), runs/ (training and eval runs),
-logs/, mlflow.db, summary.json, summary.txt.
+and last, summary: per seed and its spread → table, summary.json, MLflow (`demo/summary.py`).
+
+Layout of `output_dir`: data/ (corpus, held-out prompts; data/seed<k>/: regenerated answers,
+token store, cache), configs/ (the YAML each subprocess ran with), runs/ (training and eval
+runs, `<kind>-s<seed>` and `eval-<kind>-T<t>-s<seed>`), logs/, mlflow.db, summary.json,
+summary.txt.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from dspark_ds.config import TrainRunConfig, dump_config
 from dspark_ds.demo.config import DemoConfig
+from dspark_ds.demo.summary import LABELS, build_summary, format_summary, log_summary, temp_key
 from dspark_ds.distributed import free_port, print0
 from dspark_ds.drafters.presets import DrafterConfig, preset
 
-_LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 
-
-def _temp_key(t: float) -> str:
-    return f"T{t:g}"
+def _cpu_seconds() -> float:
+    """CPU time of this process and of every subprocess it has waited for (torchrun's ranks)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 class _Stages:
-    """Prints a header per stage and records its wall time."""
+    """Prints a header per stage and records its wall time and CPU time.
+
+    NOTE: on a machine that other jobs keep busy, wall time grows with their load; CPU time
+    (all ranks together) much less so, which makes it the figure to compare between machines."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self._t0 = time.perf_counter()
 
     def run(self, name: str, what: str, fn, *args, **kwargs):
         print(flush=True)
         print0(f"{'=' * 78}\n[demo] stage {len(self.seconds) + 1}: {name} — {what}\n{'=' * 78}")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_seconds()
         out = fn(*args, **kwargs)
         self.seconds[name] = time.perf_counter() - t0
-        print0(f"[demo] {name}: {self.seconds[name]:.1f} s")
+        self.cpu_seconds[name] = _cpu_seconds() - cpu0
+        print0(f"[demo] {name}: {self.seconds[name]:.1f} s (CPU {self.cpu_seconds[name]:.1f} s)")
         return out
 
     @property
     def total(self) -> float:
         return time.perf_counter() - self._t0
+
+
+def max_valid_anchors(prepared_dir: Path) -> int:
+    """The most valid anchor positions (p and p + 1 both supervised) any sequence of a prepared
+    token store has: anchors enough to start a block at every valid position of every sequence."""
+    from dspark_ds.data.tokens import TokenStore
+    from dspark_ds.drafters.common.blocks import build_anchor_candidate_mask
+
+    store = TokenStore.load(prepared_dir)
+    most = 0
+    for i in range(len(store)):
+        mask = store[i]["loss_mask"].unsqueeze(0)
+        most = max(most, int(build_anchor_candidate_mask(mask).sum()))
+    return max(most, 1)
 
 
 class DemoPipeline:
@@ -77,9 +105,16 @@ class DemoPipeline:
         self.nproc = cfg.budget.world_size
         self.stages = _Stages()
         self.target = None
-        self.exports: dict[str, Path] = {}
-        self.train_info: dict[str, dict] = {}
-        self.evals: dict[str, dict[str, dict]] = {}
+        self.num_anchors: dict[int, int] = {}
+        """seed -> anchors per sequence of that seed's DSpark / DFlash training."""
+        self.results: dict[int, dict[str, dict]] = {}
+        """seed -> drafter -> {"train": ..., "T0": eval row, "T1": ...}."""
+
+    def seed_data(self, seed: int) -> Path:
+        return self.data_dir / f"seed{seed}"
+
+    def export_dir(self, kind: str, seed: int) -> Path:
+        return self.runs_dir / f"{kind}-s{seed}" / "export"
 
     # ---- helpers --------------------------------------------------------------------------
     def _env(self) -> dict:
@@ -172,47 +207,63 @@ class DemoPipeline:
         )
         return {"path": str(self.target.path), "from_cache": self.target.from_cache}
 
-    def regenerate(self) -> None:
+    def regenerate(self, seed: int) -> None:
         from dspark_ds.data.config import DataConfig, RegenerateConfig
 
         d = self.cfg.data
-        out = self.data_dir / "regenerated.jsonl"
+        out = self.seed_data(seed) / "regenerated.jsonl"
         cfg = RegenerateConfig(
             data=DataConfig(paths=[str(self.data_dir / "prompts.jsonl")],
                             max_length=d.max_length, num_workers=0),
             target=self._target_config(), output=str(out), batch_size=d.regenerate_batch_size,
             max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
-            top_k=d.top_k, seed=self.cfg.budget.seed,
+            top_k=d.top_k, seed=seed,
         )  # fmt: skip
-        self._launch("regenerate", "regenerate", self._write_config("regenerate", cfg), self.nproc)
+        self._launch(
+            f"regenerate-s{seed}",
+            "regenerate",
+            self._write_config(f"regenerate-s{seed}", cfg),
+            self.nproc,
+        )
         if not out.is_file() or not out.stat().st_size:
             raise RuntimeError(f"regenerate wrote no rows to {out}")
 
-    def prepare(self) -> dict:
+    def prepare(self, seed: int) -> dict:
         from dspark_ds.data.config import DataConfig, PrepareConfig
         from dspark_ds.data.tokens import prepare
 
+        prepared = self.seed_data(seed) / "prepared"
         cfg = PrepareConfig(
-            data=DataConfig(paths=[str(self.data_dir / "regenerated.jsonl")],
+            data=DataConfig(paths=[str(self.seed_data(seed) / "regenerated.jsonl")],
                             tokenizer=str(self.target.path), max_length=self.cfg.data.max_length,
                             num_workers=0),
-            output_dir=str(self.data_dir / "prepared"),
+            output_dir=str(prepared),
         )  # fmt: skip
-        self._write_config("prepare", cfg)
-        return prepare(cfg)
+        self._write_config(f"prepare-s{seed}", cfg)
+        counts = prepare(cfg)
+        anchors = self.cfg.drafter.num_anchors
+        self.num_anchors[seed] = anchors if anchors is not None else max_valid_anchors(prepared)
+        print0(
+            f"[demo] DSpark / DFlash: {self.num_anchors[seed]} anchor blocks per sequence"
+            + ("" if anchors is not None else " (every valid position of the longest answer)")
+        )
+        return counts
 
-    def build_cache(self) -> None:
+    def build_cache(self, seed: int) -> None:
         from dspark_ds.data.config import BuildCacheConfig, DataConfig
 
         cfg = BuildCacheConfig(
-            data=DataConfig(paths=[str(self.data_dir / "prepared")],
-                            cache_dir=str(self.data_dir / "cache"), mode="offline",
+            data=DataConfig(paths=[str(self.seed_data(seed) / "prepared")],
+                            cache_dir=str(self.seed_data(seed) / "cache"), mode="offline",
                             max_length=self.cfg.data.max_length, num_workers=0,
                             cache_dtype="float32", samples_per_shard=256),
             target=self._target_config(), batch_size=32,
         )  # fmt: skip
         self._launch(
-            "build-cache", "build-cache", self._write_config("build-cache", cfg), self.nproc
+            f"build-cache-s{seed}",
+            "build-cache",
+            self._write_config(f"build-cache-s{seed}", cfg),
+            self.nproc,
         )
 
     def _target_config(self):
@@ -220,24 +271,26 @@ class DemoPipeline:
 
         return TargetConfig(path=str(self.target.path), dtype="float32", device="cpu")
 
-    def drafter_model(self, name: str) -> DrafterConfig:
+    def drafter_model(self, name: str, num_anchors: int) -> DrafterConfig:
         """The preset `name` (dspark | dflash | eagle3) sized to the tiny target."""
         dr = self.cfg.drafter
         blocks = dict(
             num_draft_layers=dr.num_draft_layers,
             block_size=dr.block_size,
-            num_anchors=dr.num_anchors,
+            num_anchors=num_anchors,
         )
         sizes = {
             "dspark": {**blocks, "markov_rank": dr.markov_rank},
             "dflash": blocks,
-            # ttt_length = γ: every drafter proposes at most γ tokens a round
+            # ttt_length = γ: every drafter proposes at most γ tokens a round, and is trained on
+            # the same γ next tokens of every position
             "eagle3": {"num_draft_layers": dr.eagle3_layers, "ttt_length": dr.block_size},
         }
         return preset(name, **sizes[name])
 
-    def train_config(self, kind: str) -> TrainRunConfig:
-        """The `dspark-ds train` config of one drafter; only `model` differs between them."""
+    def train_config(self, kind: str, seed: int) -> TrainRunConfig:
+        """The `dspark-ds train` config of one drafter; only `model` (and names) differ between
+        the drafters, only the seed and the data between the seeds."""
         from dspark_ds.config import (
             CheckpointConfig,
             DeepSpeedConfig,
@@ -249,77 +302,78 @@ class DemoPipeline:
 
         c, b = self.cfg, self.cfg.budget
         if c.data.mode == "offline":
-            source = dict(cache_dir=str(self.data_dir / "cache"))
+            source = dict(cache_dir=str(self.seed_data(seed) / "cache"))
         else:
-            source = dict(paths=[str(self.data_dir / "prepared")])
+            source = dict(paths=[str(self.seed_data(seed) / "prepared")])
         return TrainRunConfig(
-            name=kind,
+            name=f"{kind}-s{seed}",
             output_dir=str(self.runs_dir),
-            model=self.drafter_model(kind),
+            model=self.drafter_model(kind, self.num_anchors[seed]),
             target=self._target_config(),
             data=DataConfig(mode=c.data.mode, max_length=c.data.max_length,
-                            batch_size=b.micro_batch_size, num_workers=0, seed=b.seed, **source),
+                            batch_size=b.micro_batch_size, num_workers=0, seed=seed, **source),
             train=TrainConfig(lr=b.lr, warmup_ratio=b.warmup_ratio, min_lr_ratio=0.0,
                               precision="fp32", global_batch_size=b.global_batch_size,
-                              num_epochs=1000, max_steps=b.max_steps, seed=b.seed, log_every=10),
+                              num_epochs=1000, max_steps=b.max_steps, seed=seed, log_every=10),
             deepspeed=DeepSpeedConfig(config=b.zero),
             tracking=TrackingConfig(uri=self.uri, experiment=c.experiment,
-                                    run_name=f"demo-train-{kind}", tags={"demo": "true"}),
+                                    run_name=f"demo-train-{kind}-s{seed}",
+                                    tags={"demo": "true", "seed": str(seed)}),
             # NOTE: the demo needs the exported weights, not resumable checkpoints
             checkpoint=CheckpointConfig(every_steps=0, keep_last=1, resume=None,
                                         save_final=False, export_final=True),
             validation=ValidationConfig(every_steps=0, num_batches=1),
         )  # fmt: skip
 
-    def train(self, kind: str) -> dict:
-        run_dir = self.runs_dir / kind
+    def train(self, kind: str, seed: int) -> dict:
+        run_dir = self.runs_dir / f"{kind}-s{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts fresh (and a new MLflow run)
         self._launch(
-            f"train-{kind}",
+            f"train-{kind}-s{seed}",
             "train",
-            self._write_config(f"train-{kind}", self.train_config(kind)),
+            self._write_config(f"train-{kind}-s{seed}", self.train_config(kind, seed)),
             self.nproc,
         )
-        export = run_dir / "export"
+        export = self.export_dir(kind, seed)
         if not (export / "config.json").is_file():
-            raise RuntimeError(f"training {kind} exported nothing to {export}")
-        self.exports[kind] = export
-        info: dict = {"export": str(export)}
-        log = run_dir / "train_log.jsonl"
-        if log.is_file():
-            rows = [json.loads(line) for line in log.read_text().splitlines() if line]
-            losses = [r["loss"] for r in rows if r["loss"] is not None]  # null: a skipped step
-            tail = losses[-max(1, len(losses) // 10) :]
-            info.update(steps=len(losses), first_loss=losses[0], final_loss=sum(tail) / len(tail))
-        self.train_info[kind] = info
+            raise RuntimeError(f"training {kind} (seed {seed}) exported nothing to {export}")
+        info = {"export": str(export), **_train_log_summary(run_dir / "train_log.jsonl")}
+        if kind != "eagle3":
+            info["num_anchors"] = self.num_anchors[seed]
+        self.results.setdefault(seed, {}).setdefault(kind, {})["train"] = info
         return info
 
-    def evaluate(self, kind: str, temperature: float) -> dict:
+    def evaluate(self, kind: str, temperature: float, seed: int) -> dict:
         from dspark_ds.config import TrackingConfig
         from dspark_ds.eval.config import CalibrationConfig, EvalConfig
         from dspark_ds.eval.runner import run_eval
         from dspark_ds.target import TargetPathConfig
 
         e = self.cfg.eval
+        name = f"eval-{kind}-{temp_key(temperature)}-s{seed}"
         cfg = EvalConfig(
-            target=TargetPathConfig(path=str(self.target.path)), drafter=str(self.exports[kind]),
-            benchmarks=["demo"], data_dir=str(self.data_dir / "bench"), max_samples=None,
-            max_new_tokens=e.max_new_tokens, temperature=temperature, seed=e.seed,
-            dtype="float32", device="cpu", name=f"eval-{kind}-{_temp_key(temperature)}",
-            output_dir=str(self.runs_dir), calibration=CalibrationConfig(),
+            target=TargetPathConfig(path=str(self.target.path)),
+            drafter=str(self.export_dir(kind, seed)), benchmarks=["demo"],
+            data_dir=str(self.data_dir / "bench"), max_samples=None,
+            max_new_tokens=e.max_new_tokens, temperature=temperature, seed=seed,
+            batch_size=e.batch_size, measure_baseline=True, dtype="float32", device="cpu",
+            name=name, output_dir=str(self.runs_dir), calibration=CalibrationConfig(),
             tracking=TrackingConfig(uri=self.uri, experiment=self.cfg.experiment,
-                                    tags={"demo": "true", "drafter_kind": kind}),
+                                    tags={"demo": "true", "drafter_kind": kind,
+                                          "seed": str(seed)}),
         )  # fmt: skip
-        self._write_config(f"eval-{kind}-{_temp_key(temperature)}", cfg)
+        self._write_config(name, cfg)
         payload = run_eval(cfg)
         bench = payload["benchmarks"][0]
         row = {
             "tau": payload["average"]["tau"],
+            "speedup": bench.get("speedup"),
+            "tokens_per_s": bench["tokens_per_s"],
+            "baseline_tokens_per_s": bench.get("baseline_tokens_per_s"),
             "accept_rate_by_position": bench["accept_rate_by_position"],
             "mean_proposal_length": bench["mean_proposal_length"],
             "rounds": bench["rounds"], "new_tokens": bench["new_tokens"],
-            "prompts": bench["num_prompts"], "tokens_per_s": bench["tokens_per_s"],
-            "mlflow_run_id": payload.get("mlflow_run_id"),
+            "prompts": bench["num_prompts"], "mlflow_run_id": payload.get("mlflow_run_id"),
         }  # fmt: skip
         calib = payload.get("calibration") or {}
         if "raw" in calib:
@@ -328,7 +382,7 @@ class DemoPipeline:
                 for variant in ("raw", "sts")
                 if variant in calib
             }
-        self.evals.setdefault(kind, {})[_temp_key(temperature)] = row
+        self.results.setdefault(seed, {}).setdefault(kind, {})[temp_key(temperature)] = row
         return row
 
     # ---- the whole thing -------------------------------------------------------------------
@@ -342,8 +396,8 @@ class DemoPipeline:
         for sub in ("data", "runs", "configs", "logs"):
             shutil.rmtree(self.out / sub, ignore_errors=True)
         print0(
-            f"[demo] output {self.out}; {self.nproc} rank(s); MLflow {self.uri} "
-            f"(experiment {cfg.experiment!r})"
+            f"[demo] output {self.out}; {self.nproc} rank(s); seeds {cfg.seeds}; MLflow "
+            f"{self.uri} (experiment {cfg.experiment!r})"
         )
         s.run("corpus", "synthetic chat corpus from the seed", self.corpus)
         s.run(
@@ -351,190 +405,76 @@ class DemoPipeline:
             "tokenizer + tiny Qwen3 target (cached after the first run)",
             self.train_target,
         )
+        for seed in cfg.seeds:
+            self.run_seed(seed)
+        summary = build_summary(
+            cfg, self.results, s.seconds, s.total, self.target, self.nproc, self.uri,
+            stage_cpu_seconds=s.cpu_seconds,
+        )  # fmt: skip
+        text = format_summary(summary)
+        print("\n" + text, flush=True)
+        (self.out / "summary.txt").write_text(text + "\n")
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log_summary(summary, text, self.runs_dir)
+        print0(f"[demo] done in {s.total:.0f} s: {self.out / 'summary.json'}")
+        return summary
+
+    def run_seed(self, seed: int) -> None:
+        """Everything after the target, for one seed."""
+        cfg, s = self.cfg, self.stages
         s.run(
-            "regenerate", f"the target answers the prompts ({self.nproc} rank(s))", self.regenerate
+            f"regenerate-s{seed}",
+            f"the target answers the prompts ({self.nproc} rank(s), seed {seed})",
+            self.regenerate,
+            seed,
         )
-        s.run("prepare", "chat template + assistant loss masks", self.prepare)
+        s.run(f"prepare-s{seed}", "chat template + assistant loss masks", self.prepare, seed)
         if cfg.data.mode == "offline":
-            s.run("build-cache", "target features, once, for every drafter", self.build_cache)
+            s.run(
+                f"build-cache-s{seed}",
+                "target features, once, for every drafter",
+                self.build_cache,
+                seed,
+            )
         for kind in cfg.drafters:
             s.run(
-                f"train-{kind}",
-                f"{_LABELS[kind]} with DeepSpeed {cfg.budget.zero}, "
-                f"{self.nproc} rank(s), {cfg.budget.max_steps} steps",
+                f"train-{kind}-s{seed}",
+                f"{LABELS[kind]} with DeepSpeed {cfg.budget.zero}, {self.nproc} rank(s), "
+                f"{cfg.budget.max_steps} steps, seed {seed}",
                 self.train,
                 kind,
+                seed,
             )
         for kind in cfg.drafters:
             for t in cfg.eval.temperatures:
                 s.run(
-                    f"eval-{kind}-{_temp_key(t)}",
-                    f"{_LABELS[kind]} speculative decoding at T = {t:g}",
+                    f"eval-{kind}-{temp_key(t)}-s{seed}",
+                    f"{LABELS[kind]} speculative decoding at T = {t:g}, batch "
+                    f"{cfg.eval.batch_size}, and the target alone",
                     self.evaluate,
                     kind,
                     t,
+                    seed,
                 )
-        summary = self.summary()
-        text = format_summary(summary)
-        print("\n" + text, flush=True)
-        (self.out / "summary.txt").write_text(text + "\n")
-        (self.out / "summary.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
-        self.log_summary(summary, text)
-        print0(f"[demo] done in {s.total:.0f} s: {self.out / 'summary.json'}")
-        return summary
-
-    def summary(self) -> dict:
-        cfg = self.cfg
-        drafters = {}
-        for kind in cfg.drafters:
-            entry = dict(self.evals.get(kind, {}))
-            entry["train"] = self.train_info.get(kind, {})
-            entry["stage_seconds"] = {
-                k: v
-                for k, v in self.stages.seconds.items()
-                if k == f"train-{kind}" or k.startswith(f"eval-{kind}-")
-            }
-            drafters[kind] = entry
-        ratios = {}
-        if "dspark" in drafters and "dflash" in drafters:
-            for t in cfg.eval.temperatures:
-                a = drafters["dspark"].get(_temp_key(t), {}).get("tau")
-                b = drafters["dflash"].get(_temp_key(t), {}).get("tau")
-                if a and b:
-                    ratios[_temp_key(t)] = a / b
-        report = self.target.report if self.target is not None else {}
-        return {
-            "drafters": drafters,
-            "tau_ratio_dspark_over_dflash": ratios,
-            "stage_seconds": dict(self.stages.seconds),
-            "total_seconds": self.stages.total,
-            "target": {
-                "path": str(self.target.path) if self.target else None,
-                "from_cache": bool(self.target and self.target.from_cache),
-                "num_parameters": report.get("num_parameters"),
-                "final_loss": report.get("final_loss"),
-                "train_seconds": report.get("train_seconds"),
-                "probe": report.get("probe"),
-            },
-            "ranks": self.nproc,
-            "temperatures": list(cfg.eval.temperatures),
-            "config": asdict(cfg),
-            "mlflow": {"uri": self.uri, "experiment": cfg.experiment},
-        }
-
-    def log_summary(self, summary: dict, text: str) -> None:
-        """One MLflow run with the comparison: metrics per drafter × temperature, stage times,
-        the table and summary.json as artifacts."""
-        from dspark_ds.tracking.mlflow import Tracker, default_artifact_location
-
-        run_dir = self.runs_dir / "summary"
-        shutil.rmtree(run_dir, ignore_errors=True)
-        tracker = Tracker(
-            enabled=True,
-            uri=self.uri,
-            experiment=self.cfg.experiment,
-            run_name="demo-summary",
-            run_dir=str(run_dir),
-            # the same place as the training and evaluation runs (all under runs/)
-            artifact_location=default_artifact_location(str(self.runs_dir)),
-        )
-        try:
-            metrics: dict[str, float] = {}
-            for kind, entry in summary["drafters"].items():
-                for t in self.cfg.eval.temperatures:
-                    row = entry.get(_temp_key(t))
-                    if not row:
-                        continue
-                    metrics[f"{kind}/{_temp_key(t)}/tau"] = row["tau"]
-                    for k, a in enumerate(row["accept_rate_by_position"]):
-                        if a is not None:
-                            metrics[f"{kind}/{_temp_key(t)}/accept_rate@{k}"] = a
-                    for variant, vals in row.get("calibration", {}).items():
-                        for key, v in vals.items():
-                            metrics[f"{kind}/{_temp_key(t)}/confidence_{variant}_{key}"] = v
-            for name, sec in summary["stage_seconds"].items():
-                metrics[f"seconds/{name}"] = sec
-            for t, r in summary["tau_ratio_dspark_over_dflash"].items():
-                metrics[f"tau_ratio_dspark_over_dflash/{t}"] = r
-            tracker.log_params(
-                {
-                    "drafters": ",".join(self.cfg.drafters),
-                    "ranks": self.nproc,
-                    "zero": self.cfg.budget.zero,
-                    "max_steps": self.cfg.budget.max_steps,
-                    "target_from_cache": summary["target"]["from_cache"],
-                }
-            )
-            tracker.set_tags({"kind": "demo-summary", "demo": "true"})
-            tracker.log_metrics(
-                {
-                    k: float(v)
-                    for k, v in metrics.items()
-                    if v is not None and math.isfinite(float(v))
-                },
-                step=0,
-            )
-            tracker.log_text(text, "summary.txt")
-            tracker.log_dict(_finite(summary), "summary.json")
-        finally:
-            tracker.finish()
 
 
-def _finite(x):
-    """NaN → None so summary.json is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
-
-
-def _f(v, digits: int = 3) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
-    return f"{v:.{digits}f}"
-
-
-def format_summary(summary: dict) -> str:
-    """The final comparison table (τ, acceptance by position, calibration) and stage times."""
-    temps = [_temp_key(t) for t in summary["temperatures"]]
-    width = max((len(row.get("accept_rate_by_position", []))
-                 for e in summary["drafters"].values() for k, row in e.items() if k in temps),
-                default=0)  # fmt: skip
-    header = ["drafter", "T", "tau", "prompts", "rounds"] + [f"acc@{k}" for k in range(width)]
-    header += ["ECE", "AUROC", "ECE(STS)", "train_s"]
-    rows = [header]
-    for kind, entry in summary["drafters"].items():
-        for t in temps:
-            row = entry.get(t)
-            if not row:
-                continue
-            acc = list(row["accept_rate_by_position"]) + [None] * width
-            cal = row.get("calibration", {})
-            rows.append([_LABELS[kind], t[1:], _f(row["tau"]), str(row["prompts"]),
-                         str(row["rounds"])] + [_f(a) for a in acc[:width]] + [
-                _f(cal.get("raw", {}).get("ece")), _f(cal.get("raw", {}).get("auroc")),
-                _f(cal.get("sts", {}).get("ece")),
-                _f(entry["stage_seconds"].get(f"train-{kind}"), 1)])  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    for t, r in summary["tau_ratio_dspark_over_dflash"].items():
-        lines.append(f"tau(DSpark) / tau(DFlash) at T = {t[1:]}: {r:.3f}")
-    lines.append("")
-    lines.append(
-        "stage wall times (s): "
-        + ", ".join(f"{k} {v:.1f}" for k, v in summary["stage_seconds"].items())
-    )
-    target = summary["target"]
-    lines.append(
-        f"total {summary['total_seconds']:.1f} s; target "
-        f"{'from cache' if target['from_cache'] else 'trained in this run'}; "
-        f"{summary['ranks']} rank(s)"
-    )
-    return "\n".join(lines)
+def _train_log_summary(log: Path) -> dict:
+    """Steps, first and final loss (mean of the last tenth), and the anchor sampler's share of
+    the valid positions it anchored (DSpark / DFlash), from a run's train_log.jsonl."""
+    if not log.is_file():
+        return {}
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line]
+    losses = [r["loss"] for r in rows if r["loss"] is not None]  # null: a skipped step
+    if not losses:
+        return {"steps": 0}
+    tail = losses[-max(1, len(losses) // 10) :]
+    info = {"steps": len(losses), "first_loss": losses[0], "final_loss": sum(tail) / len(tail)}
+    valid = [r["train/valid_anchors_abs"] for r in rows if "train/valid_anchors_abs" in r]
+    sampled = [r["train/sampled_anchors_abs"] for r in rows if "train/sampled_anchors_abs" in r]
+    if valid and sum(valid) > 0:
+        info["valid_anchors_per_sequence"] = sum(valid) / len(valid)
+        info["anchored_share_of_valid"] = sum(sampled) / sum(valid)
+    return info
 
 
 def run_demo(cfg: DemoConfig) -> dict:

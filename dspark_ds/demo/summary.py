@@ -1,0 +1,353 @@
+"""The demo's result: per seed and its spread, as summary.json, a table, and one MLflow run.
+
+summary.json:
+
+    seeds, temperatures       what ran
+    per_seed[seed][kind]      "train" (steps, losses, anchors) and one eval row per temperature
+                              ("T0", "T1": τ, speedup, tokens/s, acceptance by position, ...)
+    spread[kind][T]           min / mean / max over the seeds of τ and speedup
+    ratios[name][T]           DSpark over DFlash and over Eagle3, τ and speedup: per seed, min, max
+    supervision               what each drafter is trained on (the basis of the comparison)
+    checks                    the demo's claims, and whether each holds in every seed
+    stage_seconds             wall time per stage; stage_cpu_seconds: CPU time (every rank)
+    total_seconds, target, ranks, config, mlflow
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from dspark_ds.demo.config import DemoConfig
+
+LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
+METRICS = ("tau", "speedup")
+# (numerator, denominator) of the ratios reported per seed
+PAIRS = (("dspark", "dflash"), ("dspark", "eagle3"))
+# The demo's claims: (ratio, temperature, at least), each required in every seed.
+CLAIMS = (("tau_dspark_over_dflash", 1.0, 1.10), ("tau_dspark_over_dflash", 0.0, 1.0),
+          ("speedup_dspark_over_eagle3", 1.0, 1.0))  # fmt: skip
+
+
+def temp_key(t: float) -> str:
+    return f"T{t:g}"
+
+
+def _spread(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None
+    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
+
+
+def _ratio_name(metric: str, a: str, b: str) -> str:
+    return f"{metric}_{a}_over_{b}"
+
+
+def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
+    """What every drafter is trained on: the basis of the comparison, with the measured share of
+    valid positions the DSpark / DFlash anchor sampler covered."""
+    b, g = cfg.budget, cfg.drafter.block_size
+    out: dict = {
+        "budget": f"{b.max_steps} steps x {b.global_batch_size} sequences, lr {b.lr:g}, "
+        f"the same data for every drafter",
+    }
+    for kind in cfg.drafters:
+        trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]
+        if kind == "eagle3":
+            out[kind] = {"positions": "every supervised position", "depth": g}
+            continue
+        shares = [t["anchored_share_of_valid"] for t in trains if "anchored_share_of_valid" in t]
+        out[kind] = {
+            "positions": "every valid position"
+            if cfg.drafter.num_anchors is None
+            else f"{cfg.drafter.num_anchors} sampled anchors per sequence",
+            "depth": g,
+            "num_anchors": [t.get("num_anchors") for t in trains],
+            "anchored_share_of_valid": min(shares) if shares else None,
+            "valid_anchors_per_sequence": _spread(
+                [
+                    t["valid_anchors_per_sequence"]
+                    for t in trains
+                    if "valid_anchors_per_sequence" in t
+                ]
+            ),  # fmt: skip
+        }
+    return out
+
+
+def build_summary(
+    cfg: DemoConfig,
+    results: dict[int, dict[str, dict]],
+    stage_seconds: dict[str, float],
+    total_seconds: float,
+    target,
+    ranks: int,
+    uri: str,
+    stage_cpu_seconds: dict[str, float] | None = None,
+) -> dict:
+    """summary.json's content (strict JSON: NaN -> None) from the pipeline's results."""
+    temps = [temp_key(t) for t in cfg.eval.temperatures]
+    per_seed = {str(s): results.get(s, {}) for s in cfg.seeds}
+    spread = {
+        kind: {
+            t: {
+                m: _spread([per_seed[s].get(kind, {}).get(t, {}).get(m) for s in per_seed])
+                for m in METRICS
+            }  # fmt: skip
+            for t in temps
+        }
+        for kind in cfg.drafters
+    }
+    ratios: dict = {}
+    for a, b in PAIRS:
+        if a not in cfg.drafters or b not in cfg.drafters:
+            continue
+        for m in METRICS:
+            per_t = {}
+            for t in temps:
+                each = {}
+                for s, seed_results in per_seed.items():
+                    x = seed_results.get(a, {}).get(t, {}).get(m)
+                    y = seed_results.get(b, {}).get(t, {}).get(m)
+                    if x is not None and y:
+                        each[s] = x / y
+                if each:
+                    per_t[t] = {"per_seed": each, **_spread(list(each.values()))}
+            ratios[_ratio_name(m, a, b)] = per_t
+    checks = []
+    for name, t, at_least in CLAIMS:
+        r = ratios.get(name, {}).get(temp_key(t))
+        if r is not None:
+            checks.append({"ratio": name, "T": temp_key(t), "at_least": at_least,
+                           "min": r["min"], "holds": r["min"] >= at_least,
+                           "seeds": len(r["per_seed"])})  # fmt: skip
+    report = target.report if target is not None else {}
+    summary = {
+        "seeds": list(cfg.seeds),
+        "temperatures": list(cfg.eval.temperatures),
+        "per_seed": per_seed,
+        "spread": spread,
+        "ratios": ratios,
+        "checks": checks,
+        "supervision": supervision(cfg, per_seed),
+        "eval": {"batch_size": cfg.eval.batch_size, "max_new_tokens": cfg.eval.max_new_tokens},
+        "stage_seconds": dict(stage_seconds),
+        "stage_cpu_seconds": dict(stage_cpu_seconds or {}),
+        "total_seconds": total_seconds,
+        "target": {
+            "path": str(target.path) if target else None,
+            "from_cache": bool(target and target.from_cache),
+            "num_parameters": report.get("num_parameters"),
+            "final_loss": report.get("final_loss"),
+            "train_seconds": report.get("train_seconds"),
+            "probe": report.get("probe"),
+        },
+        "ranks": ranks,
+        "config": asdict(cfg),
+        "mlflow": {"uri": uri, "experiment": cfg.experiment},
+    }
+    return _finite(summary)
+
+
+def _finite(x):
+    """NaN → None so summary.json is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _f(v, digits: int = 3) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return f"{v:.{digits}f}"
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _supervision_line(summary: dict) -> str:
+    sup = summary.get("supervision", {})
+    parts = []
+    for kind in ("dspark", "dflash"):
+        s = sup.get(kind)
+        if not s:
+            continue
+        share = s.get("anchored_share_of_valid")
+        anchors = sorted({a for a in s.get("num_anchors", []) if a is not None})
+        parts.append(
+            f"{LABELS[kind]}: {s['positions']} anchors a block of {s['depth']} supervised "
+            f"next tokens (A = {'/'.join(map(str, anchors)) or '-'} blocks per sequence; "
+            f"anchored share of valid positions {_f(share, 2)})"
+        )
+    if "eagle3" in sup:
+        e = sup["eagle3"]
+        parts.append(f"Eagle3: {e['positions']} over {e['depth']} unrolled steps")
+    return "supervision: " + "; ".join(parts) + f". Budget: {sup.get('budget', '-')}."
+
+
+def format_summary(summary: dict) -> str:
+    """The comparison: per seed (τ, speedup, acceptance by position, calibration), the spread
+    over the seeds, the DSpark ratios per seed with min / max, the claims, stage times."""
+    temps = [temp_key(t) for t in summary["temperatures"]]
+    per_seed = summary["per_seed"]
+    width = max((len(row.get("accept_rate_by_position", []))
+                 for seed in per_seed.values() for e in seed.values()
+                 for k, row in e.items() if k in temps),
+                default=0)  # fmt: skip
+    header = ["drafter", "T", "seed", "tau", "speedup"] + [f"acc@{k}" for k in range(width)]
+    header += ["ECE", "AUROC", "ECE(STS)", "train_s"]
+    rows = [header]
+    kinds = list(next(iter(per_seed.values()), {}))
+    for kind in kinds:
+        for t in temps:
+            for s, seed_results in per_seed.items():
+                entry = seed_results.get(kind, {})
+                row = entry.get(t)
+                if not row:
+                    continue
+                acc = list(row["accept_rate_by_position"]) + [None] * width
+                cal = row.get("calibration", {})
+                train_s = summary["stage_seconds"].get(f"train-{kind}-s{s}")
+                rows.append([LABELS[kind], t[1:], s, _f(row["tau"]), _f(row.get("speedup"), 2)]
+                            + [_f(a) for a in acc[:width]]
+                            + [_f(cal.get("raw", {}).get("ece")),
+                               _f(cal.get("raw", {}).get("auroc")),
+                               _f(cal.get("sts", {}).get("ece")), _f(train_s, 1)])  # fmt: skip
+    lines = [_supervision_line(summary), ""] + _columns(rows)
+    ev = summary.get("eval", {})
+    lines.append(
+        f"(speedup: tokens/s with the drafter over the target alone, both at batch "
+        f"{ev.get('batch_size', '-')}, same prompts, same run)"
+    )
+    seeds = summary["seeds"]
+    if len(seeds) > 1:
+        lines += ["", f"spread over seeds {', '.join(map(str, seeds))} (min / mean / max):"]
+        spread_rows = [["drafter", "T", "tau", "speedup"]]
+        for kind, per_t in summary["spread"].items():
+            for t in temps:
+                cells = [
+                    "/".join(_f(v[k], 2) for k in ("min", "mean", "max")) if v else "-"
+                    for v in (per_t.get(t, {}).get(m) for m in METRICS)
+                ]
+                spread_rows.append([LABELS[kind], t[1:], *cells])
+        lines += _columns(spread_rows)
+    lines.append("")
+    for name, per_t in summary["ratios"].items():
+        metric, a, _, b = name.split("_")
+        for t, r in per_t.items():
+            each = ", ".join(f"{v:.3f}" for v in r["per_seed"].values())
+            lines.append(
+                f"{metric}({LABELS[a]}) / {metric}({LABELS[b]}) at T = {t[1:]}: {each} "
+                f"(seed {', '.join(r['per_seed'])}); min {r['min']:.3f}, max {r['max']:.3f}"
+            )
+    for c in summary.get("checks", []):
+        metric, a, _, b = c["ratio"].split("_")
+        lines.append(
+            f"claim {metric}({LABELS[a]}) >= {c['at_least']:.2f} x {metric}({LABELS[b]}) at "
+            f"T = {c['T'][1:]} in every seed ({c['seeds']}): "
+            f"{'holds' if c['holds'] else 'does NOT hold'} (min {c['min']:.3f})"
+        )
+    lines.append("")
+    stages, cpu = summary["stage_seconds"], summary.get("stage_cpu_seconds", {})
+
+    def times(names: dict[str, str]) -> str:
+        return ", ".join(
+            f"{short} {stages[k]:.1f}" + (f" ({cpu[k]:.0f})" if k in cpu else "")
+            for k, short in names.items()
+        )
+
+    per_seed_names = {s: {k: k[: -len(f"-s{s}")] for k in stages if k.endswith(f"-s{s}")}
+                      for s in seeds}  # fmt: skip
+    common = {k: k for k in stages if not any(k in names for names in per_seed_names.values())}
+    lines.append("stage wall times, s (CPU s, all ranks): " + times(common))
+    for s, names in per_seed_names.items():
+        lines.append(f"  seed {s}: " + times(names))
+    target = summary["target"]
+    lines.append(
+        f"total {summary['total_seconds']:.1f} s (CPU {sum(cpu.values()):.0f} s); target "
+        f"{'from cache' if target['from_cache'] else 'trained in this run'}; "
+        f"{summary['ranks']} rank(s)"
+    )
+    return "\n".join(lines)
+
+
+def summary_metrics(summary: dict) -> dict[str, float]:
+    """MLflow metrics: per seed `s<seed>/<kind>/<T>/<metric>`, the mean over seeds
+    `<kind>/<T>/<metric>` with `_min` / `_max`, the ratios, stage times."""
+    metrics: dict[str, float | None] = {}
+    for s, seed_results in summary["per_seed"].items():
+        for kind, entry in seed_results.items():
+            for t, row in entry.items():
+                if t == "train":
+                    continue
+                for m in METRICS:
+                    metrics[f"s{s}/{kind}/{t}/{m}"] = row.get(m)
+                for k, a in enumerate(row["accept_rate_by_position"]):
+                    metrics[f"s{s}/{kind}/{t}/accept_rate@{k}"] = a
+                for variant, vals in row.get("calibration", {}).items():
+                    for key, v in vals.items():
+                        metrics[f"s{s}/{kind}/{t}/confidence_{variant}_{key}"] = v
+    for kind, per_t in summary["spread"].items():
+        for t, per_m in per_t.items():
+            for m, v in per_m.items():
+                if v:
+                    metrics[f"{kind}/{t}/{m}"] = v["mean"]
+                    metrics[f"{kind}/{t}/{m}_min"] = v["min"]
+                    metrics[f"{kind}/{t}/{m}_max"] = v["max"]
+    for name, per_t in summary["ratios"].items():
+        for t, r in per_t.items():
+            metrics[f"{name}/{t}/min"] = r["min"]
+            metrics[f"{name}/{t}/max"] = r["max"]
+    for name, sec in summary["stage_seconds"].items():
+        metrics[f"seconds/{name}"] = sec
+    for name, sec in summary.get("stage_cpu_seconds", {}).items():
+        metrics[f"cpu_seconds/{name}"] = sec
+    return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
+
+
+def log_summary(summary: dict, text: str, runs_dir: Path) -> None:
+    """One MLflow run with the comparison: `summary_metrics`, the table and summary.json as
+    artifacts."""
+    from dspark_ds.tracking.mlflow import Tracker, default_artifact_location
+
+    run_dir = runs_dir / "summary"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = summary["config"]
+    tracker = Tracker(
+        enabled=True,
+        uri=summary["mlflow"]["uri"],
+        experiment=summary["mlflow"]["experiment"],
+        run_name="demo-summary",
+        run_dir=str(run_dir),
+        # the same place as the training and evaluation runs (all under runs/)
+        artifact_location=default_artifact_location(str(runs_dir)),
+    )
+    try:
+        tracker.log_params(
+            {
+                "drafters": ",".join(cfg["drafters"]),
+                "seeds": ",".join(map(str, summary["seeds"])),
+                "ranks": summary["ranks"],
+                "zero": cfg["budget"]["zero"],
+                "max_steps": cfg["budget"]["max_steps"],
+                "eval_batch_size": cfg["eval"]["batch_size"],
+                "target_from_cache": summary["target"]["from_cache"],
+            }
+        )
+        tracker.set_tags({"kind": "demo-summary", "demo": "true"})
+        tracker.log_metrics(summary_metrics(summary), step=0)
+        tracker.log_text(text, "summary.txt")
+        tracker.log_dict(summary, "summary.json")
+    finally:
+        tracker.finish()

@@ -125,7 +125,9 @@ def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
     payload = run_eval(cfg)
     (row,) = payload["benchmarks"]
     assert row["benchmark"] == "gsm8k" and row["num_prompts"] == 2
-    assert row["tau"] >= 1.0 and len(row["accept_rate_by_position"]) == 4  # γ = ttt_length
+    assert len(row["accept_rate_by_position"]) == 4  # γ = ttt_length
+    # τ is what the rounds committed: every new token but each prompt's prefill token
+    assert row["tau"] == pytest.approx((row["new_tokens"] - 2) / row["rounds"])
     assert not payload["calibration"]  # no confidence head, nothing to calibrate
     saved = json.loads((tmp_path / "runs" / "eval" / "results.json").read_text())
     assert saved["benchmarks"][0]["rounds"] == row["rounds"]

@@ -173,7 +173,7 @@ def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
     assert chat["benchmark"] == "chat" and chat["num_prompts"] == 5
     assert chat["tau"] == pytest.approx(committed / rounds)
     assert chat["rounds"] == rounds
-    assert chat["baseline_tokens_per_s"] > 0 and chat["speedup"] > 0
+    assert chat["speedup"] == pytest.approx(chat["tokens_per_s"] / chat["baseline_tokens_per_s"])
     accept = chat["accept_rate_by_position"]
     assert len(accept) == 4 and all(a is None or 0 <= a <= 1 for a in accept)
     assert payload["average"]["tau"] == pytest.approx(

@@ -190,4 +190,6 @@ def test_tiny_gemma4_target_end_to_end(tmp_path):
     assert rc == 0
     results = json.loads((out_dir / "results.json").read_text())
     (row,) = results["benchmarks"]
-    assert row["benchmark"] == "gsm8k" and row["new_tokens"] > 0 and row["tau"] >= 1.0
+    assert row["benchmark"] == "gsm8k" and row["new_tokens"] == 16
+    # τ is what the rounds committed: every new token but the prefill's
+    assert row["tau"] == pytest.approx((row["new_tokens"] - 1) / row["rounds"])

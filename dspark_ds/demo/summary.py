@@ -78,6 +78,39 @@ def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     return out
 
 
+def _ratios(cfg: DemoConfig, per_seed: dict, temps: list[str]) -> dict:
+    """ratios[<metric>_<a>_over_<b>][T]: per seed, min, mean, max (pairs both drafters ran)."""
+    ratios: dict = {}
+    for a, b in PAIRS:
+        if a not in cfg.drafters or b not in cfg.drafters:
+            continue
+        for m in METRICS:
+            per_t = {}
+            for t in temps:
+                each = {}
+                for s, seed_results in per_seed.items():
+                    x = seed_results.get(a, {}).get(t, {}).get(m)
+                    y = seed_results.get(b, {}).get(t, {}).get(m)
+                    if x is not None and y:
+                        each[s] = x / y
+                if each:
+                    per_t[t] = {"per_seed": each, **_spread(list(each.values()))}
+            ratios[_ratio_name(m, a, b)] = per_t
+    return ratios
+
+
+def _checks(ratios: dict) -> list[dict]:
+    """Each claim of CLAIMS judged on its worst seed."""
+    checks = []
+    for name, t, at_least in CLAIMS:
+        r = ratios.get(name, {}).get(temp_key(t))
+        if r is not None:
+            checks.append({"ratio": name, "T": temp_key(t), "at_least": at_least,
+                           "min": r["min"], "holds": r["min"] >= at_least,
+                           "seeds": len(r["per_seed"])})  # fmt: skip
+    return checks
+
+
 def build_summary(
     cfg: DemoConfig,
     results: dict[int, dict[str, dict]],
@@ -101,29 +134,8 @@ def build_summary(
         }
         for kind in cfg.drafters
     }
-    ratios: dict = {}
-    for a, b in PAIRS:
-        if a not in cfg.drafters or b not in cfg.drafters:
-            continue
-        for m in METRICS:
-            per_t = {}
-            for t in temps:
-                each = {}
-                for s, seed_results in per_seed.items():
-                    x = seed_results.get(a, {}).get(t, {}).get(m)
-                    y = seed_results.get(b, {}).get(t, {}).get(m)
-                    if x is not None and y:
-                        each[s] = x / y
-                if each:
-                    per_t[t] = {"per_seed": each, **_spread(list(each.values()))}
-            ratios[_ratio_name(m, a, b)] = per_t
-    checks = []
-    for name, t, at_least in CLAIMS:
-        r = ratios.get(name, {}).get(temp_key(t))
-        if r is not None:
-            checks.append({"ratio": name, "T": temp_key(t), "at_least": at_least,
-                           "min": r["min"], "holds": r["min"] >= at_least,
-                           "seeds": len(r["per_seed"])})  # fmt: skip
+    ratios = _ratios(cfg, per_seed, temps)
+    checks = _checks(ratios)
     report = target.report if target is not None else {}
     summary = {
         "seeds": list(cfg.seeds),
@@ -196,24 +208,19 @@ def _supervision_line(summary: dict) -> str:
     return "supervision: " + "; ".join(parts) + f". Budget: {sup.get('budget', '-')}."
 
 
-def format_summary(summary: dict) -> str:
-    """The comparison: per seed (τ, speedup, acceptance by position, calibration), the spread
-    over the seeds, the DSpark ratios per seed with min / max, the claims, stage times."""
-    temps = [temp_key(t) for t in summary["temperatures"]]
+def _seed_rows(summary: dict, temps: list[str]) -> list[str]:
+    """Per drafter, temperature and seed: τ, speedup, acceptance by position, calibration."""
     per_seed = summary["per_seed"]
     width = max((len(row.get("accept_rate_by_position", []))
                  for seed in per_seed.values() for e in seed.values()
                  for k, row in e.items() if k in temps),
                 default=0)  # fmt: skip
     header = ["drafter", "T", "seed", "tau", "speedup"] + [f"acc@{k}" for k in range(width)]
-    header += ["ECE", "AUROC", "ECE(STS)", "train_s"]
-    rows = [header]
-    kinds = list(next(iter(per_seed.values()), {}))
-    for kind in kinds:
+    rows = [header + ["ECE", "AUROC", "ECE(STS)", "train_s"]]
+    for kind in next(iter(per_seed.values()), {}):
         for t in temps:
             for s, seed_results in per_seed.items():
-                entry = seed_results.get(kind, {})
-                row = entry.get(t)
+                row = seed_results.get(kind, {}).get(t)
                 if not row:
                     continue
                 acc = list(row["accept_rate_by_position"]) + [None] * width
@@ -224,25 +231,29 @@ def format_summary(summary: dict) -> str:
                             + [_f(cal.get("raw", {}).get("ece")),
                                _f(cal.get("raw", {}).get("auroc")),
                                _f(cal.get("sts", {}).get("ece")), _f(train_s, 1)])  # fmt: skip
-    lines = [_supervision_line(summary), ""] + _columns(rows)
-    ev = summary.get("eval", {})
-    lines.append(
-        f"(speedup: tokens/s with the drafter over the target alone, both at batch "
-        f"{ev.get('batch_size', '-')}, same prompts, same run)"
-    )
+    return _columns(rows)
+
+
+def _spread_rows(summary: dict, temps: list[str]) -> list[str]:
+    """min / mean / max of τ and speedup over the seeds (nothing for one seed)."""
     seeds = summary["seeds"]
-    if len(seeds) > 1:
-        lines += ["", f"spread over seeds {', '.join(map(str, seeds))} (min / mean / max):"]
-        spread_rows = [["drafter", "T", "tau", "speedup"]]
-        for kind, per_t in summary["spread"].items():
-            for t in temps:
-                cells = [
-                    "/".join(_f(v[k], 2) for k in ("min", "mean", "max")) if v else "-"
-                    for v in (per_t.get(t, {}).get(m) for m in METRICS)
-                ]
-                spread_rows.append([LABELS[kind], t[1:], *cells])
-        lines += _columns(spread_rows)
-    lines.append("")
+    if len(seeds) < 2:
+        return []
+    rows = [["drafter", "T", "tau", "speedup"]]
+    for kind, per_t in summary["spread"].items():
+        for t in temps:
+            cells = [
+                "/".join(_f(v[k], 2) for k in ("min", "mean", "max")) if v else "-"
+                for v in (per_t.get(t, {}).get(m) for m in METRICS)
+            ]
+            rows.append([LABELS[kind], t[1:], *cells])
+    title = f"spread over seeds {', '.join(map(str, seeds))} (min / mean / max):"
+    return ["", title, *_columns(rows)]
+
+
+def _ratio_lines(summary: dict) -> list[str]:
+    """The DSpark ratios per seed with min / max, then whether each claim holds."""
+    lines = []
     for name, per_t in summary["ratios"].items():
         metric, a, _, b = name.split("_")
         for t, r in per_t.items():
@@ -258,7 +269,11 @@ def format_summary(summary: dict) -> str:
             f"T = {c['T'][1:]} in every seed ({c['seeds']}): "
             f"{'holds' if c['holds'] else 'does NOT hold'} (min {c['min']:.3f})"
         )
-    lines.append("")
+    return lines
+
+
+def _stage_lines(summary: dict) -> list[str]:
+    """Wall (and CPU) seconds of the shared stages, then of each seed's, then the total."""
     stages, cpu = summary["stage_seconds"], summary.get("stage_cpu_seconds", {})
 
     def times(names: dict[str, str]) -> str:
@@ -268,17 +283,31 @@ def format_summary(summary: dict) -> str:
         )
 
     per_seed_names = {s: {k: k[: -len(f"-s{s}")] for k in stages if k.endswith(f"-s{s}")}
-                      for s in seeds}  # fmt: skip
+                      for s in summary["seeds"]}  # fmt: skip
     common = {k: k for k in stages if not any(k in names for names in per_seed_names.values())}
-    lines.append("stage wall times, s (CPU s, all ranks): " + times(common))
-    for s, names in per_seed_names.items():
-        lines.append(f"  seed {s}: " + times(names))
+    lines = ["stage wall times, s (CPU s, all ranks): " + times(common)]
+    lines += [f"  seed {s}: " + times(names) for s, names in per_seed_names.items()]
     target = summary["target"]
     lines.append(
         f"total {summary['total_seconds']:.1f} s (CPU {sum(cpu.values()):.0f} s); target "
         f"{'from cache' if target['from_cache'] else 'trained in this run'}; "
         f"{summary['ranks']} rank(s)"
     )
+    return lines
+
+
+def format_summary(summary: dict) -> str:
+    """The comparison: per seed (τ, speedup, acceptance by position, calibration), the spread
+    over the seeds, the DSpark ratios per seed with min / max, the claims, stage times."""
+    temps = [temp_key(t) for t in summary["temperatures"]]
+    ev = summary.get("eval", {})
+    lines = [_supervision_line(summary), "", *_seed_rows(summary, temps)]
+    lines.append(
+        f"(speedup: tokens/s with the drafter over the target alone, both at batch "
+        f"{ev.get('batch_size', '-')}, same prompts, same run)"
+    )
+    lines += _spread_rows(summary, temps)
+    lines += ["", *_ratio_lines(summary), "", *_stage_lines(summary)]
     return "\n".join(lines)
 
 

@@ -141,3 +141,50 @@ def test_recompute_keeps_no_vocab_sized_tensor_for_backward():
     slots = batch["anchor_positions"].numel() * model.block_size
     assert largest_saved("reference") >= slots * vocab
     assert largest_saved("recompute") <= model.block_size * vocab
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_dropping_empty_blocks_changes_nothing_but_the_work(kind, impl):
+    """perf.drop_empty_blocks: the blocks no row uses are cut; loss, metrics and every gradient
+    stay those of the full num_anchors blocks."""
+    from dspark_ds.drafters.dspark.step import drop_empty_blocks
+
+    model = tiny_drafter(seed=2, **({} if kind == "dspark" else DFLASH))
+    model.num_anchors = 9
+    batch = random_batch(model, batch=3, seq_len=22, seed=4)
+    batch["loss_mask"][:, :15] = 0  # at most 6 anchor candidates per row, 9 blocks
+    batch["loss_mask"][1, :18] = 0  # and a row with fewer
+    anchors, keep = sample_anchor_positions(
+        batch["loss_mask"], model.num_anchors, torch.Generator().manual_seed(4)
+    )
+    cut_anchors, cut_keep = drop_empty_blocks(anchors, keep)
+    assert cut_anchors.shape == (3, 6) and cut_keep.any(dim=0).all()
+    assert torch.equal(cut_anchors[cut_keep], anchors[keep])
+    args = DSPARK_ARGS if kind == "dspark" else DFLASH_ARGS
+    full = _run(model, {**batch, "anchor_positions": anchors, "block_keep_mask": keep}, args,
+                impl, 4)  # fmt: skip
+    cut = _run(model, {**batch, "anchor_positions": cut_anchors, "block_keep_mask": cut_keep},
+               args, impl, 4)  # fmt: skip
+    torch.testing.assert_close(cut[0], full[0], rtol=1e-6, atol=1e-7)
+    assert cut[1] == pytest.approx(full[1], rel=1e-6, abs=1e-7)
+    assert set(cut[2]) == set(full[2])
+    for name, g in full[2].items():
+        torch.testing.assert_close(cut[2][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_drop_empty_blocks_keeps_one_block_when_no_row_has_any():
+    from dspark_ds.drafters.dspark.step import drop_empty_blocks
+
+    anchors = torch.zeros(2, 5, dtype=torch.long)
+    cut, keep = drop_empty_blocks(anchors, anchors.bool())
+    assert cut.shape == keep.shape == (2, 1) and not keep.any()
+
+
+def test_drop_empty_blocks_resolves_per_device():
+    assert PerfConfig().drops_empty_blocks("cpu")
+    assert not PerfConfig().drops_empty_blocks("cuda")
+    assert PerfConfig(drop_empty_blocks="on").drops_empty_blocks("cuda")
+    assert not PerfConfig(drop_empty_blocks="off").drops_empty_blocks("cpu")
+    with pytest.raises(ValueError, match="perf.drop_empty_blocks"):
+        PerfConfig(drop_empty_blocks="yes")

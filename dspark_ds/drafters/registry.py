@@ -54,6 +54,10 @@ class StepArgs:
     on_anchors: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     """Called with (loss_mask, anchor_positions, block_keep_mask) of each micro-batch by kinds
     that sample anchor blocks (the trainer's sampler statistics)."""
+    agree_blocks: Callable[[int], int] | None = None
+    """With `perf.drop_empty_blocks`: given this rank's busiest block count, the count every rank
+    runs (the trainer's maximum over ranks, so ZeRO-3's per-module gathers stay in step across
+    ranks); None = this rank's own."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ def _dspark_forward_and_loss(model: nn.Module, batch: Batch, args: StepArgs) -> 
     )
     if args.on_anchors is not None:
         args.on_anchors(batch["loss_mask"], anchors, keep)
+    if args.perf.drops_empty_blocks(batch["input_ids"].device):
+        anchors, keep = dspark_step.drop_empty_blocks(anchors, keep, args.agree_blocks)
     inputs = {k: batch[k] for k in TRAIN_KEYS}
     inputs.update(anchor_positions=anchors, block_keep_mask=keep)
     return dspark_step.forward_and_loss(

@@ -53,7 +53,18 @@ class PerfConfig:
     gpu-check` benches "layers" beside the default). The flex kernel is compiled whatever
     this says."""
 
+    drop_empty_blocks: str = "auto"
+    """DSpark / DFlash: "on" drops the trailing anchor blocks that no row of a micro-batch uses
+    (sequences with fewer valid anchor positions than `num_anchors` get dummy blocks, which
+    supervise nothing), so the step computes only up to the busiest row's block count: same
+    loss, gradients and metrics, less work. "off" keeps `num_anchors` blocks in every step (a
+    fixed shape); "auto" = "on" except on CUDA, where the compiled kernels keep fixed shapes."""
+
     def __post_init__(self) -> None:
+        if self.drop_empty_blocks not in ("auto", "on", "off"):
+            raise ValueError(
+                f"perf.drop_empty_blocks: expected auto, on or off, got {self.drop_empty_blocks!r}"
+            )
         if self.loss_impl not in LOSS_IMPLEMENTATIONS:
             raise ValueError(
                 f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {self.loss_impl!r}"
@@ -77,6 +88,12 @@ class PerfConfig:
         if self.loss_chunk_anchors != "auto":
             return int(self.loss_chunk_anchors)
         return CHUNK_ANCHORS_CUDA if torch.device(device).type == "cuda" else CHUNK_ANCHORS_CPU
+
+    def drops_empty_blocks(self, device: torch.device | str) -> bool:
+        """`drop_empty_blocks` with "auto" resolved for the run's device."""
+        if self.drop_empty_blocks == "auto":
+            return torch.device(device).type != "cuda"
+        return self.drop_empty_blocks == "on"
 
     def compile_mode(self, device: torch.device | str) -> str:
         """`compile` with "auto" resolved for the run's device ("off" | "layers" | "model")."""

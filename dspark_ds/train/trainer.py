@@ -433,6 +433,7 @@ class Trainer:
             epoch=self.epoch,
             on_anchors=self._count_sampler_stats if self.engine.model.training else None,
             forward=self.engine,
+            agree_blocks=_max_over_ranks if distributed.world_size() > 1 else None,
         )
         return get_spec(self.cfg.model.kind).forward_and_loss(self.engine.model, inputs, args)
 
@@ -611,3 +612,8 @@ class Trainer:
 def train(cfg: TrainRunConfig) -> TrainResult:
     """`dspark-ds train`."""
     return Trainer(cfg).run()
+
+
+def _max_over_ranks(n: int) -> int:
+    """The largest of every rank's `n` (the block count all ranks of a step run)."""
+    return int(distributed.all_reduce_values([n], op="max")[0])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -55,6 +55,22 @@ def sample_anchors(
     anchors = torch.cat([r[0] for r in rows]).to(loss_mask.device)
     keep = torch.cat([r[1] for r in rows]).to(loss_mask.device)
     return anchors, keep
+
+
+def drop_empty_blocks(
+    anchors: torch.Tensor, keep: torch.Tensor, agree: Callable[[int], int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, A] anchors and keep mask cut to the busiest row's kept blocks (at least one), or to
+    what `agree` makes of that count (every rank's maximum: each rank then runs the same
+    modules the same number of times, as ZeRO-3's parameter gathers require).
+
+    A row's kept blocks come first (`sample_anchor_positions`), so the columns cut are dummies
+    in every row: they supervise nothing and, attending only to their own block, change no
+    other block's output."""
+    used = max(int(keep.sum(dim=1).max()), 1) if keep.numel() else 1
+    if agree is not None:
+        used = agree(used)
+    return anchors[:, :used], keep[:, :used]
 
 
 def forward_and_loss(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.dist import GUARDED, check, guard_stats, guarded_env, torchrun
-from helpers.gemma4 import greedy_without_cache
+from helpers.gemma4 import greedy_without_cache, tiny_gemma4_text
 from helpers.tiny_models import build_tiny_tokenizer, write_chat_jsonl
 
 LAYER_IDS = [0, 1, 2]  # of 4 target layers; the last one is refused at evaluation
@@ -28,26 +28,14 @@ def build_tiny_gemma4_target(out_dir: Path, seed: int = 0) -> Path:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     tok = build_tiny_tokenizer(out_dir, template="gemma")
-    text = dict(
+    text = tiny_gemma4_text(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        global_head_dim=16,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        hidden_size_per_layer_input=0,
         final_logit_softcapping=30.0,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=8,  # shorter than the prompts: the decoder's cache rollback matters
         max_position_embeddings=512,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.convert_tokens_to_ids("<bos>"),
-    )
+    )  # sliding window 8, shorter than the prompts: the decoder's cache rollback matters
     torch.manual_seed(seed)
     model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text)).eval()
     model.save_pretrained(out_dir)

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 
-from helpers.golden import check_golden, run_golden
+from helpers.golden import check_golden, golden_forward, run_golden
 
 
 def test_qwen3_golden_reproduces(golden_dir):
@@ -18,14 +18,7 @@ def test_golden_loss_backward_is_finite(golden_dir):
     model, _ = run_golden(golden_dir / "qwen3_vanilla")
     inputs = load_file(str(golden_dir / "qwen3_vanilla" / "inputs.safetensors"))
     model.train()
-    out = model(
-        inputs["input_ids"],
-        inputs["target_hidden_states"],
-        inputs["loss_mask"],
-        inputs["target_last_hidden_states"],
-        anchor_positions=inputs["anchor_positions"],
-        block_keep_mask=inputs["block_keep_mask"],
-    )
+    out = golden_forward(model, inputs)
     loss, _ = compute_dspark_loss(out)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}

@@ -12,18 +12,23 @@ from dspark_ds.drafters import load_draft_model
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 
 
+def golden_forward(model, inputs: dict):
+    """The drafter's training forward on a golden folder's inputs (its anchors and keep mask)."""
+    return model(
+        inputs["input_ids"],
+        inputs["target_hidden_states"],
+        inputs["loss_mask"],
+        inputs["target_last_hidden_states"],
+        anchor_positions=inputs["anchor_positions"],
+        block_keep_mask=inputs["block_keep_mask"],
+    )
+
+
 def run_golden(folder):
     model = load_draft_model(folder / "draft", dtype=torch.float32)
     inputs = load_file(str(folder / "inputs.safetensors"))
     with torch.no_grad():
-        out = model(
-            inputs["input_ids"],
-            inputs["target_hidden_states"],
-            inputs["loss_mask"],
-            inputs["target_last_hidden_states"],
-            anchor_positions=inputs["anchor_positions"],
-            block_keep_mask=inputs["block_keep_mask"],
-        )
+        out = golden_forward(model, inputs)
     return model, out
 
 

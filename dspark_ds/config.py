@@ -225,7 +225,9 @@ class TrainRunConfig:
                 f"must be >= train.global_batch_size ({self.train.global_batch_size})",
                 self,
             )
-        if self.model.kind == "dspark":
+        from dspark_ds.drafters.registry import get_spec
+
+        if get_spec(self.model.kind).anchor_blocks:
             self._warn_block_shapes()
         return self
 

@@ -21,6 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspark_ds.demo.config import DemoConfig
+from dspark_ds.drafters.presets import preset
+from dspark_ds.drafters.registry import get_spec
 
 LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 METRICS = ("tau", "speedup")
@@ -56,7 +58,7 @@ def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     }
     for kind in cfg.drafters:
         trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]
-        if kind == "eagle3":
+        if not get_spec(preset(kind).kind).anchor_blocks:  # Eagle3: the TTT unroll
             out[kind] = {"positions": "every supervised position", "depth": g}
             continue
         shares = [t["anchored_share_of_valid"] for t in trains if "anchored_share_of_valid" in t]
@@ -191,9 +193,11 @@ def _columns(rows: list[list[str]]) -> list[str]:
 def _supervision_line(summary: dict) -> str:
     sup = summary.get("supervision", {})
     parts = []
-    for kind in ("dspark", "dflash"):
-        s = sup.get(kind)
-        if not s:
+    for kind, s in sup.items():
+        if kind == "budget":
+            continue
+        if "num_anchors" not in s:
+            parts.append(f"{LABELS[kind]}: {s['positions']} over {s['depth']} unrolled steps")
             continue
         share = s.get("anchored_share_of_valid")
         anchors = sorted({a for a in s.get("num_anchors", []) if a is not None})
@@ -202,9 +206,6 @@ def _supervision_line(summary: dict) -> str:
             f"next tokens (A = {'/'.join(map(str, anchors)) or '-'} blocks per sequence; "
             f"anchored share of valid positions {_f(share, 2)})"
         )
-    if "eagle3" in sup:
-        e = sup["eagle3"]
-        parts.append(f"Eagle3: {e['positions']} over {e['depth']} unrolled steps")
     return "supervision: " + "; ".join(parts) + f". Budget: {sup.get('budget', '-')}."
 
 

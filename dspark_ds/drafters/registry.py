@@ -70,6 +70,9 @@ class DrafterSpec:
     """Target model_type -> the interchange architecture built and exported for it."""
     uses_mask_token: bool
     """Its config needs the MASK token id."""
+    anchor_blocks: bool
+    """It trains on `num_anchors` anchor blocks sampled per sequence (the block-shape warnings,
+    the sampler statistics and the demo's anchor count apply)."""
     build_config: Callable[..., Any]
     """(target_config, model section, *, target_layer_ids, mask_token_id, target_path) ->
     the drafter's transformers config; ValueError names the field."""
@@ -182,6 +185,7 @@ SPECS: dict[str, DrafterSpec] = {
         model_class=DSparkDraftModel,
         architectures=io.ARCHITECTURES["dspark"],
         uses_mask_token=True,
+        anchor_blocks=True,
         build_config=_dspark_config,
         loss_impls=LOSS_IMPLEMENTATIONS,
         attn_impls=("auto", *ATTN_IMPLEMENTATIONS),
@@ -198,6 +202,7 @@ SPECS: dict[str, DrafterSpec] = {
         model_class=Eagle3DraftModel,
         architectures=io.ARCHITECTURES["eagle3"],
         uses_mask_token=False,
+        anchor_blocks=False,
         build_config=_eagle3_config,
         loss_impls=eagle3_loss.LOSS_IMPLEMENTATIONS,
         attn_impls=("auto", *TTT_ATTN_IMPLEMENTATIONS),

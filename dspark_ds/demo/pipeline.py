@@ -377,6 +377,9 @@ class DemoPipeline:
             "accept_rate_by_position": bench["accept_rate_by_position"],
             "mean_proposal_length": bench["mean_proposal_length"],
             "rounds": bench["rounds"], "new_tokens": bench["new_tokens"],
+            # a request's share of the batch's drafting / verification time, per round
+            "draft_ms_per_round": 1e3 * bench["draft_time_s"] / max(bench["rounds"], 1),
+            "verify_ms_per_round": 1e3 * bench["verify_time_s"] / max(bench["rounds"], 1),
             "prompts": bench["num_prompts"], "mlflow_run_id": payload.get("mlflow_run_id"),
         }  # fmt: skip
         calib = payload.get("calibration") or {}

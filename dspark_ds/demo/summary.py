@@ -217,7 +217,7 @@ def _seed_rows(summary: dict, temps: list[str]) -> list[str]:
                  for k, row in e.items() if k in temps),
                 default=0)  # fmt: skip
     header = ["drafter", "T", "seed", "tau", "speedup"] + [f"acc@{k}" for k in range(width)]
-    rows = [header + ["ECE", "AUROC", "ECE(STS)", "train_s"]]
+    rows = [header + ["draft_ms", "verify_ms", "ECE", "AUROC", "ECE(STS)", "train_s"]]
     for kind in next(iter(per_seed.values()), {}):
         for t in temps:
             for s, seed_results in per_seed.items():
@@ -229,7 +229,9 @@ def _seed_rows(summary: dict, temps: list[str]) -> list[str]:
                 train_s = summary["stage_seconds"].get(f"train-{kind}-s{s}")
                 rows.append([LABELS[kind], t[1:], s, _f(row["tau"]), _f(row.get("speedup"), 2)]
                             + [_f(a) for a in acc[:width]]
-                            + [_f(cal.get("raw", {}).get("ece")),
+                            + [_f(row.get("draft_ms_per_round"), 2),
+                               _f(row.get("verify_ms_per_round"), 2),
+                               _f(cal.get("raw", {}).get("ece")),
                                _f(cal.get("raw", {}).get("auroc")),
                                _f(cal.get("sts", {}).get("ece")), _f(train_s, 1)])  # fmt: skip
     return _columns(rows)
@@ -305,7 +307,8 @@ def format_summary(summary: dict) -> str:
     lines = [_supervision_line(summary), "", *_seed_rows(summary, temps)]
     lines.append(
         f"(speedup: tokens/s with the drafter over the target alone, both at batch "
-        f"{ev.get('batch_size', '-')}, same prompts, same run)"
+        f"{ev.get('batch_size', '-')}, same prompts, same run; draft_ms / verify_ms: a "
+        f"request's share of the batch's drafting / verification time per round)"
     )
     lines += _spread_rows(summary, temps)
     lines += ["", *_ratio_lines(summary), "", *_stage_lines(summary)]

@@ -33,7 +33,7 @@ SMOKE_ARGS = [
     "--drafter.num_draft_layers", "1", "--drafter.block_size", "4", "--drafter.markov_rank", "8",
     "--budget.max_steps", "3", "--budget.global_batch_size", "4",
     "--budget.micro_batch_size", "2",
-    "--eval.max_new_tokens", "12",
+    "--eval.max_new_tokens", "12", "--budget.zero", "zero3",
 ]  # fmt: skip
 
 
@@ -187,7 +187,7 @@ def test_demo_config_from_cli_and_defaults():
     assert isinstance(cfg, DemoConfig)
     assert cfg.budget.max_steps == 7 and cfg.drafters == ["dspark", "dflash", "eagle3"]
     assert cfg.eval.temperatures == [0.0, 1.0]
-    assert cfg.budget.zero == "zero3"
+    assert cfg.budget.zero == "zero2"
     assert cfg.seeds == [0] and cfg.drafter.num_anchors is None
     assert parse_config("demo", ["--output_dir", "x", "--seeds", "[0,1,2]"]).seeds == [0, 1, 2]
 

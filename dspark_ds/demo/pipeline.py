@@ -300,7 +300,6 @@ class DemoPipeline:
             ValidationConfig,
         )
         from dspark_ds.data.config import DataConfig
-        from dspark_ds.perf import PerfConfig
 
         c, b = self.cfg, self.cfg.budget
         if c.data.mode == "offline":
@@ -325,8 +324,6 @@ class DemoPipeline:
             checkpoint=CheckpointConfig(every_steps=0, keep_last=1, resume=None,
                                         save_final=False, export_final=True),
             validation=ValidationConfig(every_steps=0, num_batches=1),
-            # the tiny vocabulary (1 024) keeps a micro-batch's logits small: one loss chunk
-            perf=PerfConfig(loss_chunk_anchors=b.micro_batch_size * self.num_anchors[seed]),
         )  # fmt: skip
 
     def train(self, kind: str, seed: int) -> dict:

@@ -143,3 +143,12 @@ def test_errors_name_the_option(two_runs, capsys):
     assert "filter:" in capsys.readouterr().err
     assert cli_main(["compare", "--tracking_uri", uri, "--run_ids", "[zz]"]) == 2
     assert "run_ids:" in capsys.readouterr().err
+
+
+def test_an_all_digit_run_id_prefix_is_taken_as_its_digits():
+    """`--run_ids [44420656]` parses as a number; compare must still use it as an id prefix."""
+    from dspark_ds.config import parse
+    from dspark_ds.tracking.compare import CompareConfig
+
+    cfg = parse(CompareConfig, ["--run_ids", "[44420656, a1b2c3]"])
+    assert [str(r) for r in cfg.run_ids] == ["44420656", "a1b2c3"]

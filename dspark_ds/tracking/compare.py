@@ -43,8 +43,10 @@ class CompareConfig:
 
     tracking_uri: str = "sqlite:///runs/mlflow.db"
     """MLflow tracking URI (the trainer's default store is sqlite:///<output_dir>/mlflow.db)."""
-    run_ids: list[str] = field(default_factory=list)
-    """Runs to compare, by id (a unique prefix of at least 6 characters is enough)."""
+    run_ids: list[str | int] = field(default_factory=list)
+    """Runs to compare, by id (a unique prefix of at least 6 characters is enough). An
+    all-digit prefix reads as a number on the command line and is used as its digits (quote it,
+    `['00123456']`, when it starts with 0)."""
     experiment: list[str] = field(default_factory=lambda: ["dspark-ds"])
     """Experiment names to search when run_ids is empty."""
     filter: str = ""
@@ -62,7 +64,7 @@ class CompareConfig:
 def select_runs(client: MlflowClient, cfg: CompareConfig) -> list:
     if cfg.run_ids:
         runs = []
-        for rid in cfg.run_ids:
+        for rid in map(str, cfg.run_ids):
             try:
                 runs.append(client.get_run(rid))
             except Exception:  # noqa: BLE001 - try it as a prefix

@@ -262,6 +262,14 @@ def join_deepspeed_comm() -> None:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
+def accelerator_name() -> str:
+    """The accelerator DeepSpeed uses in this process ("cpu", "cuda", ...): chosen once, from
+    DS_ACCELERATOR or the hardware, when DeepSpeed was first imported."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
 def _shard_target(target: nn.Module, ds_config: dict):
     """ZeRO-3: partition the frozen target with an optimizer-less engine; returns the engine."""
     from deepspeed.accelerator import get_accelerator

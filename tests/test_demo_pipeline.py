@@ -1,7 +1,8 @@
 """`dspark-ds demo`: the smoke version of the whole pipeline (small budget) and its config.
 
 The smoke run goes through the CLI exactly as a user would (`dspark-ds demo ...`): a tiny
-target trained into a temporary cache, regeneration and build-cache as torchrun jobs,
+target trained into a temporary cache, regeneration and build-cache as 2-rank jobs (ranks
+forked from the demo process, the default launcher),
 DSpark / DFlash / Eagle3 trained with DeepSpeed ZeRO-3 (2 ranks on a 2-core machine),
 evaluation at T = 0 and T = 1, summary.json and MLflow. Then every exported drafter must
 decode losslessly: greedy speculative output == plain greedy target output.
@@ -187,7 +188,8 @@ def test_demo_config_from_cli_and_defaults():
     assert isinstance(cfg, DemoConfig)
     assert cfg.budget.max_steps == 7 and cfg.drafters == ["dspark", "dflash", "eagle3"]
     assert cfg.eval.temperatures == [0.0, 1.0]
-    assert cfg.budget.zero == "zero2"
+    assert cfg.budget.zero == "zero2" and cfg.launcher == "fork"
+    assert (cfg.budget.global_batch_size, cfg.budget.micro_batch_size) == (2, 1)
     assert cfg.seeds == [0] and cfg.drafter.num_anchors is None
     assert parse_config("demo", ["--output_dir", "x", "--seeds", "[0,1,2]"]).seeds == [0, 1, 2]
 
@@ -214,6 +216,8 @@ def test_demo_config_from_cli_and_defaults():
         (["--drafter.num_anchors", "0"], "drafter.num_anchors"),
         (["--seeds", "[1,1]"], "seeds"),
         (["--seeds", "[]"], "seeds"),
+        (["--launcher", "mpirun"], "launcher"),
+        (["--num_threads", "2"], "num_threads"),
     ],
 )
 def test_demo_bad_config_exits_2_naming_the_field(argv, field, capsys):

@@ -24,9 +24,9 @@ DRAFTERS = ("dspark", "dflash", "eagle3")
 class DemoDataConfig:
     """The drafters' training data: prompts of the synthetic corpus answered by the target."""
 
-    num_train_prompts: int = 1536
+    num_train_prompts: int = 1024
     """Prompts (the first rows of the target's own corpus) whose answers the target regenerates
-    for drafter training."""
+    for drafter training (the default budget, 480 steps x 2 sequences, reads 960 of them)."""
     num_heldout_prompts: int = 48
     """Held-out prompts (an independent stream of the same generator) for the evaluation."""
     max_length: int = 128
@@ -60,12 +60,14 @@ class DemoBudgetConfig:
 
     max_steps: int = 480
     """Optimizer steps per drafter."""
-    global_batch_size: int = 4
+    global_batch_size: int = 2
     """Sequences per optimizer step over all ranks. With every valid position anchoring a
-    block, updates matter more than sequences per update: at 240 x 8 the DSpark / DFlash τ
-    ratio over 3 seeds was 0.99-1.15 (T = 0) and 1.05-1.14 (T = 1); at 480 x 4, the same
-    1 920 sequences, see the README's demo section."""
-    micro_batch_size: int = 2
+    block, the number of updates matters more than the sequences per update: over 3 seeds the
+    DSpark / DFlash τ ratio was 0.99-1.15 (T = 0) and 1.05-1.14 (T = 1) at 240 steps x 8,
+    1.17-1.31 and 1.25-1.38 at 480 x 4, and 1.19-1.30 and 1.21-1.30 at 480 x 2 (the default:
+    half the sequences of 480 x 4, 75-82 s per drafter against 94-111 s; the README's demo
+    section)."""
+    micro_batch_size: int = 1
     """Sequences per micro-batch on each rank (accumulation fills the rest)."""
     lr: float = 3e-3
     """Peak learning rate (linear warmup, cosine decay to 0); Eagle3 uses the same, as in the
@@ -176,6 +178,12 @@ class DemoConfig:
     """MLflow tracking URI; None = sqlite:///<output_dir>/mlflow.db."""
     experiment: str = "dspark-ds-demo"
     """MLflow experiment of every run the demo makes."""
+    launcher: Literal["fork", "torchrun"] = "fork"
+    """How the multi-rank stages (regenerate, build-cache, train) start their ranks: "fork" =
+    forked from this process, which imported torch, transformers, DeepSpeed and MLflow once
+    (the ranks run the same `dspark-ds <subcommand> --config <yaml>` with the variables
+    torchrun sets); "torchrun" = `torchrun --nproc_per_node N -m dspark_ds.cli ...`, new
+    interpreters that import everything again per stage (~15 s each here). Same results."""
     num_threads: int = 1
     """torch threads of the demo process (evaluation) and of each rank.
 
@@ -194,6 +202,15 @@ class DemoConfig:
             raise ValueError(f"seeds: need >= 1 distinct seeds >= 0, got {self.seeds}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if self.launcher not in ("fork", "torchrun"):
+            raise ValueError(f"launcher: fork | torchrun, got {self.launcher!r}")
+        if self.launcher == "fork" and self.num_threads > 1:
+            # OpenMP's thread pool does not survive fork(): a forked rank that runs parallel
+            # regions after the parent did hangs (seen with torch's libgomp)
+            raise ValueError(
+                f"num_threads: {self.num_threads} needs launcher torchrun (a forked rank "
+                "cannot use OpenMP threads once the demo process has); use --launcher torchrun"
+            )
         self.data.validate()
         self.budget.validate()
         self.drafter.validate()

@@ -5,17 +5,22 @@ Stages (each timed, each printed with a header):
 1. corpus      synthetic chat corpus from the seed (`dspark_ds.data.synthetic`), no downloads
 2. target      BPE tokenizer + tiny Qwen3 trained on it, cached (`dspark_ds.demo.target`)
 
+   imports     (launcher "fork") torch, transformers, DeepSpeed, MLflow, once for every rank
+
 then for every seed of `seeds` (stage names end in `-s<seed>`):
 
 3. regenerate  the target answers the training prompts (`dspark-ds regenerate`, N ranks)
 4. prepare     chat template + assistant loss masks → token store (`dspark-ds prepare`)
 5. build-cache the target's features, once (`dspark-ds build-cache`, N ranks; offline mode)
-6. train       DSpark, DFlash, Eagle3: `torchrun -m dspark_ds.cli train`, DeepSpeed ZeRO-3,
-               the same budget and supervision; each run exports its interchange directory
+6. train       DSpark, DFlash, Eagle3: `dspark-ds train` on N ranks with DeepSpeed, the same
+               budget and supervision; each run exports its interchange directory
 7. eval        batched speculative decoding of the held-out prompts at every temperature, and
                the target alone at the same batch size (`run_eval`): τ and wall-clock speedup
 
 and last, summary: per seed and its spread → table, summary.json, MLflow (`demo/summary.py`).
+
+The N-rank stages run `dspark-ds <subcommand> --config configs/<stage>.yaml` on ranks forked
+from this process or under torchrun (`launcher`, demo/launcher.py).
 
 Layout of `output_dir`: data/ (corpus, held-out prompts; data/seed<k>/: regenerated answers,
 token store, cache), configs/ (the YAML each subprocess ran with), runs/ (training and eval
@@ -29,15 +34,15 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from dspark_ds.config import TrainRunConfig, dump_config
+from dspark_ds.demo import launcher
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.demo.summary import LABELS, build_summary, format_summary, log_summary, temp_key
-from dspark_ds.distributed import free_port, print0
+from dspark_ds.distributed import print0
 from dspark_ds.drafters.presets import DrafterConfig, preset
 from dspark_ds.drafters.registry import get_spec
 
@@ -118,18 +123,22 @@ class DemoPipeline:
         return self.runs_dir / f"{kind}-s{seed}" / "export"
 
     # ---- helpers --------------------------------------------------------------------------
-    def _env(self) -> dict:
-        env = dict(os.environ)
-        env.update(DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-                   OMP_NUM_THREADS=str(self.cfg.num_threads),
-                   MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")  # fmt: skip
+    def _stage_env(self) -> dict[str, str]:
+        """The variables every stage's ranks run with (on top of this process's environment)."""
+        return dict(DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+                    OMP_NUM_THREADS=str(self.cfg.num_threads),
+                    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")  # fmt: skip
+
+    def _torchrun_env(self) -> dict[str, str]:
+        env = self._stage_env()
         # NOTE: DeepSpeed's ZeRO-3 calls deprecated torch.distributed collectives every step;
-        # their FutureWarnings would bury the progress bars of the demo.
+        # their FutureWarnings would bury the progress bars of the demo (forked ranks filter
+        # them in-process).
         warn = "ignore::FutureWarning"
-        env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), warn) if w)
+        env["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), warn) if w)
         # the subprocesses import this very package, wherever it was imported from
         root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         return env
 
     def _write_config(self, name: str, cfg) -> Path:
@@ -140,28 +149,16 @@ class DemoPipeline:
         return path
 
     def _launch(self, stage: str, subcommand: str, config: Path, nproc: int) -> None:
-        """`torchrun --nproc_per_node N -m dspark_ds.cli <subcommand> --config <yaml>`; the
-        output goes to the console and to logs/<stage>.log."""
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-               "-m", "dspark_ds.cli", subcommand, "--config", str(config)]  # fmt: skip
+        """`dspark-ds <subcommand> --config <yaml>` on `nproc` ranks, started by the configured
+        launcher (demo/launcher.py); the output goes to the console and to logs/<stage>.log."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{stage}.log"
-        print0("[demo] $ " + " ".join(cmd[1:]))
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                cmd,
-                env=self._env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-            )
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                log.write(line)
-                sys.stdout.write(line)
-            rc = proc.wait()
+        argv = [subcommand, "--config", str(config)]
+        if self.cfg.launcher == "fork":
+            rc = launcher.run_forked(argv, nproc, self._stage_env(), log_path,
+                                     self.cfg.num_threads)  # fmt: skip
+        else:
+            rc = launcher.run_torchrun(argv, nproc, self._torchrun_env(), log_path)
         sys.stdout.flush()
         if rc != 0:
             tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
@@ -409,6 +406,13 @@ class DemoPipeline:
             "tokenizer + tiny Qwen3 target (cached after the first run)",
             self.train_target,
         )
+        if cfg.launcher == "fork":
+            s.run(
+                "imports",
+                "torch, transformers, DeepSpeed and MLflow once, for every forked rank",
+                launcher.preload,
+                self._stage_env(),
+            )
         for seed in cfg.seeds:
             self.run_seed(seed)
         summary = build_summary(

@@ -103,6 +103,7 @@ def test_forked_ranks_write_to_a_tracking_database_the_parent_has_open(tmp_path)
         assert names() == ["parent"] + ["rank0"] * (stage + 1)
 
 
+@pytest.mark.slow  # a torchrun launch, like the other multi-process runs
 def test_torchrun_launcher_runs_the_cli_on_every_rank(tmp_path):
     log = tmp_path / "stage.log"
     assert launcher.run_torchrun(["--version"], 2, {}, log) == 0

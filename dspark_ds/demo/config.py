@@ -18,6 +18,7 @@ from typing import Literal
 from dspark_ds.demo.target import DemoTargetConfig
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
+LAUNCHERS = ("fork", "torchrun")
 
 
 @dataclass
@@ -202,8 +203,8 @@ class DemoConfig:
             raise ValueError(f"seeds: need >= 1 distinct seeds >= 0, got {self.seeds}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
-        if self.launcher not in ("fork", "torchrun"):
-            raise ValueError(f"launcher: fork | torchrun, got {self.launcher!r}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"launcher: {' | '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.launcher == "fork" and self.num_threads > 1:
             # OpenMP's thread pool does not survive fork(): a forked rank that runs parallel
             # regions after the parent did hangs (seen with torch's libgomp)

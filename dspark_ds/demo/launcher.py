@@ -31,8 +31,6 @@ from pathlib import Path
 
 from dspark_ds.distributed import free_port, print0
 
-LAUNCHERS = ("fork", "torchrun")
-
 PRELOAD = (
     "deepspeed",
     "mlflow",

@@ -65,6 +65,22 @@ def test_a_failed_rank_fails_the_stage_and_the_waiting_rank_is_stopped(tmp_path,
     assert "RuntimeError: rank 1 broke" in log.read_text()
 
 
+def _sleep_a_second(argv: list[str]) -> int:
+    time.sleep(1.0)
+    return 0
+
+
+def test_waiting_for_the_ranks_leaves_other_children_alone(tmp_path):
+    """The launcher reaps its own ranks only: a subprocess the caller started keeps its exit
+    status for the caller's wait()."""
+    import subprocess
+
+    other = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
+    rc = launcher.run_forked([], 1, {}, tmp_path / "stage.log", main=_sleep_a_second)
+    assert rc == 0
+    assert other.wait(timeout=30) == 7
+
+
 def _engine_pool_id(uri: str) -> int:
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 

@@ -203,19 +203,21 @@ def _wait_all(pids: list[int]) -> int:
     alive, first_bad, failed_at, sent = set(pids), 0, None, set()
     try:
         while alive:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
+            # NOTE: each rank by its pid: waitpid(-1) would also reap children this process
+            # started elsewhere (a subprocess.Popen whose exit status would then be lost)
+            for pid in sorted(alive):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done == 0:
+                    continue
+                alive.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                if code != 0 and first_bad == 0:
+                    first_bad = code if code > 0 else 128 - code
+                    failed_at = time.monotonic()
+            if alive:
                 if failed_at is not None:
                     _stop(alive, time.monotonic() - failed_at, sent)
                 time.sleep(0.05)
-                continue
-            if pid not in alive:
-                continue
-            alive.discard(pid)
-            code = os.waitstatus_to_exitcode(status)
-            if code != 0 and first_bad == 0:
-                first_bad = code if code > 0 else 128 - code
-                failed_at = time.monotonic()
     except KeyboardInterrupt:
         for pid in alive:
             with contextlib.suppress(ProcessLookupError):

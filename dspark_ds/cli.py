@@ -150,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     except (argparse.ArgumentError, ValueError, TypeError) as err:
         return _fail(_parse_error_text(err))
     from dspark_ds.distributed import leave
+    from dspark_ds.network import NetworkError
     from dspark_ds.train.signals import INTERRUPT_EXIT_CODE, TrainingStopped
 
     try:
         entry(cfg)
+    except NetworkError as err:  # the ranks cannot reach each other: one line, no traceback
+        print(f"dspark-ds: error: {_one_line(err)}", file=sys.stderr, flush=True)
+        return 1
     except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
         # config problems found while setting up (cache mismatch, batch divisibility, a path
         # that does not exist, ...): one line, no traceback

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from dspark_ds.data.config import DataConfig
+from dspark_ds.distributed import DistributedConfig
 from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.perf.config import PerfConfig
 from dspark_ds.target import TargetConfig, TargetPathConfig
@@ -190,6 +191,8 @@ class TrainRunConfig:
     """Periodic validation on held-out data."""
     perf: PerfConfig = field(default_factory=PerfConfig)
     """How the step computes attention and the loss (same results, different cost)."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """How the ranks reach each other: network interface, rendezvous and collective timeout."""
 
     # old spelling -> new: an old spelling gets an error naming both (see `parse`)
     RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"eval": "validation"}

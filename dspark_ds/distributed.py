@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,8 +34,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-from dspark_ds import logs
+from dspark_ds import logs, network
 
 Launcher = Literal["torchrun", "mpi", "slurm", "single"]
 
@@ -75,9 +77,17 @@ def _int(env: MutableMapping[str, str], *names: str) -> int | None:
 
 
 def _in_mpi(env: MutableMapping[str, str]) -> bool:
-    return any(
-        k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
-    )
+    """Started by mpirun / mpiexec. NOTE: srun under `MpiDefault=pmi2` or `pmix` (or `--mpi=`)
+    also puts PMI_* / PMIX_* into every task; inside an srun step those mean MPI only when their
+    world is not the step's (Hydra's mpiexec starts one proxy per node through srun)."""
+    if "OMPI_COMM_WORLD_SIZE" in env or "MV2_COMM_WORLD_SIZE" in env:
+        return True
+    if not any(k in env for k in ("PMI_SIZE", "PMI_RANK", "PMIX_RANK")):
+        return False
+    if not _in_srun_step(env):
+        return True
+    pmi_size = env.get("PMI_SIZE")
+    return pmi_size not in (None, "") and pmi_size != env.get("SLURM_STEP_NUM_TASKS")
 
 
 def _in_srun_step(env: MutableMapping[str, str]) -> bool:
@@ -87,11 +97,11 @@ def _in_srun_step(env: MutableMapping[str, str]) -> bool:
     return "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env
 
 
-def slurm_head_node(nodelist: str) -> str:
-    """The first host of a Slurm nodelist (`node[01-04]` → `node01`), via `scontrol show
-    hostnames` as the sbatch scripts do; a plain host name is returned as is."""
+def expand_nodelist(nodelist: str) -> list[str]:
+    """A Slurm node list (`node[01-04],gpu7`) as host names, via `scontrol show hostnames`; a
+    plain host name is returned as is."""
     if not any(c in nodelist for c in "[],"):
-        return nodelist
+        return [nodelist]
     try:
         out = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist],
@@ -107,15 +117,21 @@ def slurm_head_node(nodelist: str) -> str:
         ) from err
     if not out:
         raise RuntimeError(f"`scontrol show hostnames {nodelist}` printed nothing")
-    return out[0]
+    return out
+
+
+def slurm_head_node(nodelist: str) -> str:
+    """The first host of a Slurm nodelist (`node[01-04]` → `node01`), as the sbatch scripts
+    take it."""
+    return expand_nodelist(nodelist)[0]
 
 
 def slurm_default_port(job_id: str | int | None) -> int:
-    """A port derived from the job id, so two jobs sharing a node do not collide (the sbatch
-    scripts use the same formula)."""
+    """A port derived from the job id, so two jobs sharing a node do not collide, outside the
+    kernel's ephemeral range (`network.job_port`; the sbatch scripts use the same formula)."""
     if job_id in (None, ""):
         return DEFAULT_MASTER_PORT
-    return 20000 + int(str(job_id).split("_")[0]) % 20000
+    return network.job_port(job_id)
 
 
 def discover(env: MutableMapping[str, str] | None = None) -> LaunchInfo:
@@ -197,15 +213,13 @@ def _mpi_env(info: LaunchInfo, env: MutableMapping[str, str]) -> LaunchInfo:
         ) from err
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
+    host = MPI.Get_processor_name()
+    hosts = comm.allgather(host)
     addr = None
     if rank == 0:
-        try:
-            addr = subprocess.check_output(["hostname", "-I"], text=True).split()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            addr = socket.gethostbyname(socket.gethostname())
+        addr = _mpi_head_address([host, *(h for h in dict.fromkeys(hosts) if h != host)])
     addr = comm.bcast(addr, root=0)
-    host = MPI.Get_processor_name()
-    local = sum(h == host for h in comm.allgather(host)[:rank])
+    local = sum(h == host for h in hosts[:rank])
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -214,6 +228,16 @@ def _mpi_env(info: LaunchInfo, env: MutableMapping[str, str]) -> LaunchInfo:
         MASTER_PORT=str(info.master_port),
     )
     return LaunchInfo("mpi", rank, world, local, addr, info.master_port)
+
+
+def _mpi_head_address(hosts: list[str]) -> str:
+    """Rank 0's address as the other hosts reach it (`network.head_address`); when its host
+    name does not resolve, its first non-loopback address."""
+    try:
+        return network.head_address(hosts)
+    except network.NetworkError:
+        up = [i for i in network.interfaces().values() if i.up and not i.loopback and i.addresses]
+        return up[0].addresses[0] if up else "127.0.0.1"
 
 
 # ---- the process group ------------------------------------------------------------------------
@@ -232,14 +256,47 @@ def rank_and_world() -> tuple[int, int]:
 
 
 def local_device() -> torch.device:
-    """This process's compute device: cuda:LOCAL_RANK when CUDA is available, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", discover().local_rank)
-    return torch.device("cpu")
+    """This process's compute device: a CUDA device when CUDA is available, else the CPU.
+
+    Which CUDA device: the local rank among the devices this process can see. One visible device
+    (`srun --gpus-per-task=1`, `--gpu-bind=single:1`, a CUDA_VISIBLE_DEVICES per task) is
+    cuda:0 whatever the local rank; several (one task per node, or all of the node's GPUs
+    visible to each task) are indexed by LOCAL_RANK modulo their count."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise RuntimeError(
+            f"rank {discover().rank}: CUDA is available but this process sees no device "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})"
+        )
+    return torch.device("cuda", discover().local_rank % count)
+
+
+@dataclass
+class DistributedConfig:
+    """How the ranks of a multi-process job reach each other."""
+
+    ifname: str | None = None
+    """Network interface gloo and NCCL use (exported as GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME unless those are set). None = $DSPARK_IFNAME, else the interface that
+    routes to MASTER_ADDR (docs/multi-node.md)."""
+    timeout_s: float = 600.0
+    """Bounds the start (every rank reaching MASTER_ADDR and joining) and every collective: a
+    rank that waits longer for a lost or cut-off peer fails with one line instead of hanging.
+    Raise it when one rank legitimately works alone for longer (a very slow disk)."""
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"distributed.timeout_s: must be > 0, got {self.timeout_s}")
 
 
 def init(
-    backend: str | None = None, *, always: bool = True, timeout_s: float | None = None
+    backend: str | None = None,
+    *,
+    always: bool = True,
+    timeout_s: float | None = None,
+    settings: DistributedConfig | None = None,
 ) -> tuple[int, int, int]:
     """Joins (or creates) the default process group; returns (rank, world size, local rank).
 
@@ -247,7 +304,12 @@ def init(
     group exists and handed to it (`device_id`), so NCCL never guesses cuda:0 and barriers know
     their device. always: False = a world of one gets no group (data tools); True = it gets a
     one-process group (DeepSpeed needs one), and so do ranks given by hand as RANK /
-    WORLD_SIZE without a MASTER_ADDR (they coordinate through files).
+    WORLD_SIZE without a MASTER_ADDR (they coordinate through files). settings: the interface
+    and the timeout (`DistributedConfig`); timeout_s overrides its timeout.
+
+    Before joining, the network interface is exported (`configure_network`) and every rank
+    but 0 waits, at most the timeout, until MASTER_ADDR:MASTER_PORT answers; a rendezvous that
+    fails raises `network.NetworkError`, one line naming the host, address, port and interface.
     """
     found = discover()
     if not always and (
@@ -263,13 +325,117 @@ def init(
     backend = backend or ("nccl" if use_cuda else "gloo")
     kwargs = {}
     if use_cuda:
-        torch.cuda.set_device(info.local_rank)
+        device = local_device()
+        torch.cuda.set_device(device)
         if backend == "nccl":
-            kwargs["device_id"] = torch.device("cuda", info.local_rank)
+            kwargs["device_id"] = device
+    net = settings or DistributedConfig()
     if timeout_s is not None:
-        kwargs["timeout"] = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend=backend, **kwargs)
+        net = DistributedConfig(ifname=net.ifname, timeout_s=timeout_s)
+    choice = configure_network(info, net.ifname)
+    timeout = timedelta(seconds=net.timeout_s)
+    # NOTE: groups made later without a timeout (DeepSpeed's data-parallel clones of the world)
+    # take torch's module default (30 min for gloo), not the world's: a lost peer would hold
+    # them that long. The default follows the world's so every collective has the same bound.
+    c10d.default_pg_timeout = timeout
+    if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
+        c10d.default_pg_nccl_timeout = timeout
+    t0 = time.monotonic()
+    try:
+        if info.rank not in (0, None) and info.master_addr:
+            network.wait_reachable(
+                info.master_addr, info.master_port, net.timeout_s, choice.ifname if choice else None
+            )
+        dist.init_process_group(backend=backend, timeout=timeout, **kwargs)
+    except network.NetworkError:
+        raise
+    except (RuntimeError, OSError) as err:  # DistNetworkError / DistStoreError are RuntimeErrors
+        via = f" via {choice.ifname} ({choice.address})" if choice else ""
+        raise network.NetworkError(
+            f"host {socket.gethostname()} rank {info.rank}: the rendezvous at "
+            f"{info.master_addr}:{info.master_port}{via} failed after "
+            f"{time.monotonic() - t0:.0f} s (distributed.timeout_s {net.timeout_s:g}): "
+            f"{_one_line(err)}"
+        ) from err
     return dist.get_rank(), dist.get_world_size(), info.local_rank
+
+
+def _one_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def multi_host(env: MutableMapping[str, str] | None = None) -> bool | None:
+    """Whether the job's ranks span several hosts, from the launcher's variables (None: the
+    launcher does not say)."""
+    env = os.environ if env is None else env
+    nodes = _int(env, "SLURM_STEP_NUM_NODES") if _in_srun_step(env) else None
+    if nodes is not None and not _int(env, "LOCAL_WORLD_SIZE"):
+        return nodes > 1
+    for local, world in (
+        ("LOCAL_WORLD_SIZE", "WORLD_SIZE"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),
+    ):
+        lw, w = _int(env, local), _int(env, world)
+        if lw is not None and w is not None:
+            return lw < w
+    return None
+
+
+def _peer_hosts(env: MutableMapping[str, str]) -> list[str]:
+    """The job's other hosts (from the Slurm step's node list), for the interface choice."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    if not nodelist:
+        return []
+    try:
+        hosts = expand_nodelist(nodelist)
+    except RuntimeError:
+        return []
+    me = socket.gethostname().split(".")[0]
+    return [h for h in hosts if h.split(".")[0] != me]
+
+
+def configure_network(
+    info: LaunchInfo, ifname: str | None = None, env: MutableMapping[str, str] | None = None
+) -> network.Choice | None:
+    """Exports the interface gloo and NCCL bind to (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME),
+    each unless the user set it: `ifname` (distributed.ifname), else DSPARK_IFNAME, else the
+    rule of `dspark_ds.network` (the route to MASTER_ADDR). Returns the choice, None for a world
+    of one or when both variables were set by hand. One line per host says what was chosen."""
+    env = os.environ if env is None else env
+    if info.world_size <= 1 or not info.master_addr:
+        return None
+    user = [k for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if env.get(k)]
+    if len(user) == 2:
+        return None
+    chosen = ifname or env.get("DSPARK_IFNAME") or None
+    if chosen:
+        here = network.interfaces()
+        if chosen not in here:
+            raise network.NetworkError(
+                f"host {socket.gethostname()}: network interface {chosen!r} (distributed.ifname "
+                f"/ DSPARK_IFNAME) does not exist here; interfaces: {', '.join(sorted(here))}"
+            )
+        addrs = here[chosen].addresses
+        choice = network.Choice(chosen, addrs[0] if addrs else "?", "given")
+    else:
+        spans = multi_host(env)
+        choice = network.choose_interface(
+            info.master_addr,
+            _peer_hosts(env) if spans is not False else [],
+            multi_host=spans is not False,
+        )
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if key not in user:
+            env[key] = choice.ifname
+    if _int(env, "LOCAL_RANK") in (0, None):
+        logs.emit(
+            f"[dist] host {socket.gethostname()}: interface {choice.ifname} ({choice.address}): "
+            f"{choice.why}; MASTER {info.master_addr}:{info.master_port}",
+            info.rank,
+            sys.stderr,
+        )
+    return choice
 
 
 def world_size() -> int:
@@ -330,6 +496,15 @@ def all_gather_object(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s `obj` on every rank (`obj` itself without a group)."""
+    if not has_group():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def gather_object(obj, dst: int = 0) -> list | None:

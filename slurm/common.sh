@@ -10,8 +10,17 @@
 #   DSPARK_NPROC_PER_NODE  torchrun workers per node (default: GPUs on the node, else tasks/node)
 #   DSPARK_WORKDIR       directory the job runs in (default: where sbatch was called)
 #   PYTHON               interpreter with dspark-ds installed (default: python3)
-#   MASTER_ADDR          rendezvous host (default: first of `scontrol show hostnames`)
-#   MASTER_PORT          rendezvous port (default: 20000 + job id % 20000)
+#   MASTER_ADDR          rendezvous host (default: the first node's address as the other nodes
+#                        reach it, resolved here once; under torchrun its name, which torchrun
+#                        matches to the host that serves the rendezvous; when DSPARK_SRUN_ARGS
+#                        narrows the step's nodes, each task takes the first node of its step)
+#   MASTER_PORT          rendezvous port (default: derived from the job id, below the kernel's
+#                        ephemeral range, the next free one when it is taken here)
+#   DSPARK_IFNAME        network interface of the ranks (default: the one that routes to
+#                        MASTER_ADDR; exported as GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)
+#   DSPARK_EXIT_FILE     where rank 0 records why training stopped (default
+#                        <workdir>/.dspark/<job id>.exit): a requeue asked for under torchrun,
+#                        whose own exit code is 1, is still requeued
 #   DSPARK_SRUN_ARGS     extra srun options (e.g. "--cpu-bind=cores")
 #   DSPARK_TORCHRUN_ARGS extra torchrun options
 #   DSPARK_MAX_REQUEUES  give up requeueing after this many restarts (default 20)
@@ -75,35 +84,73 @@ case $DSPARK_LAUNCHER in
   *) echo "DSPARK_LAUNCHER must be srun or torchrun, got '$DSPARK_LAUNCHER'" >&2; exit 2 ;;
 esac
 
-: "${MASTER_ADDR:=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}"
-: "${MASTER_PORT:=$((20000 + ${SLURM_JOB_ID%%_*} % 20000))}"
-export MASTER_ADDR MASTER_PORT
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}"
+cd "$DSPARK_WORKDIR"
+
 _dspark_nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 _dspark_tasks_per_node=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / _dspark_nodes ))}
 : "${DSPARK_NPROC_PER_NODE:=${SLURM_GPUS_ON_NODE:-$_dspark_tasks_per_node}}"
+_dspark_cpus_per_task=${SLURM_CPUS_PER_TASK:-1}
+if [[ $DSPARK_LAUNCHER == torchrun ]]; then
+  # one torchrun per node holds all of the node's CPUs; its workers share them
+  _dspark_cpus_per_task=${SLURM_CPUS_ON_NODE:-$_dspark_cpus_per_task}
+  : "${OMP_NUM_THREADS:=$(( _dspark_cpus_per_task / DSPARK_NPROC_PER_NODE > 0 ? _dspark_cpus_per_task / DSPARK_NPROC_PER_NODE : 1 ))}"
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$_dspark_cpus_per_task}"
 
-cd "$DSPARK_WORKDIR"
+mapfile -t _dspark_hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+_dspark_user_master_addr=${MASTER_ADDR:-}
+: "${MASTER_PORT:=$("$PYTHON" -m dspark_ds.network port "$SLURM_JOB_ID")}"
+[[ -n $MASTER_PORT ]] || exit 1
+export MASTER_PORT
+: "${DSPARK_EXIT_FILE:=$DSPARK_WORKDIR/.dspark/$SLURM_JOB_ID.exit}"
+export DSPARK_EXIT_FILE
+
+# The head (MASTER_ADDR) of the next step, unless the user set it: the first node's address as
+# the other nodes reach it, resolved here once (a node whose own name resolves to 127.0.1.1, as
+# Debian writes it, is given the address it uses towards a peer). A step that DSPARK_SRUN_ARGS
+# narrows to other nodes (-w, -x, -N, -r) gets no MASTER_ADDR: each task then takes the first
+# node of its own step.
+_dspark_head() {
+  unset MASTER_ADDR
+  if [[ -n $_dspark_user_master_addr ]]; then
+    export MASTER_ADDR=$_dspark_user_master_addr
+  elif [[ $DSPARK_LAUNCHER == torchrun ]]; then
+    # NOTE: torchrun's c10d rendezvous is served by the agent whose host matches the endpoint;
+    # it compares names and the addresses the host's own name resolves to, so a name works
+    # where an address would match no host on a node with the 127.0.1.1 line.
+    export MASTER_ADDR=${_dspark_hosts[0]}
+  elif ! [[ " $DSPARK_SRUN_ARGS " =~ \ (-w|--nodelist|-x|--exclude|-N|--nodes|-r|--relative)[=\ ] ]]; then
+    MASTER_ADDR=$("$PYTHON" -m dspark_ds.network head-address "${_dspark_hosts[@]}") || return 1
+    export MASTER_ADDR
+  fi
+}
 
 # dspark_launch <subcommand> [args...]: run `dspark-ds <subcommand> [args...]` on every rank of
 # the allocation and wait for it (signals keep arriving while it runs). Sets DSPARK_RC.
 dspark_launch() {
   local cmd
+  _dspark_head
   if [[ $DSPARK_LAUNCHER == srun ]]; then
     # shellcheck disable=SC2086  # DSPARK_SRUN_ARGS is a list of options
-    cmd=(srun --kill-on-bad-exit=1 $DSPARK_SRUN_ARGS
+    # NOTE: --cpus-per-task explicitly: srun of Slurm 22.05 to 23.02 does not take it from the
+    # allocation (SLURM_CPUS_PER_TASK), so each task would get one CPU while OMP_NUM_THREADS
+    # says more.
+    cmd=(srun --kill-on-bad-exit=1 --cpus-per-task="$_dspark_cpus_per_task" $DSPARK_SRUN_ARGS
          "$PYTHON" -m dspark_ds.launch "$@")
   else
     # shellcheck disable=SC2086
     cmd=(srun --nodes="$_dspark_nodes" --ntasks="$_dspark_nodes" --ntasks-per-node=1
-         --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" --kill-on-bad-exit=1 $DSPARK_SRUN_ARGS
+         --cpus-per-task="$_dspark_cpus_per_task" --kill-on-bad-exit=1 $DSPARK_SRUN_ARGS
          "$PYTHON" -m torch.distributed.run --nnodes="$_dspark_nodes"
          --nproc_per_node="$DSPARK_NPROC_PER_NODE" --rdzv_backend=c10d
          --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$SLURM_JOB_ID"
          $DSPARK_TORCHRUN_ARGS -m dspark_ds.launch "$@")
   fi
   _dspark_log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $_dspark_nodes node(s)" \
-    "[$SLURM_JOB_NODELIST], launcher $DSPARK_LAUNCHER, head $MASTER_ADDR:$MASTER_PORT"
+    "[$SLURM_JOB_NODELIST], launcher $DSPARK_LAUNCHER, head ${MASTER_ADDR:-<first node of the step>}:$MASTER_PORT," \
+    "$_dspark_cpus_per_task CPU(s) per task, OMP_NUM_THREADS=$OMP_NUM_THREADS"
+  mkdir -p "$(dirname "$DSPARK_EXIT_FILE")"
+  rm -f "$DSPARK_EXIT_FILE"
   _dspark_log "${cmd[*]}"
   if (( _dspark_preempted )); then
     _dspark_log "pre-empted before the launch; not starting"
@@ -126,6 +173,15 @@ dspark_launch() {
 # dspark_finish: requeue after a pre-emption checkpoint, otherwise exit with the step's status.
 dspark_finish() {
   local rc=${DSPARK_RC:-1}
+  local asked
+  # torchrun exits 1 whatever its workers' codes were: the trainer's own record says why
+  if (( rc != 0 && rc != DSPARK_REQUEUE_EXIT_CODE )) && [[ -s $DSPARK_EXIT_FILE ]]; then
+    asked=$(sed -n 's/.*"code": *\([0-9]*\).*/\1/p' "$DSPARK_EXIT_FILE")
+    if [[ $asked == "$DSPARK_REQUEUE_EXIT_CODE" ]]; then
+      _dspark_log "the job step exited with $rc; rank 0 asked for a requeue: $(cat "$DSPARK_EXIT_FILE")"
+      rc=$asked
+    fi
+  fi
   if (( _dspark_stopped )); then
     _dspark_log "stopped by Slurm; exit $rc (Slurm requeues the job itself after scontrol requeue)"
     exit "$rc"

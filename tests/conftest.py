@@ -23,6 +23,8 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from helpers.multihost import multihost_cluster  # noqa: E402, F401 - the 2-host cluster fixture
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
 

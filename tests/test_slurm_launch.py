@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark_ds import network
 from dspark_ds.distributed import discover, prepare_env, rank_and_world, slurm_default_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ def test_srun_task_gets_env_from_slurm():
 def test_srun_defaults_head_node_and_job_port():
     info = discover(dict(SRUN_TASK))
     assert info.master_addr == "gpu01"  # a single host needs no scontrol
-    assert info.master_port == slurm_default_port("1234") == 20000 + 1234
+    assert info.master_port == slurm_default_port("1234") == network.job_port(1234)
 
 
 def test_batch_shell_is_a_world_of_one(monkeypatch):

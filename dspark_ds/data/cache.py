@@ -396,7 +396,7 @@ def build_cache(
     if not cfg.data.cache_dir:
         raise ValueError("data.cache_dir is required (the output directory)")
     check_model_path(cfg.target.path, "target.path")
-    dist.init("gloo", always=False, timeout_s=1800)
+    dist.init("gloo", always=False, settings=cfg.distributed)
     rank, world = dist.rank_and_world()
     cache_dir = Path(cfg.data.cache_dir)
     store = load_samples(cfg.data, cfg.target.path)

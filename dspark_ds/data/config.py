@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dspark_ds.distributed import DistributedConfig
 from dspark_ds.target import TargetConfig
 
 CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
@@ -117,6 +118,11 @@ class RegenerateConfig:
     """Discard the rows an earlier run left in ``<output>.parts`` (and ``<output>``) and start
     over. Without it a rerun resumes only rows made from the same input files and settings, and
     refuses (naming what changed) when they differ."""
+    distributed: DistributedConfig = field(
+        default_factory=lambda: DistributedConfig(timeout_s=1800)
+    )
+    """Network interface and timeout of the ranks; the timeout also bounds how long a rank
+    that finished its share waits for the slowest one."""
 
 
 @dataclass
@@ -134,6 +140,11 @@ class BuildCacheConfig:
     """Check every shard against its sidecar (presence, size, sha256, samples; ranks split the
     hashing), delete the damaged ones and re-make exactly those, then rewrite the manifest. The
     result is byte-identical to a clean build. Without it a finished cache is not re-checked."""
+    distributed: DistributedConfig = field(
+        default_factory=lambda: DistributedConfig(timeout_s=1800)
+    )
+    """Network interface and timeout of the ranks; the timeout also bounds how long a rank
+    that finished its share waits for the slowest one."""
 
 
 @dataclass

@@ -377,7 +377,7 @@ def _merge_when_all_done(cfg: RegenerateConfig, rank: int, world: int) -> dict |
 def regenerate(cfg: RegenerateConfig) -> dict:
     """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges."""
     _check_paths(cfg)
-    dist.init("gloo", always=False, timeout_s=1800)
+    dist.init("gloo", always=False, settings=cfg.distributed)
     rank, world = dist.rank_and_world()
     part, done = _open_part(cfg, rank, world)
     gen = _load_generator(cfg)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from dspark_ds.config import TrackingConfig
+from dspark_ds.distributed import DistributedConfig
 from dspark_ds.eval.benchmarks import DEFAULT_BENCHMARKS, PAPER_SEED
 from dspark_ds.target import TargetPathConfig
 
@@ -134,6 +135,11 @@ class EvalConfig:
     """Confidence calibration / STS options."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow tracking, the same section as `train`'s (rank 0 only)."""
+    distributed: DistributedConfig = field(
+        default_factory=lambda: DistributedConfig(timeout_s=1800)
+    )
+    """Network interface and timeout of the ranks (each decodes its share of the prompts; the
+    timeout also bounds how long one that finished waits for the slowest)."""
 
     RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target": "target.path"}
 

@@ -352,7 +352,9 @@ def run_eval(cfg: EvalConfig) -> dict | None:
     # NOTE: gloo for CPU evaluation; NCCL object collectives run on the current CUDA device,
     # which init() sets to this rank's before the group exists.
     had_group = distributed.has_group()
-    distributed.init(None if device.type == "cuda" else "gloo", always=False)
+    distributed.init(
+        None if device.type == "cuda" else "gloo", always=False, settings=cfg.distributed
+    )
     try:
         target, drafter, tokenizer = load_models(cfg, device)
         local = decode_benchmarks(cfg, target, drafter, tokenizer, device)

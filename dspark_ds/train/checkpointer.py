@@ -74,6 +74,12 @@ class Checkpointer:
         else:
             root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
             chosen, damaged = self._newest_intact(root)
+        # NOTE: every rank decided from what it sees; rank 0's choice is the job's (a rank that
+        # saw otherwise would load another step and the collectives would stall)
+        agreed = distributed.broadcast_object(None if chosen is None else str(chosen))
+        if (None if chosen is None else str(chosen)) != agreed:
+            distributed.log(f"[train] this rank chose {chosen}, rank 0 {agreed}: taking rank 0's")
+        chosen = None if agreed is None else Path(agreed)
         if chosen is not None and chosen.parent.resolve() == self.dir.resolve():
             self._set_aside_newer(chosen, damaged)
         return chosen

@@ -15,7 +15,10 @@ The first signal a rank receives decides for that rank; ranks agree at each step
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import socket
 
 from dspark_ds import distributed, logs
 
@@ -33,6 +36,24 @@ class TrainingStopped(RuntimeError):
 
 
 _REQUEUE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+EXIT_FILE_ENV = "DSPARK_EXIT_FILE"
+
+
+def record_exit(code: int, reason: str, step: int) -> None:
+    """Writes why the run stops to $DSPARK_EXIT_FILE (set by slurm/common.sh), when set: a
+    launcher in between (torchrun exits 1 whatever its workers' codes) hides the exit code
+    the batch script decides on."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if not path:
+        return
+    record = {"code": code, "reason": reason, "step": step, "host": socket.gethostname()}
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:
+        logs.emit(f"[signals] cannot write {path}: {err}", 0)
 
 
 class Signals:

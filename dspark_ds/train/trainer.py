@@ -42,6 +42,7 @@ from dspark_ds.drafters.io import draft_config_dict
 from dspark_ds.drafters.registry import TRAIN_KEYS, StepArgs, get_spec
 from dspark_ds.train import checkpoint as ckpt
 from dspark_ds.train import resume as resume_rules
+from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source
 from dspark_ds.train.checkpointer import Checkpointer
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
@@ -132,9 +133,25 @@ class Trainer:
         self.needs_target = cfg.data.mode != "offline" or cfg.train.synthetic_samples > 0
         if self.needs_target:
             eng_lib.check_target_dtype(cfg.target.torch_dtype, cfg.train.precision)
-        self.rank, self.world, _ = distributed.init(cfg.deepspeed.backend)
+        self.rank, self.world, _ = distributed.init(cfg.deepspeed.backend, settings=cfg.distributed)
         self.device = distributed.local_device()
         self.run_dir = Path(cfg.run_dir)
+        self.lock = rundir.acquire_collectively(self.run_dir, self.rank)
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.release_run_dir()
+            raise
+
+    def release_run_dir(self) -> None:
+        """Lets another job use the run directory (rank 0 holds its lock)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def _build(self, cfg: TrainRunConfig) -> None:
+        from dspark_ds import engine as eng_lib
+
+        rundir.check_shared(self.run_dir, self.rank)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.rank, self.world)
         tag_dir = self.checkpointer.find_resume()
         self.resume = self._check_resume(tag_dir) if tag_dir is not None else None
@@ -561,6 +578,7 @@ class Trainer:
         finally:
             self.signals.restore()
             self.metrics.close()
+            self.release_run_dir()
         result.steps, result.nonfinite_steps = self.step, self.nonfinite_total
         return result
 
@@ -571,6 +589,8 @@ class Trainer:
             why = "restart from it to drop the skipped step's partial gradients"
         if code == REQUEUE_EXIT_CODE and self.rank == 0:
             (self.run_dir / "REQUEUE").write_text(f"{self.step}\n")
+        if self.rank == 0:
+            signals.record_exit(code, why, self.step)
         self._finish("KILLED", f"stopped at step {self.step} (exit {code}: {why})", None)
         # NOTE: every rank leaves together, after rank 0 closed its MLflow run:
         # `srun --kill-on-bad-exit` stops the whole step at the first exit 75.

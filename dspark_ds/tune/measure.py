@@ -94,6 +94,7 @@ def _one_step(trainer, batches) -> None:
 
 
 def _release(trainer) -> None:
+    trainer.release_run_dir()
     ds = trainer.engine.ds
     if hasattr(ds, "destroy"):
         ds.destroy()

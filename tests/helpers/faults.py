@@ -9,8 +9,10 @@ Each fault is {"kind": ..., params}; `rank` (default: every rank) limits it to o
     kill_during_save   {"step": s}: while checkpoint step s is written, this rank's first
                        DeepSpeed file is cut to half its size and the process is SIGKILLed
     fsize_limit        {"step": s, "bytes": n}: RLIMIT_FSIZE = n from step s on (a full disk)
-    nonfinite_loss     {"steps": [s, ...], "micro_batch": i}: the loss of micro-batch i of those
-                       optimizer steps becomes NaN
+    nonfinite_loss     {"steps": [s, ...], "micro_batch": i, "once_file": f}: the loss of
+                       micro-batch i of those optimizer steps becomes NaN (with once_file: only
+                       while f does not exist, and f is created then, so a restarted job
+                       trains the step cleanly)
     kill_process       {"step": s, "pgid": g}: SIGKILL process group g when step s begins
     sleep_in_save      {"seconds": t}: every checkpoint save first sleeps t seconds
     corrupt_at_epoch   {"epoch": e, "file": f}: flip bytes in the middle of file f when the
@@ -76,7 +78,12 @@ def install(faults: list[dict]) -> None:
                     return loss, metrics
                 step = self.step + 1
                 i = _seen[step] = _seen.get(step, -1) + 1
+                once = _fault.get("once_file")
                 if step in _fault["steps"] and i == _fault["micro_batch"]:
+                    if once and os.path.exists(once):
+                        return loss, metrics
+                    if once:
+                        open(once, "w").close()
                     loss = loss * float("nan")
                     metrics = {**metrics, "loss": float("nan")}
                 return loss, metrics
@@ -119,6 +126,15 @@ def main() -> int:
     from dspark_ds.cli import main as cli_main
 
     return cli_main(["train", *sys.argv[2:]])
+
+
+def install_from_env() -> None:
+    """Installs the faults of $DSPARK_TEST_FAULTS (JSON) in a rank (RANK set) of a job whose
+    command line the test does not write (a batch script's launcher): `tests/helpers/faults_site`
+    on PYTHONPATH calls this at interpreter start."""
+    spec = os.environ.get("DSPARK_TEST_FAULTS")
+    if spec and "RANK" in os.environ:
+        install(json.loads(spec))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,214 @@
+"""The job's network and launcher as a site's Slurm presents them: rank discovery under srun with
+a PMI plugin, the device of a task that sees one GPU, rendezvous ports, the interface rule, the
+bounded rendezvous. What needs several hosts is in tests/test_multihost.py."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_ds import distributed, network
+from dspark_ds.distributed import DistributedConfig, configure_network, discover
+
+REPO = Path(__file__).resolve().parents[1]
+
+# srun task 3 of a 2-node x 2-task step (Slurm 22.05)
+SRUN_TASK = {
+    "SLURM_JOB_ID": "1234",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "4",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NODELIST": "gpu01",
+    "SLURM_STEP_NODELIST": "gpu01",
+    "MASTER_ADDR": "10.0.0.1",
+}
+
+
+# ---- discovery under a PMI plugin ------------------------------------------------------------
+@pytest.mark.parametrize(
+    "pmi",
+    [
+        {"PMI_SIZE": "4", "PMI_RANK": "3", "PMI_FD": "11", "PMI_JOBID": "7.0"},  # MpiDefault=pmi2
+        {"PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.7.0"},  # MpiDefault=pmix
+    ],
+    ids=["pmi2", "pmix"],
+)
+def test_srun_with_a_pmi_plugin_is_slurm(pmi):
+    info = discover(SRUN_TASK | pmi)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 3, 4, 1)
+
+
+def test_mpi_launchers_keep_their_path():
+    # mpirun inside an allocation: Open MPI's orted runs under srun, its ranks see both
+    ompi = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "5", "PMIX_RANK": "5"}
+    assert discover(SRUN_TASK | ompi).launcher == "mpi"
+    # Hydra's mpiexec starts one proxy per node through srun: its PMI world is not the step's
+    hydra = {"PMI_SIZE": "16", "PMI_RANK": "9"}
+    assert discover(SRUN_TASK | hydra).launcher == "mpi"
+    # PMI outside an srun step is MPI
+    assert discover({"PMI_SIZE": "2", "PMI_RANK": "1"}).launcher == "mpi"
+
+
+# ---- the device of a task --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("visible", "local_rank", "expected"),
+    [(1, 3, 0), (8, 3, 3), (4, 5, 1), (2, 0, 0)],
+    ids=["gpus-per-task=1", "all-8-visible", "4-visible-local-5", "2-visible-local-0"],
+)
+def test_local_device_indexes_visible_devices(monkeypatch, visible, local_rank, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    assert distributed.local_device() == torch.device("cuda", expected)
+
+
+def test_local_device_without_a_visible_device_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(RuntimeError, match="sees no device"):
+        distributed.local_device()
+
+
+# ---- ports -----------------------------------------------------------------------------------
+def test_job_port_is_below_the_ephemeral_range(monkeypatch):
+    monkeypatch.setattr(network, "ephemeral_ports", lambda: (32768, 60999))
+    ports = {network.job_port(j) for j in range(0, 100_000, 7)}
+    assert min(ports) >= network.FIRST_JOB_PORT and max(ports) < 32768
+    assert network.job_port(1234) != network.job_port(1235)
+    # a range that starts low: above it
+    monkeypatch.setattr(network, "ephemeral_ports", lambda: (10000, 40000))
+    assert all(40000 < network.job_port(j) <= 65535 for j in range(0, 50_000, 11))
+
+
+def test_this_machines_ephemeral_range_is_read():
+    lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert network.ephemeral_ports() == (lo, hi)
+    assert not lo <= network.job_port(987654) <= hi
+
+
+def test_a_taken_port_moves_to_the_next_free_one():
+    first = network.job_port(4242)
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", first))
+        s.listen()
+        assert not network.port_is_free(first)
+        assert network.free_job_port(4242) == first + 1
+    assert network.free_job_port(4242) == first
+
+
+# ---- the interface rule (one host: loopback; hosts of their own: tests/test_multihost.py) ------
+def test_interfaces_see_loopback():
+    here = network.interfaces()
+    assert "127.0.0.1" in here["lo"].addresses and here["lo"].loopback
+    assert network.interface_of("127.0.0.1") == "lo"
+
+
+def test_single_host_job_binds_loopback():
+    env: dict[str, str] = {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    info = distributed.LaunchInfo("torchrun", 0, 2, 0, "127.0.0.1", 29500)
+    choice = configure_network(info, env=env)
+    assert choice.ifname == "lo"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_user_settings_win():
+    info = distributed.LaunchInfo("torchrun", 0, 2, 0, "127.0.0.1", 29500)
+    env = {"GLOO_SOCKET_IFNAME": "eth7", "LOCAL_RANK": "1"}
+    configure_network(info, env=env)
+    assert env["GLOO_SOCKET_IFNAME"] == "eth7" and env["NCCL_SOCKET_IFNAME"] == "lo"
+    env = {"DSPARK_IFNAME": "lo", "LOCAL_RANK": "1"}
+    assert configure_network(info, env=env).why == "given"
+    with pytest.raises(network.NetworkError, match="'nope0' .* does not exist here"):
+        configure_network(info, "nope0", env={"LOCAL_RANK": "1"})
+
+
+def test_world_of_one_needs_no_network():
+    env: dict[str, str] = {}
+    info = distributed.LaunchInfo("single", 0, 1, 0, "127.0.0.1", 0)
+    assert configure_network(info, env=env) is None and env == {}
+
+
+def test_multi_host_from_the_launchers_variables():
+    assert distributed.multi_host({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}) is True
+    assert distributed.multi_host({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}) is False
+    assert distributed.multi_host(SRUN_TASK) is True
+    assert distributed.multi_host(SRUN_TASK | {"SLURM_STEP_NUM_NODES": "1"}) is False
+    ompi = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert distributed.multi_host(ompi) is False
+    assert distributed.multi_host({}) is None
+
+
+def test_distributed_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="distributed.timeout_s"):
+        DistributedConfig(timeout_s=0)
+
+
+# ---- a rendezvous that cannot be reached ------------------------------------------------------
+def test_unreachable_rendezvous_fails_in_bounded_time(monkeypatch):
+    port = network.free_job_port(777)  # nothing listens there
+    for key, value in {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        monkeypatch.setenv(key, value)
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "DSPARK_IFNAME"):
+        monkeypatch.delenv(key, raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(network.NetworkError) as err:
+        distributed.init("gloo", settings=DistributedConfig(timeout_s=2))
+    took = time.monotonic() - t0
+    assert 2 <= took < 10, took
+    text = str(err.value)
+    assert "\n" not in text
+    assert f"127.0.0.1:{port}" in text and "via lo" in text and "within 2 s" in text
+
+
+@pytest.mark.slow
+def test_cli_names_the_rendezvous_it_cannot_reach(tmp_path):
+    """What a user sees: one line, exit 1, within the timeout (not a hang)."""
+    port = network.free_job_port(778)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "DS_ACCELERATOR": "cpu",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "HF_HUB_OFFLINE": "1",
+    }
+    from helpers.tiny_models import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "target")
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_ds.cli", "train", "--config", "tiny_cpu",
+         "--target.path", target, "--output_dir", str(tmp_path / "runs"),
+         "--distributed.timeout_s", "3"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dspark-ds: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in errors[0] and "did not answer within 3 s" in errors[0]
+    assert time.monotonic() - t0 < 60

@@ -253,10 +253,20 @@ def check_shared(run_dir: str | Path, rank: int, wait_s: float = 5.0) -> None:
     views = distributed.all_gather_object((socket.gethostname(), seen))
     if rank == 0:
         path.unlink(missing_ok=True)
-    blind = sorted({host for host, ok in views if not ok})
+    ranks_of: dict[str, list[int]] = {}
+    blind: dict[str, list[int]] = {}
+    for r, (host, ok) in enumerate(views):
+        ranks_of.setdefault(host, []).append(r)
+        if not ok:
+            blind.setdefault(host, []).append(r)
     if blind:
+        # a host all of whose ranks are blind is named alone; otherwise its blind ranks
+        who = ", ".join(
+            host if ranks == ranks_of[host] else f"{host} (rank {', '.join(map(str, ranks))})"
+            for host, ranks in sorted(blind.items())
+        )
         raise RunDirNotShared(
             f"the run directory {Path(run_dir).resolve()} is not shared between hosts: "
-            f"{', '.join(blind)} cannot see what rank 0 ({views[0][0]}) wrote there; put "
-            "output_dir on a file system every node mounts"
+            f"{who} cannot see what rank 0 ({views[0][0]}) wrote there; put output_dir on a "
+            "file system every node mounts"
         )

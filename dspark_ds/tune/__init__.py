@@ -15,6 +15,7 @@ steps), report.py (the table).
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ def _measure_here(cfg: TunerConfig, run_cfg, options: list[ZeroOption]):
     from dspark_ds import distributed
     from dspark_ds.tune.measure import measure
 
-    _, world, _ = distributed.init(run_cfg.deepspeed.backend)
+    rank, world, _ = distributed.init(run_cfg.deepspeed.backend, settings=run_cfg.distributed)
     cfg = replace(
         cfg,
         nodes=1,
@@ -44,11 +45,20 @@ def _measure_here(cfg: TunerConfig, run_cfg, options: list[ZeroOption]):
         device=cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"),
     )
     measured = {}
-    with tempfile.TemporaryDirectory(prefix="dspark_tuner_") as tmp:
+    # NOTE: the short runs write under the recipe's output_dir, which every host of a job sees
+    # (a temp directory of each rank's own would be another directory on every rank)
+    tmp = None
+    if rank == 0:
+        Path(run_cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".dspark_tuner_", dir=run_cfg.output_dir)
+    tmp = distributed.broadcast_object(tmp)
+    try:
         for option in options:
-            if option.name == "zero3+nvme":
-                continue  # needs an NVMe path and libaio; estimate only
             measured[option.name] = measure(option, run_cfg, cfg.measure_steps, tmp)
+    finally:
+        distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
     return cfg, measured
 
 

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import gc
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,7 +34,16 @@ def option_run_config(option: ZeroOption, run_cfg, steps: int, workdir: str):
     """The recipe turned into a short, silent run of this option under `workdir`."""
     cfg = copy.deepcopy(run_cfg)
     cfg.deepspeed.config = option.config
-    cfg.deepspeed.overrides = option_overrides(option, run_cfg) or None
+    overrides = copy.deepcopy(option_overrides(option, run_cfg) or {})
+    zero = overrides.get("zero_optimization", {})
+    for part in ("offload_optimizer", "offload_param"):
+        if option.name == "zero3+nvme" and "nvme_path" not in zero.get(part, {}):
+            # the shipped config's /local_nvme exists on no machine by default: the swap
+            # files go under the short run's own directory unless the recipe names a path
+            zero.setdefault(part, {})["nvme_path"] = str(Path(workdir) / "nvme")
+    if zero:
+        overrides["zero_optimization"] = zero
+    cfg.deepspeed.overrides = overrides or None
     cfg.name = "tuner_" + option.name.replace("+", "_")
     cfg.output_dir = workdir
     cfg.tracking.enabled = False

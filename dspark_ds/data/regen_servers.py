@@ -97,6 +97,7 @@ class _ServerRun:
         self.counts = {"written": 0, "failed": 0, "skipped": 0, "already_done": 0}
         self.truncated_turns = 0
         self.fleet: Fleet | None = None
+        self.t0: float | None = None  # when the answering started
         self.seconds = 0.0
 
     # ---- set-up -------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def regenerate_with_servers(cfg: RegenerateConfig) -> dict:
     try:
         asyncio.run(run.main())
     except KeyboardInterrupt:
-        if run.fleet is not None and run.part.exists():
+        if run.t0 is not None:
             dist.log(
                 f"[regenerate] interrupted: {run.counts['written'] + run.counts['failed']} rows "
                 f"of this run are kept in {run.part}; the same command resumes"

@@ -165,7 +165,7 @@ class RegenerateConfig:
     top_k: int = 20
     """Top-k sampling (paper: 20; 0 = off)."""
     min_p: float = 0.0
-    """Min-p sampling (0 = off, as in the paper's settings)."""
+    """Min-p sampling (0 = off)."""
     seed: int = 0
     """Sampling seed (combined with the sample id, so a resumed run stays reproducible)."""
     restart: bool = False

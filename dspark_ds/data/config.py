@@ -93,17 +93,70 @@ class PrepareConfig:
 
 
 @dataclass
+class ServerConfig:
+    """OpenAI-compatible inference servers (SGLang, vLLM, ``transformers serve``) that write the
+    answers instead of a target loaded in the ranks."""
+
+    urls: list[str] = field(default_factory=list)
+    """Base URLs, ``http://host:port/v1`` (a URL without a path gets ``/v1``). Empty: the target
+    answers inside the ranks (Hugging Face ``generate``). Set: one client process drives every
+    server, each request going to the server with the fewest in flight; no target weights are
+    loaded."""
+    model: str | None = None
+    """Model name sent with every request; None = the one the first server's ``/v1/models``
+    lists. Every server must list it."""
+    concurrency: int = 64
+    """Requests in flight over all servers together."""
+    timeout_s: float = 600.0
+    """Longest wait for one answer (one assistant turn); longer counts as a failure of that
+    server."""
+    max_retries: int = 3
+    """Retries of a failed request, on any server in rotation, with backoff. A row whose request
+    fails 1 + max_retries times goes to ``<output>.failed.jsonl`` with the reason; a rerun tries
+    it again."""
+    retry_backoff_s: float = 1.0
+    """Wait before the first retry of a request; doubled for each further one, at most 60 s."""
+    probe_interval_s: float = 5.0
+    """A server that failed is out of rotation; it is probed this often (``/health``, then
+    ``/v1/models``) and back in rotation once it answers."""
+    give_up_s: float = 900.0
+    """Stop (exit 1; every finished row is kept and a rerun resumes) when no server has been in
+    rotation for this long."""
+
+    def __post_init__(self) -> None:
+        for i, url in enumerate(self.urls):
+            if not str(url).startswith(("http://", "https://")):
+                raise ValueError(f"server.urls[{i}]: {url!r} is not an http:// or https:// URL")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"server.urls: a URL is listed twice ({self.urls})")
+        if self.concurrency < 1:
+            raise ValueError(f"server.concurrency must be >= 1, got {self.concurrency}")
+        if self.max_retries < 0:
+            raise ValueError(f"server.max_retries must be >= 0, got {self.max_retries}")
+        for name in ("timeout_s", "probe_interval_s", "give_up_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_backoff_s < 0:
+            raise ValueError(f"server.retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+
+
+@dataclass
 class RegenerateConfig:
-    """``dspark-ds regenerate``: the target rewrites every assistant answer."""
+    """``dspark-ds regenerate``: the target rewrites every assistant answer, in the ranks or
+    through OpenAI-compatible servers (``server.urls``)."""
 
     data: DataConfig = field(default_factory=DataConfig)
     """Input jsonl (``data.paths``); ``data.max_length`` caps prompt + answer tokens."""
     target: TargetConfig = field(default_factory=TargetConfig)
-    """The target that writes the answers."""
+    """The target that writes the answers. With ``server.urls`` only its tokenizer is read
+    (``target.path``, unless ``data.tokenizer`` is set): it decides which prompts exceed
+    ``data.max_length``."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """Inference servers that answer instead of the target in the ranks (``server.urls``)."""
     output: str = ""
     """Output jsonl (OpenAI ``messages`` layout); per-rank parts live in ``<output>.parts/``."""
     batch_size: int = 16
-    """Conversations generated together per rank."""
+    """Conversations generated together per rank (in-rank path; servers batch by themselves)."""
     max_new_tokens: int = 2048
     """Answer length cap per assistant turn."""
     temperature: float = 0.7
@@ -111,7 +164,9 @@ class RegenerateConfig:
     top_p: float = 0.8
     """Nucleus sampling (paper: 0.8)."""
     top_k: int = 20
-    """Top-k sampling (paper: 20)."""
+    """Top-k sampling (paper: 20; 0 = off)."""
+    min_p: float = 0.0
+    """Min-p sampling (0 = off)."""
     seed: int = 0
     """Sampling seed (combined with the sample id, so a resumed run stays reproducible)."""
     restart: bool = False
@@ -123,6 +178,19 @@ class RegenerateConfig:
     )
     """Network interface and timeout of the ranks; the timeout also bounds how long a rank
     that finished its share waits for the slowest one."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
 
 
 @dataclass

@@ -1,22 +1,21 @@
 """``dspark-ds regenerate``: the target writes every assistant answer itself.
 
-Paper settings by default: T 0.7, top-p 0.8, top-k 20, non-thinking chat template. Rows are
-split across ranks (row ``i`` → rank ``i % world``). Each rank appends finished rows to its
-part file ``<output>.parts/part-<rank>-of-<world>.jsonl`` (flushed + fsynced per batch), so a
-rerun after a crash skips what is there. When every rank is done, the parts are merged —
-sorted by row id, each exactly once — into ``<output>`` (atomic rename); failures go to
-``<output>.failed.jsonl``. Multi-turn rows are answered turn by turn (each answer is part of
-the next turn's prompt).
+Paper settings by default: T 0.7, top-p 0.8, top-k 20, non-thinking chat template. Multi-turn
+rows are answered turn by turn (each answer is part of the next turn's prompt). Two paths write
+the same files (``regen_parts``: part files, their input records, the merge):
 
-Next to each part, ``part-R-of-W.inputs.json`` records what its rows were made from: the
-sha256 of every input file and every setting that changes an answer. A rerun resumes only
-rows with the same record; otherwise it refuses, naming what changed, unless ``restart`` is
-set (then the earlier rows and output are discarded).
+- in the ranks (this module): every rank loads the target and answers its rows (row ``i`` →
+  rank ``i % world``) with Hugging Face ``generate`` in batches, appending them to its part
+  (flushed + fsynced per batch); when every rank is done, the parts are merged.
+- through OpenAI-compatible servers (``server.urls``, ``regen_servers``): one process sends
+  the turns to a fleet of SGLang / vLLM servers; no target weights are loaded.
+
+A rerun skips the rows already written and refuses rows made from other inputs or settings
+unless ``restart`` is set.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,20 +27,20 @@ from dspark_ds import distributed as dist
 from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
+from dspark_ds.data.regen_parts import (
+    answer_settings,
+    discard_earlier_rows,
+    earlier_rows_problem,
+    inputs_path,
+    inputs_record,
+    merge_parts,
+    part_path,
+    read_part,
+    refuse_message,
+    split_prompt,
+)
 from dspark_ds.data.tokens import atomic_write_text
-from dspark_ds.files import check_exists, check_model_path, first_line, sha256_file
-
-
-def _parts_dir(output: str) -> Path:
-    return Path(f"{output}.parts")
-
-
-def _part_path(output: str, rank: int, world: int) -> Path:
-    return _parts_dir(output) / f"part-{rank:05d}-of-{world:05d}.jsonl"
-
-
-def _inputs_path(part: Path) -> Path:
-    return part.with_suffix(".inputs.json")
+from dspark_ds.files import check_exists, check_model_path, first_line
 
 
 def run_inputs(cfg: RegenerateConfig) -> dict:
@@ -61,91 +60,16 @@ def run_inputs(cfg: RegenerateConfig) -> dict:
         raise ValueError(
             f"target.path: cannot read a model config from {cfg.target.path!r} ({first_line(err)})"
         ) from None
-    settings: dict = {
-        "data.paths": [str(p) for p in cfg.data.paths],  # rows record their `source` file
-        **{f"data.paths[{i}] content": sha256_file(p) for i, p in enumerate(cfg.data.paths)},
+    settings = answer_settings(cfg) | {
         "target.path": cfg.target.path,
         "target.revision": cfg.target.revision,
         "target.dtype": cfg.target.dtype,
         "target config": config_sha256(target_config),
         "data.tokenizer": cfg.data.tokenizer or cfg.target.path,
-        "data.max_length": cfg.data.max_length,
-        "data.enable_thinking": cfg.data.enable_thinking,
-        "data.system_prompt": cfg.data.system_prompt,
         # the batch decides the padding and each batch's sampling seed
         "batch_size": cfg.batch_size,
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
     }
-    if cfg.temperature > 0:  # greedy answers ignore the sampling settings
-        settings.update(top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
-    return {"fingerprint": digest, "settings": settings}
-
-
-def _what_changed(old: dict, new: dict) -> str:
-    changed = []
-    for key in sorted(set(old) | set(new), key=lambda k: (k.startswith("data.paths["), k)):
-        a, b = old.get(key, "unset"), new.get(key, "unset")
-        if a != b:
-            hashed = key.endswith(("content", "config"))
-            changed.append(f"{key} changed" if hashed else f"{key} {a!r} -> {b!r}")
-    return ", ".join(changed[:4]) + (f" (+{len(changed) - 4} more)" if len(changed) > 4 else "")
-
-
-def earlier_rows_problem(output: str, inputs: dict) -> str | None:
-    """Why the rows an earlier run left for ``output`` cannot be resumed with ``inputs`` (None:
-    they can, or there are none)."""
-    parts = _parts_dir(output)
-    records = sorted(parts.glob("part-*.inputs.json")) if parts.is_dir() else []
-    for record in records:
-        try:
-            old = json.loads(record.read_text())["settings"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return f"{record} is unreadable, so the rows beside it cannot be trusted"
-        if old != inputs["settings"]:
-            return (
-                f"{parts} holds rows made from other inputs or settings "
-                f"({_what_changed(old, inputs['settings'])})"
-            )
-    if parts.is_dir():
-        for part in sorted(parts.glob("part-*.jsonl")):
-            if part.stat().st_size and not _inputs_path(part).exists():
-                return f"{part} holds rows with no record of the inputs they were made from"
-    if Path(output).exists() and not records:
-        return f"{output} exists with no record of the inputs it was made from"
-    return None
-
-
-def _discard_earlier_rows(output: str, rank: int, world: int) -> None:
-    """``restart``: this rank removes its own part files; rank 0 also the merged output and
-    the parts of other world sizes (every rank touches only files no other rank touches)."""
-    own = _part_path(output, rank, world)
-    doomed = [own, _inputs_path(own), own.with_suffix(".done")]
-    if rank == 0:
-        doomed += [Path(output), Path(f"{output}.failed.jsonl")]
-        if _parts_dir(output).is_dir():
-            doomed += [p for p in _parts_dir(output).iterdir() if f"-of-{world:05d}." not in p.name]
-    for path in doomed:
-        path.unlink(missing_ok=True)
-
-
-def read_part(path: Path) -> list[dict]:
-    """Records of a part file; a torn last line (crash mid-write) is cut off the file."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    end = data.rfind(b"\n") + 1
-    if end != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(end)
-    return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-
-
-def _prompt(messages: list[dict]) -> tuple[list[dict], list[str]]:
-    """(system messages, user turns) of a conversation; its answers are dropped."""
-    system = [m for m in messages if m["role"] == "system"]
-    return system, [m["content"] for m in messages if m["role"] == "user"]
+    return inputs_record(settings)
 
 
 class _Generator:
@@ -175,6 +99,7 @@ class _Generator:
             temperature=self.cfg.temperature if sample else None,
             top_p=self.cfg.top_p if sample else None,
             top_k=self.cfg.top_k if sample else None,
+            min_p=self.cfg.min_p if sample and self.cfg.min_p > 0 else None,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids,
         )
@@ -191,7 +116,7 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
     """Answer every user turn of ``rows``; one output record per row (ok or failed)."""
     convs = []
     for row in rows:
-        system, users = _prompt(row.messages)
+        system, users = split_prompt(row.messages)
         convs.append(
             {
                 "id": row.index,
@@ -244,27 +169,6 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
     return out
 
 
-def merge_parts(output: str, world: int) -> dict:
-    """Merge every rank's part into ``output`` (sorted, each id once); return the counts."""
-    records = {}
-    for r in range(world):
-        for rec in read_part(_part_path(output, r, world)):
-            if rec["id"] in records:
-                raise RuntimeError(f"sample {rec['id']} was written twice (rank parts overlap)")
-            records[rec["id"]] = rec
-    good = [records[i] for i in sorted(records) if "error" not in records[i]]
-    bad = [records[i] for i in sorted(records) if "error" in records[i]]
-    atomic_write_text(
-        output,
-        "".join(
-            json.dumps({"id": r["id"], "source": r["source"], "messages": r["messages"]}) + "\n"
-            for r in good
-        ),
-    )
-    atomic_write_text(f"{output}.failed.jsonl", "".join(json.dumps(r) + "\n" for r in bad))
-    return {"written": len(good), "failed": len(bad)}
-
-
 def _check_paths(cfg: RegenerateConfig) -> None:
     if not cfg.output:
         raise ValueError("output is required (the jsonl to write)")
@@ -279,21 +183,18 @@ def _check_paths(cfg: RegenerateConfig) -> None:
 def _open_part(cfg: RegenerateConfig, rank: int, world: int) -> tuple[Path, set[int]]:
     """This rank's part file, ready to append to, and the ids it already holds. Rows an earlier
     run wrote with other inputs are refused by every rank together (or discarded on restart)."""
-    part = _part_path(cfg.output, rank, world)
+    part = part_path(cfg.output, rank, world)
     inputs = run_inputs(cfg)
     problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
     problems = [p for p in dist.all_gather_object(problem) if p]
     if problems:  # every rank refuses together
-        raise ValueError(
-            f"regenerate: {problems[0]}; rerun with --restart true to discard them and start "
-            "over, or write to another --output"
-        )
+        raise ValueError(refuse_message(problems[0]))
     if cfg.restart:
-        _discard_earlier_rows(cfg.output, rank, world)
+        discard_earlier_rows(cfg.output, rank, world)
         dist.barrier()
     part.parent.mkdir(parents=True, exist_ok=True)
     part.with_suffix(".done").unlink(missing_ok=True)  # a stale one would start the merge early
-    atomic_write_text(_inputs_path(part), json.dumps(inputs, indent=1, sort_keys=True))
+    atomic_write_text(inputs_path(part), json.dumps(inputs, indent=1, sort_keys=True))
     return part, {rec["id"] for rec in read_part(part)}
 
 
@@ -330,7 +231,7 @@ def _rows_to_answer(
     for row in read_conversations(cfg.data.paths, cfg.data.skip_bad_rows, stats):
         if row.index % world != rank:
             continue
-        system, users = _prompt(row.messages)
+        system, users = split_prompt(row.messages)
         if row.index in done:
             counts["already_done"] += 1
         elif len(chat.prompt_ids(system + [{"role": "user", "content": users[0]}])) >= (
@@ -361,7 +262,7 @@ def _answer_into(part: Path, gen: _Generator, mine: list, cfg, rank: int, counts
 
 def _merge_when_all_done(cfg: RegenerateConfig, rank: int, world: int) -> dict | None:
     """Rank 0 (or, without a process group, whichever rank finds every part done) merges."""
-    done_files = [_part_path(cfg.output, r, world).with_suffix(".done") for r in range(world)]
+    done_files = [part_path(cfg.output, r, world).with_suffix(".done") for r in range(world)]
     all_done = all(f.exists() for f in done_files)
     if not (rank == 0 if dist.has_group() else all_done):
         return None
@@ -375,7 +276,12 @@ def _merge_when_all_done(cfg: RegenerateConfig, rank: int, world: int) -> dict |
 
 
 def regenerate(cfg: RegenerateConfig) -> dict:
-    """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges."""
+    """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges. With
+    ``cfg.server.urls``: one process answers every row through the servers."""
+    if cfg.server.urls:
+        from dspark_ds.data.regen_servers import regenerate_with_servers
+
+        return regenerate_with_servers(cfg)
     _check_paths(cfg)
     dist.init("gloo", always=False, settings=cfg.distributed)
     rank, world = dist.rank_and_world()

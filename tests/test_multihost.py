@@ -26,18 +26,18 @@ from helpers.tiny_models import build_tiny_target, write_chat_jsonl
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"
 FAULTS_SITE = REPO / "tests" / "helpers" / "faults_site"
-STEPS = 24
-CKPT_EVERY = 4
+STEPS = 12
+CKPT_EVERY = 3
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.multihost]
 
 
 def train_args(target: str, out: Path, name: str, steps: int = STEPS) -> list[str]:
-    """The tiny recipe under ZeRO-3, 4 ranks x 2 sequences x 2 micro-batches per step."""
+    """The tiny recipe under ZeRO-3, 4 ranks x 1 sequence x 2 micro-batches per step."""
     return [
         "--config", str(TINY), "--target.path", target, "--output_dir", str(out),
-        "--name", name, "--deepspeed.config", "zero3", "--data.batch_size", "2",
-        "--train.global_batch_size", "16", "--train.max_steps", str(steps),
+        "--name", name, "--deepspeed.config", "zero3", "--data.batch_size", "1",
+        "--train.global_batch_size", "8", "--train.max_steps", str(steps),
         "--checkpoint.every_steps", str(CKPT_EVERY), "--validation.every_steps", "0",
         "--train.progress_bar", "false", "--train.log_every", "1",
     ]  # fmt: skip
@@ -271,8 +271,8 @@ def test_host_lost_mid_training_then_resumed(multihost_cluster, tiny_target, ref
               f"{ended:.1f} s ({info['JobState']})")  # fmt: skip
         return newest, job.text()
 
-    newest_at_crash, _ = lose("crash", after_step=6)
-    newest_at_cut, text = lose("cut", after_step=newest_at_crash + CKPT_EVERY + 2)
+    newest_at_crash, _ = lose("crash", after_step=CKPT_EVERY + 1)
+    newest_at_cut, text = lose("cut", after_step=newest_at_crash + CKPT_EVERY + 1)
     assert f"step_{newest_at_crash:08d} at step {newest_at_crash}" in text, text[-4000:]
     final = Job(cluster, tmp_path, "lost-final", sbatch_args, script, args, job_env(tmp_path))
     info = final.finish()
@@ -298,8 +298,7 @@ def _is_rank(argv: list[str]) -> bool:
 
 # ---- data tools across hosts ------------------------------------------------------------------
 DATA_JOB = """#!/bin/bash
-# regenerate and build-cache across the allocation (srun under PMIx), then build-cache again on
-# dsn2 alone: a step narrowed by DSPARK_SRUN_ARGS, whose head is its own first node
+# regenerate (srun under PMIx) and build-cache across the allocation
 set -euo pipefail
 source "$DSPARK_SLURM_DIR/common.sh"
 DSPARK_SRUN_ARGS="--mpi=pmix" dspark_launch regenerate --data.paths "[$CHAT]" \\
@@ -308,10 +307,6 @@ DSPARK_SRUN_ARGS="--mpi=pmix" dspark_launch regenerate --data.paths "[$CHAT]" \\
 (( DSPARK_RC == 0 )) || exit "$DSPARK_RC"
 dspark_launch build-cache --data.paths "[$OUT/regen.jsonl]" --data.cache_dir "$OUT/cache" \\
   --data.samples_per_shard 5 --data.max_length 128 --target.path "$TARGET" --batch_size 2
-(( DSPARK_RC == 0 )) || exit "$DSPARK_RC"
-DSPARK_SRUN_ARGS="-w dsn2 -N1 -n2" dspark_launch build-cache --data.paths "[$OUT/regen.jsonl]" \\
-  --data.cache_dir "$OUT/cache_dsn2" --data.samples_per_shard 5 --data.max_length 128 \\
-  --target.path "$TARGET" --batch_size 2
 dspark_finish
 """
 
@@ -324,7 +319,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_regenerate_and_build_cache_across_hosts(multihost_cluster, tiny_target, tmp_path):
     """The answers and the cache made on 2 hosts x 2 ranks are byte for byte those of one
-    process on one host; a step narrowed to dsn2 finds its head there."""
+    process on one host."""
     from dspark_ds.data.cache import build_cache
     from dspark_ds.data.config import BuildCacheConfig, DataConfig, RegenerateConfig
     from dspark_ds.data.regeneration import regenerate
@@ -341,8 +336,7 @@ def test_regenerate_and_build_cache_across_hosts(multihost_cluster, tiny_target,
     info = job.finish()
     text = job.text()
     assert info["JobState"] == "COMPLETED", text[-6000:]
-    assert "head <first node of the step>" in text  # the narrowed step
-    assert "MASTER dsn2:" in text and "[launch] slurm: world_size=2 master=dsn2:" in text, text
+    assert "[launch] slurm: world_size=4 master=198.18.0.1:" in text, text[-4000:]
 
     # one host, one process
     one = tmp_path / "one"
@@ -358,7 +352,6 @@ def test_regenerate_and_build_cache_across_hosts(multihost_cluster, tiny_target,
     want = _files(one / "cache")
     assert len([k for k in want if k.endswith(".safetensors")]) >= 3
     assert _files(out / "cache") == want
-    assert _files(out / "cache_dsn2") == want
 
 
 # ---- MPI across hosts --------------------------------------------------------------------------
@@ -443,7 +436,8 @@ PROBE = """#!/bin/bash
 if [[ "$1 $2" == "-m dspark_ds.network" ]]; then exec "$REAL_PYTHON" "$@"; fi
 # NOTE: nproc alone would answer OMP_NUM_THREADS
 cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
-echo "probe $(hostname) task ${SLURM_PROCID:-?} cpus=$cpus omp=$OMP_NUM_THREADS args=$*"
+head=$("$REAL_PYTHON" -c "from dspark_ds.distributed import discover as d; print(d().master_addr)")
+echo "probe $(hostname) task ${SLURM_PROCID:-?} cpus=$cpus omp=$OMP_NUM_THREADS head=$head"
 """
 # Slurm releases whose srun does not take --cpus-per-task from the allocation (it ignores
 # SLURM_CPUS_PER_TASK): this cluster's srun, made to behave like them
@@ -452,8 +446,11 @@ exec env -u SLURM_CPUS_PER_TASK {srun} "$@"
 """
 
 
-@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
-def test_each_task_gets_its_cpus(multihost_cluster, tmp_path, launcher):
+@pytest.mark.parametrize("launcher", ["srun", "torchrun", "srun-narrowed"])
+def test_each_task_gets_its_cpus_and_head(multihost_cluster, tmp_path, launcher):
+    """Each task is given the CPUs of --cpus-per-task (a torchrun step all of the node's) and
+    OMP_NUM_THREADS says as many, on an srun that does not take them from the allocation; the
+    head is the first node of the step, also of a step that DSPARK_SRUN_ARGS narrows to dsn2."""
     cluster = multihost_cluster
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -465,7 +462,10 @@ def test_each_task_gets_its_cpus(multihost_cluster, tmp_path, launcher):
     for path in bin_dir.iterdir():
         path.chmod(0o755)
     env = job_env(tmp_path, PYTHON=str(probe), REAL_PYTHON=sys.executable,
-                  PATH=f"{bin_dir}:{cluster.env['PATH']}", DSPARK_LAUNCHER=launcher)  # fmt: skip
+                  PATH=f"{bin_dir}:{cluster.env['PATH']}",
+                  DSPARK_LAUNCHER=launcher.removesuffix("-narrowed"))  # fmt: skip
+    if launcher == "srun-narrowed":
+        env["DSPARK_SRUN_ARGS"] = "-w dsn2 -N1 -n1"
     env["OMP_NUM_THREADS"] = ""  # the batch script decides
     env["DSPARK_NPROC_PER_NODE"] = "2"  # torchrun: 2 workers share the task's 2 CPUs
     job = Job(cluster, tmp_path, f"cpus-{launcher}",
@@ -474,8 +474,12 @@ def test_each_task_gets_its_cpus(multihost_cluster, tmp_path, launcher):
     info = job.finish(timeout_s=120)
     text = job.text()
     assert info["JobState"] == "COMPLETED", text
-    probes = re.findall(r"probe (dsn\d) task \S+ cpus=(\d+) omp=(\d+)", text)
-    assert sorted(h for h, _, _ in probes) == ["dsn1", "dsn2"], text
-    for _, cpus, omp in probes:
+    probes = re.findall(r"probe (dsn\d) task \S+ cpus=(\d+) omp=(\d+) head=(\S+)", text)
+    hosts = ["dsn2"] if launcher == "srun-narrowed" else ["dsn1", "dsn2"]
+    assert sorted(p[0] for p in probes) == hosts, text
+    for _, cpus, omp, head in probes:
         assert cpus == "2", text  # the task was given the CPUs it was allocated
         assert omp == ("1" if launcher == "torchrun" else "2"), text
+        assert (
+            head == {"srun": "198.18.0.1", "torchrun": "dsn1", "srun-narrowed": "dsn2"}[launcher]
+        ), text

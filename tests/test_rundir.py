@@ -127,3 +127,32 @@ def _shared_check(rank, world, base):
 @pytest.mark.distributed
 def test_node_local_run_directories_are_refused(tmp_path):
     run_distributed(_shared_check, world_size=2, args=(str(tmp_path),))
+
+
+@pytest.mark.slow
+def test_train_into_a_busy_run_directory_is_refused(tmp_path, monkeypatch):
+    """What a re-submitted job sees while the first still trains: one line naming the holder,
+    exit 2, nothing written into the run directory."""
+    from helpers.tiny_models import build_tiny_target
+
+    target = build_tiny_target(tmp_path / "target")
+    run_dir = tmp_path / "runs" / "busy"
+    env = {"SLURM_JOB_ID": "4711"}
+    holder = _holder(run_dir, env)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dspark_ds.cli", "train", "--config", "tiny_cpu",
+             "--target.path", target, "--output_dir", str(tmp_path / "runs"), "--name", "busy",
+             "--checkpoint.resume", "auto"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO), "SLURM_CONF": "/nonexistent"},
+        )  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dspark-ds: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"another job is training in this run directory (host {socket.gethostname()} " \
+           f"pid {holder.pid}, Slurm job 4711" in errors[0]  # fmt: skip
+    assert sorted(p.name for p in run_dir.iterdir()) == ["RUNNING"]

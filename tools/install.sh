@@ -4,9 +4,9 @@
 #   TORCH_SPEC   the torch requirement to install first (default: torch==2.13.0,
 #                the CPU build). GPU users: set it to the CUDA build that
 #                matches the driver, e.g. TORCH_SPEC="torch==2.9.1".
-#   SKIP_APT=1   do not install the system packages (Slurm, munge, Open MPI)
-#                that the multi-node tests use; those tests then fail, naming
-#                this script (the tests themselves install nothing).
+#   SKIP_APT=1   do not install the system packages (Slurm, munge, Open MPI,
+#                iproute2, libaio) that the multi-node and NVMe tests use; those
+#                tests then fail, naming this script (the tests install nothing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +15,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 
 if [[ "${SKIP_APT:-0}" != "1" ]] && command -v apt-get >/dev/null; then
   need=()
-  for pkg in slurm-wlm munge openmpi-bin libopenmpi-dev; do
+  # iproute2: the multi-host tests' network namespaces; libaio-dev: DeepSpeed's async_io op
+  # (NVMe offload)
+  for pkg in slurm-wlm munge openmpi-bin libopenmpi-dev iproute2 libaio-dev; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if ((${#need[@]})) && [[ "$(id -u)" != "0" ]]; then
@@ -35,5 +37,15 @@ fi
 "$PY" -m pip install -q --disable-pip-version-check -e ".[dev]"
 if command -v mpicc >/dev/null || [[ -e /usr/lib/x86_64-linux-gnu/libmpi.so.40 ]]; then
   "$PY" -m pip install -q --disable-pip-version-check "mpi4py>=4.0"
+fi
+# DeepSpeed compiles its async_io op (NVMe offload) on first use, which takes minutes: build
+# it now, once (kept under ~/.cache/torch_extensions), so that a run or a test does not.
+if [[ -e /usr/include/libaio.h ]]; then
+  accel=${DS_ACCELERATOR:-$("$PY" -c 'import torch; print("cuda" if torch.version.cuda else "cpu")')}
+  echo "[install] building DeepSpeed's async_io op for $accel (NVMe offload; once, a few minutes)"
+  DS_ACCELERATOR=$accel "$PY" -c '
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("AsyncIOBuilder").load(verbose=False)' >/dev/null 2>&1 ||
+    echo "[install] warning: DeepSpeed's async_io op did not build; NVMe offload will not work"
 fi
 echo "[install] done: $("$PY" -c 'import torch, deepspeed, transformers; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__)' 2>/dev/null)"

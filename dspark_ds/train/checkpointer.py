@@ -13,6 +13,8 @@ The on-disk layout is `dspark_ds.train.checkpoint`'s.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -26,6 +28,24 @@ HASH_ON_RESUME_BYTES_PER_RANK = 4 * 2**30
 """checkpoint.verify auto: sha256 up to this much per rank (a few seconds at disk speed)."""
 
 
+def slurm_kill_wait_s() -> int | None:
+    """KillWait of the cluster the job runs on (`scontrol show config`), None when unknown."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=5
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "KillWait":
+            try:
+                return int(value.split()[0])
+            except (ValueError, IndexError):
+                return None
+    return None
+
+
 class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, rank: int, world: int):
         self.cfg = cfg
@@ -33,6 +53,7 @@ class Checkpointer:
         self.rank, self.world = rank, world
         self.saved_step: int | None = None
         """The step of the checkpoint this process saved or resumed from last."""
+        self._kill_wait_checked = False
 
     # ---- cadence -------------------------------------------------------------------------------
     def should_save(self, step: int, *, last_step: bool) -> bool:
@@ -240,9 +261,26 @@ class Checkpointer:
         self.saved_step = step
         if self.rank == 0:
             size = sum(p.stat().st_size for p in tag_dir.iterdir() if p.is_file())
-            print0(f"[train] checkpoint {tag_dir} ({size / 2**20:.1f} MiB, "
-                   f"{time.perf_counter() - t0:.1f} s)")  # fmt: skip
+            took = time.perf_counter() - t0
+            print0(f"[train] checkpoint {tag_dir} ({size / 2**20:.1f} MiB, {took:.1f} s)")
+            self._warn_if_slower_than_kill_wait(took)
         return tag_dir
+
+    def _warn_if_slower_than_kill_wait(self, save_s: float) -> None:
+        """Slurm stops a job with TERM, then KILL after KillWait: a save that takes longer does
+        not finish there. Said once per run, under Slurm."""
+        if self._kill_wait_checked or not os.environ.get("SLURM_JOB_ID"):
+            return
+        self._kill_wait_checked = True
+        kill_wait = slurm_kill_wait_s()
+        if kill_wait is not None and save_s > 0.8 * kill_wait:
+            print0(
+                f"[train] warning: a checkpoint took {save_s:.0f} s and Slurm's KillWait is "
+                f"{kill_wait} s: a TERM from Slurm (scancel, scontrol requeue, a time limit "
+                "without --signal=B:USR1@<s>) kills the job before its checkpoint is written, "
+                "losing the steps since the last one; keep the USR1 warning's lead time above "
+                "the save time (docs/multi-node.md, site settings)"
+            )
 
     def _agree(self, error: BaseException | None, tag_dir: Path) -> None:
         """Collective: every rank learns whether any rank failed; if so the partial tag goes

@@ -61,7 +61,9 @@ def slurm_job_state(job_id: str) -> str | None:
             ["scontrol", "show", "job", "-o", str(job_id)],
             capture_output=True,
             text=True,
-            timeout=20,
+            # NOTE: without a slurm.conf, scontrol looks for a controller in DNS (configless
+            # Slurm) and can wait a long time for an answer that never comes
+            timeout=5,
         )
     except (OSError, subprocess.SubprocessError):
         return None

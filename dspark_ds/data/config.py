@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetConfig
 
 CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
@@ -63,20 +64,20 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("offline", "online", "hybrid"):
-            raise ValueError(f"data.mode must be offline | online | hybrid, got {self.mode!r}")
+            raise ConfigError(f"data.mode must be offline | online | hybrid, got {self.mode!r}")
         if self.mode in ("offline", "hybrid") and not self.cache_dir:
-            raise ValueError(f"data.cache_dir is required when data.mode={self.mode}")
+            raise ConfigError(f"data.cache_dir is required when data.mode={self.mode}")
         for name in ("max_length", "batch_size", "length_grouping", "samples_per_shard"):
             if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if self.chat_format not in ("deepspec", "answer_only"):
-            raise ValueError(
+            raise ConfigError(
                 f"data.chat_format must be deepspec | answer_only, got {self.chat_format!r}"
             )
         if self.cache_dtype not in CACHE_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"data.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}"
             )
 

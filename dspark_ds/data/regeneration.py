@@ -29,6 +29,7 @@ from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
 from dspark_ds.data.tokens import atomic_write_text
+from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_exists, check_model_path, first_line, sha256_file
 
 
@@ -58,7 +59,7 @@ def run_inputs(cfg: RegenerateConfig) -> dict:
             trust_remote_code=cfg.target.trust_remote_code,
         )
     except OSError as err:
-        raise ValueError(
+        raise ConfigError(
             f"target.path: cannot read a model config from {cfg.target.path!r} ({first_line(err)})"
         ) from None
     settings: dict = {
@@ -267,9 +268,9 @@ def merge_parts(output: str, world: int) -> dict:
 
 def _check_paths(cfg: RegenerateConfig) -> None:
     if not cfg.output:
-        raise ValueError("output is required (the jsonl to write)")
+        raise ConfigError("output is required (the jsonl to write)")
     if not cfg.target.path:
-        raise ValueError("target.path is required")
+        raise ConfigError("target.path is required")
     for i, path in enumerate(cfg.data.paths):
         check_exists(path, f"data.paths[{i}]")
     check_model_path(cfg.target.path, "target.path")
@@ -284,7 +285,7 @@ def _open_part(cfg: RegenerateConfig, rank: int, world: int) -> tuple[Path, set[
     problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
     problems = [p for p in dist.all_gather_object(problem) if p]
     if problems:  # every rank refuses together
-        raise ValueError(
+        raise ConfigError(
             f"regenerate: {problems[0]}; rerun with --restart true to discard them and start "
             "over, or write to another --output"
         )

@@ -225,8 +225,11 @@ def load_draft_model(path, dtype: torch.dtype = torch.float32, device: str | tor
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise ConfigError(f"{cfg_file}: not found (is {path} a drafter directory?)")
-    config = config_from_dict(json.loads(cfg_file.read_text()))
-    model = build_draft_model(config)
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{cfg_file}: not valid JSON ({err})") from None
+    model = build_draft_model(config_from_dict(data))
     state = _read_state_dict(path)
     own = model.state_dict()
     missing = sorted(set(own) - set(state))

@@ -115,5 +115,5 @@ def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():
     inputs = {k: v for k, v in batch.items() if k != "sample_ids"}
     out = model(**inputs, anchor_positions=anchors, block_keep_mask=keep)
     ref, ref_metrics = compute_dspark_loss(out, **asdict(m.loss_weights))
-    torch.testing.assert_close(loss, ref)
-    assert metrics["tau_greedy"] == ref_metrics["tau_greedy"]
+    assert torch.equal(loss, ref)  # the trainer's on-device step is the reference, bit for bit
+    assert metrics == ref_metrics and metrics["supervised_tokens"] > 0

@@ -7,8 +7,12 @@
 
 Each subcommand is `module:ConfigClass` + `module:function(cfg)`; both are imported only when
 that subcommand runs, so `dspark-ds --help` is instant and a component's subcommand appears as
-soon as its module exists. Bad options and failed config checks exit with code 2 and a message
-naming the dotted option.
+soon as its module exists.
+
+Exit codes: 2 and one line naming the dotted option for what the user must fix (a bad option, a
+failed config check, any `ConfigError` raised while the subcommand runs: a path, a file, data,
+a checkpoint); 1 and the full traceback for anything else (a bug); the training signals' own
+codes (75 requeue, 130 Ctrl-C); 1 and one line for `TrainingStopped`.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "export": (
         "dspark_ds.config:ExportConfig",
-        "dspark_ds.train.checkpoint:run_export",
+        "dspark_ds.train.export:run_export",
         "training checkpoint (any ZeRO stage) -> interchange directory",
     ),
     "demo": (
@@ -60,8 +64,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "estimate the size of a target cache before building it (`estimate cache`)",
     ),
     "bench": (
-        "dspark_ds.perf.bench:TrainBenchConfig",
-        "dspark_ds.perf.bench:run_train_bench",
+        "dspark_ds.perf.train_bench:TrainBenchConfig",
+        "dspark_ds.perf.train_bench:run_train_bench",
         "training-step throughput and memory of the drafter variants",
     ),
     "gpu-check": (
@@ -80,8 +84,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "MLflow runs side by side: differing params, final / best metrics, plots",
     ),
     "bench-decode": (
-        "dspark_ds.eval.config:BenchConfig",
-        "dspark_ds.eval.bench:run_bench",
+        "dspark_ds.eval.config:DecodeBenchConfig",
+        "dspark_ds.eval.decode_bench:run_decode_bench",
         "tokens/s of speculative decoding against the target alone",
     ),
 }
@@ -96,7 +100,7 @@ def _import(path: str):
 
 def parse_config(name: str, argv: list[str]):
     """argv (after the subcommand) → a validated config instance of that subcommand. Raises
-    ValueError / SystemExit(2) with the option's name."""
+    ConfigError / SystemExit(2) with the option's name."""
     from dspark_ds.config import parse
 
     config_path, _, _ = SUBCOMMANDS[name]
@@ -143,11 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         entry = _import(entry_path)
     except (ImportError, AttributeError) as err:
         return _fail(f"subcommand {name!r} is not available in this install ({err})")
+    from dspark_ds.errors import ConfigError
+
     try:
         cfg = parse_config(name, rest)
     except SystemExit as err:  # --help / --print_config exit 0; parse errors exit 2
         return int(err.code or 0)
-    except (argparse.ArgumentError, ValueError, TypeError) as err:
+    except (argparse.ArgumentError, ConfigError) as err:
         return _fail(_parse_error_text(err))
     from dspark_ds.distributed import leave
     from dspark_ds.network import NetworkError
@@ -158,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     except NetworkError as err:  # the ranks cannot reach each other: one line, no traceback
         print(f"dspark-ds: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 1
-    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as err:
-        # config problems found while setting up (cache mismatch, batch divisibility, a path
-        # that does not exist, ...): one line, no traceback
+    except ConfigError as err:
+        # found while the subcommand runs (a cache that does not match, a batch size that does
+        # not divide, a path that does not exist, ...): one line, no traceback
         return _fail(_one_line(err))
     except TrainingStopped as err:  # raised by every rank together, after what could be saved
         print(f"dspark-ds: error: {_one_line(err)}", file=sys.stderr, flush=True)
@@ -177,8 +183,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(err: Exception) -> str:
-    if isinstance(err, OSError) and err.filename is not None and err.strerror:
-        return f"{err.filename}: {err.strerror}"
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return "; ".join(lines) if lines else type(err).__name__
 
@@ -188,8 +192,9 @@ def _parse_error_text(err: Exception) -> str:
     # jsonargparse wraps __post_init__ errors; the last line names the option
     lines = [line for line in text.splitlines() if line.strip()]
     for line in reversed(lines):
-        if "ValueError:" in line:
-            return line.split("ValueError:", 1)[1].strip()
+        for marker in ("ConfigError:", "ValueError:"):
+            if marker in line:
+                return line.split(marker, 1)[1].strip()
     return text
 
 

@@ -4,7 +4,7 @@ Every section is a small dataclass; jsonargparse turns the field docstrings into
 the field paths into dotted flags (`--train.lr 1e-4`). Sections owned by other components are
 imported from next to their code (`data.DataConfig`, `target.TargetConfig`,
 `drafters.presets.DrafterConfig`). Every check raises
-`ValueError` naming the dotted option; the CLI turns that into exit code 2.
+`ConfigError` naming the dotted option; the CLI turns that into exit code 2.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import re
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from dspark_ds.data.config import DataConfig
 from dspark_ds.distributed import DistributedConfig
+from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import DrafterConfig
-from dspark_ds.perf.config import PerfConfig
+from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetConfig, TargetPathConfig
 
 
@@ -194,21 +195,18 @@ class TrainRunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """How the ranks reach each other: network interface, rendezvous and collective timeout."""
 
-    # old spelling -> new: an old spelling gets an error naming both (see `parse`)
-    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"eval": "validation"}
-
     @property
     def run_dir(self) -> str:
         return os.path.join(self.output_dir, self.name)
 
     def validate(self) -> TrainRunConfig:
-        """Cross-field checks; raises ValueError naming the dotted option."""
+        """Cross-field checks; raises ConfigError naming the dotted option."""
         _require(bool(self.name) and "/" not in self.name, "name", "must be a plain name", self)
         _require(bool(self.target.path), "target.path", "is required", self)
         self.model.validate()
-        from dspark_ds.drafters.registry import get_spec
+        from dspark_ds.drafters.registry import get_kind
 
-        get_spec(self.model.kind).check_perf(self.perf)  # a perf option the kind cannot honour
+        get_kind(self.model.kind).check_perf(self.perf)  # a perf option the kind cannot honour
         self.train.validate()
         self.validation.validate()
         _require(self.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self)
@@ -228,9 +226,9 @@ class TrainRunConfig:
                 f"must be >= train.global_batch_size ({self.train.global_batch_size})",
                 self,
             )
-        from dspark_ds.drafters.registry import get_spec
+        from dspark_ds.drafters.registry import get_kind
 
-        if get_spec(self.model.kind).anchor_blocks:
+        if get_kind(self.model.kind).anchor_blocks:
             self._warn_block_shapes()
         return self
 
@@ -251,7 +249,7 @@ class TrainRunConfig:
             )
 
     def check_paths(self) -> TrainRunConfig:
-        """The files and directories the run reads exist; ValueError naming the option.
+        """The files and directories the run reads exist; ConfigError naming the option.
 
         Separate from `validate()` (which `--print_config` runs too): a recipe names paths of the
         cluster it is meant for. A local-looking target path is checked here, before
@@ -264,7 +262,7 @@ class TrainRunConfig:
             for i, path in enumerate(self.data.paths):
                 check_exists(path, f"data.paths[{i}]")
                 if os.path.isfile(path) and os.path.getsize(path) == 0:
-                    raise ValueError(f"data.paths[{i}]: {path} is empty")
+                    raise ConfigError(f"data.paths[{i}]: {path} is empty")
         if self.data.mode == "offline" and self.train.synthetic_samples == 0:
             check_exists(self.data.cache_dir, "data.cache_dir", "cache directory")
         for i, path in enumerate(self.validation.paths):
@@ -295,8 +293,6 @@ class ExportConfig:
     """Write into a non-empty output_dir: replace its config.json and weights (other files are
     kept). Without it a non-empty output_dir is refused."""
 
-    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target_path": "target.path"}
-
     def validate(self) -> ExportConfig:
         _require(bool(self.checkpoint), "checkpoint", "is required", self)
         _require(bool(self.output_dir), "output_dir", "is required", self)
@@ -319,7 +315,7 @@ def _require(ok: bool, option: str, why: str, section) -> None:
     if not ok:
         value = _lookup(section, option.rsplit(".", 1)[-1])
         shown = "" if value is _MISSING else f", got {value!r}"
-        raise ValueError(f"{option}: {why}{shown}")
+        raise ConfigError(f"{option}: {why}{shown}")
 
 
 _MISSING = object()
@@ -389,7 +385,7 @@ def resolve_recipe(value: str) -> str:
     recipe = RECIPES_DIR / f"{value.removesuffix('.yaml')}.yaml"
     if recipe.is_file():
         return str(recipe)
-    raise ValueError(
+    raise ConfigError(
         f"--config: {value} is neither a file nor a shipped recipe ({', '.join(shipped_recipes())})"
     )
 
@@ -411,20 +407,12 @@ def _split_argv(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
-    """argv → a validated `config_cls` instance. Raises ValueError / SystemExit(2) naming the
+    """argv → a validated `config_cls` instance. Raises ConfigError / SystemExit(2) naming the
     option. `--print_config` prints the resolved YAML and exits (SystemExit(0)) only after
     every check has passed: a bad config never prints as if it were fine."""
-    from jsonargparse import ArgumentError
-
     parser = build_parser(config_cls, prog)
     argv, print_flags = _split_argv(argv)
-    try:
-        raw = parser.parse_args(argv)
-    except ArgumentError as err:
-        renamed = _renamed_option(getattr(config_cls, "RENAMED_OPTIONS", {}), argv)
-        if renamed:
-            raise ValueError(renamed) from err
-        raise
+    raw = parser.parse_args(argv)
     ns = parser.instantiate(raw)
     values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
     cfg = config_cls(**values)
@@ -444,38 +432,11 @@ def _print_flags(flags: str) -> dict:
     kwargs = {"skip_unset": False}
     for flag in filter(None, flags.split(",")):
         if flag not in known:
-            raise ValueError(f"--print_config: unknown flag {flag!r} (choose from {sorted(known)})")
+            raise ConfigError(
+                f"--print_config: unknown flag {flag!r} (choose from {sorted(known)})"
+            )
         kwargs[known[flag]] = True
     return kwargs
-
-
-def _renamed_option(renamed: dict[str, str], argv: list[str]) -> str | None:
-    """The error for an option spelt the old way (`--target X` for `--target.path X`), on the
-    command line or in a --config YAML, if any."""
-    import yaml
-
-    for old, new in renamed.items():
-        # a section that became a value (`target` -> `target.path`) keeps its name as a prefix
-        section_kept = new.startswith(old + ".")
-        for i, arg in enumerate(argv):
-            flag, _, value = arg.partition("=")
-            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
-            # NOTE: `--target section.yaml` (a section from a file) is still a valid spelling
-            section_file = section_kept and value.endswith((".yaml", ".yml", ".json"))
-            if (flag == f"--{old}" and not section_file) or (
-                not section_kept and flag.startswith(f"--{old}.")
-            ):
-                new_flag = f"--{new}" + flag.removeprefix(f"--{old}")
-                return f"{flag}: renamed to {new_flag}"
-            if arg == "--config" and i + 1 < len(argv):
-                try:
-                    data = yaml.safe_load(Path(argv[i + 1]).read_text())
-                except (OSError, yaml.YAMLError):
-                    continue
-                value = data.get(old) if isinstance(data, dict) else None
-                if value is not None and not (section_kept and isinstance(value, dict)):
-                    return f"{old}: renamed to {new} (in {argv[i + 1]})"
-    return None
 
 
 def to_plain(cfg) -> dict:

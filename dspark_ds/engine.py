@@ -33,6 +33,7 @@ from deepspeed.checkpoint.constants import (
 from torch import nn
 
 from dspark_ds.config import DeepSpeedConfig, TrainConfig
+from dspark_ds.errors import ConfigError
 
 SHIPPED_DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"
 
@@ -43,12 +44,12 @@ def resolve_ds_config_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix == ".json" or os.sep in name_or_path:
         if not path.is_file():
-            raise ValueError(f"deepspeed.config: {name_or_path} does not exist")
+            raise ConfigError(f"deepspeed.config: {name_or_path} does not exist")
         return path
     shipped = SHIPPED_DS_CONFIGS / f"{name_or_path}.json"
     if not shipped.is_file():
         names = sorted(p.stem for p in SHIPPED_DS_CONFIGS.glob("*.json"))
-        raise ValueError(f"deepspeed.config: unknown config {name_or_path!r}; shipped: {names}")
+        raise ConfigError(f"deepspeed.config: unknown config {name_or_path!r}; shipped: {names}")
     return shipped
 
 
@@ -77,11 +78,11 @@ def build_ds_config(
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"deepspeed.config: {path} is not valid JSON: {err}") from err
+        raise ConfigError(f"deepspeed.config: {path} is not valid JSON: {err}") from err
     cfg = merge_config(cfg, section.overrides or {})
     per_step = micro_batch_size * world_size
     if train.global_batch_size % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"train.global_batch_size: {train.global_batch_size} is not a multiple of "
             f"data.batch_size × world size = {micro_batch_size} × {world_size}"
         )
@@ -96,7 +97,7 @@ def build_ds_config(
         if current == "auto":
             node[leaf] = value
         elif current != value and not (isinstance(value, list) and list(current) == value):
-            raise ValueError(
+            raise ConfigError(
                 f"deepspeed.config: {path.name} sets {keys}={current!r} but {option} gives "
                 f'{value!r}; set it to "auto" or change {option}'
             )
@@ -107,10 +108,10 @@ def build_ds_config(
     fill("gradient_clipping", float(train.max_grad_norm), "train.max_grad_norm")
     fill("bf16.enabled", train.precision == "bf16", "train.precision")
     if cfg.get("fp16", {}).get("enabled") is True:
-        raise ValueError("deepspeed.config: fp16 is not supported; use train.precision bf16")
+        raise ConfigError("deepspeed.config: fp16 is not supported; use train.precision bf16")
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
     if optimizer.get("type", "").lower() not in ("adamw", "adam"):
-        raise ValueError(
+        raise ConfigError(
             f"deepspeed.config: optimizer.type must be AdamW, got {optimizer['type']!r}"
         )
     optimizer["type"] = "AdamW"
@@ -126,7 +127,7 @@ def build_ds_config(
     if torch_adam:
         optimizer["params"]["torch_adam"] = True
     if "scheduler" in cfg:
-        raise ValueError(
+        raise ConfigError(
             "deepspeed.config: drop the scheduler block; the schedule comes from train.lr, "
             "train.warmup_ratio and train.min_lr_ratio"
         )
@@ -191,7 +192,7 @@ def zero_settings(ds_config: dict) -> ZeroSettings:
             f"zero_optimization.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
             for e in getattr(err, "errors", lambda: [])()
         ] or [str(err).splitlines()[0]]
-        raise ValueError(f"deepspeed.config: {'; '.join(problems)}") from err
+        raise ConfigError(f"deepspeed.config: {'; '.join(problems)}") from err
 
     def device(offload) -> str | None:
         return offload.device if offload is not None and offload.device != "none" else None
@@ -236,7 +237,7 @@ def check_target_dtype(target_dtype: torch.dtype, precision: str) -> None:
     want = precision_dtype(precision)
     if target_dtype != want:
         have, need = (str(d).removeprefix("torch.") for d in (target_dtype, want))
-        raise ValueError(
+        raise ConfigError(
             f"target.dtype: the drafter shares the target's embedding and lm_head, so the "
             f"target must be in the training compute dtype; train.precision={precision} needs "
             f"target.dtype={need}, got {have}"
@@ -316,7 +317,7 @@ def _prepare_target(target: nn.Module, ds_config: dict, use_zero_init: bool):
     if not use_zero_init:
         # NOTE: DeepSpeed would take the drafter for a zero.Init model (it holds partitioned
         # Parameters) and skip its cast and device move.
-        raise ValueError(
+        raise ConfigError(
             "deepspeed.zero_init: false is not supported with a target in the job under "
             "ZeRO-3 (its shared embedding and lm_head are partitioned); leave it unset"
         )
@@ -435,7 +436,13 @@ class DrafterEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def __call__(self, **batch):
+        """The drafter's forward through DeepSpeed (ZeRO-3 gathers the weights it uses)."""
         return self.ds(**batch)
+
+    @property
+    def module(self) -> nn.Module:
+        """The bare drafter (as a DeepSpeed engine's `.module`)."""
+        return self.model
 
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss)
@@ -510,7 +517,7 @@ class DrafterEngine:
             load_lr_scheduler_states=True,
         )
         if path is None:
-            raise FileNotFoundError(f"{checkpoint_dir}/{tag}: DeepSpeed could not load it")
+            raise ConfigError(f"{checkpoint_dir}/{tag}: DeepSpeed could not load it")
         return client_state or {}
 
     def full_fp32_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -582,7 +589,7 @@ def checkpoint_trainable_fp32(tag_dir: str | Path) -> dict[str, torch.Tensor]:
         # stage 0 fp32: the module state is the master copy
         files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
         if not files:
-            raise FileNotFoundError(f"{tag_dir}: no DeepSpeed model states")
+            raise ConfigError(f"{tag_dir}: no DeepSpeed model states")
         # NOTE: DeepSpeed's own checkpoints carry non-tensor objects; only load those we wrote.
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     return {k: v.float() for k, v in state.items()}

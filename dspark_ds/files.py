@@ -10,6 +10,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from dspark_ds.errors import ConfigError
+
 
 def sha256_file(path: str | Path, chunk: int = 1 << 24) -> str:
     h = hashlib.sha256()
@@ -56,18 +58,18 @@ def looks_local(path: str) -> bool:
 
 
 def check_model_path(path: str | None, option: str) -> None:
-    """Refuse at once (ValueError naming `option`) a local-looking path that does not exist,
+    """Refuse at once (ConfigError naming `option`) a local-looking path that does not exist,
     instead of letting transformers ask the hub for it (~25 s of retries offline)."""
     if path and looks_local(path) and not Path(path).expanduser().exists():
-        raise ValueError(
+        raise ConfigError(
             f"{option}: {path} does not exist (a local path; a hub id looks like org/name)"
         )
 
 
 def check_exists(path: str | Path, option: str, what: str = "file") -> None:
-    """ValueError naming `option` when `path` does not exist."""
+    """ConfigError naming `option` when `path` does not exist."""
     if not Path(path).expanduser().exists():
-        raise ValueError(f"{option}: {what} {path} does not exist")
+        raise ConfigError(f"{option}: {what} {path} does not exist")
 
 
 def first_line(err: BaseException) -> str:

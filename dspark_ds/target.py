@@ -4,6 +4,9 @@ Feature contract (docs/algorithm.md#target-features), shared by the offline cach
 ``target_hidden_states [B, S, n*H]`` = the tapped layers concatenated in id order (``-1`` =
 embedding output, ``i`` = output of decoder layer ``i`` = HF ``hidden_states[i + 1]``) and
 ``target_last_hidden_states [B, S, H]`` = the final *normed* state (what the lm_head consumes).
+
+`target_shared_weights` reads just the embedding and lm_head from a target's files (what the
+drafter shares with a target that is not in the job, and what an export writes).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from dspark_ds.distributed import local_device
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
+from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_model_path, first_line
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,7 +49,7 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise ValueError(f"target.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"target.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -122,7 +127,7 @@ class FrozenTarget(nn.Module):
         from transformers import AutoModelForCausalLM
 
         if not cfg.path:
-            raise ValueError("target.path is required (a local directory or a hub id)")
+            raise ConfigError("target.path is required (a local directory or a hub id)")
         kwargs = {
             "dtype": cfg.torch_dtype,
             "revision": cfg.revision,
@@ -133,7 +138,7 @@ class FrozenTarget(nn.Module):
         try:
             model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
         except OSError as err:  # not found, not a model, no connection: one line, exit 2
-            raise ValueError(
+            raise ConfigError(
                 f"target.path: cannot load a model from {cfg.path!r} ({first_line(err)})"
             ) from None
         target = cls(model, cfg.layer_ids)
@@ -233,8 +238,39 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
         ("lm_head", drafter.lm_head, target.lm_head_weight),
     ):
         if shape(module.weight) != shape(weight):
-            raise ValueError(
+            raise ConfigError(
                 f"{name}: target weight {shape(weight)} != drafter {shape(module.weight)}"
             )
         weight.requires_grad_(False)
         module.weight = weight
+
+
+def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [V,H], lm_head [V,H]) read straight from the target's safetensors, without
+    loading the whole target. Tied targets return the embedding twice."""
+    from safetensors import safe_open
+
+    root = Path(target_path)
+    files: dict[str, Path] = {}
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        for name, shard in json.loads(index.read_text())["weight_map"].items():
+            files[name] = root / shard
+    elif (root / "model.safetensors").exists():
+        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
+            files = {name: root / "model.safetensors" for name in f.keys()}
+    else:
+        raise ConfigError(f"target.path: {root} has no model.safetensors(.index.json)")
+
+    def find(suffixes: tuple[str, ...]) -> torch.Tensor | None:
+        for name, file in files.items():
+            if name.endswith(suffixes):
+                with safe_open(str(file), framework="pt") as f:
+                    return f.get_tensor(name)
+        return None
+
+    embed = find(("embed_tokens.weight",))
+    if embed is None:
+        raise ConfigError(f"target.path: {root} has no *embed_tokens.weight tensor")
+    head = find(("lm_head.weight",))
+    return embed, (embed if head is None else head)

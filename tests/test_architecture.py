@@ -124,6 +124,14 @@ def test_cli_is_a_leaf():
     assert users == ["dspark_ds.demo.launcher", "dspark_ds.launch"]
 
 
+def test_drafters_do_not_depend_on_the_perf_tools():
+    graph = import_graph()
+    drafters = {m for m in graph if m.startswith("dspark_ds.drafters")}
+    assert "dspark_ds.drafters.perf" in drafters  # the `perf` section lives with the drafters
+    used = sorted({d for m in drafters for d in graph[m] if d.startswith("dspark_ds.perf")})
+    assert used == []
+
+
 ARCHITECTURE = (
     "drafters/common",
     "drafters/dspark/model.py",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_ds.train import checkpoint as ckpt
+from dspark_ds.errors import ConfigError
+from dspark_ds.train import checkpoint_files as ckpt
+from dspark_ds.train.export import export_checkpoint
 
 
 def fake_tag(root, step, complete=True):
@@ -40,7 +42,7 @@ def test_crash_mid_save_keeps_previous(tmp_path):
 def test_resolve_run_dir_and_missing(tmp_path):
     fake_tag(tmp_path / "run" / "checkpoints", 5)
     assert ckpt.resolve_tag_dir(tmp_path / "run").name == "step_00000005"
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
         ckpt.resolve_tag_dir(tmp_path / "empty")
 
 
@@ -134,5 +136,5 @@ def test_export_refuses_a_damaged_checkpoint(tmp_path):
     tag = saved_tag(tmp_path / "run" / "checkpoints")
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"b" * 10)
     with pytest.raises(ValueError, match=r"is damaged: zero_pp_rank_1_.* has 10 bytes, 500"):
-        ckpt.export_checkpoint(tmp_path / "run", tmp_path / "out")
+        export_checkpoint(tmp_path / "run", tmp_path / "out")
     assert not (tmp_path / "out").exists()

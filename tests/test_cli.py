@@ -194,37 +194,6 @@ def test_wasteful_block_shapes_warn(capsys):
     assert "warning" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (
-            ["train", "--config", RECIPE, "--eval.every_steps", "2"],
-            "--eval.every_steps: renamed to --validation.every_steps",
-        ),
-        (["eval", "--target", "t", "--drafter", "d"], "--target: renamed to --target.path"),
-        (["bench-decode", "--target=t", "--drafter", "d"], "--target: renamed to --target.path"),
-        (
-            ["export", "--checkpoint", "c", "--output_dir", "o", "--target_path", "t"],
-            "--target_path: renamed to --target.path",
-        ),
-        (
-            ["tune", "--recipe", RECIPE, "--target_path", "t"],
-            "--target_path: renamed to --target.path",
-        ),
-    ],
-)
-def test_old_spellings_exit_2_naming_the_new_one(capsys, argv, message):
-    code, text = run(capsys, *argv)
-    assert code == 2 and message in text
-
-
-def test_an_old_recipe_section_is_named(capsys, tmp_path):
-    old = tmp_path / "old.yaml"
-    old.write_text(open(RECIPE).read().replace("\nvalidation:\n", "\neval:\n"))
-    code, text = run(capsys, "train", "--config", str(old))
-    assert code == 2 and f"eval: renamed to validation (in {old})" in text
-
-
 def test_the_target_is_target_path_everywhere():
     for name, argv in (
         ("train", ["--config", RECIPE]),
@@ -235,3 +204,25 @@ def test_the_target_is_target_path_everywhere():
     ):
         cfg = parse_config(name, [*argv, "--target.path", "some/target"])
         assert cfg.target.path == "some/target", name
+
+
+def test_only_config_errors_are_one_line_exits(capsys, monkeypatch):
+    """What the user must fix (a ConfigError, wherever the run finds it) is one line and exit 2;
+    any other exception is a bug: the CLI lets it through (Python prints its traceback and exits
+    1)."""
+    import dspark_ds.train.trainer as trainer
+    from dspark_ds.errors import ConfigError
+
+    def fixable(cfg):
+        raise ConfigError("data.paths: a fixable problem")
+
+    def bug(cfg):
+        raise ValueError("an internal invariant broke")
+
+    argv = ["train", "--config", RECIPE, "--target.path", "org/name"]
+    monkeypatch.setattr(trainer, "train", fixable)
+    line = _one_line_exit_2(capsys, *argv)
+    assert line == "dspark-ds: error: data.paths: a fixable problem"
+    monkeypatch.setattr(trainer, "train", bug)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(argv)

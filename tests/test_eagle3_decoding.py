@@ -3,7 +3,6 @@ inputs aligned with the target's features of the committed sequence."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -13,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from dspark_ds.drafters import load_draft_model, save_draft_model
 from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
 from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
-from dspark_ds.drafters.registry import SPECS, spec_of
+from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.target_step import tap_layers
 
@@ -62,12 +61,13 @@ def test_greedy_eagle3_speculative_decoding_equals_greedy_target(target, seed, t
 
 
 def test_rounds_feed_the_drafter_the_committed_features_and_tokens(target, monkeypatch):
-    """Every round's cache extension (the kind's registry step) gets the features of exactly
+    """Every round's cache extension (the kind's `extend`) gets the features of exactly
     the newly verified positions, paired with the following committed token, and a cache
     holding everything before them."""
     drafter = make_drafter(target, seed=3)
     calls = []
-    spec = spec_of(drafter)
+    kind = kind_of(drafter)
+    extend = kind.extend
 
     def recording_extend(model, context):
         calls.append(
@@ -78,9 +78,9 @@ def test_rounds_feed_the_drafter_the_committed_features_and_tokens(target, monke
                 context.next_ids.clone(),
             )
         )
-        return spec.extend(model, context)
+        return extend(model, context)
 
-    monkeypatch.setitem(SPECS, spec.kind, dataclasses.replace(spec, extend=recording_extend))
+    monkeypatch.setattr(kind, "extend", recording_extend)
     ids = prompt(n=7, seed=5)
     out, stats = speculative_generate(target, drafter, ids, max_new_tokens=20, temperature=0.0)
     with torch.no_grad():

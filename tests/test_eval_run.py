@@ -11,6 +11,7 @@ import torch
 
 from dspark_ds.config import TrackingConfig
 from dspark_ds.drafters import save_draft_model
+from dspark_ds.errors import ConfigError
 from dspark_ds.eval import EvalConfig, run_eval, speculative_generate
 from dspark_ds.eval.benchmarks import (
     DEFAULT_BENCHMARKS,
@@ -59,7 +60,7 @@ def test_bad_rows_name_file_and_line(tmp_path):
     path.write_text('{"turns": ["ok"]}\n{not json\n')
     with pytest.raises(ValueError, match=r"x\.jsonl:2: not valid JSON"):
         load_benchmark(path)
-    with pytest.raises(FileNotFoundError, match="benchmark 'nope'"):
+    with pytest.raises(ConfigError, match="benchmark 'nope'"):
         benchmark_path("nope", tmp_path)
 
 

@@ -10,7 +10,12 @@ import signal
 import pytest
 
 from dspark_ds import distributed, logs
-from dspark_ds.train.signals import INTERRUPT_EXIT_CODE, REQUEUE_EXIT_CODE, Signals
+from dspark_ds.train.signals import (
+    INTERRUPT_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    Signals,
+    exit_code_for,
+)
 
 
 def stamp(rank: int) -> str:
@@ -46,17 +51,17 @@ def signals():
 
 
 def test_requeue_signals(signals):
-    assert signals.agreed() is None
+    assert exit_code_for(signals.request()) is None
     os.kill(os.getpid(), signal.SIGUSR1)
     os.kill(os.getpid(), signal.SIGINT)  # a later Ctrl-C does not turn a requeue into a stop
-    assert signals.agreed() == REQUEUE_EXIT_CODE
+    assert exit_code_for(signals.request()) == REQUEUE_EXIT_CODE
 
 
 def test_ctrl_c_then_the_default_action(signals, capfd):
     os.kill(os.getpid(), signal.SIGINT)
-    assert signals.agreed() == INTERRUPT_EXIT_CODE
+    assert exit_code_for(signals.request()) == INTERRUPT_EXIT_CODE
     assert "Ctrl-C: finishing this step" in capfd.readouterr().err
     # the second Ctrl-C is the kernel's: it would end the process at once
     assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's TERM after the Ctrl-C changes nothing
-    assert signals.agreed() == INTERRUPT_EXIT_CODE
+    assert exit_code_for(signals.request()) == INTERRUPT_EXIT_CODE

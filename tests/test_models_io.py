@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
 from dspark_ds.drafters import build_draft_config, load_draft_model, save_draft_model
+from dspark_ds.errors import ConfigError
 
 from helpers.drafters import DFLASH, MASK_ID, random_batch, tiny_drafter, tiny_qwen3_config
 
@@ -107,7 +108,7 @@ def test_unknown_family_is_refused():
 def test_broken_directory_is_refused(tmp_path):
     model = tiny_drafter()
     save_draft_model(model, tmp_path / "d")
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(ConfigError, match="config.json"):
         load_draft_model(tmp_path / "nothing")
     state = load_file(str(tmp_path / "d" / "model.safetensors"))
     state.pop("fc.weight")

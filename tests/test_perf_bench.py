@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dspark_ds.cli import main
-from dspark_ds.perf.bench import TrainBenchConfig, parse_variant, resident_bytes, step_flops
+from dspark_ds.perf.train_bench import TrainBenchConfig, parse_variant, resident_bytes, step_flops
 
 
 @pytest.mark.slow  # a subprocess per variant

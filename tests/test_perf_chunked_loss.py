@@ -11,8 +11,8 @@ import torch
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import forward_and_loss, resolve_loss_impl
+from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import DFLASH_LOSS, DSPARK_LOSS
-from dspark_ds.perf import PerfConfig
 
 from helpers.drafters import DFLASH, random_batch, tiny_drafter
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from dspark_ds.drafters.dspark.step import forward_and_loss
-from dspark_ds.drafters.registry import get_spec
-from dspark_ds.perf.compile import compile_drafter
-from dspark_ds.perf.config import PerfConfig
+from dspark_ds.drafters.perf import PerfConfig, compile_drafter
+from dspark_ds.drafters.registry import get_kind
 
 from helpers.drafters import random_batch, tiny_drafter
 
@@ -61,7 +60,7 @@ def test_perf_defaults_per_device():
     assert PerfConfig(loss_chunk_anchors=64).chunk_anchors("cuda") == 64
     assert cfg.compile_mode("cpu") == "off" and cfg.compile_mode("cuda") == "off"
     model = tiny_drafter()
-    get_spec("dspark").apply_perf(model, PerfConfig(attn_implementation="dense"), "cpu")
+    get_kind("dspark").prepare(model, PerfConfig(attn_implementation="dense"), "cpu")
     assert model.attn_implementation == "dense"
     assert not hasattr(model.layers[0], "_compiled_call_impl") or (
         model.layers[0]._compiled_call_impl is None

@@ -17,7 +17,7 @@ def test_sampler_stats_by_hand():
     # Sample 0 keeps 3 blocks (anchors 2, 5, 8), sample 1 both candidates and one dummy block.
     anchors = torch.tensor([[2, 5, 8], [5, 6, 0]])
     keep = torch.tensor([[True, True, True], [True, True, False]])
-    sums = sampler_stat_sums(loss_mask, anchors, keep, num_anchors=3, block_size=4)
+    sums = sampler_stat_sums(loss_mask, anchors, keep, num_anchors=3, block_size=4).tolist()
     assert len(sums) == len(SAMPLER_STATS) + 1 and sums[-1] == 2
     # Supervised slots (label p + j + 1 supervised, as a prefix): anchor 2 -> 3,4,5,6: 4;
     # anchor 5 -> 6,7,8,9: 4; anchor 8 -> 9 only: 1; anchor 5 (sample 1) -> 6, 7: 2; anchor 6 -> 7: 1.

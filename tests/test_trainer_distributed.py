@@ -287,7 +287,7 @@ def test_unreachable_mlflow_does_not_stop_training(runs):
 @pytest.mark.parametrize("name", ["a_z0", "b_z2", "b_z3", "a_z3off"])
 def test_export_from_checkpoint_equals_live_weights(runs, name):
     from dspark_ds.drafters import load_draft_model
-    from dspark_ds.train.checkpoint import export_checkpoint
+    from dspark_ds.train.export import export_checkpoint
 
     out = runs["root"] / f"export_{name}"
     export_checkpoint(runs["out"] / name, out)
@@ -438,7 +438,7 @@ def test_export_cli(runs):
     assert "output_dir:" in proc.stderr and "--overwrite true" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert (other / "config.json").read_text() == '{"unrelated": true}'
-    from dspark_ds.train.checkpoint import export_checkpoint
+    from dspark_ds.train.export import export_checkpoint
 
     (other / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
     export_checkpoint(runs["out"] / "b_z3", other, overwrite=True)
@@ -477,7 +477,7 @@ def test_online_target_shared_and_partitioned_under_zero3(runs):
 @pytest.mark.parametrize("name", ["b_z2", "b_z3"])
 def test_shared_weights_not_in_checkpoints_but_exported(runs, name):
     from dspark_ds.engine import checkpoint_trainable_fp32
-    from dspark_ds.train.checkpoint import target_shared_weights
+    from dspark_ds.target import target_shared_weights
 
     trainable = checkpoint_trainable_fp32(runs["out"] / name / "checkpoints" / "step_00000008")
     assert "fc.weight" in trainable
@@ -489,7 +489,7 @@ def test_shared_weights_not_in_checkpoints_but_exported(runs, name):
 
 
 def test_tied_target_export_under_zero3(runs):
-    from dspark_ds.train.checkpoint import target_shared_weights
+    from dspark_ds.target import target_shared_weights
 
     live = load_file(Path(runs["res"]["b_z3_tied"]["export_dir"]) / "model.safetensors")
     embed, head = target_shared_weights(str(runs["tied"]))

@@ -36,6 +36,7 @@ from dspark_ds import distributed as dist
 from dspark_ds.data.collate import FEATURE_KEYS, Collator, split_batch
 from dspark_ds.data.config import BuildCacheConfig, EstimateCacheConfig
 from dspark_ds.data.tokens import TokenStore, atomic_write_text, load_samples
+from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_model_path, sha256_file
 from dspark_ds.target import FrozenTarget, TargetFeatureProvider, config_sha256, text_config
 
@@ -50,7 +51,7 @@ REPAIR_HINT = (
 )
 
 
-class CacheError(ValueError):
+class CacheError(ConfigError):
     """A cache that cannot be used as is (missing, corrupt or built for something else)."""
 
 
@@ -394,7 +395,7 @@ def build_cache(
     from dspark_ds.target import load_target
 
     if not cfg.data.cache_dir:
-        raise ValueError("data.cache_dir is required (the output directory)")
+        raise ConfigError("data.cache_dir is required (the output directory)")
     check_model_path(cfg.target.path, "target.path")
     dist.init("gloo", always=False, settings=cfg.distributed)
     rank, world = dist.rank_and_world()
@@ -560,7 +561,7 @@ def estimate_cache(cfg: EstimateCacheConfig) -> dict:
     from dspark_ds.target import default_layer_ids, validate_layer_ids
 
     if not cfg.target.path:
-        raise ValueError("target.path is required (only its config.json is read)")
+        raise ConfigError("target.path is required (only its config.json is read)")
     check_model_path(cfg.target.path, "target.path")
     tcfg = text_config(
         AutoConfig.from_pretrained(

@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass
 
 from dspark_ds.data.formats import DataError
+from dspark_ds.errors import ConfigError
 
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -72,7 +73,7 @@ def reference_turns(chat_template: str) -> ReferenceTurns:
         return REFERENCE_TURNS["chatml"]
     if "<|turn>" in chat_template:
         return REFERENCE_TURNS["gemma4"]
-    raise ValueError(
+    raise ConfigError(
         "data.chat_format=deepspec knows ChatML (Qwen3) and Gemma4 chat templates, and this "
         "tokenizer has neither; use data.chat_format=answer_only"
     )
@@ -83,11 +84,11 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
 
     tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     if not getattr(tok, "is_fast", False):
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer {name_or_path!r} is not a fast tokenizer; loss masks need character offsets"
         )
     if not tok.chat_template:
-        raise ValueError(f"tokenizer {name_or_path!r} has no chat template")
+        raise ConfigError(f"tokenizer {name_or_path!r} has no chat template")
     return tok
 
 
@@ -144,7 +145,9 @@ class ChatTokenizer:
         chat_format: str = "deepspec",
     ):
         if chat_format not in CHAT_FORMATS:
-            raise ValueError(f"data.chat_format must be one of {CHAT_FORMATS}, got {chat_format!r}")
+            raise ConfigError(
+                f"data.chat_format must be one of {CHAT_FORMATS}, got {chat_format!r}"
+            )
         self.tok = tokenizer
         self.max_length = max_length
         self.template_kwargs = {"enable_thinking": enable_thinking}

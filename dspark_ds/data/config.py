@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dspark_ds.distributed import DistributedConfig
+from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetConfig
 
 CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
@@ -64,20 +65,20 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in ("offline", "online", "hybrid"):
-            raise ValueError(f"data.mode must be offline | online | hybrid, got {self.mode!r}")
+            raise ConfigError(f"data.mode must be offline | online | hybrid, got {self.mode!r}")
         if self.mode in ("offline", "hybrid") and not self.cache_dir:
-            raise ValueError(f"data.cache_dir is required when data.mode={self.mode}")
+            raise ConfigError(f"data.cache_dir is required when data.mode={self.mode}")
         for name in ("max_length", "batch_size", "length_grouping", "samples_per_shard"):
             if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"data.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_workers < 0:
-            raise ValueError(f"data.num_workers must be >= 0, got {self.num_workers}")
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
         if self.chat_format not in ("deepspec", "answer_only"):
-            raise ValueError(
+            raise ConfigError(
                 f"data.chat_format must be deepspec | answer_only, got {self.chat_format!r}"
             )
         if self.cache_dtype not in CACHE_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"data.cache_dtype must be one of {CACHE_DTYPES}, got {self.cache_dtype!r}"
             )
 
@@ -126,18 +127,18 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for i, url in enumerate(self.urls):
             if not str(url).startswith(("http://", "https://")):
-                raise ValueError(f"server.urls[{i}]: {url!r} is not an http:// or https:// URL")
+                raise ConfigError(f"server.urls[{i}]: {url!r} is not an http:// or https:// URL")
         if len(set(self.urls)) != len(self.urls):
-            raise ValueError(f"server.urls: a URL is listed twice ({self.urls})")
+            raise ConfigError(f"server.urls: a URL is listed twice ({self.urls})")
         if self.concurrency < 1:
-            raise ValueError(f"server.concurrency must be >= 1, got {self.concurrency}")
+            raise ConfigError(f"server.concurrency must be >= 1, got {self.concurrency}")
         if self.max_retries < 0:
-            raise ValueError(f"server.max_retries must be >= 0, got {self.max_retries}")
+            raise ConfigError(f"server.max_retries must be >= 0, got {self.max_retries}")
         for name in ("timeout_s", "probe_interval_s", "give_up_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"server.{name} must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"server.{name} must be > 0, got {getattr(self, name)}")
         if self.retry_backoff_s < 0:
-            raise ValueError(f"server.retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+            raise ConfigError(f"server.retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
 
 
 @dataclass
@@ -182,15 +183,15 @@ class RegenerateConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+            raise ConfigError(f"min_p must be in [0, 1), got {self.min_p}")
 
 
 @dataclass

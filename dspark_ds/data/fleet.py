@@ -2,7 +2,7 @@
 answers chat requests for one client process.
 
     async with Fleet(cfg.server, say=print) as fleet:
-        model = await fleet.check(fields)  # ValueError naming the URL when a server is unfit
+        model = await fleet.check(fields)  # ConfigError naming the URL when a server is unfit
         answer = await fleet.chat(body)  # an Answer, or RequestFailed once the retries are spent
 
 - Routing: each request goes to the server in rotation with the fewest requests in flight.
@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from dspark_ds.data.config import ServerConfig
+from dspark_ds.errors import ConfigError
 
 MAX_BACKOFF_S = 60.0
 CHECK_TIMEOUT_S = 30.0  # the start-up checks and the probes wait at most this long
@@ -166,7 +167,7 @@ class Fleet:
     async def check(self, fields: dict) -> str:
         """Every server reachable, listing the model (``cfg.model``, else the only one the first
         server lists) and answering a one-token request with the run's ``fields`` as an OpenAI
-        server does. Returns the model; ValueError naming the first unfit URL."""
+        server does. Returns the model; ConfigError naming the first unfit URL."""
         listed = await asyncio.gather(
             *(self._listed_models(i, s) for i, s in enumerate(self.servers)),
             return_exceptions=True,
@@ -176,14 +177,14 @@ class Fleet:
                 raise result
         if self.model is None:
             if len(listed[0]) != 1:
-                raise ValueError(
+                raise ConfigError(
                     f"server.urls[0] {self.servers[0].base}: lists {len(listed[0])} models "
                     f"({', '.join(listed[0][:5])}); choose one with --server.model"
                 )
             self.model = listed[0][0]
         for i, (server, ids) in enumerate(zip(self.servers, listed)):
             if self.model not in ids:
-                raise ValueError(
+                raise ConfigError(
                     f"server.urls[{i}] {server.base}: serves {', '.join(ids[:5]) or 'no model'}"
                     f", not {self.model!r}"
                 )
@@ -202,18 +203,18 @@ class Fleet:
             async with self._session.get(f"{server.base}/models", timeout=self._check_timeout) as r:
                 raw, status = await r.read(), r.status
         except (asyncio.TimeoutError, TimeoutError):
-            raise ValueError(f"{where}: no answer within {CHECK_TIMEOUT_S:g} s") from None
+            raise ConfigError(f"{where}: no answer within {CHECK_TIMEOUT_S:g} s") from None
         except aiohttp.ClientError as err:
-            raise ValueError(f"{where}: unreachable ({_error_text(err)})") from None
+            raise ConfigError(f"{where}: unreachable ({_error_text(err)})") from None
         if status != 200:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: GET /models answered HTTP {status} ({_error_detail(raw)}); not an "
                 "OpenAI-compatible server"
             )
         try:
             return _model_ids(raw)
         except ValueError as err:
-            raise ValueError(f"{where}: GET /models: {err}") from None
+            raise ConfigError(f"{where}: GET /models: {err}") from None
 
     async def _first_answer(self, i: int, server: Server, fields: dict) -> None:
         body = {**fields, "model": self.model, "max_tokens": 1}
@@ -221,7 +222,7 @@ class Fleet:
         try:
             await self._post(server, body, timeout_s=max(self.cfg.timeout_s, CHECK_TIMEOUT_S))
         except _Failure as f:
-            raise ValueError(
+            raise ConfigError(
                 f"server.urls[{i}] {server.base}: a one-token chat request failed: {f.reason}"
             ) from None
 

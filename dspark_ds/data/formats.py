@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark_ds.errors import ConfigError
+
 _ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -30,7 +32,7 @@ _ROLE_ALIASES = {
 }
 
 
-class DataError(ValueError):
+class DataError(ConfigError):
     """A malformed input row; the message starts with ``file:line``."""
 
 

@@ -21,6 +21,7 @@ from dspark_ds.data import cache as cache_lib
 from dspark_ds.data.collate import Collator, split_batch
 from dspark_ds.data.config import DataConfig
 from dspark_ds.data.tokens import TokenStore, load_samples
+from dspark_ds.errors import ConfigError
 from dspark_ds.target import FrozenTarget, TargetFeatureProvider
 
 
@@ -201,7 +202,7 @@ class TrainLoader:
             ("seed", self.cfg.seed),
         ):
             if state.get(key, have) != have:
-                raise ValueError(
+                raise ConfigError(
                     f"cannot resume the data order: checkpoint has {key}="
                     f"{state[key]}, this run has {have}"
                 )
@@ -283,7 +284,7 @@ def build_train_loader(
     if rank is None or world_size is None:
         rank, world_size = dist.rank_and_world()
     if cfg.mode in ("online", "hybrid") and target is None:
-        raise ValueError(f"data.mode={cfg.mode} needs the target model (target.path)")
+        raise ConfigError(f"data.mode={cfg.mode} needs the target model (target.path)")
     provider = TargetFeatureProvider(target) if target is not None else None
     samples = cache = writer = None
     if cfg.mode == "offline":
@@ -293,7 +294,7 @@ def build_train_loader(
         samples = load_samples(cfg, getattr(target, "name_or_path", None))
         if target is not None:
             if layer_ids is not None and list(layer_ids) != list(target.layer_ids):
-                raise ValueError(
+                raise ConfigError(
                     f"target.layer_ids {target.layer_ids} != drafter "
                     f"target_layer_ids {list(layer_ids)}"
                 )

@@ -46,6 +46,7 @@ from dspark_ds.data.regen_parts import (
     split_prompt,
 )
 from dspark_ds.data.tokens import atomic_write_text
+from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_exists, check_model_path, first_line
 
 FSYNC_INTERVAL_S = 1.0
@@ -107,7 +108,7 @@ class _ServerRun:
         try:
             tok = load_tokenizer(name, cfg.target.trust_remote_code)
         except (OSError, ValueError) as err:
-            raise ValueError(
+            raise ConfigError(
                 f"data.tokenizer: cannot load {name!r} ({first_line(err)}); the server path "
                 "reads the target's tokenizer to apply data.max_length: set data.tokenizer"
             ) from None
@@ -125,7 +126,7 @@ class _ServerRun:
         )
         problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
         if problem:
-            raise ValueError(refuse_message(problem))
+            raise ConfigError(refuse_message(problem))
         if cfg.restart:
             discard_earlier_rows(cfg.output, 0, 1)
         self.part.parent.mkdir(parents=True, exist_ok=True)
@@ -285,14 +286,14 @@ class _ServerRun:
 
 def _check_inputs(cfg: RegenerateConfig) -> None:
     if not cfg.output:
-        raise ValueError("output is required (the jsonl to write)")
+        raise ConfigError("output is required (the jsonl to write)")
     for i, path in enumerate(cfg.data.paths):
         check_exists(path, f"data.paths[{i}]")
     check_model_path(cfg.target.path, "target.path")
     check_model_path(cfg.data.tokenizer, "data.tokenizer")
     _, world = dist.rank_and_world()
     if world > 1:
-        raise ValueError(
+        raise ConfigError(
             f"server.urls: one client process drives every server, and this is one of {world} "
             "ranks; start it as a single process (slurm/regenerate.sbatch does)"
         )

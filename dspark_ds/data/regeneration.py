@@ -40,6 +40,7 @@ from dspark_ds.data.regen_parts import (
     split_prompt,
 )
 from dspark_ds.data.tokens import atomic_write_text
+from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_exists, check_model_path, first_line
 
 
@@ -57,7 +58,7 @@ def run_inputs(cfg: RegenerateConfig) -> dict:
             trust_remote_code=cfg.target.trust_remote_code,
         )
     except OSError as err:
-        raise ValueError(
+        raise ConfigError(
             f"target.path: cannot read a model config from {cfg.target.path!r} ({first_line(err)})"
         ) from None
     settings = answer_settings(cfg) | {
@@ -171,9 +172,9 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
 
 def _check_paths(cfg: RegenerateConfig) -> None:
     if not cfg.output:
-        raise ValueError("output is required (the jsonl to write)")
+        raise ConfigError("output is required (the jsonl to write)")
     if not cfg.target.path:
-        raise ValueError("target.path is required")
+        raise ConfigError("target.path is required")
     for i, path in enumerate(cfg.data.paths):
         check_exists(path, f"data.paths[{i}]")
     check_model_path(cfg.target.path, "target.path")
@@ -188,7 +189,7 @@ def _open_part(cfg: RegenerateConfig, rank: int, world: int) -> tuple[Path, set[
     problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
     problems = [p for p in dist.all_gather_object(problem) if p]
     if problems:  # every rank refuses together
-        raise ValueError(refuse_message(problems[0]))
+        raise ConfigError(refuse_message(problems[0]))
     if cfg.restart:
         discard_earlier_rows(cfg.output, rank, world)
         dist.barrier()

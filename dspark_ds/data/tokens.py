@@ -22,6 +22,7 @@ from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import DataConfig, PrepareConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
 from dspark_ds.distributed import print0, rank_and_world
+from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_model_path, first_line, save_safetensors
 
 TOKENS_FILE = "tokens.safetensors"
@@ -76,7 +77,7 @@ class TokenStore:
         directory = Path(directory)
         meta_path = directory / META_FILE
         if not meta_path.exists():
-            raise ValueError(
+            raise ConfigError(
                 f"data.paths: {directory} is not a prepared data set (no {META_FILE}); "
                 "run `dspark-ds prepare` first"
             )
@@ -85,7 +86,7 @@ class TokenStore:
             with safe_open(str(directory / TOKENS_FILE), framework="pt") as f:
                 offsets = f.get_tensor("offsets")
         except (OSError, ValueError, safetensors.SafetensorError) as err:
-            raise ValueError(
+            raise ConfigError(
                 f"data.paths: the prepared data set {directory} is damaged ({err}); run "
                 "`dspark-ds prepare` again"
             ) from None
@@ -132,13 +133,13 @@ def tokenize_conversations(
     """Read + normalise + tokenise ``cfg.paths`` → (TokenStore, counts)."""
     for i, path in enumerate(cfg.paths):  # before the tokenizer, which may come from the hub
         if Path(path).is_file() and Path(path).stat().st_size == 0:
-            raise ValueError(f"data.paths[{i}]: {path} is empty")
+            raise ConfigError(f"data.paths[{i}]: {path} is empty")
         if not Path(path).exists():
-            raise ValueError(f"data.paths[{i}]: file {path} does not exist")
+            raise ConfigError(f"data.paths[{i}]: file {path} does not exist")
     try:
         tok = load_tokenizer(tokenizer_path)
     except OSError as err:
-        raise ValueError(
+        raise ConfigError(
             f"data.tokenizer: cannot load a tokenizer from {tokenizer_path!r} ({first_line(err)})"
         ) from None
     chat = ChatTokenizer(
@@ -157,7 +158,7 @@ def tokenize_conversations(
         samples.append((ids, mask))
     if not samples:
         hint = " (prompts-only rows need `dspark-ds regenerate` first)" if too_short else ""
-        raise ValueError(
+        raise ConfigError(
             f"data.paths: no usable sample in {', '.join(map(str, cfg.paths))}: {stats.rows} "
             f"rows read, {too_short} with fewer than data.min_loss_tokens={cfg.min_loss_tokens} "
             f"assistant tokens within data.max_length={cfg.max_length}{hint}"
@@ -193,10 +194,10 @@ def load_samples(cfg: DataConfig, tokenizer_path: str | None = None) -> TokenSto
     if len(cfg.paths) == 1 and Path(cfg.paths[0]).is_dir():
         return TokenStore.load(cfg.paths[0])
     if not cfg.paths:
-        raise ValueError("data.paths is empty: give chat jsonl files or a prepared directory")
+        raise ConfigError("data.paths is empty: give chat jsonl files or a prepared directory")
     tok = cfg.tokenizer or tokenizer_path
     if not tok:
-        raise ValueError("data.tokenizer (or target.path) is required to tokenise jsonl input")
+        raise ConfigError("data.tokenizer (or target.path) is required to tokenise jsonl input")
     check_model_path(cfg.tokenizer, "data.tokenizer")
     store, _ = tokenize_conversations(cfg, tok, progress=rank_and_world()[0] == 0)
     return store
@@ -205,9 +206,9 @@ def load_samples(cfg: DataConfig, tokenizer_path: str | None = None) -> TokenSto
 def prepare(cfg: PrepareConfig) -> dict:
     """``dspark-ds prepare``: write ``cfg.output_dir`` and return the counts."""
     if not cfg.output_dir:
-        raise ValueError("output_dir is required")
+        raise ConfigError("output_dir is required")
     if not cfg.data.tokenizer:
-        raise ValueError("data.tokenizer is required (the target's tokenizer path or hub id)")
+        raise ConfigError("data.tokenizer is required (the target's tokenizer path or hub id)")
     check_model_path(cfg.data.tokenizer, "data.tokenizer")
     store, counts = tokenize_conversations(cfg.data, cfg.data.tokenizer)
     store.meta["counts"] = counts

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dspark_ds.demo.target import DemoTargetConfig
+from dspark_ds.errors import ConfigError
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
 LAUNCHERS = ("fork", "torchrun")
@@ -50,9 +51,9 @@ class DemoDataConfig:
         for name in ("num_train_prompts", "num_heldout_prompts", "max_length", "max_new_tokens",
                      "regenerate_batch_size"):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ValueError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
         if self.mode not in ("offline", "online"):
-            raise ValueError(f"data.mode: must be offline | online, got {self.mode!r}")
+            raise ConfigError(f"data.mode: must be offline | online, got {self.mode!r}")
 
 
 @dataclass
@@ -87,13 +88,13 @@ class DemoBudgetConfig:
     def validate(self) -> None:
         for name in ("max_steps", "global_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"budget.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"budget.{name}: must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
-            raise ValueError(f"budget.lr: must be > 0, got {self.lr}")
+            raise ConfigError(f"budget.lr: must be > 0, got {self.lr}")
         if self.nproc is not None and self.nproc < 1:
-            raise ValueError(f"budget.nproc: must be >= 1 or null, got {self.nproc}")
+            raise ConfigError(f"budget.nproc: must be >= 1 or null, got {self.nproc}")
         if self.global_batch_size % (self.micro_batch_size * self.world_size):
-            raise ValueError(
+            raise ConfigError(
                 f"budget.global_batch_size: {self.global_batch_size} is not a multiple of "
                 f"budget.micro_batch_size × ranks = {self.micro_batch_size} × {self.world_size}"
             )
@@ -124,9 +125,9 @@ class DemoDrafterConfig:
     def validate(self) -> None:
         for name in ("num_draft_layers", "block_size", "markov_rank", "eagle3_layers"):
             if getattr(self, name) < 1:
-                raise ValueError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_anchors is not None and self.num_anchors < 1:
-            raise ValueError(f"drafter.num_anchors: must be >= 1 or null, got {self.num_anchors}")
+            raise ConfigError(f"drafter.num_anchors: must be >= 1 or null, got {self.num_anchors}")
 
 
 @dataclass
@@ -143,12 +144,12 @@ class DemoEvalConfig:
 
     def validate(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
-            raise ValueError(
+            raise ConfigError(
                 f"eval.temperatures: need >= 1 value, all >= 0, got {self.temperatures}"
             )
         for name in ("max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -193,22 +194,22 @@ class DemoConfig:
 
     def validate(self) -> None:
         if not self.output_dir:
-            raise ValueError("output_dir: is required")
+            raise ConfigError("output_dir: is required")
         unknown = [d for d in self.drafters if d not in DRAFTERS]
         if unknown or not self.drafters or len(set(self.drafters)) != len(self.drafters):
-            raise ValueError(
+            raise ConfigError(
                 f"drafters: choose distinct names from {list(DRAFTERS)}, got {self.drafters}"
             )
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
-            raise ValueError(f"seeds: need >= 1 distinct seeds >= 0, got {self.seeds}")
+            raise ConfigError(f"seeds: need >= 1 distinct seeds >= 0, got {self.seeds}")
         if self.num_threads < 1:
-            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+            raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")
         if self.launcher not in LAUNCHERS:
-            raise ValueError(f"launcher: {' | '.join(LAUNCHERS)}, got {self.launcher!r}")
+            raise ConfigError(f"launcher: {' | '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.launcher == "fork" and self.num_threads > 1:
             # OpenMP's thread pool does not survive fork(): a forked rank that runs parallel
             # regions after the parent did hangs (seen with torch's libgomp)
-            raise ValueError(
+            raise ConfigError(
                 f"num_threads: {self.num_threads} needs launcher torchrun (a forked rank "
                 "cannot use OpenMP threads once the demo process has); use --launcher torchrun"
             )

@@ -44,7 +44,7 @@ from dspark_ds.demo.config import DemoConfig
 from dspark_ds.demo.summary import LABELS, build_summary, format_summary, log_summary, temp_key
 from dspark_ds.distributed import print0
 from dspark_ds.drafters.presets import DrafterConfig, preset
-from dspark_ds.drafters.registry import get_spec
+from dspark_ds.drafters.registry import get_kind
 
 
 def _cpu_seconds() -> float:
@@ -336,7 +336,7 @@ class DemoPipeline:
         if not (export / "config.json").is_file():
             raise RuntimeError(f"training {kind} (seed {seed}) exported nothing to {export}")
         info = {"export": str(export), **_train_log_summary(run_dir / "train_log.jsonl")}
-        if get_spec(self.drafter_model(kind, 1).kind).anchor_blocks:
+        if get_kind(self.drafter_model(kind, 1).kind).anchor_blocks:
             info["num_anchors"] = self.num_anchors[seed]
         self.results.setdefault(seed, {}).setdefault(kind, {})["train"] = info
         return info

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.drafters.presets import preset
-from dspark_ds.drafters.registry import get_spec
+from dspark_ds.drafters.registry import get_kind
 
 LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 METRICS = ("tau", "speedup")
@@ -58,7 +58,7 @@ def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     }
     for kind in cfg.drafters:
         trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]
-        if not get_spec(preset(kind).kind).anchor_blocks:  # Eagle3: the TTT unroll
+        if not get_kind(preset(kind).kind).anchor_blocks:  # Eagle3: the TTT unroll
             out[kind] = {"positions": "every supervised position", "depth": g}
             continue
         shares = [t["anchored_share_of_valid"] for t in trains if "anchored_share_of_valid" in t]

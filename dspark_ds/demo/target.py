@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dspark_ds.data.synthetic import Row, make_corpus
 from dspark_ds.demo.tokenizer import IM_END, PAD_TOKEN, train_tokenizer
+from dspark_ds.errors import ConfigError
 
 REPORT_FILE = "demo_target.json"
 # Bump when the training recipe changes in a way the config fields do not capture.
@@ -79,19 +80,19 @@ class DemoTargetConfig:
                      "num_attention_heads", "num_key_value_heads", "intermediate_size",
                      "max_steps", "batch_size"):  # fmt: skip
             if getattr(self, name) < 1:
-                raise ValueError(f"target.{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"target.{name}: must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"target.hidden_size: {self.hidden_size} is not divisible by "
                 f"target.num_attention_heads={self.num_attention_heads}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"target.num_key_value_heads: {self.num_key_value_heads} does not divide "
                 f"target.num_attention_heads={self.num_attention_heads}"
             )
         if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"target.lr / target.warmup_steps: need lr > 0 and warmup_steps >= 0, "
                 f"got {self.lr} / {self.warmup_steps}"
             )

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import PreTrainedTokenizerFast
 
 from dspark_ds.data.synthetic import Row
+from dspark_ds.errors import ConfigError
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -47,7 +48,7 @@ def _texts(rows: Sequence[Row]) -> Iterator[str]:
 def train_tokenizer(rows: Sequence[Row], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
     """Train byte-level BPE on the rows' texts; deterministic for the same rows."""
     if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
-        raise ValueError(
+        raise ConfigError(
             f"vocab_size: must exceed the 256 byte symbols plus {len(SPECIAL_TOKENS)} special "
             f"tokens, got {vocab_size}"
         )

@@ -1,6 +1,6 @@
 """The drafters (DSpark / DFlash, Eagle3): pure torch + transformers (no deepspeed, mlflow or
-distributed in the architecture files). `registry.py` holds one spec per drafter kind,
-`presets.py` their settings."""
+distributed in the architecture files). `kind.py` is what every kind provides (`DrafterKind`),
+`registry.py` holds one of each, `presets.py` their settings, `perf.py` the `perf` section."""
 
 from dspark_ds.drafters.common.blocks import (
     DraftKVCache,

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.drafters.presets import DrafterConfig, preset
+from dspark_ds.errors import ConfigError
 from dspark_ds.files import save_safetensors
 
 # architecture -> (module, class, transformers config class path)
@@ -71,7 +72,7 @@ def _import(path: str):
 
 def _backend(architecture: str):
     if architecture not in BACKENDS:
-        raise ValueError(
+        raise ConfigError(
             f"architectures: unknown drafter architecture {architecture!r}; known: {sorted(BACKENDS)}"
         )
     module, cls, config_cls = BACKENDS[architecture]
@@ -86,7 +87,7 @@ def _reshape_target_config(
     text = text_config(target_config)
     model_type = getattr(text, "model_type", None)
     if model_type not in ARCHITECTURES[kind]:
-        raise ValueError(
+        raise ConfigError(
             f"model_type: no {kind} drafter backend for target family {model_type!r} "
             f"(available: {sorted(ARCHITECTURES[kind])})"
         )
@@ -117,13 +118,13 @@ def dspark_config(
     target_config, model: DrafterConfig, *, target_layer_ids: list[int], mask_token_id: int
 ):
     """The DSpark / DFlash drafter config of `model` (a validated "dspark" section) for this
-    target (docs/algorithm.md#the-drafter). Raises ValueError naming the offending field."""
+    target (docs/algorithm.md#the-drafter). Raises ConfigError naming the offending field."""
     cfg, text = _reshape_target_config(
         target_config, "dspark", target_layer_ids, model.num_draft_layers
     )
     vocab = int(text.vocab_size)
     if not 0 <= int(mask_token_id) < vocab:
-        raise ValueError(f"mask_token_id: must be in [0, {vocab}), got {mask_token_id!r}")
+        raise ConfigError(f"mask_token_id: must be in [0, {vocab}), got {mask_token_id!r}")
     enable_confidence = model.confidence_head_alpha > 0
     cfg.block_size = int(model.block_size)
     cfg.mask_token_id = int(mask_token_id)
@@ -144,7 +145,7 @@ def eagle3_config(
 ):
     """The Eagle3 baseline's drafter config of `model` (a validated "eagle3" section): the
     reference's `Qwen3Eagle3Model` fields (`target_layer_ids`, `ttt_length`, `step_loss_decay`,
-    `draft_num_hidden_layers`, `num_target_layers`). Raises ValueError naming the field."""
+    `draft_num_hidden_layers`, `num_target_layers`). Raises ConfigError naming the field."""
     cfg, text = _reshape_target_config(
         target_config, "eagle3", target_layer_ids, model.num_draft_layers
     )
@@ -158,7 +159,7 @@ def eagle3_config(
 
 def build_draft_config(target_config, *, target_layer_ids: list[int], mask_token_id: int, **fields):
     """A DSpark / DFlash drafter config; `fields` (DrafterConfig fields) override the DSpark
-    preset. Raises ValueError naming the offending field."""
+    preset. Raises ConfigError naming the offending field."""
     model = preset("dspark", **fields).validate(prefix=None)
     return dspark_config(
         target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
@@ -173,7 +174,7 @@ def build_eagle3_config(
     **fields,
 ):
     """An Eagle3 drafter config; `fields` (num_draft_layers, ttt_length, step_loss_decay)
-    override the Eagle3 preset. Raises ValueError naming the offending field."""
+    override the Eagle3 preset. Raises ConfigError naming the offending field."""
     model = preset("eagle3", **fields).validate(prefix=None)
     return eagle3_config(
         target_config,
@@ -194,11 +195,11 @@ def config_from_dict(data: dict):
     needs."""
     archs = data.get("architectures") or []
     if not archs:
-        raise ValueError("architectures: missing from the drafter config.json")
+        raise ConfigError("architectures: missing from the drafter config.json")
     cls, config_cls = _backend(archs[0])
     missing = [f for f in cls.REQUIRED_CONFIG_FIELDS if f not in data]
     if missing:
-        raise ValueError(
+        raise ConfigError(
             f"{missing[0]}: missing from the drafter config.json ({archs[0]} needs {missing})"
         )
     return config_cls.from_dict({**cls.OPTIONAL_CONFIG_FIELDS, **data})
@@ -215,7 +216,7 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         for shard in sorted(set(weight_map.values())):
             state.update(load_file(path / shard))
         return state
-    raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
 def load_draft_model(path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -223,20 +224,23 @@ def load_draft_model(path, dtype: torch.dtype = torch.float32, device: str | tor
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-        raise FileNotFoundError(f"{cfg_file}: not found (is {path} a drafter directory?)")
-    config = config_from_dict(json.loads(cfg_file.read_text()))
-    model = build_draft_model(config)
+        raise ConfigError(f"{cfg_file}: not found (is {path} a drafter directory?)")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{cfg_file}: not valid JSON ({err})") from None
+    model = build_draft_model(config_from_dict(data))
     state = _read_state_dict(path)
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
-        raise ValueError(
+        raise ConfigError(
             f"{path}: weights do not match the config: missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: {name} has shape {tuple(tensor.shape)}, config expects {tuple(own[name].shape)}"
             )
     model.load_state_dict(state, strict=True)

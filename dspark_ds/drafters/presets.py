@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
+from dspark_ds.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class DrafterConfig:
         )
 
     def validate(self, prefix: str | None = "model") -> DrafterConfig:
-        """Checks the fields the drafter kind reads; raises ValueError naming the option
+        """Checks the fields the drafter kind reads; raises ConfigError naming the option
         (`prefix.field`; the bare field name when `prefix` is None)."""
         check = _Checker(self, prefix)
         if self.kind == "eagle3":
@@ -124,7 +125,7 @@ class _Checker:
 
     def __call__(self, field: str, ok: bool, why: str) -> None:
         if not ok:
-            raise ValueError(f"{self.name(field)}: {why}, got {getattr(self.cfg, field)!r}")
+            raise ConfigError(f"{self.name(field)}: {why}, got {getattr(self.cfg, field)!r}")
 
     def at_least_1(self, *fields: str) -> None:
         for field in fields:
@@ -151,7 +152,7 @@ PRESET_NAMES = tuple(_PRESETS)
 def preset(name: str, **overrides) -> DrafterConfig:
     """A fresh copy of the named preset (dspark | dflash | eagle3) with `overrides` applied."""
     if name not in _PRESETS:
-        raise ValueError(f"preset: unknown drafter {name!r}; choose from {PRESET_NAMES}")
+        raise ConfigError(f"preset: unknown drafter {name!r}; choose from {PRESET_NAMES}")
     return replace(_PRESETS[name], **overrides)
 
 

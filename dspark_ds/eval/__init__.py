@@ -7,13 +7,13 @@
   calibration (ECE / AUROC / Brier, STS), tables, JSON / CSV, plots, MLflow.
 """
 
-from dspark_ds.eval.config import BenchConfig, CalibrationConfig, EvalConfig
+from dspark_ds.eval.config import CalibrationConfig, DecodeBenchConfig, EvalConfig
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.rounds import DecodeStats
 from dspark_ds.eval.runner import run_eval
 
 __all__ = [
-    "BenchConfig",
+    "DecodeBenchConfig",
     "CalibrationConfig",
     "DecodeStats",
     "EvalConfig",

@@ -3,7 +3,7 @@
 The rows share one target KV cache and one drafter cache, left-padded (eval/padded.py). One
 round for R rows:
 
-1. draft: the drafter kind's registry step `propose` for every row against its cached context
+1. draft: the drafter kind's `propose` for every row against its cached context
    (the step batch 1 uses: DSpark / DFlash one block per row, Eagle3 a chain of γ steps);
 2. choose each row's proposal length m_r: γ, the static confidence threshold, or the paper's
    hardware-aware prefix scheduler (eval/policy.py), then the budget;
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
-from dspark_ds.drafters.registry import spec_of
+from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.padded import PaddedCaches, target_forward
@@ -93,11 +93,11 @@ class BatchedDecoder:
         _check_options(batch_size, policy, drafter, sps)
         self.budget = Budget(max_new_tokens, budget_accounting)
         self.device = next(target.parameters()).device
-        self.target, self.drafter, self.spec = target, drafter, None
+        self.target, self.drafter, self.kind = target, drafter, None
         self.block_size, self.layer_ids, temps_G = 0, [], None
         if drafter is not None:
             check_drafter_matches_target(target, drafter)
-            self.spec = spec_of(drafter)
+            self.kind = kind_of(drafter)
             self.block_size = int(drafter.config.block_size)
             self.layer_ids = [int(i) for i in drafter.config.target_layer_ids]
             temps_G = confidence_temperatures(drafter.config, device=self.device)
@@ -155,7 +155,7 @@ class BatchedDecoder:
         caches.trim(torch.full((1,), length, device=self.device), length)
         if self.drafter is not None:
             first = torch.tensor([req.new_tokens], device=self.device, dtype=prompt.dtype)
-            self.spec.extend(
+            self.kind.extend(
                 self.drafter,
                 VerifiedContext(
                     feats,
@@ -216,7 +216,7 @@ class BatchedDecoder:
         """Every row's proposal (None without a drafter)."""
         if self.drafter is None:
             return None
-        return self.spec.propose(
+        return self.kind.propose(
             self.drafter,
             DraftRound(
                 x_start=x_start,
@@ -256,7 +256,7 @@ class BatchedDecoder:
             next_tokens, device=self.device, dtype=next_ids.dtype
         )
         key_mask = caches.key_mask()
-        self.spec.extend(
+        self.kind.extend(
             self.drafter,
             VerifiedContext(
                 feats,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from dspark_ds.errors import ConfigError
+
 # The paper's Table 1 sets shipped with the package (see datasets/README.md for provenance).
 PACKAGED_DATA_DIR = Path(__file__).parent / "datasets"
 DEFAULT_BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench", "aime25")
@@ -40,7 +42,7 @@ def benchmark_path(name: str, data_dir: str | Path | None) -> Path:
     path = root / f"{name}.jsonl"
     if not path.is_file():
         known = sorted(p.stem for p in root.glob("*.jsonl")) if root.is_dir() else []
-        raise FileNotFoundError(f"benchmark {name!r}: no file {path} (found: {known})")
+        raise ConfigError(f"benchmark {name!r}: no file {path} (found: {known})")
     return path
 
 
@@ -54,19 +56,19 @@ def load_benchmark(path: str | Path) -> list[list[str]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(
+                raise ConfigError(
                     f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x})"
                 ) from None
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
+                raise ConfigError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
             turns = row.get("turns") if isinstance(row, dict) else None
             if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
-                raise ValueError(f"{path}:{line_no}: `turns` must be a non-empty list of strings")
+                raise ConfigError(f"{path}:{line_no}: `turns` must be a non-empty list of strings")
             rows.append(turns)
     if not rows:
-        raise ValueError(f"{path}: no prompts")
+        raise ConfigError(f"{path}: no prompts")
     return rows
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from dspark_ds.errors import ConfigError
+
 CONFIG_KEY = "confidence_temperatures"
 
 
@@ -88,7 +90,7 @@ def confidence_temperatures(config, device: torch.device | None = None) -> torch
         return None
     block_size = int(config.block_size)
     if len(temps) != block_size or any(not float(t) > 0.0 for t in temps):
-        raise ValueError(
+        raise ConfigError(
             f"drafter config {CONFIG_KEY} must be {block_size} positive numbers, got {temps}"
         )
     return torch.tensor([float(t) for t in temps], dtype=torch.float32, device=device)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Literal
 
 from dspark_ds.config import TrackingConfig
 from dspark_ds.distributed import DistributedConfig
+from dspark_ds.errors import ConfigError
 from dspark_ds.eval.benchmarks import DEFAULT_BENCHMARKS, PAPER_SEED
 from dspark_ds.target import TargetPathConfig
 
@@ -37,11 +38,11 @@ class CalibrationConfig:
 
     def validate(self, prefix: str = "calibration") -> None:
         if self.num_bins < 2:
-            raise ValueError(f"{prefix}.num_bins must be >= 2, got {self.num_bins}")
+            raise ConfigError(f"{prefix}.num_bins must be >= 2, got {self.num_bins}")
         if not 0.0 < self.fit_fraction < 1.0:
-            raise ValueError(f"{prefix}.fit_fraction must be in (0, 1), got {self.fit_fraction}")
+            raise ConfigError(f"{prefix}.fit_fraction must be in (0, 1), got {self.fit_fraction}")
         if any(not 0.0 <= t <= 1.0 for t in self.thresholds):
-            raise ValueError(f"{prefix}.thresholds must lie in [0, 1], got {self.thresholds}")
+            raise ConfigError(f"{prefix}.thresholds must lie in [0, 1], got {self.thresholds}")
 
 
 @dataclass
@@ -65,12 +66,12 @@ class SchedulerConfig:
 
     def validate(self, prefix: str = "scheduler") -> None:
         if self.context_tokens < 1 or self.repeats < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.context_tokens and {prefix}.repeats must be >= 1, got "
                 f"{self.context_tokens} / {self.repeats}"
             )
         if not 0.0 <= self.compare_threshold <= 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"{prefix}.compare_threshold must be in [0, 1], got {self.compare_threshold}"
             )
 
@@ -141,46 +142,44 @@ class EvalConfig:
     """Network interface and timeout of the ranks (each decodes its share of the prompts; the
     timeout also bounds how long one that finished waits for the slowest)."""
 
-    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target": "target.path"}
-
     @property
     def run_dir(self) -> str:
         return os.path.join(self.output_dir, self.name)
 
     def validate(self) -> None:
-        """Raise ValueError naming the dotted option."""
+        """Raise ConfigError naming the dotted option."""
         if not self.target.path:
-            raise ValueError("target.path: is required (a directory or hub id of the target)")
+            raise ConfigError("target.path: is required (a directory or hub id of the target)")
         if not self.drafter:
-            raise ValueError("eval.drafter is required (a drafter interchange directory)")
+            raise ConfigError("eval.drafter is required (a drafter interchange directory)")
         if not self.benchmarks:
-            raise ValueError("eval.benchmarks is empty")
+            raise ConfigError("eval.benchmarks is empty")
         if self.max_samples is not None and self.max_samples < 1:
-            raise ValueError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}")
+            raise ConfigError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.budget_accounting not in ("exact", "reference"):
-            raise ValueError(
+            raise ConfigError(
                 f"eval.budget_accounting must be exact | reference, got {self.budget_accounting!r}"
             )
         if self.temperature < 0:
-            raise ValueError(f"eval.temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")
         if not 0.0 <= self.confidence_threshold <= 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"eval.confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
             )
         if not self.name or "/" in self.name:
-            raise ValueError(f"eval.name must be a plain name, got {self.name!r}")
+            raise ConfigError(f"eval.name must be a plain name, got {self.name!r}")
         if self.dtype not in _DTYPES:
-            raise ValueError(f"eval.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+            raise ConfigError(f"eval.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.batch_size < 1:
-            raise ValueError(f"eval.batch_size must be >= 1, got {self.batch_size}")
+            raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
         self.scheduler.validate("eval.scheduler")
         self.calibration.validate("eval.calibration")
 
 
 @dataclass
-class BenchConfig:
+class DecodeBenchConfig:
     """Wall-clock throughput of speculative decoding vs the target alone, on the same prompts."""
 
     target: TargetPathConfig = field(default_factory=TargetPathConfig)
@@ -216,23 +215,21 @@ class BenchConfig:
     output_json: str | None = None
     """Also write the numbers to this JSON file."""
 
-    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target": "target.path"}
-
     def validate(self) -> None:
         if not self.target.path or not self.drafter:
-            raise ValueError("target.path and drafter are required")
+            raise ConfigError("target.path and drafter are required")
         if self.num_prompts < 1 or self.warmup_prompts < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"bench.num_prompts must be >= 1 and bench.warmup_prompts >= 0, got "
                 f"{self.num_prompts} / {self.warmup_prompts}"
             )
         if self.max_new_tokens < 1:
-            raise ValueError(f"bench.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"bench.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"bench.temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"bench.temperature must be >= 0, got {self.temperature}")
         if not 0.0 <= self.confidence_threshold <= 1.0:
-            raise ValueError(
+            raise ConfigError(
                 f"bench.confidence_threshold must be in [0, 1], got {self.confidence_threshold}"
             )
         if self.dtype not in _DTYPES:
-            raise ValueError(f"bench.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+            raise ConfigError(f"bench.dtype must be one of {_DTYPES}, got {self.dtype!r}")

@@ -2,7 +2,7 @@
 decoding to compare with.
 
 One round: the drafter's cache takes the positions verified last round and the drafter proposes
-up to γ tokens (its kind's registry steps `extend` and `propose`, the same ones the batched loop
+up to γ tokens (its `DrafterKind`'s `extend` and `propose`, the same ones the batched loop
 uses: DSpark drafts `[x_start, MASK × (γ-1)]` in one forward and samples it through the Markov
 head, Eagle3 drafts a chain), the confidence threshold and the budget may cut the proposal, the
 target verifies `[x_start, d_1..d_m]` in one forward, and the accepted prefix plus one target
@@ -18,7 +18,7 @@ import torch
 
 from dspark_ds.drafters.common.blocks import DraftKVCache
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
-from dspark_ds.drafters.registry import spec_of
+from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.policy import VerifyPolicy
@@ -70,7 +70,7 @@ class _OneRowDecoder:
 
     def __init__(self, target, drafter, *, budget: Budget, policy: VerifyPolicy,
                  temperature: float, generator: torch.Generator | None, stops: set[int]):  # fmt: skip
-        self.target, self.drafter, self.spec = target, drafter, spec_of(drafter)
+        self.target, self.drafter, self.kind = target, drafter, kind_of(drafter)
         self.budget, self.policy, self.stops = budget, policy, stops
         self.temperature, self.generator = temperature, generator
         self.block_size = int(drafter.config.block_size)
@@ -113,14 +113,14 @@ class _OneRowDecoder:
         committed = row.committed_ids()
         start, cached = row.start, row.cache.seq_length
         positions = torch.arange(cached, start, device=row.device).unsqueeze(0)
-        self.spec.extend(
+        self.kind.extend(
             self.drafter,
             VerifiedContext(
                 row.pending_1LnH, positions, row.cache, next_ids=committed[:, cached + 1 :]
             ),
         )
         rooms = [self.budget.room(row.new_tokens)]
-        proposal = self.spec.propose(
+        proposal = self.kind.propose(
             self.drafter,
             DraftRound(
                 x_start=committed[:, -1],

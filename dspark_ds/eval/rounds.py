@@ -1,7 +1,7 @@
 """What both decoding loops (decoding.py at batch 1, batched.py with rows in flight) share about
 a verification round: the new-token budget, what a verified round commits, and the counters.
 
-A round: the drafter proposes (its kind's registry steps, drafters/common/rounds.py), a policy
+A round: the drafter proposes (its kind's `propose`, drafters/common/rounds.py), a policy
 picks how many drafts each row verifies (policy.py), one target forward verifies them
 (verify.py), and `settle` turns the verdict into committed tokens.
 """

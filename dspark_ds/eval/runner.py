@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from dspark_ds import distributed
+from dspark_ds.errors import ConfigError
 from dspark_ds.eval import calibration as cal
 from dspark_ds.eval import report
 from dspark_ds.eval.benchmarks import (
@@ -86,7 +87,7 @@ def load_models(cfg: EvalConfig, device: torch.device):
     try:
         target = AutoModelForCausalLM.from_pretrained(cfg.target.path, **kwargs).to(device).eval()
     except OSError as err:  # not found, not a model, no connection: one line, exit 2
-        raise ValueError(
+        raise ConfigError(
             f"target.path: cannot load a model from {cfg.target.path!r} ({first_line(err)})"
         ) from None
     drafter = load_draft_model(cfg.drafter, dtype=dtype, device=device)
@@ -151,7 +152,7 @@ def _scheduler_sps(cfg: EvalConfig, target, drafter):
     if not (cfg.scheduler.enabled or cfg.scheduler.compare):
         return None
     if drafter.confidence_head is None:
-        raise ValueError(
+        raise ConfigError(
             "eval.scheduler needs a drafter with a confidence head (DSpark); this one "
             f"({drafter.config.architectures[0]}) has none"
         )

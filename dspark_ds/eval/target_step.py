@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from dspark_ds.errors import ConfigError
 from dspark_ds.target import text_config
 
 
@@ -29,12 +30,12 @@ def check_drafter_matches_target(target, drafter) -> None:
     num_layers = int(t_cfg.num_hidden_layers)
     layer_ids = [int(i) for i in d_cfg.target_layer_ids]
     if int(d_cfg.num_target_layers) != num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"drafter config num_target_layers={d_cfg.num_target_layers} but the target has "
             f"{num_layers} decoder layers"
         )
     if any(i < -1 or i >= num_layers for i in layer_ids):
-        raise ValueError(
+        raise ConfigError(
             f"drafter target_layer_ids {layer_ids} out of range for {num_layers} layers"
         )
     # NOTE: id L-1 means two things. Here and in training (target.py) it is HF's
@@ -43,17 +44,17 @@ def check_drafter_matches_target(target, drafter) -> None:
     # tapping L-1 is therefore ambiguous across the interchange format, and (as docs/algorithm.md#target-features and the
     # reference's evaluator do) evaluation refuses it.
     if num_layers - 1 in layer_ids:
-        raise ValueError(
+        raise ConfigError(
             f"drafter target_layer_ids {layer_ids} include the target's final layer {num_layers - 1}"
             ", whose features differ between dspark-ds (normed) and the reference (raw); use an "
             "earlier layer"
         )
     if int(d_cfg.vocab_size) != int(t_cfg.vocab_size):
-        raise ValueError(
+        raise ConfigError(
             f"drafter vocab_size={d_cfg.vocab_size} differs from the target's {t_cfg.vocab_size}"
         )
     if int(d_cfg.hidden_size) != int(t_cfg.hidden_size):
-        raise ValueError(
+        raise ConfigError(
             f"drafter hidden_size={d_cfg.hidden_size} differs from the target's {t_cfg.hidden_size}"
         )
 

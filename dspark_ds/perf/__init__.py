@@ -1,5 +1,3 @@
-"""Performance: the training step's implementation choice (`perf` config) and its benchmark."""
-
-from dspark_ds.perf.config import LOSS_IMPLEMENTATIONS, PerfConfig
-
-__all__ = ["LOSS_IMPLEMENTATIONS", "PerfConfig"]
+"""Performance tools: the training-step bench (`dspark-ds bench`, train_bench.py) and the GPU node
+self-check (`dspark-ds gpu-check`, gpu_check.py). The `perf` config section they vary lives with
+the drafters (dspark_ds/drafters/perf.py); nothing in the drafters imports this package."""

@@ -6,11 +6,11 @@
 Parts, in order (each prints one PASS / FAIL line; a summary line ends the run; the exit
 code is 1 if any part failed):
 
-1. bench   `dspark-ds bench` at issue 13's Qwen3-8B DSpark shape (H 4096, 5 draft layers,
+1. bench   `dspark-ds bench` at the Qwen3-8B DSpark shape (H 4096, 5 draft layers,
            32 / 8 heads, intermediate 12288, 5 taps, V 151 936, S 4096, A 512, γ 7, Markov
            r 256, B 1, bf16): the default training path (flex attention, chunked loss) and
            the reference layout (dense / reference), each in its own process. Passes when
-           both run and agree on the first step's loss; the issue's GPU targets (step time
+           both run and agree on the first step's loss; the GPU targets (step time
            and working memory vs dense / reference, FLOP/s vs a same-process bf16 matmul)
            are printed beside it, met or not.
 2. train   `torchrun --nproc_per_node 1 -m dspark_ds.cli train`: a tiny random Qwen3 target
@@ -36,6 +36,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dspark_ds.errors import ConfigError
 
 QWEN3_8B_SHAPE = dict(
     hidden_size=4096,
@@ -68,7 +70,7 @@ SMALL_SHAPE = dict(
     dtype="float32",
 )
 SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "small": SMALL_SHAPE}
-# issue 13's targets on one H200-class GPU (reported, not part of PASS / FAIL)
+# the targets on one H200-class GPU (docs/performance.md; reported, not part of PASS / FAIL)
 TARGET_STEP_VS_REFERENCE = 0.75
 TARGET_WORKING_VS_REFERENCE = 0.5
 TARGET_MATMUL_FRACTION = 0.45
@@ -83,7 +85,7 @@ class GpuCheckConfig:
     device: str = "cuda"
     """cuda (this node's first visible GPU) or cpu (every part on the CPU: fp32, gloo)."""
     shape: str = "auto"
-    """Bench shape: qwen3-8b (issue 13's), small, or auto (qwen3-8b on cuda, small on cpu)."""
+    """Bench shape: qwen3-8b, small, or auto (qwen3-8b on cuda, small on cpu)."""
     output_dir: str = "gpu_check"
     """Each run writes a fresh gpu_check_<time>/ folder under this one."""
     bench_variants: list[str] = field(default_factory=list)
@@ -101,14 +103,14 @@ class GpuCheckConfig:
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"device: cuda or cpu, got {self.device!r}")
+            raise ConfigError(f"device: cuda or cpu, got {self.device!r}")
         if self.shape not in ("auto", *SHAPES):
-            raise ValueError(f"shape: auto or one of {sorted(SHAPES)}, got {self.shape!r}")
+            raise ConfigError(f"shape: auto or one of {sorted(SHAPES)}, got {self.shape!r}")
         for name in ("bench_repeats", "train_steps", "num_prompts", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.train_steps < 4:
-            raise ValueError(
+            raise ConfigError(
                 f"train_steps: at least 4 (the check compares the first and last 2), got {self.train_steps}"
             )
 
@@ -128,7 +130,7 @@ class PartResult:
 
 # ---- the parts -----------------------------------------------------------------------------
 def part_bench(cfg: GpuCheckConfig, work: Path) -> PartResult:
-    from dspark_ds.perf.bench import REFERENCE_VARIANT, TrainBenchConfig, run_train_bench
+    from dspark_ds.perf.train_bench import REFERENCE_VARIANT, TrainBenchConfig, run_train_bench
 
     shape = SHAPES[cfg.shape if cfg.shape != "auto" else ("qwen3-8b" if cfg.cuda else "small")]
     default = "flex/chunked" if cfg.cuda else "blockwise/chunked"
@@ -321,7 +323,7 @@ def run_gpu_check(cfg: GpuCheckConfig) -> list[PartResult]:
     import torch
 
     if cfg.cuda and not torch.cuda.is_available():
-        raise ValueError("device: cuda, but torch sees no GPU here (use --device cpu)")
+        raise ConfigError("device: cuda, but torch sees no GPU here (use --device cpu)")
     work = Path(cfg.output_dir) / time.strftime("gpu_check_%Y%m%d_%H%M%S")
     work.mkdir(parents=True, exist_ok=False)
     name = torch.cuda.get_device_name() if cfg.cuda else "cpu"

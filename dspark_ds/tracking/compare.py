@@ -20,6 +20,8 @@ from pathlib import Path
 import mlflow
 from mlflow.tracking import MlflowClient
 
+from dspark_ds.errors import ConfigError
+
 DEFAULT_METRICS = [
     "train/tau_probabilistic",
     "train/tau_greedy",
@@ -70,12 +72,12 @@ def select_runs(client: MlflowClient, cfg: CompareConfig) -> list:
             except Exception:  # noqa: BLE001 - try it as a prefix
                 matches = [r for r in _search(client, cfg, "") if r.info.run_id.startswith(rid)]
                 if len(rid) < 6 or len(matches) != 1:
-                    raise ValueError(f"run_ids: {rid!r} matches {len(matches)} runs") from None
+                    raise ConfigError(f"run_ids: {rid!r} matches {len(matches)} runs") from None
                 runs.append(matches[0])
         return runs
     runs = _search(client, cfg, cfg.filter)
     if not runs:
-        raise ValueError(
+        raise ConfigError(
             f"no runs in experiment(s) {cfg.experiment} at {cfg.tracking_uri}"
             + (f" matching filter {cfg.filter!r}" if cfg.filter else "")
         )
@@ -87,7 +89,7 @@ def _search(client: MlflowClient, cfg: CompareConfig, filter_string: str) -> lis
     for name in cfg.experiment:
         exp = client.get_experiment_by_name(name)
         if exp is None:
-            raise ValueError(f"experiment: {name!r} does not exist at {cfg.tracking_uri}")
+            raise ConfigError(f"experiment: {name!r} does not exist at {cfg.tracking_uri}")
         ids.append(exp.experiment_id)
     try:
         return client.search_runs(
@@ -97,7 +99,7 @@ def _search(client: MlflowClient, cfg: CompareConfig, filter_string: str) -> lis
             order_by=["attributes.start_time DESC"],
         )
     except mlflow.exceptions.MlflowException as err:
-        raise ValueError(f"filter: {err}") from err
+        raise ConfigError(f"filter: {err}") from err
 
 
 def run_label(run) -> str:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 
+from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetFeatureProvider
 
 
@@ -66,7 +67,7 @@ class SyntheticSource:
         per_batch = self.batch_size * self.world
         consumed = int(state["samples_consumed"])
         if consumed % per_batch:
-            raise ValueError(
+            raise ConfigError(
                 f"cannot resume the synthetic order: {consumed} samples consumed is "
                 f"not a multiple of data.batch_size × world size = {per_batch}"
             )

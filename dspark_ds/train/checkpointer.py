@@ -7,7 +7,7 @@ checksummed tag or raises `TrainingStopped` on every rank with the previous one 
     checkpointer.save(step, engine, state, files)   collective; every rank hashes its own files,
                                                     rank 0 writes MANIFEST.json, then COMPLETE
 
-The on-disk layout is `dspark_ds.train.checkpoint`'s.
+The on-disk layout is `dspark_ds.train.checkpoint_files`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from pathlib import Path
 from dspark_ds import distributed
 from dspark_ds.config import CheckpointConfig
 from dspark_ds.distributed import print0
-from dspark_ds.train import checkpoint as ckpt
+from dspark_ds.errors import ConfigError
+from dspark_ds.train import checkpoint_files as ckpt
 from dspark_ds.train.signals import TrainingStopped
 
 HASH_ON_RESUME_BYTES_PER_RANK = 4 * 2**30
@@ -68,12 +69,12 @@ class Checkpointer:
         checkpoint.resume null refuses a run directory that already holds checkpoints; "auto"
         and a run / checkpoints directory take the newest complete tag that passes verification
         (a tag without COMPLETE or one that fails is named, and the next older one tried); a
-        tag directory must pass itself. ValueError (exit 2) when nothing usable is left."""
+        tag directory must pass itself. ConfigError (exit 2) when nothing usable is left."""
         resume = self.cfg.resume
         if resume is None:
             existing = ckpt.complete_tags(self.dir)
             if existing:
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint.resume: {self.dir} already holds {existing[-1]}; pass "
                     "--checkpoint.resume auto to continue it, or choose another --name"
                 )
@@ -81,13 +82,13 @@ class Checkpointer:
         path = self.dir if resume == "auto" else Path(resume)
         if _is_tag_dir(path):
             if not (path / ckpt.COMPLETE).exists():
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint.resume: {path} has no {ckpt.COMPLETE} marker (its save did not "
                     "finish); pass the run directory to use its newest complete checkpoint"
                 )
             problems = self.verify(path)
             if problems:
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint.resume: {path} is damaged: {'; '.join(problems[:4])}; pass the "
                     "run directory to fall back to its newest intact checkpoint"
                 )
@@ -128,12 +129,12 @@ class Checkpointer:
             print0(f"[train] skipping {tag.name}: damaged ({'; '.join(problems[:4])})")
         if chosen is None:
             if damaged:
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint.resume: no intact checkpoint in {root}: "
                     + "; ".join(f"{t.name}: {p[0]}" for t, p in damaged)
                 )
             if self.cfg.resume != "auto":
-                raise ValueError(f"checkpoint.resume: {root} holds no complete checkpoint")
+                raise ConfigError(f"checkpoint.resume: {root} holds no complete checkpoint")
             return None, set()
         if damaged:
             print0(f"[train] falling back to {chosen.name}, the newest intact checkpoint")
@@ -160,12 +161,8 @@ class Checkpointer:
 
     def verify(self, tag_dir: Path) -> list[str]:
         """Collective. What is wrong with `tag_dir` against its manifest (see checkpoint.verify);
-        the ranks split the hashing. A tag written before manifests existed passes, with a note."""
+        the ranks split the hashing."""
         manifest = ckpt.read_manifest(tag_dir)
-        if manifest is None:
-            print0(f"[train] {tag_dir.name} has no {ckpt.MANIFEST} (an older version wrote it): "
-                   "not verified")  # fmt: skip
-            return []
         names = sorted(manifest["files"])
         total = sum(int(r.get("size", 0)) for r in manifest["files"].values())
         mode = self.cfg.verify
@@ -189,7 +186,7 @@ class Checkpointer:
         differs = {k: (saved[k], now[k]) for k in saved if saved[k] != now[k]}
         if differs:
             shown = ", ".join(f"{k} {a} (now {b})" for k, (a, b) in differs.items())
-            raise ValueError(
+            raise ConfigError(
                 f"deepspeed.config: {tag_dir} was written with {shown}; its optimizer state "
                 "loads only into the same layout: resume with the same ZeRO stage, offload and "
                 "optimizer (deepspeed.torch_adam)"

@@ -10,8 +10,11 @@
     progress                a tqdm bar on a terminal; otherwise a plain line per log step
     summary                 steps, final and best loss / τ, where checkpoints and export went
 
-`log_step` is collective on log steps (tokens, samples and sampler statistics are summed over
-the ranks); everything that writes happens on rank 0.
+The hot path stays on the device: a step hands over its micro-batches' `StepOutput`s (metric
+sums not yet reduced) and those of a validation after it; token counts and sampler statistics
+stay tensors. The rows wait until a log step, or a checkpoint (`sync`), sums them over the
+ranks in ONE all_reduce and reads them back; then they are written. `log_step` is collective on
+log steps, `sync` always; everything that writes happens on rank 0.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ import torch
 from dspark_ds import distributed
 from dspark_ds.distributed import print0
 from dspark_ds.drafters.common.blocks import SAMPLER_STATS
+from dspark_ds.drafters.kind import StepOutput
 
 LOG_FILE = "train_log.jsonl"
 TAU = "train/tau_probabilistic"
@@ -68,6 +74,72 @@ class _Best:
         return f"{self.key} final {fv:.4g} (step {fs}), best {bv:.4g} (step {bs})"
 
 
+def sum_over_ranks(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor summed over every rank, in one all_reduce; returned in its own dtype.
+
+    NOTE: packed as fp64. Two fp32 values summed in fp64 and rounded once to fp32 give exactly
+    the fp32 sum, so the metrics are those of one fp32 all_reduce per tensor (over more ranks
+    the fp64 sum is the more accurate one)."""
+    if not parts:
+        return []
+    flat = torch.cat([p.reshape(-1).to(torch.float64) for p in parts])
+    flat = distributed.all_reduce_(flat)
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at : at + p.numel()].view(p.shape).to(p.dtype))
+        at += p.numel()
+    return out
+
+
+def metrics_of(
+    outputs: list[StepOutput], summed: list[torch.Tensor], to_metrics: Callable
+) -> list[dict[str, float]]:
+    """Each micro-batch's metrics, from its sums over the ranks (`to_metrics`)."""
+    return [to_metrics(dict(zip(o.names, sums.tolist()))) for o, sums in zip(outputs, summed)]
+
+
+def step_metrics(
+    outputs: list[StepOutput], summed: list[torch.Tensor], to_metrics: Callable
+) -> dict[str, float]:
+    """A training step's metrics: means over its micro-batches."""
+    means: dict[str, float] = {}
+    for metrics in metrics_of(outputs, summed, to_metrics):
+        for k, v in metrics.items():
+            means[k] = means.get(k, 0.0) + float(v) / len(outputs)
+    return means
+
+
+def validation_metrics(
+    outputs: list[StepOutput], summed: list[torch.Tensor], to_metrics: Callable
+) -> dict[str, float]:
+    """A validation's metrics ("val/..."): means over its held-out micro-batches."""
+    totals: dict[str, float] = {}
+    for metrics in metrics_of(outputs, summed, to_metrics):
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    return {f"val/{k}": v / max(len(outputs), 1) for k, v in totals.items()}
+
+
+def _sums_only(outputs: list[StepOutput] | None) -> list[StepOutput] | None:
+    """The outputs without their autograd graphs (a waiting row must not keep them alive)."""
+    if outputs is None:
+        return None
+    return [replace(o, loss=o.loss.detach(), sampler_sums=None) for o in outputs]
+
+
+@dataclass
+class _Pending:
+    """A step's row, waiting for its metrics."""
+
+    row: dict
+    outputs: list[StepOutput] | None
+    """Its micro-batches' outputs; None for a skipped step."""
+    validation: list[StepOutput] | None
+    """The outputs of a validation run after it, if any."""
+    window: tuple | None = None
+    """On a log step: (lr, epoch, grad norm, counters) for the window's metrics."""
+
+
 class MetricsLogger:
     def __init__(
         self,
@@ -79,16 +151,24 @@ class MetricsLogger:
         total_steps: int,
         progress_bar: bool,
         device: torch.device,
+        to_metrics: Callable[[dict[str, float]], dict[str, float]],
     ):
+        """`to_metrics`: a micro-batch's metric sums (over the ranks) -> its metrics (the
+        drafter kind's `metrics`)."""
         self.path = Path(run_dir) / LOG_FILE
         self.tracker = tracker
         self.rank, self.log_every, self.total_steps = rank, log_every, total_steps
         self.device = device
+        self.to_metrics = to_metrics
         # NOTE: a tqdm bar in a Slurm log is one line rewritten with \r thousands of times
         self.use_bar = rank == 0 and progress_bar and sys.stdout.isatty()
         self.bests = [_Best("loss", False), _Best(TAU, True),
                       _Best("val/loss", False), _Best("val/tau_probabilistic", True)]  # fmt: skip
-        self.sampler_sums = [0.0] * (len(SAMPLER_STATS) + 1)  # + the sample count
+        self.losses: dict[int, float] = {}
+        """The training loss of every step written so far (skipped steps absent)."""
+        self.val_metrics: dict[str, float] = {}
+        """The metrics of the last validation written so far."""
+        self._pending: list[_Pending] = []
         self._file = None
         self._bar = None
         self._reset_window()
@@ -128,7 +208,8 @@ class MetricsLogger:
                              dynamic_ncols=True, file=sys.stdout)  # fmt: skip
 
     def sync(self) -> None:
-        """Rank 0: the rows so far on disk (before a checkpoint that includes their steps)."""
+        """Collective: the rows so far on disk (before a checkpoint that includes their steps)."""
+        self._write_pending()
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
@@ -144,63 +225,96 @@ class MetricsLogger:
     # ---- per micro-batch / per step ------------------------------------------------------------
     def _reset_window(self) -> None:
         self.window: dict[str, float] = {}
-        self.window_steps, self.tokens, self.samples = 0, 0, 0
+        self.window_steps, self.samples = 0, 0
+        self.tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.sampler_sums = torch.zeros(len(SAMPLER_STATS) + 1, dtype=torch.float64,
+                                        device=self.device)  # fmt: skip
         self.t0 = time.perf_counter()
 
     def add_micro_batch(self, batch: dict) -> None:
-        self.tokens += int(batch["attention_mask"].sum())
+        """A micro-batch that was trained on (its tokens stay a tensor until a log step)."""
+        self.tokens += batch["attention_mask"].sum().to(self.tokens.device, torch.float64)
         self.samples += int(batch["input_ids"].shape[0])
 
-    def add_sampler_stats(self, sums: list[float]) -> None:
-        self.sampler_sums = [a + b for a, b in zip(self.sampler_sums, sums)]
+    def add_sampler_sums(self, sums: torch.Tensor | None) -> None:
+        if sums is not None:
+            self.sampler_sums += sums.to(self.sampler_sums.device)
 
     def log_step(
         self,
         step: int,
-        metrics: dict[str, float] | None,
-        val: dict[str, float],
+        outputs: list[StepOutput] | None,
+        validation: list[StepOutput] | None,
         *,
         lr: float,
         epoch: int,
-        grad_norm: float | None,
+        grad_norm: Callable[[], float | None],
         counters: dict[str, float],
     ) -> None:
-        """Collective on log steps. `metrics`: the step's means over its micro-batches, or None
-        for a skipped step; `val`: validation metrics of this step ({} if none)."""
-        if metrics is not None:
-            for k, v in metrics.items():
-                self.window[k] = self.window.get(k, 0.0) + v
-            self.window_steps += 1
-        row: dict = {"step": step, "time": round(time.time(), 3),
-                     "loss": None if metrics is None else metrics["loss"], "lr": lr}  # fmt: skip
-        if metrics is None:
+        """Collective on log steps. `outputs`: the step's micro-batches, or None for a skipped
+        step; `validation`: the held-out batches of a validation after this step (None if
+        none); `grad_norm` is read on log steps only."""
+        row: dict = {"step": step, "time": round(time.time(), 3), "loss": None, "lr": lr}
+        if outputs is None:
             row["skipped"] = "nonfinite"
-        logged: dict[str, float] = {}
+        pending = _Pending(row, _sums_only(outputs), _sums_only(validation))
+        self._pending.append(pending)
         if step % self.log_every == 0 or step == self.total_steps:
-            logged = self._window_metrics(lr, epoch, grad_norm, counters)
-            row.update(logged)
+            pending.window = (lr, epoch, grad_norm(), counters)
+            self._write_pending(with_window=True)
+
+    def _write_pending(self, with_window: bool = False) -> None:
+        """Reduces the waiting steps' sums (and, `with_window`, the window's counts) in one
+        all_reduce, then writes their rows."""
+        pending, self._pending = self._pending, []
+        stats = [out.sums for p in pending for out in (p.outputs or []) + (p.validation or [])]
+        counts = []
+        if with_window:
+            samples = torch.full((1,), float(self.samples), dtype=torch.float64, device=self.device)
+            counts = [self.tokens.view(1), samples, self.sampler_sums]
+        if not stats and not counts:
+            return
+        summed = sum_over_ranks([*stats, *counts])
+        counts = torch.cat(summed[len(stats) :]).tolist() if with_window else []
+        summed = iter(summed[: len(stats)])
+        for p in pending:
+            if p.outputs:
+                sums = [next(summed) for _ in p.outputs]
+                metrics = step_metrics(p.outputs, sums, self.to_metrics)
+                for k, v in metrics.items():
+                    self.window[k] = self.window.get(k, 0.0) + v
+                self.window_steps += 1
+                p.row["loss"] = self.losses[p.row["step"]] = metrics["loss"]
+            val = {}
+            if p.validation is not None:
+                sums = [next(summed) for _ in p.validation]
+                val = self.val_metrics = validation_metrics(p.validation, sums, self.to_metrics)
+            logged = self._window_metrics(counts, *p.window) if p.window is not None else {}
+            self._write(p.row, logged, val)
+
+    def _write(self, row: dict, logged: dict[str, float], val: dict[str, float]) -> None:
+        row.update(logged)
         row.update(val)
         if self.rank != 0:
             return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         for best in self.bests:
-            best.add(step, row)
+            best.add(row["step"], row)
         if logged:
-            self.tracker.log_metrics(logged, step=step)
+            self.tracker.log_metrics(logged, step=row["step"])
         if val:
-            self.tracker.log_metrics(val, step=step)
-        self._progress(step, row)
+            self.tracker.log_metrics(val, step=row["step"])
+        self._progress(row["step"], row)
 
-    def _window_metrics(self, lr, epoch, grad_norm, counters) -> dict[str, float]:
-        all_tokens, all_samples, *sampler = distributed.all_reduce_values(
-            [self.tokens, self.samples, *self.sampler_sums]
-        )
+    def _window_metrics(self, counts, lr, epoch, grad_norm, counters) -> dict[str, float]:
+        """The log step's metrics: window means and rates. `counts`: the window's tokens,
+        samples and sampler statistics, summed over the ranks."""
+        all_tokens, all_samples, *sampler = counts
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         logged = {f"train/{k}": v / self.window_steps for k, v in self.window.items()}
         if sampler[-1] > 0:  # samples seen by the anchor sampler (DSpark / DFlash)
             logged.update({f"train/{k}": v / sampler[-1] for k, v in zip(SAMPLER_STATS, sampler)})
-        self.sampler_sums = [0.0] * (len(SAMPLER_STATS) + 1)
         logged.update({
             "train/lr": lr,
             "train/epoch": epoch,

@@ -37,7 +37,6 @@ FREE = (
     "tracking.",
     "checkpoint.",
     "validation.",
-    "eval.",  # the section's former name (checkpoints written before the rename)
     "perf.",
     "deepspeed.",
     "data.batch_size",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dspark_ds import distributed
 from dspark_ds.distributed import print0
+from dspark_ds.errors import ConfigError
 
 LOCK_FILE = "RUNNING"
 HEARTBEAT_S = 30.0
@@ -30,11 +31,11 @@ STALE_AFTER_S = 300.0
 _LIVE_SLURM_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING"}
 
 
-class RunDirBusy(ValueError):
+class RunDirBusy(ConfigError):
     """Another job holds the run directory (the CLI prints it as one line, exit 2)."""
 
 
-class RunDirNotShared(ValueError):
+class RunDirNotShared(ConfigError):
     """The ranks of one job see different run directories (node-local disks); one line, exit 2."""
 
 

@@ -9,8 +9,10 @@ is written, then the process leaves with an exit code that says why.
                        process at once (the default action is back after the first), without a
                        checkpoint: the last complete one stays in charge.
 
-The first signal a rank receives decides for that rank; ranks agree at each step boundary
-(`Signals.agreed`, one small all-reduce): if any rank was asked to requeue, every rank requeues.
+The first signal a rank receives decides for that rank (`Signals.request`); the ranks agree in
+each step's control all_reduce, the one that also checks the loss is finite (the trainer's
+`_control`), and leave after that step: if any rank was asked to requeue, every rank requeues
+(`exit_code_for`).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def record_exit(code: int, reason: str, step: int) -> None:
 
 
 class Signals:
-    """Installs the handlers for the training loop (`install` / `restore`) and says at a step
-    boundary whether, and how, every rank should stop (`agreed`)."""
+    """Installs the handlers for the training loop (`install` / `restore`) and says what this
+    rank was asked (`request`)."""
 
     def __init__(self):
         self.received: int | None = None
@@ -89,13 +91,15 @@ class Signals:
                     distributed.rank_and_world()[0],
                 )
 
-    def agreed(self) -> int | None:
-        """Collective. The exit code every rank leaves with after checkpointing (75 if any rank
-        was asked to requeue, else 130 if any got Ctrl-C), or None to go on."""
-        mine = 0
+    def request(self) -> int:
+        """This rank's request: 0 go on, 1 stop (Ctrl-C), 2 requeue. The largest over the ranks
+        decides (`exit_code_for`)."""
         if self.received in _REQUEUE_SIGNALS:
-            mine = 2
-        elif self.received == signal.SIGINT:
-            mine = 1
-        [worst] = distributed.all_reduce_values([mine], op="max")
-        return {0: None, 1: INTERRUPT_EXIT_CODE, 2: REQUEUE_EXIT_CODE}[int(worst)]
+            return 2
+        return 1 if self.received == signal.SIGINT else 0
+
+
+def exit_code_for(request: int) -> int | None:
+    """The exit code every rank leaves with for the ranks' largest `Signals.request` (75 if any
+    rank was asked to requeue, else 130 if any got Ctrl-C), or None to go on."""
+    return {0: None, 1: INTERRUPT_EXIT_CODE, 2: REQUEUE_EXIT_CODE}[int(request)]

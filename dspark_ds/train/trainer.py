@@ -8,8 +8,15 @@ and each concern it calls on is a component with a small interface:
     Schedule       train/schedule.py       warmup + cosine, and what a changed length does
     resume rules   train/resume.py         which options may change when a run is resumed
 
-One optimizer step = `grad_accum` micro-batches per rank; anchors are sampled per sample from
+One optimizer step = `grad_accum` micro-batches per rank, each one call of the drafter kind's
+`training_step` (drafters/kind.py): the forward and the loss, with the loss's denominators summed
+over the ranks, and the metric sums left on the device. Anchors are sampled per sample from
 (seed, epoch, sample id), so a step sees the same blocks whatever the world size or a resume.
+
+Per micro-batch the ranks talk twice: the loss's denominators (inside the step) and one control
+all_reduce (`_control`) that says whether the loss is finite on every rank and whether a signal
+asked any rank to stop; its result is the one value a step reads back from the device before
+the backward. Metrics are summed over the ranks on log steps only (train/metrics.py).
 
 A non-finite loss (NaN / inf on any rank) never reaches a backward: the step is skipped (no
 update, the learning rate moves on, counted as train/nonfinite_steps). When the bad micro-batch
@@ -37,17 +44,18 @@ from dspark_ds.config import TrainRunConfig, dump_config, flatten, to_plain
 from dspark_ds.data.cache import CacheError
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model
-from dspark_ds.drafters.common.blocks import sampler_stat_sums
 from dspark_ds.drafters.io import draft_config_dict
-from dspark_ds.drafters.registry import TRAIN_KEYS, StepArgs, get_spec
-from dspark_ds.train import checkpoint as ckpt
+from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext, StepOutput
+from dspark_ds.drafters.registry import get_kind
+from dspark_ds.errors import ConfigError
+from dspark_ds.train import checkpoint_files as ckpt
 from dspark_ds.train import resume as resume_rules
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source
 from dspark_ds.train.checkpointer import Checkpointer
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.schedule import Schedule
-from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, TrainingStopped
+from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, TrainingStopped, exit_code_for
 from dspark_ds.train.validator import Validator
 
 
@@ -59,7 +67,7 @@ def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
     tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
     mask_id = tok.convert_tokens_to_ids("<|mask|>")
     if mask_id is None or mask_id == tok.unk_token_id:
-        raise ValueError("model.mask_token_id: the tokenizer has no <|mask|> token; set the id")
+        raise ConfigError("model.mask_token_id: the tokenizer has no <|mask|> token; set the id")
     return int(mask_id)
 
 
@@ -74,27 +82,27 @@ def make_draft_config(cfg: TrainRunConfig):
             cfg.target.path, trust_remote_code=cfg.target.trust_remote_code
         )
     except OSError as err:
-        raise ValueError(
+        raise ConfigError(
             f"target.path: cannot read a model config from {cfg.target.path!r} "
             f"({str(err).splitlines()[0]})"
         ) from err
     num_layers = int(text_config(target_config).num_hidden_layers)
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_layers)
-    spec = get_spec(cfg.model.kind)
-    mask_token_id = resolve_mask_token_id(cfg) if spec.uses_mask_token else None
+    kind = get_kind(cfg.model.kind)
+    mask_token_id = resolve_mask_token_id(cfg) if kind.uses_mask_token else None
     try:
-        return spec.build_config(
+        return kind.build_config(
             target_config,
             cfg.model,
             target_layer_ids=layer_ids,
             mask_token_id=mask_token_id,
             target_path=cfg.target.path,
         )
-    except ValueError as err:
+    except ConfigError as err:
         # the builders name the drafter config's field; the user set the run's option
         field, _, why = str(err).partition(":")
         option = {"target_layer_ids": "target.layer_ids", "model_type": "target.path"}
-        raise ValueError(f"{option.get(field, 'model.' + field)}:{why}") from err
+        raise ConfigError(f"{option.get(field, 'model.' + field)}:{why}") from err
 
 
 @dataclass
@@ -112,6 +120,18 @@ class TrainResult:
 
 
 @dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    outputs: list[StepOutput] | None
+    """Its micro-batches' outputs; None when a loss was non-finite on some rank (skipped)."""
+    clean: bool
+    """False: gradients of earlier micro-batches of a skipped step are still accumulated."""
+    stop: int | None
+    """The exit code every rank leaves with after this step (a signal), or None."""
+
+
+@dataclass
 class _Resume:
     """What the checkpoint a run resumes from says about the run that wrote it."""
 
@@ -126,6 +146,7 @@ class Trainer:
         from dspark_ds import engine as eng_lib
 
         self.cfg = cfg.validate().check_paths()
+        self.kind = get_kind(cfg.model.kind)
         # config-level failures (exit 2) come before any process group exists
         self.draft_config = make_draft_config(cfg)
         # the target runs in the job (features online, synthetic data) and then lends the
@@ -167,7 +188,7 @@ class Trainer:
         self.grad_accum = int(self.ds_config["gradient_accumulation_steps"])
         self.steps_per_epoch = len(self.source) // self.grad_accum
         if self.steps_per_epoch == 0:
-            raise ValueError(
+            raise ConfigError(
                 f"train.global_batch_size: {cfg.train.global_batch_size} is more than one epoch "
                 f"of data ({len(self.source)} micro-batches per rank)"
             )
@@ -177,7 +198,8 @@ class Trainer:
         if self.resume is not None:
             load_dir, self.ds_config = self.checkpointer.loadable(tag_dir, self.ds_config)
         self.engine = self._build_engine(eng_lib)
-        self.loss_impl = self._choose_loss_impl()
+        # the kind's attention / compile / loss-path choice for this run (the perf section)
+        self.loss_impl = self.kind.prepare(self.engine.model, cfg.perf, self.engine.device)
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
             f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "
@@ -197,13 +219,14 @@ class Trainer:
             total_steps=self.total_steps,
             progress_bar=cfg.train.progress_bar,
             device=self.device,
+            to_metrics=self.to_metrics,
         )
         self.validator = Validator(cfg.validation, self.val_source)
         self.signals = Signals()
 
     # ---- building ---------------------------------------------------------------------------
     def _build_data(self, eng_lib) -> None:
-        from dspark_ds.target import load_target
+        from dspark_ds.target import load_target, target_shared_weights
 
         cfg = self.cfg
         self.target = (
@@ -213,7 +236,7 @@ class Trainer:
         )
         # offline: the target's tensors, copied into the drafter; export writes these (a bf16
         # engine holds its copies rounded). Online the drafter holds the target's own weights.
-        self.shared = None if self.needs_target else ckpt.target_shared_weights(cfg.target.path)
+        self.shared = None if self.needs_target else target_shared_weights(cfg.target.path)
         kwargs = dict(rank=self.rank, world_size=self.world, target=self.target,
                       draft_config=self.draft_config)  # fmt: skip
         self.source = build_batch_source(cfg, **kwargs)
@@ -234,12 +257,6 @@ class Trainer:
             lr_lambda=self.schedule.lr_lambda(),
             init_state=init_state,
             zero_init=self.cfg.deepspeed.zero_init,
-        )
-
-    def _choose_loss_impl(self) -> str:
-        """The kind's attention / compile / loss-path choice for this run (the perf section)."""
-        return get_spec(self.cfg.model.kind).apply_perf(
-            self.engine.model, self.cfg.perf, self.engine.device
         )
 
     def _start_tracking(self):
@@ -302,13 +319,13 @@ class Trainer:
 
     # ---- resume -----------------------------------------------------------------------------
     def _check_resume(self, tag_dir: Path) -> _Resume:
-        """Refuses (ValueError naming every option, exit 2) a resume whose settings would change
+        """Refuses (ConfigError naming every option, exit 2) a resume whose settings would change
         what the checkpoint means (train/resume.py); returns what the checkpoint says."""
         meta = json.loads((tag_dir / "meta.json").read_text())
         saved = yaml.safe_load((tag_dir / "run_config.yaml").read_text()) or {}
         changes = resume_rules.compare(saved, to_plain(self.cfg))
         if changes.refused:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.resume: {tag_dir} was trained with other settings, which a resume "
                 f"cannot change: {resume_rules.describe(changes.refused)}; resume with the saved "
                 "values, or start a new run from its weights (dspark-ds export, then "
@@ -322,7 +339,7 @@ class Trainer:
             if k != "transformers_version" and saved_draft[k] != new_draft[k]
         }
         if differs:
-            raise ValueError(
+            raise ConfigError(
                 f"target.path: the drafter built from {self.cfg.target.path} is not the one "
                 f"{tag_dir} holds: {resume_rules.describe(differs)}; resume with the target "
                 "it was trained with"
@@ -337,12 +354,8 @@ class Trainer:
         fresh = Schedule(int(t.warmup_ratio * self.total_steps), self.total_steps, t.min_lr_ratio)
         if self.resume is None:
             return fresh
-        meta, saved = self.resume.meta, self.resume.run_config["train"]
-        if "schedule" in meta:
-            old = Schedule.from_dict(meta["schedule"])
-        else:  # a checkpoint from before schedules were recorded: its config says
-            total = saved["max_steps"] or saved["num_epochs"] * self.steps_per_epoch
-            old = Schedule(int(saved["warmup_ratio"] * total), total, t.min_lr_ratio)
+        meta = self.resume.meta
+        old = Schedule.from_dict(meta["schedule"])
         schedule = old.resized(int(meta["step"]), self.total_steps)
         if schedule != old:
             lr = t.lr * old.factor(int(meta["step"]))
@@ -438,34 +451,8 @@ class Trainer:
         return out
 
     # ---- one step -----------------------------------------------------------------------------
-    def forward_loss(self, batch: dict):
-        """The drafter kind's forward + loss on one micro-batch (and its metrics)."""
-        inputs = {k: batch[k].to(self.engine.device) for k in TRAIN_KEYS}
-        inputs["sample_ids"] = batch["sample_ids"]
-        args = StepArgs(
-            model=self.cfg.model,
-            perf=self.cfg.perf,
-            loss_impl=self.loss_impl,
-            seed=self.cfg.train.seed,
-            epoch=self.epoch,
-            on_anchors=self._count_sampler_stats if self.engine.model.training else None,
-            forward=self.engine,
-            agree_blocks=_max_over_ranks if distributed.world_size() > 1 else None,
-        )
-        return get_spec(self.cfg.model.kind).forward_and_loss(self.engine.model, inputs, args)
-
-    def _count_sampler_stats(self, loss_mask, anchors, keep) -> None:
-        """The reference's anchor-sampler statistics of a training micro-batch (train/*)."""
-        self.metrics.add_sampler_stats(sampler_stat_sums(
-            loss_mask.cpu(), anchors.cpu(), keep.cpu(),
-            num_anchors=self.draft_config.num_anchors, block_size=self.draft_config.block_size,
-        ))  # fmt: skip
-
-    def train_step(self) -> tuple[dict[str, float] | None, bool]:
-        """One optimizer step over `grad_accum` micro-batches. Returns (the step's metrics,
-        means over its micro-batches; None when a loss was non-finite on some rank and the step
-        was skipped) and whether the engine is clean (False: gradients of earlier micro-batches
-        of a skipped step are still accumulated)."""
+    def train_step(self) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches."""
         at_start = self.epoch, self.source.state_dict()
         if self.source.position + self.grad_accum > len(self.source):
             # NOTE: a step never spans two epochs; the tail that is shorter than one step is
@@ -473,7 +460,8 @@ class Trainer:
             self.epoch += 1
             self.source.set_epoch(self.epoch)
             self._iter = iter(self.source)
-        step_metrics: dict[str, float] = {}
+        ctx = self.step_context(training=True)
+        outputs: list[StepOutput] = []
         for i in range(self.grad_accum):
             try:
                 batch = next(self._iter)
@@ -481,19 +469,43 @@ class Trainer:
                 if i > 0:
                     raise
                 self._save_before_data_error(at_start, err)
-            loss, metrics = self.forward_loss(batch)
-            if not self._finite_on_every_rank(loss):
-                self._report_nonfinite(i, batch, loss)
+            out = self.kind.training_step(self.engine, self.on_device(batch), ctx)
+            self.metrics.add_sampler_sums(out.sampler_sums)
+            finite, stop = self._control(out.loss)
+            if not finite:
+                self._report_nonfinite(i, batch, out.loss)
                 for _ in range(i + 1, self.grad_accum):  # the step's other batches go with it
                     next(self._iter)
                 self.engine.skip_step()
-                return None, i == 0
-            self.engine.backward(loss)
+                return StepResult(None, clean=i == 0, stop=stop)
+            self.engine.backward(out.loss)
             self.engine.step()
-            for k, v in metrics.items():
-                step_metrics[k] = step_metrics.get(k, 0.0) + float(v) / self.grad_accum
+            outputs.append(out)
             self.metrics.add_micro_batch(batch)
-        return step_metrics, True
+        return StepResult(outputs, clean=True, stop=stop)
+
+    def step_context(self, training: bool) -> StepContext:
+        cfg = self.cfg
+        return StepContext(model=cfg.model, perf=cfg.perf, loss_impl=self.loss_impl,
+                           seed=cfg.train.seed, epoch=self.epoch, training=training)  # fmt: skip
+
+    def on_device(self, batch: dict) -> dict:
+        """The tensors a step reads on the engine's device (`sample_ids` stay on the host)."""
+        moved = {k: batch[k].to(self.engine.device, non_blocking=True) for k in TRAIN_KEYS}
+        return {**moved, "sample_ids": batch["sample_ids"]}
+
+    def to_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """A micro-batch's metrics from its sums over the ranks (the kind's `metrics`)."""
+        return self.kind.metrics(sums, self.cfg.model)
+
+    def _control(self, loss: torch.Tensor) -> tuple[bool, int | None]:
+        """Collective, one all_reduce: (is the loss finite on every rank, the exit code a
+        signal on any rank asks for after this step). The step's one read from the device."""
+        bad = (~torch.isfinite(loss.detach())).float()
+        flags = torch.stack([bad, torch.full_like(bad, self.signals.request())])
+        flags = distributed.all_reduce_(flags.to(distributed.collective_device()), op="max")
+        bad, request = flags.tolist()
+        return bad == 0, exit_code_for(int(request))
 
     def _save_before_data_error(self, at_start: tuple[int, dict], err: Exception) -> None:
         """A cache found damaged when a step begins (e.g. at an epoch start): checkpoint the
@@ -506,13 +518,6 @@ class Trainer:
             "--checkpoint.resume auto continues from it)"
         ) from None
 
-    @staticmethod
-    def _finite_on_every_rank(loss: torch.Tensor) -> bool:
-        [bad] = distributed.all_reduce_values(
-            [0.0 if math.isfinite(float(loss.detach())) else 1.0], "max"
-        )
-        return bad == 0
-
     def _report_nonfinite(self, i: int, batch: dict, loss: torch.Tensor) -> None:
         self.nonfinite_total += 1
         self.nonfinite_in_row += 1
@@ -524,8 +529,14 @@ class Trainer:
             f"in a row, {self.nonfinite_total} in the run)"
         )
 
-    def validate(self) -> dict[str, float]:
-        return self.validator.validate(self.engine, self.forward_loss)
+    def validate(self) -> list[StepOutput]:
+        """The held-out batches through the kind's step, without gradients (their metrics are
+        reduced and logged with the step's)."""
+        ctx = self.step_context(training=False)
+        return self.validator.validate(
+            self.engine,
+            lambda batch: self.kind.training_step(self.engine, self.on_device(batch), ctx),
+        )
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -540,22 +551,18 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 lr = self.engine.lr  # the rate this step uses (the scheduler moves on after it)
-                step_metrics, clean = self.train_step()
+                done = self.train_step()
                 self.step += 1
                 last = self.step == self.total_steps
-                if step_metrics is not None:
-                    result.losses[self.step] = step_metrics["loss"]
+                if done.outputs is not None:
                     self.nonfinite_in_row = 0
-                val = (
-                    self.validate()
-                    if self.validator.should_validate(self.step, last_step=last)
-                    else {}
-                )
-                result.val_metrics = val or result.val_metrics
-                self.metrics.log_step(self.step, step_metrics, val, lr=lr, epoch=self.epoch,
-                                      grad_norm=self.engine.grad_norm,
+                val = None
+                if self.validator.should_validate(self.step, last_step=last):
+                    val = self.validate()
+                self.metrics.log_step(self.step, done.outputs, val, lr=lr, epoch=self.epoch,
+                                      grad_norm=lambda: self.engine.grad_norm,
                                       counters={"nonfinite_steps": self.nonfinite_total})  # fmt: skip
-                stop = self.signals.agreed()
+                stop, clean = done.stop, done.clean
                 diverged = self.nonfinite_in_row >= self.cfg.train.max_nonfinite_in_row
                 must_save = stop or diverged or not clean
                 if must_save or self.checkpointer.should_save(self.step, last_step=last):
@@ -578,6 +585,8 @@ class Trainer:
         finally:
             self.signals.restore()
             self.metrics.close()
+            result.losses = dict(self.metrics.losses)
+            result.val_metrics = dict(self.metrics.val_metrics)
             self.release_run_dir()
         result.steps, result.nonfinite_steps = self.step, self.nonfinite_total
         return result
@@ -632,8 +641,3 @@ class Trainer:
 def train(cfg: TrainRunConfig) -> TrainResult:
     """`dspark-ds train`."""
     return Trainer(cfg).run()
-
-
-def _max_over_ranks(n: int) -> int:
-    """The largest of every rank's `n` (the block count all ranks of a step run)."""
-    return int(distributed.all_reduce_values([n], op="max")[0])

@@ -2,9 +2,11 @@
 `validation.every_steps` optimizer steps and at the last step.
 
     validator.should_validate(step, last_step=...)
-    validator.validate(engine, forward_loss) -> {"val/loss": ..., "val/tau_probabilistic": ...}
+    validator.validate(engine, step) -> the held-out batches' `StepOutput`s
 
 Every validation reads the same held-out batches (the source is rewound to where it started).
+Their metric sums stay on the device: the metrics logger sums them over the ranks with the
+training steps' on the next log step (`MetricsLogger.log_step`, `validation_metrics`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from dspark_ds.config import ValidationConfig
+from dspark_ds.drafters.kind import StepOutput
 
 
 class Validator:
@@ -29,20 +32,16 @@ class Validator:
         every = self.cfg.every_steps
         return last_step or (bool(every) and step % every == 0)
 
-    def validate(self, engine, forward_loss: Callable) -> dict[str, float]:
-        """Collective (every rank validates its share). Means over `validation.num_batches`
-        micro-batches per rank of the (already globally reduced) metrics."""
+    def validate(self, engine, step: Callable[[dict], StepOutput]) -> list[StepOutput]:
+        """`validation.num_batches` micro-batches of this rank, through `step` without
+        gradients."""
         self.source.load_state_dict(self.start)
-        sums: dict[str, float] = {}
-        n = 0
+        outputs: list[StepOutput] = []
         engine.eval()
         with torch.no_grad():
             for i, batch in enumerate(self.source):
                 if i >= self.cfg.num_batches:
                     break
-                _, metrics = forward_loss(batch)
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                n += 1
+                outputs.append(step(batch))
         engine.train()
-        return {f"val/{k}": v / max(n, 1) for k, v in sums.items()}
+        return outputs

@@ -7,7 +7,7 @@ real steps of each option here and prints measured peak memory and step time bes
     dspark-ds tune --recipe dspark_ds/recipes/tiny_cpu.yaml \
         --target.path runs/tiny_target --measure true
 
-config.py (the options), inventory.py (what the run holds, through the drafter registry),
+config.py (the options), inventory.py (what the run holds, built by the drafter's kind),
 estimate.py (per-option memory, from the DeepSpeed config training would use), measure.py (real
 steps), report.py (the table).
 """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import ClassVar
 
+from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetPathConfig
 
 
@@ -75,8 +75,6 @@ class TunerConfig:
     output_json: str | None = None
     """Also write the table as JSON here."""
 
-    RENAMED_OPTIONS: ClassVar[dict[str, str]] = {"target_path": "target.path"}
-
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
@@ -84,13 +82,13 @@ class TunerConfig:
     def validate(self) -> TunerConfig:
         for name in ("nodes", "gpus_per_node", "measure_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("gpu_memory_gb", "cpu_memory_gb"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.device not in (None, "cuda", "cpu"):
-            raise ValueError(f"device: expected cuda or cpu, got {self.device!r}")
+            raise ConfigError(f"device: expected cuda or cpu, got {self.device!r}")
         bad = [o for o in self.options if o not in OPTION_NAMES]
         if bad:
-            raise ValueError(f"options: unknown {bad}; choose from {OPTION_NAMES}")
+            raise ConfigError(f"options: unknown {bad}; choose from {OPTION_NAMES}")
         return self

@@ -20,7 +20,7 @@ own config class (`engine.zero_settings`).
   one layer's working set.
 - DeepSpeed's buffers: ZeRO-1/2 gradient buckets (reduce_bucket_size elements, twice with
   overlap_comm), ZeRO-3's contiguous reduce buffer and prefetch bucket.
-- activations of one micro-batch (B × S): the drafter kind's own terms (the registry's
+- activations of one micro-batch (B × S): the drafter kind's own terms (its
   `activation_bytes`: drafters/dspark/memory.py, drafters/eagle3/memory.py).
 
 Speed: the same compute for every option, so the ranking is by overhead: ZeRO-3 gathers
@@ -215,12 +215,10 @@ def activation_bytes(
 ) -> dict[str, float]:
     """Peak activation memory of one micro-batch (forward saved tensors + the largest backward
     transient), by component: the drafter kind's own model (drafters/<kind>/memory.py)."""
-    from dspark_ds.drafters.registry import get_spec
+    from dspark_ds.drafters.registry import get_kind
 
-    spec = get_spec(run_cfg.model.kind)
-    return spec.activation_bytes(
-        inv.step_shapes(run_cfg), run_cfg.model, run_cfg.perf, device, stage
-    )
+    kind = get_kind(run_cfg.model.kind)
+    return kind.activation_bytes(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
 
 
 def peak_phase(acts: dict[str, float], target: dict[str, float]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""What a run holds: the recipe's drafter (of its kind, through the drafter registry) and target,
+"""What a run holds: the recipe's drafter (built by its kind, `DrafterKind.build_config`) and target,
 built on the meta device and counted, and the shapes one micro-batch flows through."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_ds.drafters.common.memory import StepShapes
+from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.errors import ConfigError
 from dspark_ds.tune.config import TunerConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -85,11 +86,14 @@ class Inventory:
         del out["trainable_numels"]
         return out
 
-    def step_shapes(self, run_cfg) -> StepShapes:
-        """One micro-batch of the run through these sizes (the registry's activation input)."""
-        return StepShapes(
+    def step_shape(self, run_cfg) -> StepShape:
+        """One micro-batch of the run through these sizes (the kind's activation input)."""
+        m = run_cfg.model
+        return StepShape(
             batch=run_cfg.data.batch_size,
             seq_len=run_cfg.data.max_length,
+            num_anchors=m.num_anchors,
+            block_size=m.block_size,
             hidden=self.hidden,
             intermediate=self.intermediate,
             vocab=self.vocab,
@@ -98,8 +102,11 @@ class Inventory:
             head_dim=self.head_dim,
             draft_layers=self.draft_layers,
             taps=self.taps,
+            markov_rank=m.markov_rank,
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
+            confidence_head=m.confidence_head_alpha > 0,
+            ttt_length=m.ttt_length,
         )
 
 
@@ -121,7 +128,7 @@ def target_config_of(path: str):
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as err:
-        raise ValueError(
+        raise ConfigError(
             f"target.path: cannot read the config of {path!r} ({err}); use a local "
             f"directory or one of {sorted(KNOWN_TARGETS)}"
         ) from err
@@ -129,10 +136,10 @@ def target_config_of(path: str):
 
 def _draft_config(run_cfg, target_config, layer_ids: list[int]):
     """The drafter's config, built by the recipe's kind as training builds it."""
-    from dspark_ds.drafters.registry import get_spec
+    from dspark_ds.drafters.registry import get_kind
 
     m = run_cfg.model
-    return get_spec(m.kind).build_config(
+    return get_kind(m.kind).build_config(
         target_config,
         m,
         target_layer_ids=layer_ids,

@@ -97,9 +97,10 @@ def measure(option: ZeroOption, run_cfg, steps: int, workdir: str) -> dict[str, 
 
 
 def _one_step(trainer, batches) -> None:
+    ctx = trainer.step_context(training=True)
     for _ in range(trainer.grad_accum):
-        loss, _ = trainer.forward_loss(next(batches))
-        trainer.engine.backward(loss)
+        out = trainer.kind.training_step(trainer.engine, trainer.on_device(next(batches)), ctx)
+        trainer.engine.backward(out.loss)
         trainer.engine.step()
 
 

@@ -20,9 +20,9 @@ def fmt_bytes(x: float | None) -> str:
 
 def headline(cfg: TunerConfig, inv: Inventory, run_cfg) -> list[str]:
     """The recipe and the cluster, in two lines."""
-    from dspark_ds.drafters.registry import get_spec
+    from dspark_ds.drafters.registry import get_kind
 
-    drafter = get_spec(run_cfg.model.kind).describe(run_cfg.model)
+    drafter = get_kind(run_cfg.model.kind).describe(run_cfg.model)
     return [
         f"recipe {cfg.recipe}: {drafter}: {inv.trainable / 1e6:.1f} M trainable + "
         f"{inv.frozen / 1e6:.1f} M frozen params, target {inv.target_params / 1e9:.2f} B "

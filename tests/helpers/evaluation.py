@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
-from dspark_ds.drafters.registry import SPECS, spec_of
+from dspark_ds.drafters.registry import kind_of
 
 
 def tiny_target(
@@ -97,17 +96,18 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
 
 
 def record_proposals(monkeypatch, drafter) -> list[list[int]]:
-    """The drafts of every batch-1 round (row 0), as the kind's registry step `propose`
-    returns them, in the list returned (cleared by the caller between generations)."""
+    """The drafts of every batch-1 round (row 0), as the kind's `propose` returns them, in the
+    list returned (cleared by the caller between generations)."""
     seen: list[list[int]] = []
-    spec = spec_of(drafter)
+    kind = kind_of(drafter)
+    propose = kind.propose
 
     def recording(model, draft_round):
-        proposal = spec.propose(model, draft_round)
+        proposal = propose(model, draft_round)
         seen.append(proposal.tokens[0].tolist())
         return proposal
 
-    monkeypatch.setitem(SPECS, spec.kind, dataclasses.replace(spec, propose=recording))
+    monkeypatch.setattr(kind, "propose", recording)
     return seen
 
 

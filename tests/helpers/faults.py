@@ -69,26 +69,36 @@ def install(faults: list[dict]) -> None:
 
             Trainer.train_step = train_step
         elif kind == "nonfinite_loss":
-            real_forward = Trainer.forward_loss
+            from dspark_ds.drafters.registry import KINDS
+
+            real_step = Trainer.train_step
             seen: dict[int, int] = {}
+            now = {"step": 0}
 
-            def forward_loss(self, batch, _real=real_forward, _fault=fault, _seen=seen):
-                loss, metrics = _real(self, batch)
-                if not self.engine.model.training:  # validation
-                    return loss, metrics
-                step = self.step + 1
-                i = _seen[step] = _seen.get(step, -1) + 1
-                once = _fault.get("once_file")
-                if step in _fault["steps"] and i == _fault["micro_batch"]:
-                    if once and os.path.exists(once):
-                        return loss, metrics
-                    if once:
-                        open(once, "w").close()
-                    loss = loss * float("nan")
-                    metrics = {**metrics, "loss": float("nan")}
-                return loss, metrics
+            def train_step(self, _real=real_step, _now=now):
+                _now["step"] = self.step + 1
+                return _real(self)
 
-            Trainer.forward_loss = forward_loss
+            Trainer.train_step = train_step
+            for drafter_kind in KINDS.values():
+
+                def training_step(model, batch, ctx, _real=drafter_kind.training_step,
+                                  _fault=fault, _seen=seen, _now=now):  # fmt: skip
+                    out = _real(model, batch, ctx)
+                    if not ctx.training:  # validation
+                        return out
+                    step = _now["step"]
+                    i = _seen[step] = _seen.get(step, -1) + 1
+                    once = _fault.get("once_file")
+                    if step in _fault["steps"] and i == _fault["micro_batch"]:
+                        if once and os.path.exists(once):
+                            return out
+                        if once:
+                            open(once, "w").close()
+                        out.loss = out.loss * float("nan")
+                    return out
+
+                drafter_kind.training_step = training_step
         elif kind == "sleep_in_save":
             import time
 

@@ -31,11 +31,16 @@ def build_anchor_candidate_mask(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchor_positions(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    keys: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniformly samples up to `num_anchors` candidates per sample, sorted ascending.
 
-    Returns `anchor_positions [B, A]` (long, 0 for padding) and `block_keep_mask [B, A]`.
+    `keys` [B, S-1]: the uniform random draws to rank the candidates by (default: drawn here from
+    `generator`). Returns `anchor_positions [B, A]` (long, 0 for padding) and
+    `block_keep_mask [B, A]`.
     """
     bsz, seq_len = loss_mask.shape
     device = loss_mask.device
@@ -45,7 +50,8 @@ def sample_anchor_positions(
         zeros = torch.zeros(bsz, num_anchors, dtype=torch.long, device=device)
         return zeros, zeros.bool()
     # Random keys, invalid candidates pushed to the end; the first A of the shuffle win.
-    keys = torch.rand(bsz, num_candidates, device=device, generator=generator)
+    if keys is None:
+        keys = torch.rand(bsz, num_candidates, device=device, generator=generator)
     keys = torch.where(valid, keys, torch.full_like(keys, 2.0))
     order = keys.argsort(dim=1)
     positions = torch.arange(num_candidates, device=device).expand(bsz, -1)
@@ -170,9 +176,10 @@ def sampler_stat_sums(
     *,
     num_anchors: int,
     block_size: int,
-) -> list[float]:
-    """Sums over the samples of a micro-batch of each `SAMPLER_STATS` entry, then the sample
-    count: divide the first six by the last (summed over micro-batches and ranks) for the means.
+) -> torch.Tensor:
+    """fp64 [7] on the batch's device: sums over the samples of a micro-batch of each
+    `SAMPLER_STATS` entry, then the sample count: divide the first six by the last (summed over
+    micro-batches and ranks) for the means.
 
     Per sample: valid anchors (candidates, docs/algorithm.md#anchors) and that count over the batch's padded
     length S; sampled anchors (kept blocks) and that count over `num_anchors`; supervised slots
@@ -192,12 +199,14 @@ def sampler_stat_sums(
         block_keep_mask=block_keep_mask,
     )
     per_block = eval_mask.sum(dim=(1, 2)).double() / sampled.clamp(min=1.0)
-    return [
-        float(valid.sum()),
-        float((valid / max(seq_len, 1)).sum()),
-        float(sampled.sum()),
-        float((sampled / max(num_anchors, 1)).sum()),
-        float(per_block.sum()),
-        float((per_block / block_size).sum()),
-        float(loss_mask.shape[0]),
-    ]
+    return torch.stack(
+        [
+            valid.sum(),
+            (valid / max(seq_len, 1)).sum(),
+            sampled.sum(),
+            (sampled / max(num_anchors, 1)).sum(),
+            per_block.sum(),
+            (per_block / block_size).sum(),
+            valid.new_tensor(float(loss_mask.shape[0])),
+        ]
+    )

@@ -14,7 +14,7 @@ host sync. `BlockMask.from_kv_blocks` takes the table in the same order `create_
 produces (tests/test_perf_flex.py compares the two).
 
 The kernel. Called without torch.compile, flex_attention runs an unfused fallback that
-materialises the whole score matrix (3.5x slower than dense SDPA on issue 13's H200 run).
+materialises the whole score matrix (3.5x slower than dense SDPA on an H200, docs/performance.md).
 `flex_attend` uses one `torch.compile(flex_attention)` per process on CUDA. Varying shapes:
 the trainer pads each batch to its longest sample, so the key length S + A*G changes from
 batch to batch while A*G stays fixed. The mask_mod reads S only through tensors it captures

@@ -26,6 +26,8 @@ from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4TextScaledWordEmbedding,
 )
 
+from dspark_ds.errors import ConfigError
+
 DRAFT_LAYER_TYPE = "full_attention"
 
 
@@ -48,7 +50,7 @@ def full_attention_dims(config) -> tuple[int, int]:
     per_layer = raw_attr(config, "per_layer_config")
     layer_types = list(raw_attr(config, "layer_types") or [])
     if per_layer is None or DRAFT_LAYER_TYPE not in layer_types:
-        raise ValueError(
+        raise ConfigError(
             "global_head_dim: the Gemma4 config has neither `global_head_dim` nor a "
             "`per_layer_config` for a full_attention layer"
         )
@@ -59,12 +61,12 @@ def full_attention_dims(config) -> tuple[int, int]:
 def check_supported(config) -> None:
     """Refuses Gemma4 features the drafters do not implement, naming the field."""
     if bool(raw_attr(config, "enable_moe_block")):
-        raise ValueError(
+        raise ConfigError(
             "enable_moe_block: Gemma4 targets with MoE blocks are not supported by the "
             "drafters (their layers are dense); use a dense Gemma4 target"
         )
     if int(raw_attr(config, "hidden_size_per_layer_input") or 0) != 0:
-        raise ValueError(
+        raise ConfigError(
             "hidden_size_per_layer_input: Gemma4 targets with per-layer input gates (PLE) are "
             "not supported by the drafters; expected 0, got "
             f"{raw_attr(config, 'hidden_size_per_layer_input')}"
@@ -72,13 +74,13 @@ def check_supported(config) -> None:
     if int(raw_attr(config, "num_kv_shared_layers") or 0) and raw_attr(
         config, "use_double_wide_mlp"
     ):
-        raise ValueError(
+        raise ConfigError(
             "use_double_wide_mlp: Gemma4 targets whose KV-sharing layers use double-wide MLPs "
             "are not supported by the drafters (their layers never share K/V)"
         )
     cap = raw_attr(config, "final_logit_softcapping")
     if cap is not None and float(cap) <= 0:
-        raise ValueError(f"final_logit_softcapping: must be > 0 or null, got {cap!r}")
+        raise ConfigError(f"final_logit_softcapping: must be > 0 or null, got {cap!r}")
 
 
 def to_interchange_dict(data: dict, head_dim: int, kv_heads: int) -> dict:

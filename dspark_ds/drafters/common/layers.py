@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark_ds.errors import ConfigError
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -69,7 +71,7 @@ class TargetSharedWeights:
             ("lm_head", self.lm_head.weight, lm_head_weight),
         ):
             if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(
+                raise ConfigError(
                     f"{name}: target weight {tuple(src.shape)} != drafter {tuple(dst.shape)}"
                 )
             dst.copy_(src.detach().to(dst.dtype))

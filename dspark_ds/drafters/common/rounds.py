@@ -1,7 +1,7 @@
 """One round of speculative decoding as every drafter kind sees it, for R rows at once.
 
 Both decoding loops (dspark_ds/eval/decoding.py at batch 1, dspark_ds/eval/batched.py with
-several prompts in flight) use the same two steps of a kind's registry entry
+several prompts in flight) use the same two methods of the drafter's `DrafterKind`
 (docs/algorithm.md#inference):
 
 - `extend(drafter, VerifiedContext)` appends positions the target verified to the drafter's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dspark_ds.errors import ConfigError
+
 
 def text_config(config):
     """The text sub-config of a (possibly multimodal, e.g. Gemma4) Hugging Face config."""
@@ -9,15 +11,15 @@ def text_config(config):
 
 
 def validate_layer_ids(layer_ids, num_layers: int, field: str = "target_layer_ids") -> list[int]:
-    """The ids as ints, or ValueError naming `field`: not empty, strictly increasing, each -1
+    """The ids as ints, or ConfigError naming `field`: not empty, strictly increasing, each -1
     (the embedding output) or a decoder layer in [0, L-1] (docs/algorithm.md#target-features)."""
     ids = [int(i) for i in layer_ids]
     if not ids:
-        raise ValueError(f"{field}: must not be empty")
+        raise ConfigError(f"{field}: must not be empty")
     if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ValueError(f"{field}: must be strictly increasing, got {ids}")
+        raise ConfigError(f"{field}: must be strictly increasing, got {ids}")
     if ids[0] < -1 or ids[-1] > num_layers - 1:
-        raise ValueError(
+        raise ConfigError(
             f"{field}: {ids} out of range: ids must lie in -1..{num_layers - 1} (the target has "
             f"{num_layers} decoder layers; -1 = the embedding output)"
         )

@@ -4,19 +4,25 @@ loss = (α_ce·CE + α_l1·L1 + α_c·BCE) · world_size, where each term's deno
 over every data-parallel rank first. DeepSpeed / DDP average gradients over ranks; the
 `· world_size` undoes that average, so one step on N ranks equals one step on one rank over
 the same global batch (one weighted mean over every rank's tokens).
+
+`dspark_loss(out, ...)` returns a `StepOutput`: the loss and this rank's metric sums, on the
+device, with one all_reduce (the denominators) and no read back to the host: what a training
+step runs. `compute_dspark_loss(out, ...)` is the same loss with the metrics summed over the
+ranks and read as floats (`dspark_metrics`): the straight-line reference.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from dspark_ds import distributed
 from dspark_ds.drafters.common.blocks import DSparkForwardOutput
-from dspark_ds.drafters.presets import DSPARK_LOSS
+from dspark_ds.drafters.kind import StepOutput
+from dspark_ds.drafters.presets import DSPARK_LOSS, LossWeights
 
 EPS = 1e-6
 
@@ -60,22 +66,21 @@ class SlotTerms:
 
 @dataclass
 class LossPlan:
-    """What the loss knows before any logits: weights, global denominators, coefficients.
+    """What the loss knows before any logits: weights, denominators, coefficients.
 
     `coef_*` multiply the local numerators; they already hold the global denominator and
-    the `· world_size` (docs/algorithm.md#the-loss), so the gradient of Σ coef·num is the step's gradient.
+    the `· world_size` (docs/algorithm.md#the-loss), so the gradient of Σ coef·num is the step's
+    gradient. Every tensor here stays on the device.
     """
 
     w: torch.Tensor  # [B, A, G] position weights
     valid: torch.Tensor  # [B, A, G] eval_mask as fp32
-    den: dict[str, float]  # global den_ce, den_l1, den_conf
-    coef_ce: float
-    coef_l1: float  # 0 when the L1 term is off (alpha 0, or no supervised slot anywhere)
-    coef_conf: float
+    local_den: dict[str, torch.Tensor]  # this rank's den_ce, den_l1, den_conf
+    coef_ce: torch.Tensor  # 0-d fp32
+    coef_l1: torch.Tensor  # 0 when the L1 term is off (alpha 0, or no supervised slot anywhere)
+    coef_conf: torch.Tensor
     use_l1: bool  # the L1 term is computed (alpha > 0)
     has_conf: bool  # the confidence BCE is computed
-    alphas: tuple[float, float, float]  # ce, l1, confidence
-    world_size: int
 
 
 def plan_loss(
@@ -87,9 +92,11 @@ def plan_loss(
     ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
     confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
+    over_ranks: bool = True,
 ) -> LossPlan:
-    """Checks the inputs and all-reduces the denominators (one small all_reduce)."""
-    world_size = distributed.world_size()
+    """Checks the inputs and sums the denominators over every rank (one small all_reduce;
+    `over_ranks=False`: this rank's own, for a loss nothing is back-propagated through)."""
+    world_size = distributed.world_size() if over_ranks else 1
     if l1_loss_alpha > 0 and not has_aligned:
         raise ValueError(
             "l1_loss_alpha > 0 needs aligned_target_logits (pass target_last_hidden_states)"
@@ -102,25 +109,30 @@ def plan_loss(
     w = position_weights(eval_mask, loss_decay_gamma)
     use_l1 = has_aligned and l1_loss_alpha > 0
     total = w.sum()
-    den = _all_reduce_named(
-        {
-            "den_ce": total,
-            "den_l1": total if use_l1 else torch.zeros_like(total),
-            "den_conf": total if has_conf else torch.zeros_like(total),
-        }
-    )
+    zero = torch.zeros_like(total)
+    local = torch.stack([total, total if use_l1 else zero, total if has_conf else zero])
+    den = distributed.all_reduce_(local.clone()) if over_ranks else local
+    coef_l1 = _coef(l1_loss_alpha, world_size, den[1])
     return LossPlan(
         w=w,
         valid=eval_mask.to(torch.float32),
-        den=den,
-        coef_ce=ce_loss_alpha * world_size / (den["den_ce"] + EPS),
-        coef_l1=l1_loss_alpha * world_size / (den["den_l1"] + EPS) if den["den_l1"] > 0 else 0.0,
-        coef_conf=confidence_head_alpha * world_size / (den["den_conf"] + EPS) if has_conf else 0.0,
+        local_den=dict(zip(("den_ce", "den_l1", "den_conf"), local.unbind())),
+        coef_ce=_coef(ce_loss_alpha, world_size, den[0]),
+        coef_l1=torch.where(den[1] > 0, coef_l1, torch.zeros_like(coef_l1)),
+        coef_conf=_coef(confidence_head_alpha, world_size, den[2]) if has_conf else zero,
         use_l1=use_l1,
         has_conf=has_conf,
-        alphas=(ce_loss_alpha, l1_loss_alpha, confidence_head_alpha),
-        world_size=world_size,
     )
+
+
+def _coef(alpha: float, world_size: int, den: torch.Tensor) -> torch.Tensor:
+    """alpha · world_size / (den + EPS) as a 0-d fp32 tensor.
+
+    NOTE: computed in fp64 and rounded once, as the same expression on Python floats would be:
+    a loss computed with the coefficient on the device equals one computed with it on the host.
+    """
+    num = torch.full_like(den, alpha * world_size, dtype=torch.float64)
+    return (num / (den.double() + EPS)).float()
 
 
 def compute_dspark_loss(
@@ -132,6 +144,21 @@ def compute_dspark_loss(
     confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns (loss to backpropagate, metrics). Metrics are global over all ranks."""
+    weights = LossWeights(loss_decay_gamma, ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+    step = dspark_loss(out, **asdict(weights))
+    return step.loss, dspark_metrics(step.global_sums(), weights)
+
+
+def dspark_loss(
+    out: DSparkForwardOutput,
+    *,
+    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
+    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
+    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
+    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
+    over_ranks: bool = True,
+) -> StepOutput:
+    """The loss of full logits and this rank's metric sums, on the device."""
     logits = out.draft_logits
     vocab = logits.shape[-1]
     plan = plan_loss(
@@ -142,6 +169,7 @@ def compute_dspark_loss(
         ce_loss_alpha=ce_loss_alpha,
         l1_loss_alpha=l1_loss_alpha,
         confidence_head_alpha=confidence_head_alpha,
+        over_ranks=over_ranks,
     )
     ce = F.cross_entropy(
         logits.reshape(-1, vocab).float(), out.target_ids.reshape(-1), reduction="none"
@@ -169,8 +197,8 @@ def finish_loss(
     block_keep_mask: torch.Tensor,
     confidence_pred: torch.Tensor | None,
     main_loss: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss and global metrics from per-slot terms.
+) -> StepOutput:
+    """Loss and this rank's metric sums from per-slot terms.
 
     `main_loss`: the CE + L1 part, Σ coef·num, when the caller computed it (and its
     gradient) itself; otherwise it is built here from the differentiable `terms`.
@@ -186,7 +214,7 @@ def finish_loss(
             num_l1 = (terms.l1 * w).sum()
     if main_loss is None:
         main_loss = plan.coef_ce * num_ce
-        if plan.coef_l1 > 0:
+        if plan.use_l1:
             main_loss = main_loss + plan.coef_l1 * num_l1
     num_conf = zero
     loss = main_loss
@@ -197,7 +225,6 @@ def finish_loss(
         num_conf = (bce * w).sum()
         loss = loss + plan.coef_conf * num_conf
 
-    # One all_reduce for every metric sum.
     stats = _local_stats(
         terms.greedy_hit,
         eval_mask,
@@ -208,31 +235,8 @@ def finish_loss(
         c_star,
         plan.has_conf,
     )
-    g = dict(plan.den)
-    g.update(
-        _all_reduce_named(
-            {
-                "num_ce": num_ce.detach(),
-                "num_l1": num_l1.detach(),
-                "num_conf": num_conf.detach(),
-                **stats,
-            }
-        )
-    )
-    ce_alpha, l1_alpha, conf_alpha = plan.alphas
-    metrics = _metrics(g, w.shape[-1], plan.has_conf, c_star is not None)
-    metrics["loss"] = (
-        ce_alpha * metrics["ce_loss"]
-        + (l1_alpha * metrics["l1_loss"] if "l1_loss" in metrics else 0.0)
-        + (conf_alpha * metrics["confidence_loss"] if plan.has_conf else 0.0)
-    )
-    return loss, metrics
-
-
-def _all_reduce_named(values: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Sums scalar tensors over every rank in one all_reduce; returns Python floats."""
-    sums = torch.stack([v.detach().to(torch.float32) for v in values.values()])
-    return dict(zip(values, distributed.all_reduce_(sums).tolist()))
+    sums = {**plan.local_den, "num_ce": num_ce, "num_l1": num_l1, "num_conf": num_conf, **stats}
+    return StepOutput.of(loss, sums)
 
 
 @torch.no_grad()
@@ -270,9 +274,11 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else math.nan
 
 
-def _metrics(
-    g: dict[str, float], block_size: int, has_conf: bool, has_target: bool
-) -> dict[str, float]:
+def dspark_metrics(g: dict[str, float], weights: LossWeights) -> dict[str, float]:
+    """The metrics (docs/metrics.md) of `dspark_loss`'s sums, summed over the ranks."""
+    block_size = sum(1 for k in g if k.startswith("count@"))
+    has_target = "tau_probabilistic" in g
+    has_conf = "conf_abs" in g
     m = {
         "ce_loss": _ratio(g["num_ce"], g["den_ce"]),
         "tau_greedy": _ratio(g["tau_greedy"], g["blocks"]),
@@ -291,4 +297,9 @@ def _metrics(
         m["confidence_abs_error"] = _ratio(g["conf_abs"], g["den_conf"])
         m["confidence_bias"] = _ratio(g["conf_bias"], g["den_conf"])
         m["confidence_cumprod_bias"] = _ratio(g["conf_cumprod_bias"], g["den_conf"])
+    m["loss"] = (
+        weights.ce_loss_alpha * m["ce_loss"]
+        + (weights.l1_loss_alpha * m["l1_loss"] if "l1_loss" in m else 0.0)
+        + (weights.confidence_head_alpha * m["confidence_loss"] if has_conf else 0.0)
+    )
     return m

@@ -1,6 +1,6 @@
 """The DSpark loss without [B, A, G, V] tensors: vocabulary work a few anchors at a time.
 
-The reference path (`dspark_ds.drafters.dspark.loss.compute_dspark_loss`) keeps draft logits, target
+The reference path (`dspark_ds.drafters.dspark.loss.dspark_loss`) keeps draft logits, target
 logits, both softmaxes and their gradients for every anchor alive at once. Here the
 vocabulary-sized part (draft logits + Markov bias, aligned target logits, softmaxes, CE,
 L1) runs over chunks of blocks, and each chunk's gradient is computed right away:
@@ -28,14 +28,9 @@ import torch.utils.checkpoint
 from torch import nn
 
 from dspark_ds.drafters.dspark.loss import LossPlan, SlotTerms, finish_loss, l1_distance, plan_loss
+from dspark_ds.drafters.kind import StepOutput
+from dspark_ds.drafters.perf import CHUNK_ANCHORS_CPU
 from dspark_ds.drafters.presets import DSPARK_LOSS
-
-# Anchors (blocks, over the whole micro-batch) per chunk. On CPU a chunk's [N, V] fp32
-# tensors (N = chunk × G; 32 × 7 × 32 000 × 4 B ≈ 29 MB) should roughly fit the last-level
-# cache, while N stays large enough for efficient matmuls (16 / 32 / 64 / 128 measured on the
-# idle 2-core machine: 3.24 / 2.82 / 3.58 / 4.27 s per step); on GPU larger chunks only cut
-# kernel launches. See README, Performance.
-DEFAULT_CHUNK_ANCHORS = 32
 
 
 def draft_logits(model: nn.Module, hidden_cGH: torch.Tensor, prev_cG: torch.Tensor) -> torch.Tensor:
@@ -108,7 +103,7 @@ class _ChunkRunner:
             target_state = target_state.reshape(bsz * num_blocks, G, -1)
         w = plan.w.reshape(-1)
         a_ce = w * plan.coef_ce  # d(main_loss)/d(ce) per slot
-        a_l1 = w * plan.coef_l1 if plan.coef_l1 > 0 else None
+        a_l1 = w * plan.coef_l1 if plan.use_l1 else None
 
         ce_out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
         l1_out = torch.empty_like(ce_out) if target_state is not None else None
@@ -226,7 +221,7 @@ def _slot_terms_and_grad(
     return grad, grad_target
 
 
-def _plan(feats, confidence_pred, chunk_anchors: int, *loss_args) -> LossPlan:
+def _plan(feats, confidence_pred, chunk_anchors: int, over_ranks: bool, *loss_args) -> LossPlan:
     if chunk_anchors < 1:
         raise ValueError(f"loss_chunk_anchors: must be >= 1, got {chunk_anchors}")
     decay, ce_alpha, l1_alpha, conf_alpha = loss_args
@@ -238,6 +233,7 @@ def _plan(feats, confidence_pred, chunk_anchors: int, *loss_args) -> LossPlan:
         ce_loss_alpha=ce_alpha,
         l1_loss_alpha=l1_alpha,
         confidence_head_alpha=conf_alpha,
+        over_ranks=over_ranks,
     )
 
 
@@ -246,21 +242,23 @@ def chunked_dspark_loss(
     feats,
     confidence_pred: torch.Tensor | None,
     *,
-    chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
+    chunk_anchors: int = CHUNK_ANCHORS_CPU,
     loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
     ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
     confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """`compute_dspark_loss` on `model.forward_hidden(...)` output (`feats`), chunked.
+    over_ranks: bool = True,
+) -> StepOutput:
+    """`dspark_loss` on `model.forward_hidden(...)` output (`feats`), chunked.
 
-    Same loss, metrics and gradients as the reference path (to fp32 rounding). The caller
+    Same loss, metric sums and gradients as the reference path (to fp32 rounding). The caller
     backpropagates once (no retain_graph / double backward).
     """
     plan = _plan(
         feats,
         confidence_pred,
         chunk_anchors,
+        over_ranks,
         loss_decay_gamma,
         ce_loss_alpha,
         l1_loss_alpha,
@@ -314,12 +312,14 @@ def recompute_dspark_loss(
     feats,
     confidence_pred: torch.Tensor | None,
     *,
-    chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
+    chunk_anchors: int = CHUNK_ANCHORS_CPU,
     loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
     ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
     confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    over_ranks: bool = True,
+    pad_to_blocks: int = 0,
+) -> StepOutput:
     """`chunked_dspark_loss` for ZeRO-3: the same chunks, differentiated by plain autograd,
     each chunk under `torch.utils.checkpoint` (its V-sized tensors recomputed in backward).
 
@@ -327,12 +327,18 @@ def recompute_dspark_loss(
     and recompute alike, so ZeRO-3's hooks gather and release partitioned weights as in any
     activation-checkpointed model; the fused path instead hands autograd gradients of
     parameters it differentiated itself. The price: the chunk's logits are computed twice.
-    Live memory stays O(chunk × G × V). Run it inside the model's forward (`head_fn`).
+    Live memory stays O(chunk × G × V).
+
+    `pad_to_blocks`: run as many chunks as that many blocks take, the last ones empty. NOTE:
+    under ZeRO-3 every rank must call the heads equally often (each call gathers their
+    partitioned weights with the other ranks); ranks that dropped different numbers of empty
+    blocks pad to the count they all share (the micro-batch's rows × num_anchors).
     """
     plan = _plan(
         feats,
         confidence_pred,
         chunk_anchors,
+        over_ranks,
         loss_decay_gamma,
         ce_loss_alpha,
         l1_loss_alpha,
@@ -347,7 +353,7 @@ def recompute_dspark_loss(
         target_state = target_state.reshape(bsz * num_blocks, G, -1)
     recompute = torch.is_grad_enabled()
     ce, l1, hit = [], [], []
-    for b0 in range(0, hidden.shape[0], chunk_anchors):
+    for b0 in range(0, max(hidden.shape[0], pad_to_blocks), chunk_anchors):
         chunk = slice(b0, b0 + chunk_anchors)
         args = (
             model,
@@ -357,7 +363,12 @@ def recompute_dspark_loss(
             None if target_state is None else target_state[chunk],
         )
         if recompute:
-            out = torch.utils.checkpoint.checkpoint(_chunk_terms, *args, use_reentrant=False)
+            # NOTE: ZeRO-3 releases a frozen head weight (the target's lm_head) after each call,
+            # so the recomputed chunk saved it empty; its backward gathers it again before use.
+            # torch's check of the recomputed tensors' shapes would refuse the empty one.
+            out = torch.utils.checkpoint.checkpoint(
+                _chunk_terms, *args, use_reentrant=False, determinism_check="none"
+            )
         else:
             out = _chunk_terms(*args)
         ce.append(out[0])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dspark_ds.drafters.common.sampling import sample_from_logits
+from dspark_ds.errors import ConfigError
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -114,7 +115,7 @@ def build_markov_head(config) -> VanillaMarkov | None:
     kind = str(getattr(config, "markov_head_type", "vanilla")).lower()
     heads = {"vanilla": VanillaMarkov, "gated": GatedMarkov, "rnn": RNNMarkov}
     if kind not in heads:
-        raise ValueError(f"markov_head_type: expected one of {MARKOV_HEAD_TYPES}, got {kind!r}")
+        raise ConfigError(f"markov_head_type: expected one of {MARKOV_HEAD_TYPES}, got {kind!r}")
     return heads[kind](int(config.vocab_size), rank, int(config.hidden_size))
 
 

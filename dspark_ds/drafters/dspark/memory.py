@@ -1,5 +1,5 @@
 """Activation memory of one DSpark / DFlash training micro-batch, from what autograd keeps
-(the registry's `activation_bytes`, which `dspark-ds tune` adds to the ZeRO states).
+(the kind's `activation_bytes`, which `dspark-ds tune` adds to the ZeRO states).
 
 The peak of a micro-batch is reached while the loss runs (forward or backward of its
 vocabulary-sized part) or, for small vocabularies, in the first layer backward. At that point
@@ -34,50 +34,12 @@ the profiler, on CPU, at several shapes, both dtypes, every attention and loss p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from dspark_ds.drafters.common.memory import StepShapes
+from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.dspark.step import loss_impl_for
-from dspark_ds.drafters.presets import DrafterConfig
-from dspark_ds.perf.config import PerfConfig
+from dspark_ds.drafters.perf import PerfConfig
 
 ATTENTIONS = ("flex", "blockwise", "dense")
 LOSSES = ("reference", "chunked", "recompute")
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What one micro-batch's activations depend on."""
-
-    batch: int
-    seq_len: int
-    num_anchors: int
-    block_size: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    draft_layers: int
-    taps: int
-    markov_rank: int
-    compute_bytes: int = 2
-    """2 under bf16, 4 under fp32."""
-    feature_bytes: int = 2
-    """Bytes of the target's features (its dtype)."""
-    confidence_head: bool = True
-    aligned: bool = True
-    """The target's last hidden states are in the batch (L1 term, confidence head)."""
-
-    @property
-    def draft_tokens(self) -> int:
-        """T = B·A·γ (at most one anchor per position)."""
-        return self.batch * min(self.num_anchors, self.seq_len) * self.block_size
-
-    @property
-    def context_tokens(self) -> int:
-        return self.batch * self.seq_len
 
 
 def _rms_norm(rows: float, width: int, b: int, feeds_linear: bool) -> float:
@@ -180,8 +142,7 @@ def micro_batch_bytes(
     the loss's working set and the attention backward's transients (they never overlap: the
     loss's tensors are freed before the layers' backward starts)."""
     s = shape
-    features = s.batch * s.seq_len * (s.taps + (1 if s.aligned else 0)) * s.hidden
-    out = {"features_in": float(features * s.feature_bytes)}
+    out = {"features_in": s.features_in()}
     out.update(saved_bytes(s, attn))
     loss_part = loss_bytes(s, loss, chunk_anchors)
     attn_part = attention_backward_bytes(s, attn)
@@ -193,18 +154,10 @@ def micro_batch_bytes(
 
 
 def activation_bytes(
-    s: StepShapes, model: DrafterConfig, perf: PerfConfig, device: str, stage: int
+    shape: StepShape, perf: PerfConfig, device: str, stage: int
 ) -> dict[str, float]:
-    """The registry's entry: `micro_batch_bytes` for a run's shapes, model section and perf
-    section on `device` (cuda | cpu) at ZeRO `stage`, resolving "auto" as training does."""
-    shape = StepShape(
-        batch=s.batch, seq_len=s.seq_len, num_anchors=model.num_anchors,
-        block_size=model.block_size, hidden=s.hidden, intermediate=s.intermediate,
-        vocab=s.vocab, heads=s.heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-        draft_layers=s.draft_layers, taps=s.taps, markov_rank=model.markov_rank,
-        compute_bytes=s.compute_bytes, feature_bytes=s.feature_bytes,
-        confidence_head=model.confidence_head_alpha > 0,
-    )  # fmt: skip
+    """`micro_batch_bytes` for a run's shape and perf section on `device` (cuda | cpu) at ZeRO
+    `stage`, resolving "auto" as training does (the kind's `activation_bytes`)."""
     attn = perf.attn_implementation
     if attn == "auto":  # the drafter's own rule (DSparkDraftModel.resolve_attn_implementation)
         attn = "flex" if device == "cuda" else "blockwise"

@@ -9,9 +9,7 @@ Shape legend: B batch, S sequence, A anchors, G block size (γ), V vocab, H hidd
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +29,7 @@ from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.common.sampling import sample_from_logits
 from dspark_ds.drafters.dspark.markov import ConfidenceHead, build_markov_head
+from dspark_ds.errors import ConfigError
 
 
 @dataclass
@@ -116,7 +115,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
                 getattr(config, "confidence_head_with_markov", False)
             )
             if self.confidence_head_with_markov and self.markov_head is None:
-                raise ValueError("confidence_head_with_markov: needs markov_rank > 0")
+                raise ConfigError("confidence_head_with_markov: needs markov_rank > 0")
             extra = int(config.markov_rank) if self.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(hidden + extra)
         self.reset_parameters()
@@ -153,15 +152,9 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         block_keep_mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
         return_hidden: bool = False,
-        head_fn: Callable[[nn.Module, DSparkHiddenOutput], Any] | None = None,
-    ) -> DSparkForwardOutput | DSparkHiddenOutput | Any:
-        """Full logits; with `return_hidden` the `forward_hidden` result; with `head_fn`,
-        `head_fn(self, forward_hidden result)`.
-
-        `head_fn` lets the chunked losses (dspark_ds.perf) call the heads (lm_head, Markov,
-        confidence) inside this forward: under a DeepSpeed ZeRO-3 engine, which only calls
-        `forward`, that is where the heads' partitioned parameters are gathered.
-        """
+    ) -> DSparkForwardOutput | DSparkHiddenOutput:
+        """Full logits (`DSparkForwardOutput`); with `return_hidden`, the `forward_hidden`
+        result, which the chunked losses project a few anchors at a time."""
         feats = self.forward_hidden(
             input_ids,
             target_hidden_states,
@@ -171,8 +164,6 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             block_keep_mask=block_keep_mask,
             generator=generator,
         )
-        if head_fn is not None:
-            return head_fn(self, feats)
         if return_hidden:
             return feats
         hidden_BAGH = feats.hidden
@@ -206,8 +197,8 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
     ) -> DSparkHiddenOutput:
         """The training forward up to (not including) the vocabulary projection.
 
-        `forward` turns this into full logits; the chunked loss (dspark_ds.perf) projects
-        a few anchors at a time instead, so [B, A, G, V] never exists at once.
+        `forward` turns this into full logits; the chunked losses (loss_chunked.py) project a
+        few anchors at a time instead, so [B, A, G, V] never exists at once.
         """
         bsz, seq_len = input_ids.shape
         device = input_ids.device
@@ -291,7 +282,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         return DraftKVCache(len(self.layers))
 
     def extend_context(self, c: VerifiedContext) -> None:
-        """Append verified context to the cache (the registry's `extend`).
+        """Append verified context to the cache (the kind's `extend`).
 
         Every layer's context keys / values come from the same projected context C
         (docs/algorithm.md#the-drafter), so no block has to run; positions never attend to
@@ -381,7 +372,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         )
 
     def propose_round(self, r: DraftRound) -> Proposal:
-        """One round (the registry's `propose`): `[x_start, MASK × (γ-1)]` per row in one
+        """One round (the kind's `propose`): `[x_start, MASK × (γ-1)]` per row in one
         forward, the Markov head samples each block left to right, the confidence head scores
         every slot. Always drafts the whole block (the loop verifies what it can)."""
         rows = r.x_start.shape[0]

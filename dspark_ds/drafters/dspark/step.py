@@ -1,20 +1,26 @@
-"""One function for the training step: forward + loss through the configured path."""
+"""The DSpark training step's parts: the loss path, the anchors, and forward + loss.
+
+`forward_loss` is the step's core: the drafter's forward, then the loss through the configured
+path, returning a `StepOutput` (loss and metric sums on the device). `forward_and_loss` is the
+same with the metrics summed over the ranks and read as floats, as
+`compute_dspark_loss(model(...))` returns them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import asdict
 
 import torch
 from torch import nn
 
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
-from dspark_ds.drafters.dspark.loss import compute_dspark_loss
-from dspark_ds.drafters.dspark.loss_chunked import (
-    DEFAULT_CHUNK_ANCHORS,
-    chunked_dspark_loss,
-    recompute_dspark_loss,
-)
-from dspark_ds.perf.config import LOSS_IMPLEMENTATIONS
+from dspark_ds.drafters.dspark.loss import dspark_loss, dspark_metrics
+from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss, recompute_dspark_loss
+from dspark_ds.drafters.kind import StepOutput, bare
+from dspark_ds.drafters.perf import CHUNK_ANCHORS_CPU, LOSS_IMPLEMENTATIONS
+from dspark_ds.drafters.presets import DSPARK_LOSS, LossWeights
+from dspark_ds.errors import ConfigError
 
 BATCH_KEYS = ("input_ids", "target_hidden_states", "loss_mask")
 OPTIONAL_BATCH_KEYS = ("target_last_hidden_states", "anchor_positions", "block_keep_mask")
@@ -30,7 +36,7 @@ def loss_impl_for(impl: str, zero3: bool) -> str:
     form (plain autograd under activation checkpointing) keeps to.
     """
     if impl not in LOSS_IMPLEMENTATIONS:
-        raise ValueError(f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {impl!r}")
+        raise ConfigError(f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {impl!r}")
     if impl == "auto":
         impl = "chunked"
     return "recompute" if impl == "chunked" and zero3 else impl
@@ -38,39 +44,81 @@ def loss_impl_for(impl: str, zero3: bool) -> str:
 
 def resolve_loss_impl(model: nn.Module, impl: str) -> str:
     """`loss_impl_for` with ZeRO-3 read off the model (its parameters carry `ds_id`)."""
-    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in model.parameters()))
+    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in bare(model).parameters()))
 
 
 def sample_anchors(
     loss_mask: torch.Tensor, sample_ids: torch.Tensor, num_anchors: int, seed: int, epoch: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors of each row drawn from its own (seed, epoch, sample id) generator, so a step sees
-    the same blocks whatever the world size or a resume."""
-    rows = []
-    for b in range(loss_mask.shape[0]):
-        g = torch.Generator().manual_seed(
-            (seed * 1_000_003 + epoch) * 1_000_000_007 + int(sample_ids[b])
-        )
-        rows.append(sample_anchor_positions(loss_mask[b : b + 1].cpu(), num_anchors, generator=g))
-    anchors = torch.cat([r[0] for r in rows]).to(loss_mask.device)
-    keep = torch.cat([r[1] for r in rows]).to(loss_mask.device)
-    return anchors, keep
+    the same blocks whatever the world size or a resume.
+
+    Only the random keys are drawn on the host (`sample_ids` is a host tensor); they go to the
+    mask's device, where the candidates are chosen: nothing is read back from the device."""
+    width = max(loss_mask.shape[1] - 1, 0)
+    keys = torch.stack(
+        [
+            torch.rand(
+                width,
+                generator=torch.Generator().manual_seed(
+                    (seed * 1_000_003 + epoch) * 1_000_000_007 + int(sample_id)
+                ),
+            )
+            for sample_id in sample_ids.tolist()
+        ]
+    )
+    keys = keys.to(loss_mask.device, non_blocking=True)
+    return sample_anchor_positions(loss_mask, num_anchors, keys=keys)
 
 
 def drop_empty_blocks(
-    anchors: torch.Tensor, keep: torch.Tensor, agree: Callable[[int], int] | None = None
+    anchors: torch.Tensor, keep: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, A] anchors and keep mask cut to the busiest row's kept blocks (at least one), or to
-    what `agree` makes of that count (every rank's maximum: each rank then runs the same
-    modules the same number of times, as ZeRO-3's parameter gathers require).
+    """[B, A] anchors and keep mask cut to the busiest row's kept blocks (at least one).
 
     A row's kept blocks come first (`sample_anchor_positions`), so the columns cut are dummies
     in every row: they supervise nothing and, attending only to their own block, change no
-    other block's output."""
+    other block's output. NOTE: the count is read on the host (the shapes depend on it)."""
     used = max(int(keep.sum(dim=1).max()), 1) if keep.numel() else 1
-    if agree is not None:
-        used = agree(used)
     return anchors[:, :used], keep[:, :used]
+
+
+def forward_loss(
+    model,
+    batch: Mapping[str, torch.Tensor],
+    weights: LossWeights,
+    *,
+    impl: str,
+    chunk_anchors: int = CHUNK_ANCHORS_CPU,
+    generator: torch.Generator | None = None,
+    over_ranks: bool = True,
+    pad_to_blocks: int = 0,
+) -> StepOutput:
+    """The drafter's forward on one micro-batch, then its loss through `impl`, a resolved path:
+    "reference" (full logits, `dspark_loss`), "chunked" or "recompute" (the forward stops at
+    the hidden states; the loss projects them a few anchors at a time).
+
+    model: what runs the forward (a DeepSpeed engine, whose `.module` is the drafter, or the
+    drafter itself); the chunked losses call the drafter's heads. batch: input_ids,
+    target_hidden_states, loss_mask (+ target_last_hidden_states, anchor_positions,
+    block_keep_mask); without anchors the drafter draws them from `generator`. over_ranks,
+    pad_to_blocks: see `plan_loss` and `recompute_dspark_loss`.
+    """
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"batch: missing {missing} (needs {BATCH_KEYS})")
+    inputs = {k: batch[k] for k in (*BATCH_KEYS, *OPTIONAL_BATCH_KEYS) if batch.get(k) is not None}
+    args = dict(asdict(weights), over_ranks=over_ranks)
+    if impl == "reference":
+        return dspark_loss(model(**inputs, generator=generator), **args)
+    drafter = bare(model)
+    feats = model(**inputs, generator=generator, return_hidden=True)
+    confidence = drafter.predict_confidence(feats.hidden, feats.prev_token_ids)
+    if impl == "chunked":
+        return chunked_dspark_loss(drafter, feats, confidence, chunk_anchors=chunk_anchors, **args)
+    return recompute_dspark_loss(
+        drafter, feats, confidence, chunk_anchors=chunk_anchors, pad_to_blocks=pad_to_blocks, **args
+    )
 
 
 def forward_and_loss(
@@ -78,34 +126,22 @@ def forward_and_loss(
     batch: Mapping[str, torch.Tensor],
     loss_args: Mapping[str, float | None],
     impl: str = "auto",
-    chunk_anchors: int = DEFAULT_CHUNK_ANCHORS,
+    chunk_anchors: int = CHUNK_ANCHORS_CPU,
     generator: torch.Generator | None = None,
-    forward=None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(loss to backpropagate, metrics) for one micro-batch, as `compute_dspark_loss(model(..))`.
 
-    batch: the target-features dict (input_ids, loss_mask, target_hidden_states,
-    target_last_hidden_states; anchor_positions / block_keep_mask optional). loss_args: the
-    keyword arguments of `compute_dspark_loss` (loss_decay_gamma, ce_loss_alpha,
-    l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "recompute" |
-    "auto" (see `resolve_loss_impl`). forward: what runs the model (a
-    DeepSpeed engine, called with keyword arguments); None = `model` itself, whose heads the
-    chunked loss reads either way.
+    loss_args: the keyword arguments of `compute_dspark_loss` (loss_decay_gamma, ce_loss_alpha,
+    l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "recompute" | "auto"
+    (see `resolve_loss_impl`). See `forward_loss` for the rest.
     """
-    impl = resolve_loss_impl(model, impl)
-    missing = [k for k in BATCH_KEYS if k not in batch]
-    if missing:
-        raise ValueError(f"batch: missing {missing} (needs {BATCH_KEYS})")
-    forward = forward if forward is not None else model
-    kwargs = {k: batch[k] for k in (*BATCH_KEYS, *OPTIONAL_BATCH_KEYS) if batch.get(k) is not None}
-    if impl == "reference":
-        out = forward(**kwargs, generator=generator)
-        return compute_dspark_loss(out, **loss_args)
-    loss_fn = chunked_dspark_loss if impl == "chunked" else recompute_dspark_loss
-
-    def heads(drafter: nn.Module, feats) -> tuple[torch.Tensor, dict[str, float]]:
-        # runs inside the model's forward (see DSparkDraftModel.forward's head_fn)
-        conf = drafter.predict_confidence(feats.hidden, feats.prev_token_ids)
-        return loss_fn(drafter, feats, conf, chunk_anchors=chunk_anchors, **loss_args)
-
-    return forward(**kwargs, generator=generator, head_fn=heads)
+    weights = LossWeights(**{**asdict(DSPARK_LOSS), **loss_args})
+    out = forward_loss(
+        model,
+        batch,
+        weights,
+        impl=resolve_loss_impl(model, impl),
+        chunk_anchors=chunk_anchors,
+        generator=generator,
+    )
+    return out.loss, dspark_metrics(out.global_sums(), weights)

@@ -16,8 +16,9 @@ Metrics (global over ranks), named like the DSpark ones so MLflow plots line up:
 `accuracy@k` (argmax = target argmax), `tau_probabilistic`, `tau_greedy` (1 + expected
 accepted prefix, averaged over anchors with >= 1 valid step), `supervised_tokens`.
 
-Two paths with the same loss, gradients and metrics: `compute_eagle3_loss` on full
-[B, S, T, V] logits (the reference, tested against a naive loop), and `chunked_eagle3_loss`,
+Two paths with the same loss, gradients and metric sums: `eagle3_loss` on full [B, S, T, V]
+logits (the reference, tested against a naive loop; `compute_eagle3_loss` reads its metrics as
+floats), and `chunked_eagle3_loss`,
 which never holds more than `chunk_rows` rows of vocabulary-sized tensors: per chunk the
 gradient of the soft CE w.r.t. the logits is closed-form (softmax(draft) - p_t) and is pushed
 through the frozen lm_head at once, so only an [N, H] gradient survives the forward.
@@ -31,7 +32,9 @@ import torch
 
 from dspark_ds import distributed
 from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput, Eagle3Hidden
+from dspark_ds.drafters.kind import StepOutput, bare
 from dspark_ds.drafters.presets import STEP_LOSS_DECAY
+from dspark_ds.errors import ConfigError
 
 EPS = 1e-6
 LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")  # perf.loss_impl values Eagle3 honours
@@ -45,14 +48,14 @@ def loss_impl_for(impl: str, zero3: bool) -> str:
     leaves the gathered lm_head marked active, so there the full logits are the only path.
     """
     if impl not in LOSS_IMPLEMENTATIONS:
-        raise ValueError(
+        raise ConfigError(
             f"perf.loss_impl: {impl!r} is not available for eagle3 drafters; choose one of "
             f"{LOSS_IMPLEMENTATIONS}"
         )
     if impl == "auto":
         return "reference" if zero3 else "chunked"
     if impl == "chunked" and zero3:
-        raise ValueError(
+        raise ConfigError(
             "perf.loss_impl: chunked is not available for eagle3 drafters under ZeRO-3 (its "
             "lm_head calls run outside the engine's forward); use auto or reference"
         )
@@ -61,7 +64,7 @@ def loss_impl_for(impl: str, zero3: bool) -> str:
 
 def resolve_loss_impl(model, impl: str) -> str:
     """`loss_impl_for` with ZeRO-3 read off the model (its parameters carry `ds_id`)."""
-    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in model.parameters()))
+    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in bare(model).parameters()))
 
 
 def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor:
@@ -77,13 +80,23 @@ def compute_eagle3_loss(
     out: Eagle3ForwardOutput, *, step_loss_decay: float = STEP_LOSS_DECAY
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns (loss to backpropagate, metrics) from full logits. Needs `out.target_logits`."""
+    step = eagle3_loss(out, step_loss_decay=step_loss_decay)
+    return step.loss, eagle3_metrics(step.global_sums(), step_loss_decay)
+
+
+def eagle3_loss(
+    out: Eagle3ForwardOutput, *, step_loss_decay: float = STEP_LOSS_DECAY, over_ranks: bool = True
+) -> StepOutput:
+    """The loss of full logits and this rank's metric sums, on the device (one all_reduce: the
+    denominators; `over_ranks=False`: this rank's own, for a loss nothing is back-propagated
+    through)."""
     if out.target_logits is None:
         raise ValueError(
             "target_logits: the Eagle3 loss is a soft cross-entropy against the target; pass "
             "target_last_hidden_states to the forward"
         )
     _check_decay(step_loss_decay)
-    world_size = distributed.world_size()
+    world_size = distributed.world_size() if over_ranks else 1
     steps = out.draft_logits.shape[2]
     mask = out.eval_mask.to(torch.float32)  # [B, S, T]
     with torch.no_grad():
@@ -98,20 +111,30 @@ def compute_eagle3_loss(
             slots.append(_slot_terms(log_p_d, p_t, out.target_ids[..., k]))
     ce = torch.stack(ce_steps, dim=-1)  # [B, S, T], differentiable
     c_star, greedy, match = (torch.stack(t, dim=-1) for t in zip(*slots))
-    g = _reduce(_local_stats(mask, ce.detach(), c_star, greedy, match))
+    stats = _local_stats(mask, ce.detach(), c_star, greedy, match)
+    dens = torch.stack([stats[f"den@{k}"] for k in range(steps)])
+    if over_ranks:
+        dens = distributed.all_reduce_(dens)
+    # NOTE: den + EPS in fp64, rounded once: the same divisor as on Python floats
+    dens = (dens.double() + EPS).float()
 
     loss = out.draft_logits.new_zeros((), dtype=torch.float32)
     for k in range(steps):
         num = (ce[..., k] * mask[..., k]).sum()
-        loss = loss + (float(step_loss_decay) ** k) * num / (g[f"den@{k}"] + EPS)
-    return loss * world_size, _metrics(g, steps, float(step_loss_decay))
+        loss = loss + (float(step_loss_decay) ** k) * num / dens[k]
+    return StepOutput.of(loss * world_size, stats)
 
 
 def chunked_eagle3_loss(
-    model, feats: Eagle3Hidden, *, step_loss_decay: float = STEP_LOSS_DECAY, chunk_rows: int = 1024
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The same loss and metrics as `compute_eagle3_loss(model(...))` from `forward_hidden`,
-    with O(chunk_rows x V) vocabulary memory. Only valid (b, t, k) rows are projected."""
+    model,
+    feats: Eagle3Hidden,
+    *,
+    step_loss_decay: float = STEP_LOSS_DECAY,
+    chunk_rows: int = 1024,
+    over_ranks: bool = True,
+) -> StepOutput:
+    """The same loss and metric sums as `eagle3_loss(model(...))` from `forward_hidden`, with
+    O(chunk_rows x V) vocabulary memory. Only valid (b, t, k) rows are projected."""
     if feats.target_last_hidden_states is None:
         raise ValueError(
             "target_last_hidden_states: the Eagle3 loss is a soft cross-entropy against the "
@@ -122,12 +145,13 @@ def chunked_eagle3_loss(
         raise ValueError(f"chunk_rows: must be >= 1, got {chunk_rows}")
     if model.lm_head.weight.requires_grad:
         raise ValueError("lm_head: the chunked Eagle3 loss needs the shared lm_head frozen")
-    world_size = distributed.world_size()
+    world_size = distributed.world_size() if over_ranks else 1
     bsz, seq, steps, _ = feats.hidden.shape
     mask = feats.eval_mask.to(torch.float32)
     # The denominators depend on the mask only: reduce them before any logits exist.
     dens = mask.sum(dim=(0, 1))
-    dens = distributed.all_reduce_(dens.clone())
+    if over_ranks:
+        dens = distributed.all_reduce_(dens.clone())
     decay = float(step_loss_decay) ** torch.arange(steps, dtype=torch.float32, device=dens.device)
     coef = decay * world_size / (dens + EPS)
 
@@ -144,8 +168,43 @@ def chunked_eagle3_loss(
         full[b_idx, t_idx, k_idx] = values
         return full
 
-    g = _reduce(_local_stats(mask, scatter(ce), scatter(c_star), scatter(greedy), scatter(match)))
-    return loss, _metrics(g, steps, float(step_loss_decay))
+    stats = _local_stats(mask, scatter(ce), scatter(c_star), scatter(greedy), scatter(match))
+    return StepOutput.of(loss, stats)
+
+
+def forward_loss(
+    model,
+    batch,
+    *,
+    step_loss_decay: float = STEP_LOSS_DECAY,
+    impl: str = "auto",
+    chunk_rows: int = 1024,
+    over_ranks: bool = True,
+) -> StepOutput:
+    """One micro-batch: the unrolled forward, then its loss through `impl`: "reference" (full
+    logits) or "chunked" / "auto" (vocabulary work `chunk_rows` rows at a time).
+
+    `model` is what runs the forward (a DeepSpeed engine, whose `.module` is the drafter, or the
+    drafter itself); the chunked loss reads the drafter's heads.
+    """
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "target_hidden_states": batch["target_hidden_states"],
+        "loss_mask": batch["loss_mask"],
+        "target_last_hidden_states": batch.get("target_last_hidden_states"),
+    }
+    if impl == "reference":
+        return eagle3_loss(model(**inputs), step_loss_decay=step_loss_decay, over_ranks=over_ranks)
+    if impl not in ("auto", "chunked"):
+        raise ValueError(f"impl: expected auto | reference | chunked, got {impl!r}")
+    feats = model(**inputs, return_hidden=True)
+    return chunked_eagle3_loss(
+        bare(model),
+        feats,
+        step_loss_decay=step_loss_decay,
+        chunk_rows=chunk_rows,
+        over_ranks=over_ranks,
+    )
 
 
 def eagle3_forward_and_loss(
@@ -155,27 +214,13 @@ def eagle3_forward_and_loss(
     step_loss_decay: float = STEP_LOSS_DECAY,
     impl: str = "auto",
     chunk_rows: int = 1024,
-    forward=None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One micro-batch: the unrolled forward and its loss.
-
-    impl: "reference" (full logits) or "chunked" / "auto" (vocabulary work `chunk_rows` rows
-    at a time). `forward` is what runs the model (a DeepSpeed engine, called with keyword
-    arguments); None = `model` itself. `model` is the bare drafter (its heads are read).
-    """
-    forward = forward if forward is not None else model
-    inputs = {
-        "input_ids": batch["input_ids"],
-        "target_hidden_states": batch["target_hidden_states"],
-        "loss_mask": batch["loss_mask"],
-        "target_last_hidden_states": batch.get("target_last_hidden_states"),
-    }
-    if impl == "reference":
-        return compute_eagle3_loss(forward(**inputs), step_loss_decay=step_loss_decay)
-    if impl not in ("auto", "chunked"):
-        raise ValueError(f"impl: expected auto | reference | chunked, got {impl!r}")
-    feats = forward(**inputs, return_hidden=True)
-    return chunked_eagle3_loss(model, feats, step_loss_decay=step_loss_decay, chunk_rows=chunk_rows)
+    """`forward_loss` with the metrics summed over the ranks and read as floats, as
+    `compute_eagle3_loss(model(...))` returns them."""
+    out = forward_loss(
+        model, batch, step_loss_decay=step_loss_decay, impl=impl, chunk_rows=chunk_rows
+    )
+    return out.loss, eagle3_metrics(out.global_sums(), step_loss_decay)
 
 
 class _SoftCEChunks(torch.autograd.Function):
@@ -248,17 +293,14 @@ def _local_stats(mask, ce, c_star, greedy, match) -> dict[str, torch.Tensor]:
     return s
 
 
-def _reduce(stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """One all_reduce for every sum."""
-    sums = distributed.all_reduce_(torch.stack(list(stats.values())))
-    return dict(zip(stats.keys(), sums.tolist()))
-
-
 def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else math.nan
 
 
-def _metrics(g: dict[str, float], steps: int, decay: float) -> dict[str, float]:
+def eagle3_metrics(g: dict[str, float], step_loss_decay: float) -> dict[str, float]:
+    """The metrics (module docstring) of `eagle3_loss`'s sums, summed over the ranks."""
+    steps = sum(1 for k in g if k.startswith("den@"))
+    decay = float(step_loss_decay)
     m: dict[str, float] = {
         "tau_probabilistic": _ratio(g["tau_probabilistic"], g["anchors"]),
         "tau_greedy": _ratio(g["tau_greedy"], g["anchors"]),

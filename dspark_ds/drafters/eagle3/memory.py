@@ -11,18 +11,15 @@ T·loss_chunk_anchors rows at a time (the chunked path), plus the target's own l
 
 from __future__ import annotations
 
-from dspark_ds.drafters.common.memory import StepShapes
+from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.eagle3.loss import loss_impl_for
-from dspark_ds.drafters.presets import DrafterConfig
-from dspark_ds.perf.config import PerfConfig
+from dspark_ds.drafters.perf import PerfConfig
 
 
-def activation_bytes(
-    s: StepShapes, model: DrafterConfig, perf: PerfConfig, device: str, stage: int
-) -> dict[str, float]:
+def activation_bytes(s: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[str, float]:
     """Peak activation bytes of one micro-batch by component; `device` cuda | cpu, `stage` the
     ZeRO stage (it decides the loss path, as in training)."""
-    b, B, S, T = s.compute_bytes, s.batch, s.seq_len, model.ttt_length
+    b, B, S, T = s.compute_bytes, s.batch, s.seq_len, s.ttt_length
     H, F, V = s.hidden, s.intermediate, s.vocab
     kv = s.kv_heads * s.head_dim
     qd = s.heads * s.head_dim

@@ -35,6 +35,7 @@ from dspark_ds.drafters.common.blocks import DraftKVCache
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop
 from dspark_ds.drafters.common.sampling import sample_from_logits
+from dspark_ds.errors import ConfigError
 
 EAGLE3_FIELDS = ("target_layer_ids", "num_target_layers", "ttt_length", "step_loss_decay")
 TTT_ATTN_IMPLEMENTATIONS = ("dense", "flex")
@@ -183,7 +184,7 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         self.config = config
         for field in EAGLE3_FIELDS:
             if not hasattr(config, field):
-                raise ValueError(f"{field}: missing from the Eagle3 drafter config")
+                raise ConfigError(f"{field}: missing from the Eagle3 drafter config")
         hidden = int(config.hidden_size)
         self.target_layer_ids = [int(i) for i in config.target_layer_ids]
         self.ttt_length = int(config.ttt_length)
@@ -368,7 +369,7 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         return self.run_layers(self.embed_tokens(token_ids), hidden, positions, attend_fns)
 
     def extend_context(self, c: VerifiedContext) -> None:
-        """Append verified positions to the cache (the registry's `extend`): position i pairs
+        """Append verified positions to the cache (the kind's `extend`): position i pairs
         the target's features of i with `c.next_ids[:, i]`, the token after it. Keeps each
         row's output at its last kept position in `cache.last_hidden`, where the next chain
         starts."""
@@ -383,7 +384,7 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
             c.cache.last_hidden = hidden[rows, c.num_kept - 1]
 
     def propose_round(self, r: DraftRound) -> Proposal:
-        """One round (the registry's `propose`): every row chains up to `r.budget` single-token
+        """One round (the kind's `propose`): every row chains up to `r.budget` single-token
         steps from its last verified state; the chain ends early once every row has drawn a
         stop token. No confidence head."""
         cache = r.cache

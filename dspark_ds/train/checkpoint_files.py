@@ -1,5 +1,6 @@
 """Training checkpoints on disk: layout, crash-safe publication, integrity, retention, RNG
-state, export. No process group here (`checkpointer.py` is the collective side).
+state. No process group here (`checkpointer.py` is the collective side, `export.py` turns a
+checkpoint into an interchange directory).
 
     <run>/checkpoints/
       latest                  the newest complete tag (replaced atomically, written last)
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from dspark_ds.errors import ConfigError
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -133,12 +136,12 @@ def write_manifest(tag_dir: Path, files: dict[str, dict], step: int) -> None:
     atomic_write(tag_dir / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
 
 
-def read_manifest(tag_dir: Path) -> dict | None:
-    """The tag's manifest; None when it has none (written by a version before manifests).
-    A manifest that cannot be parsed is reported as damage by `check_files`."""
+def read_manifest(tag_dir: Path) -> dict:
+    """The tag's manifest. One that is missing or cannot be parsed is reported as damage by
+    `check_files`."""
     path = tag_dir / MANIFEST
     if not path.exists():
-        return None
+        return {"files": {}, "error": f"{MANIFEST} is missing"}
     try:
         manifest = json.loads(path.read_text())
         if not isinstance(manifest.get("files"), dict):
@@ -188,7 +191,7 @@ def resolve_tag_dir(path: str | Path) -> Path:
             tag = latest_tag(root)
             if tag is not None:
                 return root / tag
-    raise FileNotFoundError(f"{path}: no complete checkpoint (looked for {COMPLETE} / {LATEST})")
+    raise ConfigError(f"{path}: no complete checkpoint (looked for {COMPLETE} / {LATEST})")
 
 
 # ---- RNG ------------------------------------------------------------------------------------
@@ -215,132 +218,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-# ---- shared weights + export ------------------------------------------------------------------
-def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [V,H], lm_head [V,H]) read straight from the target's safetensors, without
-    loading the whole target. Tied targets return the embedding twice."""
-    from safetensors import safe_open
-
-    root = Path(target_path)
-    files: dict[str, Path] = {}
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        for name, shard in json.loads(index.read_text())["weight_map"].items():
-            files[name] = root / shard
-    elif (root / "model.safetensors").exists():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            files = {name: root / "model.safetensors" for name in f.keys()}
-    else:
-        raise FileNotFoundError(f"target.path: {root} has no model.safetensors(.index.json)")
-
-    def find(suffixes: tuple[str, ...]) -> torch.Tensor | None:
-        for name, file in files.items():
-            if name.endswith(suffixes):
-                with safe_open(str(file), framework="pt") as f:
-                    return f.get_tensor(name)
-        return None
-
-    embed = find(("embed_tokens.weight",))
-    if embed is None:
-        raise ValueError(f"target.path: {root} has no *embed_tokens.weight tensor")
-    head = find(("lm_head.weight",))
-    return embed, (embed if head is None else head)
-
-
-def claim_output_dir(output_dir: str | Path, overwrite: bool, option: str = "output_dir") -> None:
-    """Refuse (ValueError naming `option`) to write a drafter into a non-empty directory unless
-    `overwrite`; with it, remove the weight files of an earlier (sharded) drafter there, which
-    would otherwise sit beside the new ones."""
-    out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{option}: {out} is a file, not a directory")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if held and not overwrite:
-        shown = ", ".join(held[:4]) + (f", +{len(held) - 4} more" if len(held) > 4 else "")
-        raise ValueError(
-            f"{option}: {out} is not empty ({shown}); choose another directory, or pass "
-            "--overwrite true to replace its config.json and weights"
-        )
-    for name in held:
-        if name == "model.safetensors.index.json" or re.match(r"^model-.*\.safetensors$", name):
-            (out / name).unlink()
-
-
-def export_checkpoint(
-    checkpoint: str | Path,
-    output_dir: str | Path,
-    *,
-    target_path: str | None = None,
-    dtype: torch.dtype = torch.float32,
-    overwrite: bool = False,
-) -> Path:
-    """Any ZeRO stage's checkpoint → interchange directory (docs/checkpoint-format.md). A
-    non-empty `output_dir` is refused unless `overwrite`."""
-    try:
-        tag_dir = resolve_tag_dir(checkpoint)
-    except FileNotFoundError as err:
-        raise ValueError(f"checkpoint: {err}") from None
-    manifest = read_manifest(tag_dir)
-    problems = check_files(tag_dir, manifest, set()) if manifest is not None else []
-    if problems:
-        raise ValueError(f"checkpoint: {tag_dir} is damaged: {'; '.join(problems[:4])}")
-    claim_output_dir(output_dir, overwrite)
-    if target_path is not None and not Path(target_path).is_dir():
-        raise ValueError(f"target.path: {target_path} is not a local model directory")
-
-    import yaml
-
-    from dspark_ds.drafters import build_draft_model, save_draft_model
-    from dspark_ds.drafters.io import config_from_dict
-    from dspark_ds.engine import checkpoint_trainable_fp32
-
-    draft_cfg = config_from_dict(json.loads((tag_dir / "draft_config.json").read_text()))
-    if target_path is None:
-        run = yaml.safe_load((tag_dir / "run_config.yaml").read_text())
-        target_path = run["target"]["path"]
-    trainable = checkpoint_trainable_fp32(tag_dir)
-    model = build_draft_model(draft_cfg)
-    embed, head = target_shared_weights(target_path)
-    state = assemble_state_dict(model, trainable, embed, head)
-    return save_draft_model(model, output_dir, {k: v.to(dtype) for k, v in state.items()})
-
-
-def assemble_state_dict(
-    model, trainable: dict[str, torch.Tensor], embed: torch.Tensor, head: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """The full drafter state: trainable weights + the target's shared ones; strict."""
-    own = model.state_dict()
-    shared = dict(zip(model.shared_parameter_names(), (embed, head)))
-    state = {**trainable, **shared}
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint does not match the drafter: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}"
-        )
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(tensor.shape)} != drafter "
-                f"{tuple(own[name].shape)}"
-            )
-    return {name: state[name].float() for name in own}
-
-
-def run_export(cfg) -> Path:
-    """`dspark-ds export` (an `ExportConfig`): any ZeRO stage's checkpoint → interchange
-    directory."""
-    out = export_checkpoint(
-        cfg.checkpoint,
-        cfg.output_dir,
-        target_path=cfg.target.path,
-        dtype=getattr(torch, cfg.dtype),
-        overwrite=cfg.overwrite,
-    )
-    from dspark_ds.distributed import print0
-
-    print0(f"[export] wrote {out}")
-    return out

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark_ds.errors import ConfigError
+
 ATTN_CHOICES = ("dense", "blockwise", "flex")
 LOSS_CHOICES = ("reference", "chunked", "recompute")
 COMPILE_CHOICES = ("off", "layers", "model")
@@ -48,7 +50,7 @@ def parse_variant(variant: str) -> tuple[str, str, str]:
         or parts[1] not in LOSS_CHOICES
         or parts[2] not in COMPILE_CHOICES
     ):
-        raise ValueError(
+        raise ConfigError(
             f"variants: {variant!r} is not '<attention>/<loss>[/<compile>]' with attention in "
             f"{ATTN_CHOICES}, loss in {LOSS_CHOICES} and compile in {COMPILE_CHOICES}"
         )
@@ -120,26 +122,26 @@ class TrainBenchConfig:
         for v in self.variants:
             parse_variant(v)
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError("num_attention_heads: must divide hidden_size")
+            raise ConfigError("num_attention_heads: must divide hidden_size")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_key_value_heads: must divide num_attention_heads")
+            raise ConfigError("num_key_value_heads: must divide num_attention_heads")
         if self.seq_len < 2:
-            raise ValueError(f"seq_len: must be >= 2, got {self.seq_len}")
+            raise ConfigError(f"seq_len: must be >= 2, got {self.seq_len}")
         if self.repeats < 1:
-            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+            raise ConfigError(f"repeats: must be >= 1, got {self.repeats}")
         if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype: float32 or bfloat16, got {self.dtype!r}")
+            raise ConfigError(f"dtype: float32 or bfloat16, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device: cpu or cuda, got {self.device!r}")
+            raise ConfigError(f"device: cpu or cuda, got {self.device!r}")
         try:
             self.chunk_anchors  # noqa: B018 - validates loss_chunk_anchors
         except ValueError as err:
-            raise ValueError(str(err).replace("perf.", "", 1)) from None
+            raise ConfigError(str(err).replace("perf.", "", 1)) from None
 
     @property
     def chunk_anchors(self) -> int:
         """loss_chunk_anchors with "auto" resolved for the device."""
-        from dspark_ds.perf.config import PerfConfig
+        from dspark_ds.drafters.perf import PerfConfig
 
         return PerfConfig(loss_chunk_anchors=self.loss_chunk_anchors).chunk_anchors(self.device)
 
@@ -320,7 +322,7 @@ def _training_step(cfg: TrainBenchConfig, attn: str, loss_impl: str, compile_mod
     import torch
 
     from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.perf.compile import compile_drafter
+    from dspark_ds.drafters.perf import compile_drafter
 
     model = build_model(cfg)
     model.attn_implementation = attn
@@ -435,7 +437,7 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
     for variant in tqdm(cfg.variants, desc="bench variants", unit="variant"):
         child_cfg = dataclasses.replace(cfg, variants=[variant], json=None)
         proc = subprocess.run(
-            [sys.executable, "-m", "dspark_ds.perf.bench", "--_child"],
+            [sys.executable, "-m", "dspark_ds.perf.train_bench", "--_child"],
             input=json.dumps(dataclasses.asdict(child_cfg)),
             capture_output=True,
             text=True,
@@ -511,7 +513,7 @@ def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m dspark_ds.perf.bench --_child`: one variant, its config as JSON on stdin, the
+    """`python -m dspark_ds.perf.train_bench --_child`: one variant, its config as JSON on stdin, the
     result JSON on stdout (what `run_train_bench` starts per variant)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv != ["--_child"]:

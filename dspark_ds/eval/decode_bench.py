@@ -1,4 +1,4 @@
-"""`dspark-ds bench`: tokens/s of speculative decoding vs plain target decoding (one process)."""
+"""`dspark-ds bench-decode`: tokens/s of speculative decoding vs plain target decoding (one process)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import torch
 
 from dspark_ds.eval.benchmarks import benchmark_path, encode_prompt, load_benchmark, select_prompts
-from dspark_ds.eval.config import BenchConfig
+from dspark_ds.eval.config import DecodeBenchConfig
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.report import write_json
 from dspark_ds.eval.rounds import sync
@@ -22,7 +22,7 @@ def _timed(device: torch.device, fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
-def run_bench(cfg: BenchConfig) -> dict:
+def run_decode_bench(cfg: DecodeBenchConfig) -> dict:
     """Decode the same prompts both ways; print and return tokens/s, τ and the speedup."""
     cfg.validate()
     device = _resolve_device(cfg)

@@ -1,23 +1,38 @@
-"""The performance knobs of a training step (one config section, read by the trainer)."""
+"""The `perf` section: how a drafter's training step computes attention and the loss, and
+whether the drafter is compiled. Every choice gives the same results at another cost; each kind
+honours the options it can (`DrafterKind.check_perf`) and refuses the others by name.
+
+`compile_drafter` applies `perf.compile`: "layers" compiles each draft decoder layer
+(`nn.Module.compile`, which keeps the module and its parameter names: checkpoints, export and
+ZeRO's hooks see the same tree); "model" compiles the whole drafter's forward. Under ZeRO-3
+DeepSpeed's gather / release hooks are excluded from compilation (`torch.compiler.disable`), so a
+compiled layer runs as graphs between them. Recompiles follow the flex kernel's plan
+(drafters/common/flex.py): the first step compiles for its shapes, the first batch of another
+length recompiles with the length symbolic.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
-from dspark_ds.drafters.dspark.loss_chunked import DEFAULT_CHUNK_ANCHORS
+from dspark_ds.errors import ConfigError
 
 LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked", "recompute")
 COMPILE_MODES = ("auto", "off", "layers", "model")
 
-CHUNK_ANCHORS_CPU = DEFAULT_CHUNK_ANCHORS
-"""32: the CPU sweep in docs/performance.md (a chunk's [N, V] fp32 tensors near the cache size)."""
+CHUNK_ANCHORS_CPU = 32
+"""32: on CPU a chunk's [N, V] fp32 tensors (N = chunk × G; 32 × 7 × 32 000 × 4 B ≈ 29 MB) should
+roughly fit the last-level cache, while N stays large enough for efficient matmuls (16 / 32 / 64 /
+128 measured on the idle 2-core machine: 3.24 / 2.82 / 3.58 / 4.27 s per step; docs/performance.md).
+"""
 CHUNK_ANCHORS_CUDA = 256
-"""256: issue 13's H200 run (compiled flex attention, chunked loss with chunk 256: 0.134 s per
-step at the Qwen3-8B shape, vs 0.487 s for the uncompiled flex path); on a GPU a larger chunk
-only cuts kernel launches, and 256 x 7 x 151 936 fp32 logits are ~1 GiB."""
+"""256: on an H200 at the Qwen3-8B shape, compiled flex attention with the chunked loss at chunk
+256 took 0.134 s per step (0.487 s uncompiled, docs/performance.md); on a GPU a larger chunk only
+cuts kernel launches, and 256 x 7 x 151 936 fp32 logits are ~1 GiB."""
 
 
 @dataclass
@@ -36,7 +51,7 @@ class PerfConfig:
     loss_chunk_anchors: int | str = "auto"
     """Anchors (blocks, over the whole micro-batch) per chunk of the chunked loss; "auto" = 32
     on CPU (keeps a chunk near the cache size; docs/performance.md) and 256 on CUDA (fewer
-    kernel launches; issue 13's H200 measurement). Eagle3: positions, each ttt_length rows."""
+    kernel launches; docs/performance.md). Eagle3: positions, each ttt_length rows."""
 
     attn_implementation: str = "auto"
     """Block-mask attention of the training forward: "flex" (a BlockMask built from the
@@ -62,26 +77,28 @@ class PerfConfig:
 
     def __post_init__(self) -> None:
         if self.drop_empty_blocks not in ("auto", "on", "off"):
-            raise ValueError(
+            raise ConfigError(
                 f"perf.drop_empty_blocks: expected auto, on or off, got {self.drop_empty_blocks!r}"
             )
         if self.loss_impl not in LOSS_IMPLEMENTATIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"perf.loss_impl: expected one of {LOSS_IMPLEMENTATIONS}, got {self.loss_impl!r}"
             )
         chunk = self.loss_chunk_anchors
         if isinstance(chunk, str) and chunk != "auto":
-            raise ValueError(f"perf.loss_chunk_anchors: an integer or 'auto', got {chunk!r}")
+            raise ConfigError(f"perf.loss_chunk_anchors: an integer or 'auto', got {chunk!r}")
         if not isinstance(chunk, str) and chunk < 1:
-            raise ValueError(f"perf.loss_chunk_anchors: must be >= 1, got {chunk}")
+            raise ConfigError(f"perf.loss_chunk_anchors: must be >= 1, got {chunk}")
         allowed = ("auto", *ATTN_IMPLEMENTATIONS)
         if self.attn_implementation not in allowed:
-            raise ValueError(
+            raise ConfigError(
                 f"perf.attn_implementation: expected one of {allowed}, "
                 f"got {self.attn_implementation!r}"
             )
         if self.compile not in COMPILE_MODES:
-            raise ValueError(f"perf.compile: expected one of {COMPILE_MODES}, got {self.compile!r}")
+            raise ConfigError(
+                f"perf.compile: expected one of {COMPILE_MODES}, got {self.compile!r}"
+            )
 
     def chunk_anchors(self, device: torch.device | str) -> int:
         """`loss_chunk_anchors` with "auto" resolved for the run's device."""
@@ -98,3 +115,15 @@ class PerfConfig:
     def compile_mode(self, device: torch.device | str) -> str:
         """`compile` with "auto" resolved for the run's device ("off" | "layers" | "model")."""
         return "off" if self.compile == "auto" else self.compile
+
+
+def compile_drafter(model: nn.Module, mode: str) -> nn.Module:
+    """Compiles `model` in place per `mode` ("off" | "layers" | "model"); returns it."""
+    if mode not in COMPILE_MODES or mode == "auto":
+        raise ValueError(f"perf.compile: expected off, layers or model, got {mode!r}")
+    if mode == "layers":
+        for layer in model.layers:
+            layer.compile(dynamic=None)
+    elif mode == "model":
+        model.compile(dynamic=None)
+    return model

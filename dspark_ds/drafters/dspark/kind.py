@@ -1,0 +1,102 @@
+"""The DSpark / DFlash drafter kind (DFlash is DSpark without the Markov and confidence heads)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from dspark_ds.drafters import io
+from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
+from dspark_ds.drafters.common.blocks import sampler_stat_sums
+from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
+from dspark_ds.drafters.dspark import memory
+from dspark_ds.drafters.dspark.loss import dspark_metrics
+from dspark_ds.drafters.dspark.model import DSparkDraftModel
+from dspark_ds.drafters.dspark.step import (
+    drop_empty_blocks,
+    forward_loss,
+    resolve_loss_impl,
+    sample_anchors,
+)
+from dspark_ds.drafters.kind import TRAIN_KEYS, DrafterKind, StepContext, StepOutput, bare
+from dspark_ds.drafters.perf import LOSS_IMPLEMENTATIONS, PerfConfig
+from dspark_ds.drafters.presets import DrafterConfig
+
+
+class DSpark(DrafterKind):
+    name = "dspark"
+    label = "DSpark / DFlash"
+    model_class = DSparkDraftModel
+    architectures = io.ARCHITECTURES["dspark"]
+    uses_mask_token = True
+    anchor_blocks = True
+    loss_impls = LOSS_IMPLEMENTATIONS
+    attn_impls = ("auto", *ATTN_IMPLEMENTATIONS)
+
+    def build_config(
+        self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
+    ):
+        return io.dspark_config(
+            target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
+        )
+
+    def resolve_loss_impl(self, drafter: nn.Module, loss_impl: str) -> str:
+        return resolve_loss_impl(drafter, loss_impl)
+
+    def training_step(
+        self, model, batch: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> StepOutput:
+        """Anchors drawn per sample from (seed, epoch, sample id), the trailing empty blocks
+        dropped (perf.drop_empty_blocks), then `forward_loss`: the forward and the loss."""
+        drafter = bare(model)
+        loss_mask = batch["loss_mask"]
+        device = loss_mask.device
+        anchors, keep = sample_anchors(
+            loss_mask, batch["sample_ids"], drafter.num_anchors, ctx.seed, ctx.epoch
+        )
+        sampler = None
+        if ctx.training:
+            sampler = sampler_stat_sums(
+                loss_mask, anchors, keep,
+                num_anchors=drafter.num_anchors, block_size=drafter.block_size,
+            )  # fmt: skip
+        all_blocks = 0
+        if ctx.perf.drops_empty_blocks(device):
+            all_blocks = anchors.numel()  # what every rank's chunks pad to (ZeRO-3)
+            anchors, keep = drop_empty_blocks(anchors, keep)
+        inputs = {k: batch[k] for k in TRAIN_KEYS}
+        out = forward_loss(
+            model,
+            {**inputs, "anchor_positions": anchors, "block_keep_mask": keep},
+            ctx.model.loss_weights,
+            impl=ctx.loss_impl,
+            chunk_anchors=ctx.perf.chunk_anchors(device),
+            over_ranks=ctx.training,
+            pad_to_blocks=all_blocks,
+        )
+        out.sampler_sums = sampler
+        return out
+
+    def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
+        return dspark_metrics(dict(sums), model.loss_weights)
+
+    def extend(self, drafter: nn.Module, context: VerifiedContext) -> None:
+        drafter.extend_context(context)
+
+    def propose(self, drafter: nn.Module, draft_round: DraftRound) -> Proposal:
+        return drafter.propose_round(draft_round)
+
+    def activation_bytes(
+        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
+    ) -> dict[str, float]:
+        return memory.activation_bytes(shape, perf, device, zero_stage)
+
+    def describe(self, model: DrafterConfig) -> str:
+        heads = f"Markov rank {model.markov_rank}" if model.markov_rank else "no Markov head"
+        return (
+            f"DSpark {model.num_draft_layers} layers, A={model.num_anchors} "
+            f"γ={model.block_size}, {heads}"
+        )

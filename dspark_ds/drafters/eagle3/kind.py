@@ -1,0 +1,74 @@
+"""The Eagle3 drafter kind: one autoregressive layer unrolled over training-time-test steps."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from dspark_ds.drafters import io
+from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
+from dspark_ds.drafters.eagle3 import loss, memory
+from dspark_ds.drafters.eagle3.model import TTT_ATTN_IMPLEMENTATIONS, Eagle3DraftModel
+from dspark_ds.drafters.kind import TRAIN_KEYS, DrafterKind, StepContext, StepOutput, bare
+from dspark_ds.drafters.perf import PerfConfig
+from dspark_ds.drafters.presets import DrafterConfig
+
+
+class Eagle3(DrafterKind):
+    name = "eagle3"
+    label = "Eagle3"
+    model_class = Eagle3DraftModel
+    architectures = io.ARCHITECTURES["eagle3"]
+    uses_mask_token = False
+    anchor_blocks = False
+    loss_impls = loss.LOSS_IMPLEMENTATIONS
+    attn_impls = ("auto", *TTT_ATTN_IMPLEMENTATIONS)
+
+    def build_config(
+        self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
+    ):
+        return io.eagle3_config(
+            target_config,
+            model,
+            target_layer_ids=target_layer_ids,
+            target_model_name_or_path=target_path,
+        )
+
+    def resolve_loss_impl(self, drafter: nn.Module, loss_impl: str) -> str:
+        return loss.resolve_loss_impl(drafter, loss_impl)
+
+    def training_step(
+        self, model, batch: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> StepOutput:
+        """The unrolled forward and its loss (`loss.forward_loss`); perf.loss_chunk_anchors
+        positions per chunk, each of ttt_length rows."""
+        # NOTE: an Eagle3 "anchor" is a position, whose T unrolled steps are T rows of the loss
+        chunk_rows = ctx.perf.chunk_anchors(batch["input_ids"].device) * bare(model).ttt_length
+        return loss.forward_loss(
+            model,
+            {k: batch[k] for k in TRAIN_KEYS},
+            step_loss_decay=ctx.model.step_loss_decay,
+            impl=ctx.loss_impl,
+            chunk_rows=chunk_rows,
+            over_ranks=ctx.training,
+        )
+
+    def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
+        return loss.eagle3_metrics(dict(sums), model.step_loss_decay)
+
+    def extend(self, drafter: nn.Module, context: VerifiedContext) -> None:
+        drafter.extend_context(context)
+
+    def propose(self, drafter: nn.Module, draft_round: DraftRound) -> Proposal:
+        return drafter.propose_round(draft_round)
+
+    def activation_bytes(
+        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
+    ) -> dict[str, float]:
+        return memory.activation_bytes(shape, perf, device, zero_stage)
+
+    def describe(self, model: DrafterConfig) -> str:
+        return f"Eagle3 {model.num_draft_layers} layer(s), T={model.ttt_length}"

@@ -1,0 +1,176 @@
+"""What the trainer, the tuner, evaluation and the demo ask of a drafter kind.
+
+A kind ("dspark", which covers DFlash, or "eagle3") is one class that implements `DrafterKind`
+(drafters/dspark/kind.py, drafters/eagle3/kind.py); drafters/registry.py holds one instance of
+each. Code outside drafters/ never branches on the kind: it asks `get_kind(name)` or
+`kind_of(model)`.
+
+One training step of a micro-batch is `kind.training_step(model, batch, ctx) -> StepOutput`: the
+loss to back-propagate and this rank's metric sums, all on the device. Nothing in it reads a value
+back to the host; the loss's denominators are summed over the ranks there (one all_reduce, when
+training). The trainer reduces the sums of many micro-batches at once on its log steps and turns
+them into metrics with `kind.metrics`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from dspark_ds import distributed
+from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
+from dspark_ds.drafters.perf import PerfConfig, compile_drafter
+from dspark_ds.drafters.presets import DrafterConfig
+from dspark_ds.errors import ConfigError
+
+# The tensors of a training batch a step reads besides `sample_ids` (features from the target or
+# its cache).
+TRAIN_KEYS = ("input_ids", "target_hidden_states", "loss_mask", "target_last_hidden_states")
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What one training step needs besides the model and the batch."""
+
+    model: DrafterConfig
+    """The run's `model` section (loss weights, decays)."""
+    perf: PerfConfig
+    """The run's `perf` section (chunk sizes, dropped blocks)."""
+    loss_impl: str
+    """The loss path, as `DrafterKind.prepare` resolved it."""
+    seed: int = 0
+    epoch: int = 0
+    """Seed and epoch of the anchor draws (kinds that sample blocks)."""
+    training: bool = True
+    """A backward follows: the loss's denominators are summed over every rank and the anchor
+    sampler's statistics are counted. False (validation): neither; only the metric sums count."""
+
+
+@dataclass
+class StepOutput:
+    """One micro-batch's step: the loss and this rank's metric sums, on the device."""
+
+    loss: torch.Tensor
+    """The scalar to back-propagate."""
+    sums: torch.Tensor
+    """[K] fp32: this rank's numerators and denominators of every metric (not reduced)."""
+    names: tuple[str, ...]
+    """What each entry of `sums` is."""
+    sampler_sums: torch.Tensor | None = None
+    """fp64 [len(SAMPLER_STATS) + 1]: the anchor sampler's statistics of the micro-batch
+    (`sampler_stat_sums`), when training a kind that samples blocks."""
+
+    @classmethod
+    def of(cls, loss: torch.Tensor, sums: Mapping[str, torch.Tensor]) -> StepOutput:
+        """From named scalar tensors (stacked in their order, as fp32)."""
+        stacked = torch.stack([v.detach().to(torch.float32) for v in sums.values()])
+        return cls(loss=loss, sums=stacked, names=tuple(sums))
+
+    def global_sums(self) -> dict[str, float]:
+        """Collective: `sums` summed over every rank (one all_reduce), as floats."""
+        summed = distributed.all_reduce_(self.sums.clone())
+        return dict(zip(self.names, summed.tolist()))
+
+
+class DrafterKind(Protocol):
+    """One drafter kind. `check_perf` and `prepare` are shared; a kind provides the rest."""
+
+    name: str
+    """The `model.kind` value ("dspark" | "eagle3")."""
+    label: str
+    """How reports name it ("DSpark / DFlash")."""
+    model_class: type[nn.Module]
+    """The base class of every backend of this kind."""
+    architectures: Mapping[str, str]
+    """Target model_type -> the interchange architecture built and exported for it."""
+    uses_mask_token: bool
+    """Its config needs the MASK token id."""
+    anchor_blocks: bool
+    """It trains on `num_anchors` anchor blocks sampled per sequence (the block-shape warnings,
+    the sampler statistics and the demo's anchor count apply)."""
+    loss_impls: tuple[str, ...]
+    """perf.loss_impl values it honours."""
+    attn_impls: tuple[str, ...]
+    """perf.attn_implementation values it honours."""
+
+    def build_config(
+        self,
+        target_config: Any,
+        model: DrafterConfig,
+        *,
+        target_layer_ids: list[int],
+        mask_token_id: int | None = None,
+        target_path: str | None = None,
+    ) -> Any:
+        """The drafter's transformers config for a target (its Hugging Face config, any family
+        with a backend in `architectures`) and the run's `model` section. ConfigError names the
+        drafter config's field."""
+        ...
+
+    def resolve_loss_impl(self, drafter: nn.Module, loss_impl: str) -> str:
+        """perf.loss_impl -> the path a step takes (ZeRO-3 is read off the drafter)."""
+        ...
+
+    def training_step(
+        self, model: Any, batch: Mapping[str, torch.Tensor], ctx: StepContext
+    ) -> StepOutput:
+        """Forward and loss of one micro-batch. `model`: what runs the forward (a DeepSpeed
+        engine, whose `.module` is the drafter, or the drafter itself); `batch`: `TRAIN_KEYS` on
+        the model's device and `sample_ids` on the host."""
+        ...
+
+    def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
+        """The metrics of `StepOutput.sums` summed over the ranks (docs/metrics.md)."""
+        ...
+
+    def extend(self, drafter: nn.Module, context: VerifiedContext) -> None:
+        """Appends positions the target verified to the drafter's cache (both decoding loops;
+        drafters/common/rounds.py)."""
+        ...
+
+    def propose(self, drafter: nn.Module, draft_round: DraftRound) -> Proposal:
+        """One drafting round of speculative decoding for every row in flight."""
+        ...
+
+    def activation_bytes(
+        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
+    ) -> dict[str, float]:
+        """Activation bytes of one training micro-batch by component (`dspark-ds tune`)."""
+        ...
+
+    def describe(self, model: DrafterConfig) -> str:
+        """A one-line summary of a `model` section (reports)."""
+        ...
+
+    def check_perf(self, perf: PerfConfig) -> None:
+        """Refuses, by name, a perf option this kind cannot honour."""
+        for option, value, allowed in (
+            ("loss_impl", perf.loss_impl, self.loss_impls),
+            ("attn_implementation", perf.attn_implementation, self.attn_impls),
+        ):
+            if value not in allowed:
+                raise ConfigError(
+                    f"perf.{option}: {value!r} is not available for {self.name} drafters; "
+                    f"choose one of {allowed}"
+                )
+
+    def prepare(
+        self, drafter: nn.Module, perf: PerfConfig, device: torch.device | str | None = None
+    ) -> str:
+        """Sets the drafter's attention implementation and, given the run's device, compiles it
+        per `perf.compile`; returns the resolved loss path."""
+        self.check_perf(perf)
+        drafter.attn_implementation = perf.attn_implementation
+        if device is not None and perf.compile_mode(device) != "off":
+            compile_drafter(drafter, perf.compile_mode(device))
+        return self.resolve_loss_impl(drafter, perf.loss_impl)
+
+
+def bare(model: Any) -> nn.Module:
+    """The drafter inside `model` (a DeepSpeed engine or wrapper's `.module`), or `model`."""
+    return getattr(model, "module", model)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -48,7 +49,9 @@ def steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_case(cluster, root: Path, target: str, how: str, save_s: float, lead_s: int) -> dict:
+def run_case(
+    cluster, root: Path, target: str, how: str, save_s: float, lead_s: int, launcher: str
+) -> dict:
     work = root / how.replace(" ", "_").replace(",", "")
     work.mkdir(parents=True)
     script = REPO / "slurm" / "train.sbatch"
@@ -64,9 +67,10 @@ def run_case(cluster, root: Path, target: str, how: str, save_s: float, lead_s: 
         "DSPARK_SLURM_DIR": str(REPO / "slurm"), "DSPARK_TEST_FAULTS": json.dumps(fault),
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers" / "faults_site"), str(REPO)]),
     }  # fmt: skip
-    # the torchrun launcher: RANK is set when the interpreter starts, so the slow save installs
-    env["DSPARK_LAUNCHER"] = "torchrun"
+    env["DSPARK_LAUNCHER"] = launcher
     env["DSPARK_NPROC_PER_NODE"] = "2"
+    tasks = ["--ntasks-per-node=1", "--cpus-per-task=2"] if launcher == "torchrun" else [
+        "--ntasks-per-node=2", "--cpus-per-task=1"]  # fmt: skip
     limit = ["--time=3"] if how.startswith("time limit") else ["--time=30"]
     signal_opt = [f"--signal=B:USR1@{lead_s}"] if how == "time limit" else []
     name = f"stop-{os.getpid()}-{len(list(root.iterdir()))}"
@@ -79,7 +83,7 @@ def run_case(cluster, root: Path, target: str, how: str, save_s: float, lead_s: 
     ]  # fmt: skip
     proc = cluster.sbatch_popen(
         ["--wait", f"--job-name={name}", f"--output={work}/%x-%j.out", "--nodes=2",
-         "--ntasks-per-node=1", "--cpus-per-task=2", "--gpus-per-node=0", "--no-requeue"
+         *tasks, "--gpus-per-node=0", "--no-requeue"
          if how != "scontrol requeue" else "--requeue", *limit, *signal_opt, str(script), *args],
         env=env, cwd=str(work),
     )  # fmt: skip
@@ -113,6 +117,7 @@ def run_case(cluster, root: Path, target: str, how: str, save_s: float, lead_s: 
         t_signal = ended - float(_after_signal(log))
     return {
         "how": how,
+        "launcher": launcher,
         "kill_wait_s": cluster.kill_wait_s,
         "save_s": save_s,
         "state": info.get("JobState"),
@@ -140,10 +145,13 @@ def _after_signal(log: str) -> float:
 
 
 def main() -> int:
+    # NOTE: a TERM (or Ctrl-C) still stops the clusters: daemons and namespaces go
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     parser = argparse.ArgumentParser()
     parser.add_argument("--save_s", type=float, default=8.0)
     parser.add_argument("--kill_waits", default="30,5")
     parser.add_argument("--lead_s", type=int, default=60)
+    parser.add_argument("--launchers", default="srun")
     parser.add_argument(
         "--cases", default="scancel,scontrol requeue,time limit,time limit no warning"
     )
@@ -155,18 +163,20 @@ def main() -> int:
         cluster = MultiHostCluster(root / f"cluster{kill_wait}", kill_wait_s=kill_wait)
         try:
             cluster.start()
-            for how in args.cases.split(","):
-                how = "time limit, no warning" if how == "time limit no warning" else how
-                row = run_case(cluster, root / f"kw{kill_wait}", target, how, args.save_s,
-                               args.lead_s)  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            for launcher in args.launchers.split(","):
+                for how in args.cases.split(","):
+                    how = "time limit, no warning" if how == "time limit no warning" else how
+                    row = run_case(cluster, root / f"kw{kill_wait}-{launcher}", target, how,
+                                   args.save_s, args.lead_s, launcher)  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
         finally:
             cluster.stop()
-    print(f"\n{'stop':<24} {'KillWait':>8} {'save':>5} {'state':<10} {'ckpt at stop':<12} "
-          f"{'lost':>5} {'ended after':>11}")  # fmt: skip
+    print(f"\n{'stop':<24} {'launcher':<9} {'KillWait':>8} {'save':>5} {'state':<10} "
+          f"{'ckpt at stop':<12} {'lost':>5} {'ended after':>11}")  # fmt: skip
     for r in rows:
-        print(f"{r['how']:<24} {r['kill_wait_s']:>7}s {r['save_s']:>4.0f}s {r['state']:<10} "
+        print(f"{r['how']:<24} {r['launcher']:<9} {r['kill_wait_s']:>7}s {r['save_s']:>4.0f}s "
+              f"{r['state']:<10} "
               f"{'written' if r['saved_at_stop'] else 'NOT written':<12} {r['lost_steps']:>5} "
               f"{r['end_after_signal_s']:>10}s")  # fmt: skip
     return 0

@@ -139,11 +139,11 @@ def main() -> int:
 
 
 def install_from_env() -> None:
-    """Installs the faults of $DSPARK_TEST_FAULTS (JSON) in a rank (RANK set) of a job whose
-    command line the test does not write (a batch script's launcher): `tests/helpers/faults_site`
-    on PYTHONPATH calls this at interpreter start."""
+    """Installs the faults of $DSPARK_TEST_FAULTS (JSON) in a rank of a job whose command line
+    the test does not write (a batch script's launcher): `tests/helpers/faults_site` on
+    PYTHONPATH calls this at interpreter start."""
     spec = os.environ.get("DSPARK_TEST_FAULTS")
-    if spec and "RANK" in os.environ:
+    if spec:
         install(json.loads(spec))
 
 

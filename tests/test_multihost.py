@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers.dist import check, torchrun
+from helpers.slurm_cluster import job_env
 from helpers.tiny_models import build_tiny_target, write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,20 +42,6 @@ def train_args(target: str, out: Path, name: str, steps: int = STEPS) -> list[st
         "--checkpoint.every_steps", str(CKPT_EVERY), "--validation.every_steps", "0",
         "--train.progress_bar", "false", "--train.log_every", "1",
     ]  # fmt: skip
-
-
-def job_env(workdir: Path, **extra: str) -> dict[str, str]:
-    return {
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "PYTHON": sys.executable,
-        "DSPARK_WORKDIR": str(workdir),
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        **extra,
-    }
 
 
 def losses(run_dir: Path) -> dict[int, float]:

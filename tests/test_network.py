@@ -1,6 +1,6 @@
-"""The job's network and launcher as a site's Slurm presents them: rank discovery under srun with
-a PMI plugin, the device of a task that sees one GPU, rendezvous ports, the interface rule, the
-bounded rendezvous. What needs several hosts is in tests/test_multihost.py."""
+"""The job's network and devices as a site presents them: the device of a task that sees one GPU,
+rendezvous ports, the interface rule, the bounded rendezvous. Rank discovery is in
+tests/test_slurm_launch.py, what needs several hosts in tests/test_multihost.py."""
 
 from __future__ import annotations
 
@@ -14,48 +14,9 @@ import pytest
 import torch
 
 from dspark_ds import distributed, network
-from dspark_ds.distributed import DistributedConfig, configure_network, discover
+from dspark_ds.distributed import DistributedConfig, configure_network
 
 REPO = Path(__file__).resolve().parents[1]
-
-# srun task 3 of a 2-node x 2-task step (Slurm 22.05)
-SRUN_TASK = {
-    "SLURM_JOB_ID": "1234",
-    "SLURM_PROCID": "3",
-    "SLURM_LOCALID": "1",
-    "SLURM_NTASKS": "4",
-    "SLURM_STEP_NUM_TASKS": "4",
-    "SLURM_STEP_NUM_NODES": "2",
-    "SLURM_STEP_ID": "0",
-    "SLURM_JOB_NODELIST": "gpu01",
-    "SLURM_STEP_NODELIST": "gpu01",
-    "MASTER_ADDR": "10.0.0.1",
-}
-
-
-# ---- discovery under a PMI plugin ------------------------------------------------------------
-@pytest.mark.parametrize(
-    "pmi",
-    [
-        {"PMI_SIZE": "4", "PMI_RANK": "3", "PMI_FD": "11", "PMI_JOBID": "7.0"},  # MpiDefault=pmi2
-        {"PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.7.0"},  # MpiDefault=pmix
-    ],
-    ids=["pmi2", "pmix"],
-)
-def test_srun_with_a_pmi_plugin_is_slurm(pmi):
-    info = discover(SRUN_TASK | pmi)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 3, 4, 1)
-
-
-def test_mpi_launchers_keep_their_path():
-    # mpirun inside an allocation: Open MPI's orted runs under srun, its ranks see both
-    ompi = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "5", "PMIX_RANK": "5"}
-    assert discover(SRUN_TASK | ompi).launcher == "mpi"
-    # Hydra's mpiexec starts one proxy per node through srun: its PMI world is not the step's
-    hydra = {"PMI_SIZE": "16", "PMI_RANK": "9"}
-    assert discover(SRUN_TASK | hydra).launcher == "mpi"
-    # PMI outside an srun step is MPI
-    assert discover({"PMI_SIZE": "2", "PMI_RANK": "1"}).launcher == "mpi"
 
 
 # ---- the device of a task --------------------------------------------------------------------
@@ -145,8 +106,9 @@ def test_world_of_one_needs_no_network():
 def test_multi_host_from_the_launchers_variables():
     assert distributed.multi_host({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"}) is True
     assert distributed.multi_host({"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "4"}) is False
-    assert distributed.multi_host(SRUN_TASK) is True
-    assert distributed.multi_host(SRUN_TASK | {"SLURM_STEP_NUM_NODES": "1"}) is False
+    srun = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2"}
+    assert distributed.multi_host(srun) is True
+    assert distributed.multi_host(srun | {"SLURM_STEP_NUM_NODES": "1"}) is False
     ompi = {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "2"}
     assert distributed.multi_host(ompi) is False
     assert distributed.multi_host({}) is None

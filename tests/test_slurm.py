@@ -10,13 +10,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers.slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
+from helpers.slurm_cluster import job_env, slurm_cluster  # noqa: F401 - the fixture
 from helpers.tiny_models import build_tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,19 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> str:
     return build_tiny_target(tmp_path_factory.mktemp("target") / "tiny_target")
-
-
-def job_env(workdir: Path) -> dict[str, str]:
-    return {
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
-        "PYTHON": sys.executable,
-        "DSPARK_WORKDIR": str(workdir),
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
 
 
 def steps_logged(run_dir: Path) -> list[int]:

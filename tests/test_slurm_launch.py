@@ -21,6 +21,7 @@ SRUN_TASK = {
     "SLURM_LOCALID": "1",
     "SLURM_NTASKS": "4",
     "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_NUM_NODES": "1",
     "SLURM_STEP_ID": "0",
     "SLURM_JOB_NODELIST": "gpu01",
     "SLURM_STEP_NODELIST": "gpu01",
@@ -102,6 +103,28 @@ def test_single_process_gets_a_free_port():
 def test_bad_integer_names_the_variable():
     with pytest.raises(ValueError, match="SLURM_PROCID"):
         discover(dict(SRUN_TASK, SLURM_PROCID="x"))
+
+
+# ---- srun under a PMI plugin ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "pmi",
+    [
+        {"PMI_SIZE": "4", "PMI_RANK": "3", "PMI_FD": "11", "PMI_JOBID": "7.0"},  # MpiDefault=pmi2
+        {"PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.7.0"},  # MpiDefault=pmix
+    ],
+    ids=["pmi2", "pmix"],
+)
+def test_srun_with_a_pmi_plugin_is_slurm(pmi):
+    info = discover(dict(SRUN_TASK, MASTER_ADDR="10.0.0.1") | pmi)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank) == ("slurm", 3, 4, 1)
+
+
+def test_mpi_launchers_keep_their_path():
+    # Hydra's mpiexec starts one proxy per node through srun: its PMI world is not the step's
+    hydra = {"PMI_SIZE": "16", "PMI_RANK": "9"}
+    assert discover(dict(SRUN_TASK) | hydra).launcher == "mpi"
+    # PMI outside an srun step is MPI
+    assert discover({"PMI_SIZE": "2", "PMI_RANK": "1"}).launcher == "mpi"
 
 
 SCRIPTS = ["train", "build_cache", "regenerate", "eval"]

@@ -44,7 +44,8 @@ def _holder_text(info: dict) -> str:
     return f"host {info.get('host')} pid {info.get('pid')}{job}, started {info.get('started')}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -87,7 +88,7 @@ def stale_reason(info: dict, now: float | None = None) -> str | None:
         return f"it is this job's earlier instance (Slurm job {job} restarted)"
     if info.get("host") == socket.gethostname():
         pid = int(info.get("pid") or 0)
-        if pid and not _pid_alive(pid):
+        if pid and not pid_alive(pid):
             return f"its process {pid} on {info['host']} is gone"
         if pid == os.getpid():
             return "it is this process's own"

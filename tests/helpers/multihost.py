@@ -39,7 +39,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers.slurm_cluster import APT_PACKAGES, BINARIES, SlurmCluster, _terminate
+from dspark_ds.train.rundir import pid_alive
+
+from helpers.slurm_cluster import APT_PACKAGES, BINARIES, SlurmCluster, _terminate, serve
 from helpers.system import SBIN, missing_message, which
 
 SUBNET = "198.18.0"
@@ -55,23 +57,13 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_namespaces() -> list[str]:
     """Namespaces (and /etc/netns entries) of earlier test sessions whose process is gone."""
     out = _ip("netns", "list", check=False).stdout
     removed = []
     for name in {line.split()[0] for line in out.splitlines() if line.strip()}:
         m = re.fullmatch(rf"{PREFIX}(\d+)(?:h\d+|sw)", name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _kill_namespace_processes(name)
             _ip("netns", "del", name, check=False)
             shutil.rmtree(NETNS_DIR / name, ignore_errors=True)
@@ -230,29 +222,29 @@ class MultiHostCluster(SlurmCluster):
             "up" if up else "down",
         )
 
-    def crash(self, host: str) -> list[int]:
+    def crash(self, host: str) -> None:
         """`host` dies: SIGKILL to every process on it, its slurmd included (Slurm then finds the
         node not responding after SlurmdTimeout and fails its jobs). `restart(host)` boots it."""
-        pids = [int(p) for p in _ip("netns", "pids", self.namespaces[host]).stdout.split()]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return pids
+        _kill_namespace_processes(self.namespaces[host])
 
     def restart(self, host: str, timeout_s: float = 120) -> None:
         """Starts `host`'s slurmd again and waits until Slurm has the node back in service."""
         self._daemon(host, "slurmd", "-N", host)
+        self._wait_in_service([host], timeout_s)
+
+    def _wait_in_service(self, hosts: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        state = ""
+        states = ""
         while time.monotonic() < deadline:
-            state = self.run("sinfo", "-h", "-n", host, "-o", "%T", check=False).strip()
-            if state in ("idle", "mixed", "allocated"):
+            out = self.exec(None, "sinfo", "-h", "-N", "-n", ",".join(hosts), "-o", "%N %T")
+            states = out.stdout.strip()
+            ok = [line for line in states.splitlines() if line.split()[-1] in ("idle", "mixed")]
+            if out.returncode == 0 and len(ok) == len(hosts):
                 return
             time.sleep(0.5)
         raise RuntimeError(
-            f"{host} did not come back (sinfo: {state!r})\n{self.log_tail('slurmctld')}"
+            f"{', '.join(hosts)} not in service (sinfo: {states!r})\n{self.log_tail('slurmctld')}"
+            + "".join(f"\n{self.log_tail(f'slurmd.{h}')}" for h in hosts)
         )
 
     def job_pids(self, host: str) -> list[int]:
@@ -265,17 +257,6 @@ class MultiHostCluster(SlurmCluster):
                 pass
         pids = [int(p) for p in _ip("netns", "pids", self.namespaces[host]).stdout.split()]
         return [p for p in pids if p not in daemons]
-
-    def kill_jobs(self, host: str) -> list[int]:
-        """SIGKILL every job process on `host` (slurmstepd and the tasks): the host's work is lost
-        at once, as when a node crashes."""
-        pids = self.job_pids(host)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        return pids
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self, timeout_s: float = 90) -> MultiHostCluster:
@@ -297,19 +278,8 @@ class MultiHostCluster(SlurmCluster):
         self._daemon(self.host, "slurmctld")
         for h in self.hosts:
             self._daemon(h, "slurmd", "-N", h)
-        deadline = time.monotonic() + timeout_s
-        states = ""
-        while time.monotonic() < deadline:
-            out = self.exec(None, "sinfo", "-h", "-N", "-o", "%N %T")
-            states = out.stdout.strip()
-            ok = [line for line in states.splitlines() if line.split()[-1] in ("idle", "mixed")]
-            if out.returncode == 0 and len(ok) == self.n:
-                return self
-            time.sleep(0.5)
-        raise RuntimeError(
-            f"the nodes never became idle (sinfo: {states!r})\n{self.log_tail('slurmctld')}\n"
-            + "\n".join(self.log_tail(f"slurmd.{h}") for h in self.hosts)
-        )
+        self._wait_in_service(self.hosts, timeout_s)
+        return self
 
     def _daemon(self, host: str, daemon: str, *args: str) -> None:
         proc = self.exec(host, which(daemon), "-f", str(self.conf), *args)
@@ -428,14 +398,7 @@ def require_multihost() -> None:
 def multihost_cluster(tmp_path_factory):
     """A started 2-host cluster (dsn1, dsn2; 2 CPUs each; MpiDefault=pmi2)."""
     require_multihost()
-    cluster = MultiHostCluster(tmp_path_factory.mktemp("multihost"))
-    try:
-        cluster.start()
-    except Exception:
-        cluster.stop()
-        raise
-    yield cluster
-    cluster.stop()
+    yield from serve(MultiHostCluster(tmp_path_factory.mktemp("multihost")))
 
 
 __all__ = ["MultiHostCluster", "multihost_cluster", "require_multihost", "SBIN"]

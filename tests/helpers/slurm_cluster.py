@@ -300,7 +300,11 @@ def slurm_cluster(tmp_path_factory):
         pytest.skip(
             "no Slurm cluster: slurmd must run as root (run the test as root, as .ci/run does)"
         )
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    yield from serve(SlurmCluster(tmp_path_factory.mktemp("slurm")))
+
+
+def serve(cluster):
+    """Starts `cluster`, yields it, stops it (also when it does not come up)."""
     try:
         cluster.start()
     except Exception:
@@ -308,3 +312,22 @@ def slurm_cluster(tmp_path_factory):
         raise
     yield cluster
     cluster.stop()
+
+
+def job_env(workdir, **extra: str) -> dict[str, str]:
+    """The environment of a test job: CPU DeepSpeed, one thread, nothing downloaded, this
+    checkout importable, the job running in `workdir`."""
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    return {
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
+        "PYTHON": sys.executable,
+        "DSPARK_WORKDIR": str(workdir),
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+        **extra,
+    }

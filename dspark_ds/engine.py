@@ -22,18 +22,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import deepspeed
-import torch
-import torch.distributed as dist
-from deepspeed.checkpoint.constants import (
+# NOTE: DeepSpeed's autotuner (a feature not used here) imports MLflow when it can: 1.7 s of
+# CPU in every rank that starts, although only rank 0 tracks (dspark_ds.tracking imports MLflow
+# itself). While DeepSpeed is imported, `import mlflow` fails for it, unless MLflow is loaded.
+_MLFLOW_BLOCKED = "mlflow" not in sys.modules
+if _MLFLOW_BLOCKED:
+    sys.modules["mlflow"] = None  # type: ignore[assignment]
+try:
+    import deepspeed
+finally:
+    if _MLFLOW_BLOCKED and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+        del sys.modules["mlflow"]
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.checkpoint.constants import (  # noqa: E402
     UNIVERSAL_CHECKPOINT_INFO,
     UNIVERSAL_CHECKPOINT_VERSION_KEY,
     UNIVERSAL_CHECKPOINT_VERSION_VALUE,
 )
-from torch import nn
+from torch import nn  # noqa: E402
 
-from dspark_ds.config import DeepSpeedConfig, TrainConfig
-from dspark_ds.errors import ConfigError
+from dspark_ds.config import DeepSpeedConfig, TrainConfig  # noqa: E402
+from dspark_ds.errors import ConfigError  # noqa: E402
 
 SHIPPED_DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"
 

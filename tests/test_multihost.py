@@ -154,32 +154,6 @@ def test_interface_and_head_address_on_each_host(multihost_cluster):
 
 
 # ---- training across hosts --------------------------------------------------------------------
-def test_train_srun_two_hosts_equals_one_host(multihost_cluster, tiny_target, reference, tmp_path):
-    out = tmp_path / "runs"
-    job = Job(multihost_cluster, tmp_path, "train-srun",
-              ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
-              str(REPO / "slurm" / "train.sbatch"), train_args(tiny_target, out, "srun"),
-              job_env(tmp_path))  # fmt: skip
-    info = job.finish()
-    text = job.text()
-    assert info["JobState"] == "COMPLETED", text[-6000:]
-    assert "[launch] slurm: world_size=4 master=198.18.0.1:" in text, text[-6000:]
-    for host in ("dsn1", "dsn2"):
-        assert f"[dist] host {host}: interface eth0 (198.18.0." in text, text[-6000:]
-    assert_same_losses(losses(out / "srun"), reference)
-    tag = out / "srun" / "checkpoints" / f"step_{STEPS:08d}"
-    assert len(list(tag.glob("*optim_states.pt"))) == 4  # one ZeRO partition per rank
-    assert not (out / "srun" / "RUNNING").exists()  # the lock is released
-
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("dspark-ds").experiment_id])
-    assert len(runs) == 1  # rank 0 only
-    assert runs[0].data.params["derived.world_size"] == "4"
-    assert runs[0].data.tags["slurm_job_id"] == str(job.id)
-
-
 def test_train_torchrun_two_hosts_requeue_asked_without_a_signal(
     multihost_cluster,
     tiny_target,
@@ -212,11 +186,15 @@ def test_train_torchrun_two_hosts_requeue_asked_without_a_signal(
     assert_same_losses(got, {s: v for s, v in reference.items() if s != STEPS})
 
 
-def test_host_lost_mid_training_then_resumed(multihost_cluster, tiny_target, reference, tmp_path):
-    """Host dsn2 is lost twice: every process on it SIGKILLed (a crash, slurmd included), then
-    (in the resumed job) its link cut. The ranks left on dsn1 stop within distributed.timeout_s, the job fails, and the next
-    job resumes from the newest verified checkpoint: every step once, the losses of an
-    uninterrupted run."""
+def test_train_across_hosts_survives_a_crash_and_a_partition(
+    multihost_cluster, tiny_target, reference, tmp_path
+):
+    """`sbatch --nodes=2 --ntasks-per-node=2 slurm/train.sbatch` (srun), tiny recipe, ZeRO-3,
+    online target, while host dsn2 is lost twice: every process on it SIGKILLed (a crash,
+    slurmd included), then, in the resumed job, its link cut. Each time the ranks left on dsn1
+    stop (at once / within distributed.timeout_s) and the job fails; the next job resumes from
+    the newest verified checkpoint. In the end every step is trained once with the losses of
+    an uninterrupted run on one host, one ZeRO partition per rank, one MLflow run."""
     cluster = multihost_cluster
     out = tmp_path / "runs"
     run_dir = out / "lost"
@@ -266,7 +244,21 @@ def test_host_lost_mid_training_then_resumed(multihost_cluster, tiny_target, ref
     text = final.text()
     assert info["JobState"] == "COMPLETED", text[-6000:]
     assert f"step_{newest_at_cut:08d} at step {newest_at_cut}" in text, text[-4000:]
+    assert "[launch] slurm: world_size=4 master=198.18.0.1:" in text, text[-6000:]
+    for host in ("dsn1", "dsn2"):
+        assert f"[dist] host {host}: interface eth0 (198.18.0." in text, text[-6000:]
     assert_same_losses(losses(run_dir), reference)
+    tag = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    assert len(list(tag.glob("*optim_states.pt"))) == 4  # one ZeRO partition per rank
+    assert not (run_dir / "RUNNING").exists()  # the lock is released
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("dspark-ds").experiment_id])
+    assert len(runs) == 1  # rank 0 only, the same run after each resume
+    assert runs[0].data.params["derived.world_size"] == "4"
+    assert runs[0].data.tags["slurm_job_id"] == str(final.id)
     print(f"survivors stopped after: crash {notice['crash']:.1f} s, link cut "
           f"{notice['cut']:.1f} s (distributed.timeout_s {timeout_s})")  # fmt: skip
     assert notice["cut"] <= timeout_s + 30
@@ -379,14 +371,14 @@ dspark_finish
 
 def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp_path):
     """`dspark-ds tune --measure true` on the 4 ranks: each option the tuner lists builds its
-    engine and runs real optimizer steps across the hosts."""
+    engine and runs 3 real optimizer steps (1 + --measure_steps 2) across the hosts."""
     from dspark_ds.tune.config import OPTION_NAMES
 
     script = tmp_path / "job.sbatch"
     script.write_text(GENERIC_JOB)
     result = tmp_path / "tune.json"
     args = ["tune", "--recipe", str(TINY), "--target.path", tiny_target, "--measure", "true",
-            "--measure_steps", "3", "--output_json", str(result), "--overrides",
+            "--measure_steps", "2", "--output_json", str(result), "--overrides",
             '["--data.batch_size", "1", "--train.global_batch_size", "4"]']  # fmt: skip
     env = job_env(tmp_path, DSPARK_SLURM_DIR=str(REPO / "slurm"))
     job = Job(multihost_cluster, tmp_path, "zero-options",

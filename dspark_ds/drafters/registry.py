@@ -91,6 +91,9 @@ class DrafterSpec:
     """One drafting round of speculative decoding for every row in flight, against the cache."""
     activation_bytes: Callable[[StepShapes, DrafterConfig, PerfConfig, str, int], dict]
     """(shapes, model section, perf, device, ZeRO stage) -> activation bytes by component."""
+    step_flops: Callable[[StepShapes, DrafterConfig, PerfConfig, str, int], dict]
+    """(shapes, model section, perf, device, ZeRO stage) -> one micro-batch's matmul FLOPs
+    (forward + backward) by component, for the tuner's step time."""
     describe: Callable[[DrafterConfig], str]
     """A one-line summary of a model section (reports)."""
 
@@ -194,6 +197,7 @@ SPECS: dict[str, DrafterSpec] = {
         extend=DSparkDraftModel.extend_context,
         propose=DSparkDraftModel.propose_round,
         activation_bytes=dspark_memory.activation_bytes,
+        step_flops=dspark_memory.step_flops,
         describe=_describe_dspark,
     ),
     "eagle3": DrafterSpec(
@@ -211,6 +215,7 @@ SPECS: dict[str, DrafterSpec] = {
         extend=Eagle3DraftModel.extend_context,
         propose=Eagle3DraftModel.propose_round,
         activation_bytes=eagle3_memory.activation_bytes,
+        step_flops=eagle3_memory.step_flops,
         describe=_describe_eagle3,
     ),
 }

@@ -85,8 +85,8 @@ class Machine:
     sources: dict = field(default_factory=dict, compare=False)
     """Field -> where its value came from (preset name, profile path, flag)."""
 
-    def collective(self, op: str, ranks: int, nodes: int) -> tuple[float, float]:
-        """(latency s, bus bandwidth bytes/s) of `op` over `ranks` ranks on `nodes` nodes."""
+    def collective(self, op: str, nodes: int) -> tuple[float, float]:
+        """(latency s, bus bandwidth bytes/s) of `op` over ranks on `nodes` nodes."""
         bw = getattr(self, f"{op}_bytes_per_s")
         if nodes > 1:
             return max(self.collective_latency_s, self.inter_node_latency_s), min(

@@ -52,7 +52,7 @@ def measure(
     the build + first step (CUDA: max_memory_allocated; CPU: the profiler's allocation timeline;
     None without `memory`), then the median time of the next `steps`; both the maximum over
     ranks (a step is as slow as its slowest rank). `probe` (calibrate.Probe), if given, is
-    timed between the timed steps (about six times, and after the last): its median says how
+    timed between the timed steps (about eight times, and after the last): its median says how
     fast the machine ran meanwhile."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -80,7 +80,7 @@ def measure(
     if memory:
         peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
     times, cpu_times, probes = [], [], []
-    every = max(1, steps // 6)
+    every = max(1, steps // 8)
     for i in range(steps):
         if probe is not None and i % every == 0:
             probes.append(probe())

@@ -111,7 +111,7 @@ def bus_seconds(machine: Machine, op: str, nbytes: float, world: int, nodes: int
     """Bandwidth time of one ring collective over `nbytes` (the whole buffer)."""
     if world < 2 or nbytes <= 0:
         return 0.0
-    _, bw = machine.collective(op, world, nodes)
+    _, bw = machine.collective(op, nodes)
     factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
     return factor * nbytes / bw
 
@@ -156,7 +156,7 @@ def step_time(
     P, tensors = inv.trainable, len(inv.trainable_numels)
     in_job = target_in_job(run_cfg)
     mode = engine_mode(stage, zero.offload_optimizer, zero.offload_param)
-    latency = m.collective("all_reduce", world, nodes)[0] if world > 1 else 0.0
+    latency = m.collective("all_reduce", nodes)[0] if world > 1 else 0.0
     t: dict[str, float] = dict.fromkeys(TERMS, 0.0)
 
     compute_micro = sum(wl.drafter_flops.values()) / (m.peak_flops * m.sustained_fraction)
@@ -193,7 +193,7 @@ def step_time(
     buckets = max(1, math.ceil(P / max(zero.reduce_bucket_size, 1)))
     extra = (buckets - 1) * latency
     # parameters
-    ag_latency = m.collective("all_gather", world, nodes)[0] if world > 1 else 0.0
+    ag_latency = m.collective("all_gather", nodes)[0] if world > 1 else 0.0
     gather_elements = 0.0
     if stage in (1, 2):
         gathers = max(1, math.ceil(P / max(zero.allgather_bucket_size, 1)))

@@ -42,7 +42,8 @@ OPTION_NAMES = [o.name for o in OPTIONS]
 
 @dataclass
 class TunerConfig:
-    """`dspark-ds tune`: which ZeRO stage / offload fits a recipe on a cluster."""
+    """`dspark-ds tune`: which ZeRO stage / offload fits a recipe on a cluster, and how fast
+    each one steps."""
 
     recipe: str = "dspark_ds/recipes/dspark_qwen3_8b.yaml"
     """A `dspark-ds train` YAML recipe."""

@@ -9,6 +9,9 @@
   given to the optimizer and never written into checkpoints.
 - save / load (incl. DeepSpeed's universal checkpoint for a different world size) and the fp32
   weights of a checkpoint or of the live model, for export.
+- for the ZeRO tuner: the ZeRO settings a config means (`zero_settings`), DeepSpeed's own memory
+  estimators, and engines / CPU Adam around a stand-in model for its calibration
+  (`plain_engine`, `frozen_engine`, `cpu_adam`).
 """
 
 from __future__ import annotations
@@ -639,3 +642,41 @@ def deepspeed_model_states_estimate(
         cpu_offload=offload_optimizer,
     )
     return int(cpu), int(gpu)
+
+
+# ---- calibration (for the ZeRO tuner's step-time model) -------------------------------------------
+def plain_engine(make_model: Callable[[], nn.Module], ds_config: dict):
+    """A DeepSpeed engine around a stand-in model (the tuner's calibration measures what the
+    engine adds to a step): built inside zero.Init under ZeRO-3, as the drafter is. Returns the
+    engine; call it, `.backward(loss)`, `.step()`, and `release_engine` when done."""
+    join_deepspeed_comm()
+    if zero_stage(ds_config) == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+            model = make_model()
+    else:
+        model = make_model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=trainable, config=ds_config
+    )
+    return ds_engine
+
+
+def frozen_engine(module: nn.Module, ds_config: dict):
+    """An optimizer-less ZeRO-3 engine around a frozen module, as an in-job target gets one
+    (the tuner's calibration times its forward hooks)."""
+    join_deepspeed_comm()
+    return _shard_target(module.requires_grad_(False).eval(), ds_config)
+
+
+def release_engine(ds_engine) -> None:
+    """Drops an engine's hooks and buffers (DeepSpeed's `destroy` where it has one)."""
+    if hasattr(ds_engine, "destroy"):
+        ds_engine.destroy()
+
+
+def cpu_adam(params: list[torch.Tensor], lr: float = 1e-4) -> torch.optim.Optimizer:
+    """DeepSpeed's CPU Adam (AdamW mode), the optimizer of an offloaded run."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=True)

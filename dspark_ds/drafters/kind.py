@@ -143,6 +143,14 @@ class DrafterKind(Protocol):
         """Activation bytes of one training micro-batch by component (`dspark-ds tune`)."""
         ...
 
+    def step_flops(
+        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
+    ) -> dict[str, float]:
+        """Matmul FLOPs of one training micro-batch (forward + backward) by component, for the
+        loss and attention paths training takes on `device` at `zero_stage` (`dspark-ds tune`'s
+        compute term)."""
+        ...
+
     def describe(self, model: DrafterConfig) -> str:
         """A one-line summary of a `model` section (reports)."""
         ...

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetPathConfig
+from dspark_ds.tune.cluster import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ OPTION_NAMES = [o.name for o in OPTIONS]
 
 @dataclass
 class TunerConfig:
-    """`dspark-ds tune`: which ZeRO stage / offload fits a recipe on a cluster."""
+    """`dspark-ds tune`: which ZeRO stage / offload fits a recipe on a cluster, and how fast
+    each one steps."""
 
     recipe: str = "dspark_ds/recipes/dspark_qwen3_8b.yaml"
     """A `dspark-ds train` YAML recipe."""
@@ -51,14 +53,8 @@ class TunerConfig:
     target: TargetPathConfig = field(default_factory=TargetPathConfig)
     """target.path replaces the recipe's (a local model directory or a hub id listed in
     KNOWN_TARGETS); None = the recipe's."""
-    nodes: int = 1
-    """Nodes in the job."""
-    gpus_per_node: int = 8
-    """GPUs (= ranks) per node."""
-    gpu_memory_gb: float = 80.0
-    """Memory of one GPU (GiB)."""
-    cpu_memory_gb: float = 1024.0
-    """Host RAM of one node (GiB), for offloading."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The cluster (--cluster.preset, --cluster.nodes 1,2,8,64, --cluster.calibrate ...)."""
     device: str | None = None
     """Where the estimate is for: cuda (flex attention: no score matrices) or cpu (blockwise /
     dense attention); None = cuda, except cpu for --measure on a machine without CUDA."""
@@ -69,23 +65,22 @@ class TunerConfig:
     zero3, zero3+offload_opt, zero3+offload_opt+param, zero3+nvme."""
     measure: bool = False
     """Run a few real steps of each option on this machine (the world size of the launcher,
-    e.g. torchrun --nproc_per_node 2) and print measured peak memory and step time."""
-    measure_steps: int = 3
+    e.g. torchrun --nproc_per_node 2) and print measured peak memory and the median step time
+    beside the prediction for this machine (calibrated first unless --cluster.profile)."""
+    measure_steps: int = 5
     """Timed optimizer steps per option (after one warm-up step that measures memory)."""
+    measure_memory: bool = True
+    """With --measure: profile the build and first step for the peak memory (CPU: the torch
+    profiler, which takes a while); false = step times only."""
     output_json: str | None = None
     """Also write the table as JSON here."""
 
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
     def validate(self) -> TunerConfig:
-        for name in ("nodes", "gpus_per_node", "measure_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("gpu_memory_gb", "cpu_memory_gb"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.measure_steps < 1:
+            raise ConfigError(f"measure_steps: must be >= 1, got {self.measure_steps}")
+        if self.reserve_gb < 0:
+            raise ConfigError(f"reserve_gb: must be >= 0, got {self.reserve_gb}")
+        self.cluster.validate()
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device: expected cuda or cpu, got {self.device!r}")
         bad = [o for o in self.options if o not in OPTION_NAMES]

@@ -23,10 +23,9 @@ own config class (`engine.zero_settings`).
 - activations of one micro-batch (B × S): the drafter kind's own terms (its
   `activation_bytes`: drafters/dspark/memory.py, drafters/eagle3/memory.py).
 
-Speed: the same compute for every option, so the ranking is by overhead: ZeRO-3 gathers
-parameters in forward and backward (1.5× ZeRO-2's traffic), offloading the optimizer runs Adam on
-the CPU and moves gradients and weights over PCIe every step, offloading parameters moves them
-every forward and backward. The fastest option that fits is recommended.
+Speed: `steptime.py` (one named term per cost: compute, host time, collectives, offload
+traffic, the optimizer, NVMe, DeepSpeed's own costs) for each option, from the cluster's rates
+(`cluster.py`); the fastest predicted option that fits is recommended.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from dspark_ds.engine import (
     merge_config,
     zero_settings,
 )
+from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import OPTION_NAMES, TunerConfig, ZeroOption
 from dspark_ds.tune.inventory import DTYPE_BYTES, Inventory
 
@@ -58,8 +58,8 @@ class Estimate:
     deepspeed_states: float | None = None
     """DeepSpeed's own estimator for the trainable model states (bf16 ZeRO-2/3), per GPU."""
     deepspeed_host_per_node: float | None = None
-    overhead: float = 0.0
-    """Relative step overhead used for the ranking (0 = ZeRO-0/1/2 without offload)."""
+    step: dict = field(default_factory=dict)
+    """The predicted step (steptime.StepTime.as_dict): seconds, tokens/s, its terms."""
     fits: bool = False
     why: str = ""
     zero: dict = field(default_factory=dict)
@@ -230,40 +230,38 @@ def peak_phase(acts: dict[str, float], target: dict[str, float]) -> dict[str, fl
     return {f"act_{k}": v for k, v in acts.items()}
 
 
-def overhead(zero: ZeroSettings) -> float:
-    """Relative step overhead of the option over plain data parallelism (for the ranking)."""
-    out = 0.15 if zero.stage == 3 else 0.0
-    if zero.offload_optimizer:
-        out += 0.8 if zero.offload_optimizer == "nvme" else 0.35
-    if zero.offload_param:
-        out += 0.6 if zero.offload_param == "nvme" else 0.3
-    return out
-
-
-def judge_fit(est: Estimate, cfg: TunerConfig) -> None:
+def judge_fit(est: Estimate, cfg: TunerConfig, machine: Machine) -> None:
     """Sets `fits`, or `why` not: GPU memory less the reserve, 80 % of the node's host RAM."""
-    limit = cfg.gpu_memory_gb * GB - cfg.reserve_gb * GB
-    host_limit = cfg.cpu_memory_gb * GB * 0.8 / cfg.gpus_per_node
+    limit = machine.gpu_memory_bytes - cfg.reserve_gb * GB
+    host_limit = machine.host_memory_bytes * 0.8 / machine.gpus_per_node
     if est.device_total > limit:
         est.why = f"needs {est.device_total / GB:.1f} GiB per GPU > {limit / GB:.1f} GiB usable"
     elif est.host_total_per_rank > host_limit:
         est.why = (
-            f"needs {est.host_total_per_rank * cfg.gpus_per_node / GB:.0f} GiB host RAM "
-            f"per node > 80% of {cfg.cpu_memory_gb:.0f} GiB"
+            f"needs {est.host_total_per_rank * machine.gpus_per_node / GB:.0f} GiB host RAM "
+            f"per node > 80% of {machine.host_memory_bytes / GB:.0f} GiB"
         )
     else:
         est.fits = True
 
 
 # ---- one option -----------------------------------------------------------------------------------
-def estimate(option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig) -> Estimate:
-    device = cfg.device or "cuda"
-    ds_config = resolved_ds_config(option, run_cfg, cfg.world_size, use_gpu=device == "cuda")
-    zero = zero_settings(ds_config)
+def option_zero(option: ZeroOption, run_cfg, world: int, device: str) -> tuple[ZeroSettings, int]:
+    """The ZeRO settings training would use for the option on `world` ranks, and the bytes of
+    its compute dtype."""
+    ds_config = resolved_ds_config(option, run_cfg, world, use_gpu=device == "cuda")
     b = 2 if ds_config.get("bf16", {}).get("enabled") is True else 4
-    world = cfg.world_size
+    return zero_settings(ds_config), b
+
+
+def estimate(
+    option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig, machine: Machine, nodes: int
+) -> Estimate:
+    device = cfg.device or "cuda"
+    world = nodes * machine.gpus_per_node
+    zero, b = option_zero(option, run_cfg, world, device)
     partitioned = partitioned_params(inv, zero, world)
-    est = Estimate(option.name, zero=asdict(zero), overhead=overhead(zero))
+    est = Estimate(option.name, zero=asdict(zero))
     target = online_target_bytes(inv, run_cfg)
     for dev, host in (
         model_states(inv, zero, b, world, partitioned),
@@ -276,21 +274,18 @@ def estimate(option: ZeroOption, inv: Inventory, run_cfg, cfg: TunerConfig) -> E
     est.device.update(peak_phase(acts, target))
     if b == 2 and zero.stage in (2, 3):  # DeepSpeed's estimators assume bf16 / fp16
         cpu_mem, gpu_mem = deepspeed_model_states_estimate(
-            zero.stage, inv.trainable, inv.largest_module, cfg.gpus_per_node, cfg.nodes,
+            zero.stage, inv.trainable, inv.largest_module, machine.gpus_per_node, nodes,
             zero.offload_optimizer is not None, zero.offload_param is not None,
         )  # fmt: skip
         est.deepspeed_states, est.deepspeed_host_per_node = float(gpu_mem), float(cpu_mem)
-    judge_fit(est, cfg)
+    judge_fit(est, cfg, machine)
     return est
 
 
 def recommend(estimates: list[Estimate]) -> Estimate | None:
+    """The fastest predicted option that fits (among equal times, the earlier option)."""
     order = {name: i for i, name in enumerate(OPTION_NAMES)}
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         return None
-    # least overhead; among equals the lower stage (less communication, simpler checkpoints),
-    # except that ZeRO-0/1 replicate more memory for no speed gain over ZeRO-2
-    return min(
-        fitting, key=lambda e: (e.overhead, 0 if e.option == "zero2" else 1, order[e.option])
-    )
+    return min(fitting, key=lambda e: (e.step.get("predicted_step_s", 0.0), order[e.option]))

@@ -49,6 +49,30 @@ KNOWN_TARGETS: dict[str, dict] = {
 }
 
 
+@dataclass(frozen=True)
+class ModuleParams:
+    """The parameters one module holds directly."""
+
+    numels: tuple[int, ...]
+    trainable: bool
+    """Any of them trains."""
+    backward: bool
+    """Its backward needs them (a trainable module, or a frozen projection whose input needs a
+    gradient, like the shared lm_head; not a frozen embedding)."""
+
+
+def module_params(model: torch.nn.Module) -> tuple[ModuleParams, ...]:
+    out = []
+    for mod in model.modules():
+        params = list(mod.parameters(recurse=False))
+        if not params:
+            continue
+        trainable = any(p.requires_grad for p in params)
+        frozen_lookup = not trainable and isinstance(mod, torch.nn.Embedding)
+        out.append(ModuleParams(tuple(p.numel() for p in params), trainable, not frozen_lookup))
+    return tuple(out)
+
+
 @dataclass
 class Inventory:
     """Parameter counts and the shapes the activations depend on."""
@@ -69,21 +93,35 @@ class Inventory:
     taps: int
     trainable_numels: tuple[int, ...] = field(default=(), repr=False)
     """Elements of each trainable parameter, in the drafter's order (ZeRO-3's persistence)."""
+    target_layer_params: int = 0
+    """Parameters of the target's decoder layers and final norm (its forward FLOPs)."""
+    drafter_modules: int = 0
+    """Modules of the drafter (ZeRO-3 hooks every one)."""
+    target_modules: int = 0
+    drafter_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
+    """The drafter's modules that hold parameters directly (ZeRO-3 gathers per module)."""
+    target_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
 
     def persistent(self, param_threshold: int, model_threshold: int) -> int:
         """Trainable elements ZeRO-3 keeps whole on every rank: parameters of at most
         `param_threshold` elements, in order, while their sum stays within `model_threshold`
         (DeepSpeed's rule; zero.Init divides the model threshold by the world size first)."""
-        kept = 0
+        return sum(self.persistent_numels(param_threshold, model_threshold))
+
+    def persistent_numels(self, param_threshold: int, model_threshold: int) -> list[int]:
+        """The sizes of those persistent trainable parameters."""
+        kept, out = 0, []
         for n in self.trainable_numels:
             if n <= param_threshold and kept + n <= model_threshold:
                 kept += n
-        return kept
+                out.append(n)
+        return out
 
     def summary(self) -> dict[str, int]:
-        """The counts and shapes (without the per-parameter list)."""
+        """The counts and shapes (without the per-parameter and per-module lists)."""
         out = asdict(self)
-        del out["trainable_numels"]
+        for key in ("trainable_numels", "drafter_param_modules", "target_param_modules"):
+            del out[key]
         return out
 
     def step_shape(self, run_cfg) -> StepShape:
@@ -103,6 +141,7 @@ class Inventory:
             draft_layers=self.draft_layers,
             taps=self.taps,
             markov_rank=m.markov_rank,
+            markov_head_type=m.markov_head_type,
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
             confidence_head=m.confidence_head_alpha > 0,
@@ -164,6 +203,10 @@ def inventory(run_cfg) -> Inventory:
         drafter = build_draft_model(draft_cfg)
         target = AutoModelForCausalLM.from_config(tcfg_full)
     shared = set(drafter.shared_parameter_names())
+    for name, p in drafter.named_parameters():
+        p.requires_grad_(name not in shared)  # as training runs it (the shared two frozen)
+    target.requires_grad_(False)
+    decoder = target.get_decoder()
     params = list(drafter.named_parameters())
     trainable_numels = tuple(p.numel() for name, p in params if name not in shared)
     heads = int(tcfg.num_attention_heads)
@@ -184,4 +227,9 @@ def inventory(run_cfg) -> Inventory:
         target_layers=int(tcfg.num_hidden_layers),
         taps=len(layer_ids),
         trainable_numels=trainable_numels,
+        target_layer_params=sum(p.numel() for p in decoder.layers.parameters()),
+        drafter_modules=sum(1 for _ in drafter.modules()),
+        target_modules=sum(1 for _ in target.modules()),
+        drafter_param_modules=module_params(drafter),
+        target_param_modules=module_params(target),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -54,10 +55,15 @@ def option_run_config(option: ZeroOption, run_cfg, steps: int, workdir: str):
     return cfg
 
 
-def measure(option: ZeroOption, run_cfg, steps: int, workdir: str) -> dict[str, float]:
+def measure(
+    option: ZeroOption, run_cfg, steps: int, workdir: str, memory: bool = True, probe=None
+) -> dict[str, float | list[float] | None]:
     """Builds the trainer for this option and runs 1 + `steps` optimizer steps: peak memory of
-    the build + first step (CUDA: max_memory_allocated; CPU: the profiler's allocation timeline),
-    then the mean time of the next `steps`; both the maximum over ranks."""
+    the build + first step (CUDA: max_memory_allocated; CPU: the profiler's allocation timeline;
+    None without `memory`), then the median time of the next `steps`; both the maximum over
+    ranks (a step is as slow as its slowest rank). `probe` (calibrate.Probe), if given, is
+    timed between the timed steps (about eight times, and after the last): its median says how
+    fast the machine ran meanwhile."""
     from torch.profiler import ProfilerActivity, profile
 
     from dspark_ds import distributed
@@ -72,28 +78,44 @@ def measure(option: ZeroOption, run_cfg, steps: int, workdir: str) -> dict[str, 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     prof_ctx = (
-        contextlib.nullcontext()
-        if cuda
-        else profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        if memory and not cuda
+        else contextlib.nullcontext()
     )
     with prof_ctx as prof:
         trainer = Trainer(cfg)
         batches = iter(trainer.source)
         _one_step(trainer, batches)
-    peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
-    times = []
-    for _ in range(steps):
+    peak = 0.0
+    if memory:
+        peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
+    times, cpu_times, probes = [], [], []
+    every = max(1, steps // 8)
+    for i in range(steps):
+        if probe is not None and i % every == 0:
+            probes.append(probe())
         if cuda:
             torch.cuda.synchronize()
         distributed.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _one_step(trainer, batches)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak, step_s = distributed.all_reduce_values([peak, sum(times) / len(times)], op="max")
+        cpu_times.append(time.process_time() - c0)
+    if probe is not None:
+        probes.append(probe())
+    peak, step_s, cpu_s = distributed.all_reduce_values(
+        [peak, statistics.median(times), statistics.median(cpu_times)], op="max"
+    )
     _release(trainer)
-    return {"peak_bytes": peak, "step_s": step_s}
+    return {
+        "peak_bytes": peak if memory else None,
+        "step_s": step_s,
+        "cpu_step_s": cpu_s,
+        "step_times_s": times,
+        "probe_s": statistics.median(probes) if probes else None,
+    }
 
 
 def _one_step(trainer, batches) -> None:

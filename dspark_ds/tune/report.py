@@ -1,15 +1,18 @@
-"""The tuner's table: one row per option, why the others do not fit, the recommendation."""
+"""The tuner's tables: memory and predicted step time per option (with the measurements of
+`--measure`), the terms of each prediction, the scaling over node counts, the figures used."""
 
 from __future__ import annotations
 
+from dspark_ds.tune.cluster import GB as DECIMAL_GB
+from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import OPTIONS, TunerConfig
 from dspark_ds.tune.estimate import GB, Estimate, batch_mismatch, recommend
 from dspark_ds.tune.inventory import Inventory
 
 MB = 1024**2
 HEADER = ["option", "per GPU", "host/node", "states", "DeepSpeed est.", "activations", "fits",
-          "overhead"]  # fmt: skip
-MEASURED_HEADER = ["measured peak", "est/meas", "step s"]
+          "step s", "tokens/s"]  # fmt: skip
+MEASURED_HEADER = ["measured peak", "est/meas", "measured step s", "load ×", "pred/meas"]
 
 
 def fmt_bytes(x: float | None) -> str:
@@ -18,7 +21,11 @@ def fmt_bytes(x: float | None) -> str:
     return f"{x / GB:.2f} GiB" if x >= GB else f"{x / MB:.1f} MiB"
 
 
-def headline(cfg: TunerConfig, inv: Inventory, run_cfg) -> list[str]:
+def fmt_s(x: float) -> str:
+    return f"{x:.3g}" if x < 100 else f"{x:.0f}"
+
+
+def headline(cfg: TunerConfig, inv: Inventory, run_cfg, machine: Machine, nodes: int) -> list[str]:
     """The recipe and the cluster, in two lines."""
     from dspark_ds.drafters.registry import get_kind
 
@@ -27,30 +34,52 @@ def headline(cfg: TunerConfig, inv: Inventory, run_cfg) -> list[str]:
         f"recipe {cfg.recipe}: {drafter}: {inv.trainable / 1e6:.1f} M trainable + "
         f"{inv.frozen / 1e6:.1f} M frozen params, target {inv.target_params / 1e9:.2f} B "
         f"({run_cfg.data.mode}), micro-batch {run_cfg.data.batch_size} × "
-        f"{run_cfg.data.max_length}, V={inv.vocab}, {run_cfg.train.precision}",
-        f"cluster {cfg.nodes} node(s) × {cfg.gpus_per_node} GPU(s) of {cfg.gpu_memory_gb:g} GiB, "
-        f"{cfg.cpu_memory_gb:g} GiB host RAM per node",
+        f"{run_cfg.data.max_length}, global batch {run_cfg.train.global_batch_size}, "
+        f"V={inv.vocab}, {run_cfg.train.precision}",
+        f"cluster {nodes} node(s) × {machine.gpus_per_node} "
+        f"{'rank(s)' if cfg.device == 'cpu' else 'GPU(s)'} of "
+        f"{machine.gpu_memory_bytes / GB:.0f} GiB, {machine.host_memory_bytes / GB:.0f} GiB "
+        f"host RAM per node ({machine_label(cfg, machine)})",
     ]
 
 
-def row(e: Estimate, cfg: TunerConfig, measured: dict[str, dict] | None) -> list[str]:
+def machine_label(cfg: TunerConfig, machine: Machine) -> str:
+    calibrated = any(s.startswith("calibrated") for s in machine.sources.values())
+    if calibrated:
+        return "calibrated here"
+    if cfg.cluster.profile:
+        return f"profile {cfg.cluster.profile}"
+    return f"preset {cfg.cluster.preset}"
+
+
+def row(e: Estimate, machine: Machine, measured: dict[str, dict] | None) -> list[str]:
     out = [
         e.option,
         fmt_bytes(e.device_total),
-        fmt_bytes(e.host_total_per_rank * cfg.gpus_per_node),
+        fmt_bytes(e.host_total_per_rank * machine.gpus_per_node),
         fmt_bytes(e.states),
         fmt_bytes(e.deepspeed_states),
         fmt_bytes(e.activations),
         "yes" if e.fits else "no",
-        f"+{e.overhead:.0%}",
+        fmt_s(e.step["predicted_step_s"]),
+        f"{e.step['tokens_per_s']:.0f}",
     ]
     if measured is None:
         return out
     m = measured.get(e.option)
     if m is None:
-        return out + ["-", "-", "-"]
+        return out + ["-"] * len(MEASURED_HEADER)
     here = e.device_total + e.host_total_per_rank  # one machine: device and host share RAM
-    return out + [fmt_bytes(m["peak_bytes"]), f"{here / m['peak_bytes']:.2f}", f"{m['step_s']:.3f}"]
+    peak = m.get("peak_bytes")
+    load = (m.get("probe_s") or 0) / machine.probe_s if machine.probe_s else 0.0
+    predicted = e.step["predicted_step_s"] * (load or 1.0)
+    return out + [
+        fmt_bytes(peak),
+        f"{here / peak:.2f}" if peak else "-",
+        fmt_s(m["step_s"]),
+        f"{load:.2f}" if load else "-",
+        f"{predicted / m['step_s']:.2f}",
+    ]
 
 
 def table(rows: list[list[str]], header: list[str]) -> list[str]:
@@ -59,6 +88,19 @@ def table(rows: list[list[str]], header: list[str]) -> list[str]:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) for r in rows]
     return lines
+
+
+def terms_line(e: Estimate) -> str:
+    """The prediction's terms, largest first (those of at least 1 % of the step)."""
+    total = e.step["predicted_step_s"]
+    terms = sorted(e.step["terms"].items(), key=lambda kv: -kv[1])
+    shown = [f"{k} {fmt_s(v)}" for k, v in terms if v >= 0.01 * total]
+    accum = e.step["accum"]
+    return (
+        f"  {e.option}: {fmt_s(total)} s = "
+        + " + ".join(shown)
+        + (f"  ({accum} micro-batches per rank)" if accum > 1 else "")
+    )
 
 
 def conclusion(estimates: list[Estimate]) -> str:
@@ -70,9 +112,64 @@ def conclusion(estimates: list[Estimate]) -> str:
         )
     option = next(o for o in OPTIONS if o.name == best.option)
     return (
-        f"recommended: {best.option} ({option.cli}): the least overhead among the "
-        f"options that fit, {fmt_bytes(best.device_total)} per GPU"
+        f"recommended: {best.option} ({option.cli}): the fastest predicted step among the "
+        f"options that fit, {fmt_s(best.step['predicted_step_s'])} s, "
+        f"{fmt_bytes(best.device_total)} per GPU"
     )
+
+
+def scaling_table(scaling: dict[int, list[Estimate]]) -> list[str]:
+    """Predicted step s and tokens/s per option at each node count (`*`: does not fit)."""
+    counts = list(scaling)
+    names = [e.option for e in scaling[counts[0]]]
+    header = ["option"] + [f"{n} node(s): s / tokens/s" for n in counts]
+    rows = []
+    for i, name in enumerate(names):
+        cells = [name]
+        for n in counts:
+            e = scaling[n][i]
+            mark = "" if e.fits else " *"
+            cells.append(
+                f"{fmt_s(e.step['predicted_step_s'])} / {e.step['tokens_per_s']:.0f}{mark}"
+            )
+        rows.append(cells)
+    lines = ["", "scaling (weak: the micro-batch per GPU held, the global batch held; "
+                 "* = does not fit):"]  # fmt: skip
+    lines += table(rows, header)
+    for n in counts:
+        best = recommend(scaling[n])
+        first = scaling[n][0].step
+        note = f" ({first['note']})" if first.get("note") else ""
+        lines.append(
+            f"  {n} node(s), {first['world']} GPUs, {first['accum']} micro-batches per rank: "
+            f"fastest that fits: {best.option if best else 'none'}{note}"
+        )
+    return lines
+
+
+def figures(machine: Machine) -> list[str]:
+    """The headline figures and where each came from."""
+
+    def src(key: str) -> str:
+        return machine.sources.get(key, "default")
+
+    return [
+        "figures: "
+        f"peak {machine.peak_flops / 1e12:.3g} TFLOP/s × sustained "
+        f"{machine.sustained_fraction:.2f} [{src('peak_flops')}; {src('sustained_fraction')}], "
+        f"all-reduce {machine.all_reduce_bytes_per_s / DECIMAL_GB:.3g} GB/s, all-gather "
+        f"{machine.all_gather_bytes_per_s / DECIMAL_GB:.3g} GB/s, reduce-scatter "
+        f"{machine.reduce_scatter_bytes_per_s / DECIMAL_GB:.3g} GB/s, latency "
+        f"{machine.collective_latency_s * 1e6:.3g} µs [{src('all_reduce_bytes_per_s')}], "
+        f"inter-node {machine.inter_node_bytes_per_s / DECIMAL_GB:.3g} GB/s "
+        f"[{src('inter_node_bytes_per_s')}], host<->device "
+        f"{machine.host_device_bytes_per_s / DECIMAL_GB:.3g} GB/s "
+        f"[{src('host_device_bytes_per_s')}], NVMe {machine.nvme_read_bytes_per_s / DECIMAL_GB:.3g}"
+        f" / {machine.nvme_write_bytes_per_s / DECIMAL_GB:.3g} GB/s read / write "
+        f"[{src('nvme_read_bytes_per_s')}], CPU Adam {machine.cpu_adam_params_per_s / 1e6:.3g} M "
+        f"params/s per rank [{src('cpu_adam_params_per_s')}], host time per op "
+        f"{machine.op_overhead_s * 1e6:.3g} µs [{src('op_overhead_s')}]"
+    ]
 
 
 def report(
@@ -80,19 +177,37 @@ def report(
     cfg: TunerConfig,
     inv: Inventory,
     run_cfg,
+    machine: Machine,
     measured: dict[str, dict] | None = None,
+    scaling: dict[int, list[Estimate]] | None = None,
+    calibration: dict | None = None,
 ) -> str:
+    nodes = estimates[0].step["nodes"] if estimates else 1
     header = HEADER + (MEASURED_HEADER if measured else [])
-    rows = [row(e, cfg, measured or None) for e in estimates]
-    lines = [*headline(cfg, inv, run_cfg), "", *table(rows, header)]
+    rows = [row(e, machine, measured or None) for e in estimates]
+    lines = [*headline(cfg, inv, run_cfg, machine, nodes), "", *table(rows, header)]
     lines += [f"  {e.option}: does not fit: {e.why}" for e in estimates if not e.fits]
+    lines += ["", "predicted step, by term (seconds):"]
+    lines += [terms_line(e) for e in estimates]
+    if scaling and len(scaling) > 1:
+        lines += scaling_table(scaling)
     lines += ["", conclusion(estimates)]
-    note = batch_mismatch(run_cfg, cfg.world_size)
+    note = batch_mismatch(run_cfg, nodes * machine.gpus_per_node)
     if note:
         lines.append(f"note: {note}")
+    lines.append(figures(machine)[0])
+    if calibration:
+        lines.append(
+            f"calibrated {calibration['date']} on {calibration['ranks']} rank(s), "
+            f"{calibration['dtype']}, load average {calibration['load_average']}, "
+            f"{calibration['seconds']} s"
+        )
     if measured:
         lines.append(
             "measured here: estimate covers device + host bytes of one rank "
-            "(on a CPU-only machine both live in the same RAM)"
+            "(on a CPU-only machine both live in the same RAM); measured step s = the median "
+            f"of {cfg.measure_steps} steps, the slowest rank's; load × = the probe workload's "
+            "seconds between those steps over its seconds at calibration (other jobs on the "
+            "machine); pred/meas = the prediction × load over the measured step"
         )
     return "\n".join(lines)

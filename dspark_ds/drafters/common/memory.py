@@ -1,8 +1,10 @@
-"""The shapes a training micro-batch's activation memory depends on (the tuner's input).
+"""The shapes a training micro-batch's activation memory and FLOPs depend on (the tuner's input).
 
-Each drafter kind turns a `StepShape` into its activation terms (`DrafterKind.activation_bytes`:
-drafters/dspark/memory.py, drafters/eagle3/memory.py); `dspark-ds tune` adds them to the ZeRO
-states (docs/tuner.md). A kind reads the fields it depends on and ignores the others.
+Each drafter kind turns a `StepShape` into its activation terms (`DrafterKind.activation_bytes`)
+and its matmul FLOPs (`DrafterKind.step_flops`): drafters/dspark/memory.py,
+drafters/eagle3/memory.py; `dspark-ds tune` adds the bytes to the ZeRO states and divides the
+FLOPs by the cluster's rate (docs/tuner.md). A kind reads the fields it depends on and ignores
+the others.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class StepShape:
     """Tapped target layers (n)."""
     markov_rank: int
     """r of the Markov head; 0 = none (DSpark / DFlash)."""
+    markov_head_type: str = "vanilla"
+    """The Markov head's form: vanilla | gated | rnn (DSpark's FLOPs)."""
     compute_bytes: int = 2
     """Bytes per element of the drafter's compute dtype (bf16: 2, fp32: 4)."""
     feature_bytes: int = 2

@@ -94,6 +94,11 @@ class DSpark(DrafterKind):
     ) -> dict[str, float]:
         return memory.activation_bytes(shape, perf, device, zero_stage)
 
+    def step_flops(
+        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
+    ) -> dict[str, float]:
+        return memory.step_flops(shape, perf, device, zero_stage)
+
     def describe(self, model: DrafterConfig) -> str:
         heads = f"Markov rank {model.markov_rank}" if model.markov_rank else "no Markov head"
         return (

@@ -158,8 +158,81 @@ def activation_bytes(
 ) -> dict[str, float]:
     """`micro_batch_bytes` for a run's shape and perf section on `device` (cuda | cpu) at ZeRO
     `stage`, resolving "auto" as training does (the kind's `activation_bytes`)."""
+    attn, loss = _paths(perf, device, stage)
+    return micro_batch_bytes(shape, attn, loss, perf.chunk_anchors(device))
+
+
+def _paths(perf: PerfConfig, device: str, stage: int) -> tuple[str, str]:
+    """(attention, loss) paths training takes on `device` at ZeRO `stage`."""
     attn = perf.attn_implementation
     if attn == "auto":  # the drafter's own rule (DSparkDraftModel.resolve_attn_implementation)
         attn = "flex" if device == "cuda" else "blockwise"
-    loss = loss_impl_for(perf.loss_impl, zero3=stage == 3)
-    return micro_batch_bytes(shape, attn, loss, perf.chunk_anchors(device))
+    return attn, loss_impl_for(perf.loss_impl, zero3=stage == 3)
+
+
+# ---- FLOPs (the tuner's compute term) ----------------------------------------------------------
+# Matmul FLOPs one micro-batch executes, forward and backward (2 per multiply-add), as the code
+# runs them: a Linear whose weight trains costs 3x its forward (input and weight gradients), the
+# frozen lm_head 2x (input gradient only), the target's aligned logits 1x (no gradient); the
+# attention counts the (query, key) pairs the kernel computes. Elementwise work (softmaxes,
+# norms, the loss's vocabulary-sized terms) is not counted: it is inside the sustained rate the
+# tuner divides by. `tests/test_tuner_speed.py` checks the sum against torch's FLOP formulas.
+def attention_pairs(shape: StepShape, attn: str, chunk_blocks: int = 16) -> float:
+    """(query, key) pairs one layer's attention computes per head.
+
+    blockwise: per chunk of `chunk_blocks` anchors (sorted), every query row of the chunk
+    against the context up to the chunk's last anchor plus its own block: anchors spread
+    over the sequence put chunk j's last one near (j + 1)/n of it; flex: its visible
+    pairs (about half the context on average); dense: every query against S + A·γ keys."""
+    s = shape
+    T, G, S = s.draft_tokens, s.block_size, s.seq_len
+    A = min(s.num_anchors, S)
+    if attn == "dense":
+        return float(T * (S + A * G))
+    if attn == "blockwise":
+        n = -(-A // chunk_blocks)
+        return float(T * (S * (n + 1) / (2 * n) + G))
+    return float(T * (S / 2 + G))
+
+
+def micro_batch_flops(shape: StepShape, attn: str, loss: str) -> dict[str, float]:
+    """FLOPs of one micro-batch by component (see above)."""
+    s = shape
+    T, C = s.draft_tokens, s.context_tokens
+    H, F, V, D, r = s.hidden, s.intermediate, s.vocab, s.head_dim, s.markov_rank
+    q_width, kv_width = s.heads * D, s.kv_heads * D
+    out: dict[str, float] = {}
+    # fc: the features are the batch (no input gradient)
+    out["context_projection"] = 4.0 * C * s.taps * H * H
+    layer = (
+        2 * T * H * (q_width + 2 * kv_width)  # q, k, v of the draft tokens
+        + 2 * C * H * 2 * kv_width  # k, v of the context
+        + 2 * T * q_width * H  # o_proj
+        + 6 * T * H * F  # gate, up, down
+    )
+    out["draft_layers"] = 3.0 * s.draft_layers * layer
+    # forward QK^T + PV; backward: dense 2x that, blockwise / flex also recompute the scores
+    factor = 3.0 if attn == "dense" else 3.5
+    out["attention"] = factor * s.draft_layers * 4 * D * s.heads * attention_pairs(s, attn)
+    out["lm_head"] = 4.0 * T * H * V
+    out["target_logits"] = 2.0 * T * H * V if s.aligned else 0.0
+    if r > 0:
+        out["markov"] = 6.0 * T * r * V
+        if s.markov_head_type == "gated":
+            out["markov"] += 6.0 * T * (H + r) * r
+        elif s.markov_head_type == "rnn":
+            out["markov"] += 6.0 * T * (2 * r + H) * 3 * r
+    if s.confidence_head:
+        out["confidence_head"] = 6.0 * T * (H + r)
+    if loss == "recompute":
+        # each chunk's forward (draft logits, Markov bias, target logits) runs again in backward
+        out["loss_recompute"] = 2.0 * T * H * V + (2.0 * T * r * V if r > 0 else 0.0)
+        out["loss_recompute"] += out["target_logits"]
+    return out
+
+
+def step_flops(shape: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[str, float]:
+    """`micro_batch_flops` for a run's shape and perf section on `device` at ZeRO `stage` (the
+    attention and loss paths training takes there; the kind's `step_flops`)."""
+    attn, loss = _paths(perf, device, stage)
+    return micro_batch_flops(shape, attn, loss)

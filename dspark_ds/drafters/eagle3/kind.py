@@ -70,5 +70,10 @@ class Eagle3(DrafterKind):
     ) -> dict[str, float]:
         return memory.activation_bytes(shape, perf, device, zero_stage)
 
+    def step_flops(
+        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
+    ) -> dict[str, float]:
+        return memory.step_flops(shape, perf, device, zero_stage)
+
     def describe(self, model: DrafterConfig) -> str:
         return f"Eagle3 {model.num_draft_layers} layer(s), T={model.ttt_length}"

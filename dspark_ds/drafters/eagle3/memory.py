@@ -59,3 +59,31 @@ def activation_bytes(s: StepShape, perf: PerfConfig, device: str, stage: int) ->
         out["logits_softmax"] = rows * V * (b + 2 * 4) + B * S * V * (fp32_copy + 3 * 4)
         out["target_logits"] = B * S * V * (b + 4)
     return out
+
+
+def step_flops(s: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[str, float]:
+    """Matmul FLOPs of one micro-batch by component, forward and backward, as the code runs
+    them (the tuner's compute term; drafters/dspark/memory.py states the conventions): the
+    context projection once, then per unrolled step and layer the 2H-wide q / k / v, o_proj,
+    the MLP and the attention (the dense kernel computes every S × S score, flex about the
+    causal half and recomputes them in backward), and the lm_head over the B·S·T loss rows
+    (input gradient only) with the target's logits beside them."""
+    B, S, T = s.batch, s.seq_len, s.ttt_length
+    H, F, V, D = s.hidden, s.intermediate, s.vocab, s.head_dim
+    q_width, kv_width = s.heads * D, s.kv_heads * D
+    N = B * S
+    out: dict[str, float] = {"context_projection": 4.0 * N * s.taps * H * H}
+    layer = 2 * N * (2 * H * (q_width + 2 * kv_width) + q_width * H + 3 * H * F)
+    out["draft_layers"] = 3.0 * T * s.draft_layers * layer
+    flex = perf.attn_implementation == "flex" or (
+        device == "cuda" and perf.attn_implementation == "auto"
+    )
+    pairs = B * (S * S / 2 + S * T) if flex else B * S * (S + T)
+    out["attention"] = (3.5 if flex else 3.0) * T * s.draft_layers * 4 * D * s.heads * pairs
+    rows = N * T
+    out["lm_head"] = 4.0 * rows * H * V
+    impl = loss_impl_for(perf.loss_impl, zero3=stage == 3)
+    # the chunked loss projects the target's state of every loss row; the reference path
+    # computes the target's logits once per position
+    out["target_logits"] = 2.0 * (rows if impl == "chunked" else N) * H * V
+    return out

@@ -290,6 +290,11 @@ def _shard_target(target: nn.Module, ds_config: dict):
 
     cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
     cfg.get("checkpoint", {}).pop("load_universal", None)  # nothing is ever loaded into it
+    offload = cfg.get("zero_optimization", {}).get("offload_param") or {}
+    if offload.get("device") == "nvme" and offload.get("nvme_path"):
+        # NOTE: each zero.Init's parameter swapper empties <nvme_path>/zero_stage_3/ when it
+        # starts: the drafter's would delete the target's swapped-out parameters
+        offload["nvme_path"] = os.path.join(offload["nvme_path"], "target")
     # NOTE: partition first, parameter by parameter onto the device (deepspeed.initialize alone
     # would move the whole module there before partitioning it); buffers are not partitioned.
     deepspeed.zero.Init(module=target, config_dict_or_path=cfg)

@@ -561,3 +561,27 @@ def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path):
     losses = res["hyb"]["losses"]
     assert sorted(losses) == list(range(1, STEPS + 1))  # epoch 1 (steps 5..8) from the cache
     assert all(f["shares"] and f["materialized_numel"] == 0 for f in res["hyb"]["target"])
+
+
+def test_zero3_nvme_with_a_target_in_the_job(tmp_path):
+    """ZeRO-3 with parameters and optimizer on NVMe and the target in the job: the target's
+    parameters larger than DeepSpeed's smallest swap (1 MiB: its 32 000 × 64 embedding and
+    lm_head) are swapped to files of their own, which the drafter's parameter swapper (started
+    after it, emptying its own folder) leaves in place: the steps run and the loss is finite."""
+    target = Path(build_tiny_target(tmp_path / "target", hidden_size=64, vocab_size=32000))
+    nvme = tmp_path / "nvme"
+    overrides = {
+        "zero_optimization": {
+            "offload_param": {"nvme_path": str(nvme)},
+            "offload_optimizer": {"nvme_path": str(nvme)},
+        }
+    }
+    args = base_args(target, tmp_path / "runs", "nvme", "--deepspeed.config",
+                     "zero3_offload_nvme", "--deepspeed.overrides", json.dumps(overrides),
+                     "--train.max_steps", "2", "--checkpoint.every_steps", "0",
+                     "--tracking.enabled", "false")  # fmt: skip
+    check(python(["-m", "dspark_ds.cli", "train", *args], timeout_s=600))
+    assert list((nvme / "target").rglob("*_param.tensor.swp")), "no target parameter swapped"
+    log = [json.loads(line) for line in (tmp_path / "runs" / "nvme" / "train_log.jsonl").open()]
+    losses = [row["loss"] for row in log if "loss" in row]
+    assert len(losses) == 2 and all(loss == loss for loss in losses), log

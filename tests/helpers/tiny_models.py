@@ -149,14 +149,16 @@ def build_tiny_target(
     num_layers: int = 4,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    vocab_size: int | None = None,
 ) -> str:
-    """Save a random tiny ``Qwen3ForCausalLM`` and its tokenizer to ``out_dir``; return the path."""
+    """Save a random tiny ``Qwen3ForCausalLM`` and its tokenizer to ``out_dir``; return the path.
+    `vocab_size`: the model's vocabulary, larger than the tokenizer's (None = the tokenizer's)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir, template=template)
     cfg = Qwen3Config(
-        vocab_size=len(tok),
+        vocab_size=vocab_size or len(tok),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,

@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -685,3 +686,39 @@ def cpu_adam(params: list[torch.Tensor], lr: float = 1e-4) -> torch.optim.Optimi
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=True)
+
+
+def aio_bandwidth(
+    directory: str | Path, nbytes: int, aio: dict | None = None
+) -> tuple[float, float]:
+    """(write, read) seconds of one `nbytes` file under `directory` through DeepSpeed's
+    asynchronous I/O, the path NVMe offload swaps through (O_DIRECT), with a config's `aio`
+    settings (DeepSpeed's defaults where it leaves one out). The file is removed."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+
+    settings = get_aio_config({"aio": aio or {}})
+    handle = (
+        AsyncIOBuilder()
+        .load(verbose=False)
+        .aio_handle(
+            block_size=settings["block_size"],
+            queue_depth=settings["queue_depth"],
+            single_submit=settings["single_submit"],
+            overlap_events=settings["overlap_events"],
+            intra_op_parallelism=settings["intra_op_parallelism"],
+        )
+    )
+    buffer = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+    path = Path(directory) / f"aio_probe_{os.getpid()}.swp"
+    try:
+        buffer.fill_(1)
+        t0 = time.perf_counter()
+        handle.sync_pwrite(buffer, str(path))
+        t1 = time.perf_counter()
+        handle.sync_pread(buffer, str(path))
+        t2 = time.perf_counter()
+    finally:
+        handle.free_cpu_locked_tensor(buffer)
+        path.unlink(missing_ok=True)
+    return t1 - t0, t2 - t1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -55,31 +55,54 @@ def _stages(run_cfg, options: list[ZeroOption], device: str) -> tuple[int, ...]:
     return tuple(sorted({3 if z else 0 for z in zero3}))
 
 
-def _calibrate_and_measure(cfg: TunerConfig, run_cfg, options, device):
+@dataclass
+class Calibrated:
+    """What `_calibrate_and_measure` found."""
+
+    machine: Machine
+    """The figures predictions use (every calibration sample's median, or preset / profile)."""
+    meta: dict = field(default_factory=dict)
+    """The calibration's what / where / when ({} without one)."""
+    work: dict | None = None
+    """The recipe's host work, when calibrated (else computed for the prediction)."""
+    measured: dict[str, dict] = field(default_factory=dict)
+    """`--measure`'s measurements per option."""
+    own: dict[str, tuple[Machine, dict]] = field(default_factory=dict)
+    """Per option measured with calibration samples between its steps: the figures and host
+    work of those samples alone."""
+
+
+def _nvme_option(run_cfg, device: str):
+    """The DeepSpeed config of the zero3+nvme option (its nvme_path and aio settings)."""
+    from dspark_ds.tune.estimate import resolved_ds_config
+
+    option = next(o for o in OPTIONS if o.name == "zero3+nvme")
+    return resolved_ds_config(option, run_cfg, 1, use_gpu=device == "cuda")
+
+
+def _calibrate_and_measure(cfg: TunerConfig, run_cfg, options, device) -> Calibrated:
     """The cluster's figures (calibrated here, and saved; or the preset / profile), the
-    recipe's host work when calibrated on a CPU, and the measurements of `--measure`."""
+    recipe's host work when calibrated, and the measurements of `--measure`, each option's
+    timed steps interleaved with calibration samples in its engine mode."""
     from dspark_ds import distributed
-    from dspark_ds.tune.calibrate import Calibration, Probe
+    from dspark_ds.tune.calibrate import Calibration, engine_values
     from dspark_ds.tune.cluster import engine_mode
     from dspark_ds.tune.measure import measure
 
     calibrating = cfg.cluster.calibrate
     if calibrating is None:  # --measure predicts for this machine: its own figures
         calibrating = cfg.measure and not cfg.cluster.profile
-    meta: dict = {}
-    work = None
-    measured: dict[str, dict] = {}
-    cal = None
-    if calibrating:
-        cal = Calibration(run_cfg, device, _stages(run_cfg, options, cfg.device or "cuda"))
-        if cfg.measure:
-            cal.once()
-        else:
-            cal.run()
-    probe = None
+    here = cfg.device or "cuda"
+    nvme = _nvme_option(run_cfg, here)
+
+    def mode_of(option: ZeroOption) -> int:
+        zero, _ = option_zero(option, run_cfg, 1, here)
+        return engine_mode(zero.stage, zero.offload_optimizer, zero.offload_param)
+
+    cal = Calibration(run_cfg, device, _stages(run_cfg, options, here)) if calibrating else None
+    out = Calibrated(machine=resolve(cfg.cluster))
+    spans: dict[str, tuple[int, int]] = {}
     if cfg.measure:
-        dtype = torch.bfloat16 if run_cfg.train.precision == "bf16" else torch.float32
-        probe = cal.probe if cal is not None else Probe(device, dtype)
         # NOTE: the short runs write under the recipe's output_dir, which every host of a job
         # sees (a temp directory of each rank's own would be another directory on every rank)
         tmp = None
@@ -88,32 +111,47 @@ def _calibrate_and_measure(cfg: TunerConfig, run_cfg, options, device):
             tmp = tempfile.mkdtemp(prefix=".dspark_tuner_", dir=run_cfg.output_dir)
         tmp = distributed.broadcast_object(tmp)
         try:
+            if cal is not None:  # NVMe where the zero3+nvme run will swap (measure.py)
+                cal.once(Path(tmp) / "nvme", nvme.get("aio"))
             for option in options:
-                if cal is not None:  # the same load for the prediction and the measurement
-                    cal.round()
-                    zero, _ = option_zero(option, run_cfg, 1, cfg.device or "cuda")
-                    cal.engine(engine_mode(zero.stage, zero.offload_optimizer, zero.offload_param))
-                measured[option.name] = measure(
+                window = cal.window(mode_of(option)) if cal is not None else None
+                first = len(cal.samples) if cal is not None else 0
+                out.measured[option.name] = measure(
                     option, run_cfg, cfg.measure_steps, tmp, memory=cfg.measure_memory,
-                    probe=probe,
+                    between=(lambda w=window: cal.sample(w)) if window else None,
+                    blocks=cfg.cluster.samples,
                 )  # fmt: skip
+                if window is not None:
+                    window.close()
+                    spans[option.name] = (first, len(cal.samples))
         finally:
             distributed.barrier()
             if distributed.is_rank0():
                 shutil.rmtree(tmp, ignore_errors=True)
+    elif cal is not None:
+        zero3 = nvme.get("zero_optimization", {})
+        path = (zero3.get("offload_optimizer") or {}).get("nvme_path")
+        cal.once(path if path and Path(path).is_dir() else None, nvme.get("aio"))
+        cal.run(sorted({mode_of(o) for o in options}), cfg.cluster.samples)
     if cal is not None:
-        values, meta, work = cal.result()
-        source = f"calibrated {meta['date']}"
-        machine = resolve(cfg.cluster, measured=values, measured_source=source)
+        values, out.work = cal.values()
+        out.meta = cal.meta()
+        source = f"calibrated {out.meta['date']}"
+        values.update(cal.machine_values())
+        out.machine = resolve(cfg.cluster, measured=values, measured_source=source)
         if cfg.cluster.save_profile and distributed.is_rank0():
-            save_profile(machine, cfg.cluster.save_profile, meta, only_from=source)
-    else:
-        machine = resolve(cfg.cluster)
+            save_profile(out.machine, cfg.cluster.save_profile, out.meta, only_from=source)
+        for name, (first, last) in spans.items():
+            own, work = cal.values(cal.samples[first:last])
+            own = engine_values(own, cal.samples[first]["mode"], asdict(out.machine))
+            out.own[name] = (with_values(out.machine, own, source), work)
     if cfg.measure:  # the machine measured is this one: one node of the launcher's ranks
-        machine = with_values(
-            machine, {"gpus_per_node": distributed.world_size()}, "the launcher's ranks"
-        )
-    return machine, meta, work, measured
+        ranks = {"gpus_per_node": distributed.world_size()}
+        out.machine = with_values(out.machine, ranks, "the launcher's ranks")
+        out.own = {
+            k: (with_values(m, ranks, "the launcher's ranks"), w) for k, (m, w) in out.own.items()
+        }
+    return out
 
 
 def _host_work(run_cfg, options: list[ZeroOption], device: str, machine: Machine) -> dict:
@@ -135,30 +173,26 @@ def predict(
     nodes: int, ops: dict,
 ) -> list[Estimate]:  # fmt: skip
     """Memory and step time of each option on `nodes` nodes."""
+    return [predict_one(cfg, run_cfg, inv, machine, o, nodes, ops) for o in options]
+
+
+def predict_one(
+    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, option: ZeroOption,
+    nodes: int, ops: dict,
+) -> Estimate:  # fmt: skip
+    """Memory and step time of one option on `nodes` nodes."""
     device = cfg.device or "cuda"
-    out = []
-    for option in options:
-        est = estimate(option, inv, run_cfg, cfg, machine, nodes)
-        world = nodes * machine.gpus_per_node
-        zero, b = option_zero(option, run_cfg, world, device)
-        wl = workload(inv, run_cfg, device, zero.stage, ops)
-        persistent = inv.persistent_numels(
-            zero.param_persistence_threshold, zero.model_persistence_threshold // world
-        )
-        est.step = step_time(
-            option.name, zero, b, inv, run_cfg, machine, nodes, wl, persistent
-        ).as_dict()
-        out.append(est)
-    return out
-
-
-def load_factor(measured: dict, machine: Machine) -> float | None:
-    """How much slower the machine ran while an option was measured than when it was
-    calibrated (the probe's seconds then over its seconds at calibration); None without both."""
-    probe = measured.get("probe_s")
-    if not probe or not machine.probe_s:
-        return None
-    return probe / machine.probe_s
+    est = estimate(option, inv, run_cfg, cfg, machine, nodes)
+    world = nodes * machine.gpus_per_node
+    zero, b = option_zero(option, run_cfg, world, device)
+    wl = workload(inv, run_cfg, device, zero.stage, ops)
+    persistent = inv.persistent_numels(
+        zero.param_persistence_threshold, zero.model_persistence_threshold // world
+    )
+    est.step = step_time(
+        option.name, zero, b, inv, run_cfg, machine, nodes, wl, persistent
+    ).as_dict()
+    return est
 
 
 def run(cfg: TunerConfig) -> dict:
@@ -171,26 +205,31 @@ def run(cfg: TunerConfig) -> dict:
     device = None
     if cfg.measure or cfg.cluster.calibrate:  # the launcher's ranks and device
         cfg, device = _here(cfg, run_cfg)
-    machine, calibration, work, measured = _calibrate_and_measure(cfg, run_cfg, options, device)
+    found = _calibrate_and_measure(cfg, run_cfg, options, device)
+    machine, work, measured = found.machine, found.work, found.measured
     node_counts = [1] if cfg.measure else cfg.cluster.node_counts
     inv = inventory(run_cfg)
     if work is None:
         work = _host_work(run_cfg, options, cfg.device or "cuda", machine)
     scaling = {n: predict(cfg, run_cfg, inv, machine, options, n, work) for n in node_counts}
     estimates = scaling[node_counts[0]]
-    text = report(estimates, cfg, inv, run_cfg, machine, measured, scaling, calibration)
+    # each option measured between calibration samples: its prediction from those samples
+    at_measurement = {}
+    for option in options:
+        if option.name in found.own:
+            own_machine, own_work = found.own[option.name]
+            est = predict_one(cfg, run_cfg, inv, own_machine, option, 1, own_work)
+            at_measurement[option.name] = est.step["predicted_step_s"]
+    text = report(estimates, cfg, inv, run_cfg, machine, measured, scaling, found.meta,
+                  at_measurement)  # fmt: skip
     rows = []
     for e in estimates:
         m = measured.get(e.option, {})
-        load = load_factor(m, machine)
         rows.append(
             {
                 "option": e.option,
                 "predicted_step_s": e.step["predicted_step_s"],
-                "load_factor": load,
-                "predicted_under_load_s": None
-                if load is None
-                else load * e.step["predicted_step_s"],
+                "predicted_at_measurement_s": at_measurement.get(e.option),
                 "measured_step_s": m.get("step_s"),
                 "peak_bytes": m.get("peak_bytes"),
                 "estimated_bytes": e.device_total + e.host_total_per_rank,
@@ -213,7 +252,7 @@ def run(cfg: TunerConfig) -> dict:
         "measured": measured,
         "machine": {k: v for k, v in asdict(machine).items() if k != "sources"},
         "machine_sources": dict(machine.sources),
-        "calibration": calibration,
+        "calibration": found.meta,
         "recommended": (recommend(estimates) or Estimate("none")).option,
         "text": text,
     }

@@ -2,31 +2,40 @@
 step-time model divides by, and returns them as Machine fields (a profile).
 
 All ranks measure at once (ranks of a node share its cores, memory bandwidth and links, as in
-training); each figure is the median of repeats, and the slowest rank's. What is measured:
+training); each figure is the slowest rank's. What is measured:
 
-- peak_flops: an [n x n] matmul in the compute dtype; sustained_fraction: a training
+- peak_flops: an [n × n] matmul in the compute dtype; sustained_fraction: a training
   micro-batch of the recipe's drafter kind at a fixed reference shape (REFERENCE: narrower and
   shorter than any recipe), its FLOPs by the kind's own count over its time less its host
-  time, as a share of that peak; target_sustained_fraction: the same for a frozen target's
-  forward.
+  time (the same step 32 wide), as a share of that peak; target_sustained_fraction: the same
+  for a frozen target's forward.
 - the three collectives of ZeRO (all-reduce, all-gather, reduce-scatter) on the process group:
   latency from a one-element call, bus bandwidth from a large one.
-- host <-> device copies: pinned copies on CUDA; on a CPU-only machine the "device" is the
-  host, and DeepSpeed's offload copies are RAM-to-RAM copies: that is what is measured.
-- Adam: torch's AdamW (the optimizer without offload here; FusedAdam on a GPU) per element
-  and per tensor, DeepSpeed's CPU Adam per element (the optimizer of an offloaded run).
+- the optimizers: torch's AdamW per element (one flat tensor, as ZeRO-1/2/3 hand it) and per
+  tensor (as plain data parallelism hands it the parameter list), DeepSpeed's CPU Adam per
+  element (the optimizer of an offloaded run).
 - host time per dispatched op: a small Qwen3 model's forward + backward (the stand-in,
-  workload.py), whose ops are counted, at a width where the arithmetic takes no time.
-- what DeepSpeed adds, per engine mode (ZeRO stage × offload): the stand-in under a real
-  engine against plain PyTorch timed just before it, per micro-batch and per step; under
-  ZeRO-3 per module (its hooks run on every module; the stand-in's parameters are all under
-  the persistence threshold, so none of this is all-gather traffic) and per step less the
-  modelled all-gather of each persistent parameter.
-- comm_overlap: a large all-gather issued asynchronously during a matmul (CUDA; on a CPU the
-  collectives' copies run on the cores that compute, so none is hidden: 0).
+  workload.py), whose ops are counted, at a width where the arithmetic takes no time; and the
+  recipe's own host work in those ops (its drafter and target 32 wide, workload.NarrowCopies).
+- what DeepSpeed adds, per engine mode (ZeRO stage × offload): the recipe's drafter 32 wide
+  under a real engine of that mode against the same drafter in plain PyTorch, per micro-batch
+  and per step; under ZeRO-3 per module call (forward and backward: its hooks run on every
+  call; at 32 wide every parameter is under the persistence threshold, so none of it is
+  all-gather traffic) and per module call of the target 32 wide under its own optimizer-less
+  engine, called as training calls it. The module calls are counted on the same copies.
+- once: host <-> device copies (pinned on CUDA; on a CPU-only machine a RAM-to-RAM copy, what
+  DeepSpeed's offload does when the device is the host), NVMe write and read through
+  DeepSpeed's asynchronous I/O on the directory NVMe offload would use (every rank at once,
+  when one is given), and comm_overlap (a large all-gather issued during a matmul on CUDA; on
+  a CPU the collectives' copies run on the cores that compute, so none is hidden: 0).
 
-NVMe is not measured (DeepSpeed's NVMe offload needs libaio and a local NVMe path); nor is
-the network between nodes (one node): those keep the preset's figures and say so.
+Everything but the "once" part is measured in samples (`Calibration.sample`), each a single
+pass over every workload, and each figure is the median over the samples. `--measure`
+interleaves them with each option's timed steps (a sample before each block of steps, with that
+option's engine mode), so that an option's prediction and its measurement see the same
+conditions on a machine shared with other jobs; a calibration on its own takes its samples
+back to back, for every engine mode. Not measured: the network between nodes (one node); it
+keeps the preset's figures and the profile leaves it out.
 """
 
 from __future__ import annotations
@@ -39,17 +48,20 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from dspark_ds import distributed
-from dspark_ds.tune.cluster import ENGINE_MODES, GIB
+from dspark_ds.tune.cluster import ENGINE_MODES, GIB, TUPLE_FIELDS
 from dspark_ds.tune.config import OPTIONS
-from dspark_ds.tune.workload import OpCounter, stand_in_model
+from dspark_ds.tune.workload import NarrowCopies, OpCounter, stand_in_model
 
 ENGINE_OPTIONS = dict(zip(ENGINE_MODES, ("zero0", "zero1", "zero2", "zero2+offload_opt",
                                          "zero3", "zero3+offload_opt",
                                          "zero3+offload_opt+param")))  # fmt: skip
+NVME_PROBE_BYTES = 32 * 2**20
+"""Bytes each rank writes and reads to measure NVMe."""
 
 
 def _sync(device: torch.device) -> None:
@@ -57,11 +69,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
-    """Median seconds of `fn` over `repeats` (after `warmup`), every rank starting together;
-    the slowest rank's median."""
-    for _ in range(warmup):
-        fn()
+def max_over_ranks(values: list[float]) -> list[float]:
+    return distributed.all_reduce_values(values, op="max")
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = 1) -> float:
+    """Median seconds of `fn` over `repeats` calls, every rank starting each together; this
+    rank's (callers take the slowest rank's, several figures at once)."""
     times = []
     for _ in range(repeats):
         distributed.barrier()
@@ -70,21 +84,10 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return max_over_ranks(statistics.median(times))
-
-
-def max_over_ranks(value: float) -> float:
-    return distributed.all_reduce_values([value], op="max")[0]
+    return statistics.median(times)
 
 
 # ---- compute --------------------------------------------------------------------------------
-def matmul_flops(device: torch.device, dtype: torch.dtype) -> float:
-    n = 4096 if device.type == "cuda" else 1024
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2.0 * n**3 / timed(lambda: a @ b, device, repeats=5)
-
-
 # A reference shape, narrower and shorter than any recipe's (and unlike the tests' recipes): the
 # rates measured there apply to the recipe's FLOPs through the same FLOP model.
 REFERENCE = dict(hidden=192, intermediate=512, heads=4, head_dim=48, vocab=12000, layers=4,
@@ -104,97 +107,120 @@ def _reference_config(run_cfg, narrow: bool):
     return narrow_config(config) if narrow else config
 
 
-def drafter_rate(run_cfg, device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a training micro-batch of the recipe's drafter kind at the reference shape:
-    its FLOPs (the kind's own count) over its time less its host time (the same step at the
-    narrow width, where the arithmetic takes none)."""
-    from dspark_ds.drafters.common.memory import StepShape
-    from dspark_ds.drafters.common.target_config import text_config
-    from dspark_ds.drafters.registry import get_kind
-    from dspark_ds.target import default_layer_ids
-    from dspark_ds.tune.workload import KindStep, counted_perf
+class Compute:
+    """The compute rates' workloads: a matmul (the peak) and, at the reference shape, a
+    training micro-batch of the recipe's drafter kind and a frozen target's forward, each also
+    32 wide (their host time, taken out)."""
 
-    r = REFERENCE
-    model = replace(run_cfg.model, num_draft_layers=r["draft_layers"], num_anchors=r["anchors"])
-    perf = counted_perf(run_cfg.perf, device.type)
-    layer_ids = default_layer_ids(r["layers"])
-    times = []
-    for narrow in (False, True):
-        config = _reference_config(run_cfg, narrow)
-        step = KindStep(model, perf, config, layer_ids, 1, r["seq_len"], zero3=False,
-                        device=device, dtype=dtype)  # fmt: skip
-        times.append(timed(step, device, repeats=3))
-        if not narrow:
-            text = text_config(config)
-            shape = StepShape(
-                batch=1, seq_len=r["seq_len"], num_anchors=model.num_anchors,
-                block_size=model.block_size, hidden=r["hidden"],
-                intermediate=r["intermediate"], vocab=r["vocab"], heads=r["heads"],
-                kv_heads=int(text.num_key_value_heads), head_dim=r["head_dim"],
-                draft_layers=r["draft_layers"], taps=len(layer_ids),
-                markov_rank=model.markov_rank, markov_head_type=model.markov_head_type,
-                compute_bytes=torch.tensor([], dtype=dtype).element_size(),
-                feature_bytes=torch.tensor([], dtype=dtype).element_size(),
-                confidence_head=model.confidence_head_alpha > 0, ttt_length=model.ttt_length,
-            )  # fmt: skip
-            flops = sum(get_kind(model.kind).step_flops(shape, perf, device.type, 0).values())
-    return flops / max(times[0] - times[1], 1e-9)
+    def __init__(self, run_cfg, device: torch.device, dtype: torch.dtype):
+        from dspark_ds.drafters.common.memory import StepShape
+        from dspark_ds.drafters.common.target_config import text_config
+        from dspark_ds.drafters.registry import get_kind
+        from dspark_ds.target import default_layer_ids
+        from dspark_ds.tune.workload import KindStep, TargetForward, counted_perf, forward_flops
 
+        r = REFERENCE
+        self.device = device
+        n = 4096 if device.type == "cuda" else 1024
+        self.a = torch.randn(n, n, device=device, dtype=dtype)
+        self.b = torch.randn(n, n, device=device, dtype=dtype)
+        self.matmul_flops = 2.0 * n**3
+        model = replace(run_cfg.model, num_draft_layers=r["draft_layers"], num_anchors=r["anchors"])
+        perf = counted_perf(run_cfg.perf, device.type)
+        layer_ids = default_layer_ids(r["layers"])
+        self.drafter, self.target = [], []
+        for narrow in (False, True):
+            config = _reference_config(run_cfg, narrow)
+            self.drafter.append(
+                KindStep(
+                    model,
+                    perf,
+                    config,
+                    layer_ids,
+                    1,
+                    r["seq_len"],
+                    zero3=False,
+                    device=device,
+                    dtype=dtype,
+                )  # fmt: skip
+            )
+            self.target.append(TargetForward(config, layer_ids, 1, r["seq_len"], device, dtype))
+        text = text_config(_reference_config(run_cfg, False))
+        shape = StepShape(
+            batch=1, seq_len=r["seq_len"], num_anchors=model.num_anchors,
+            block_size=model.block_size, hidden=r["hidden"], intermediate=r["intermediate"],
+            vocab=r["vocab"], heads=r["heads"], kv_heads=int(text.num_key_value_heads),
+            head_dim=r["head_dim"], draft_layers=r["draft_layers"], taps=len(layer_ids),
+            markov_rank=model.markov_rank, markov_head_type=model.markov_head_type,
+            compute_bytes=torch.tensor([], dtype=dtype).element_size(),
+            feature_bytes=torch.tensor([], dtype=dtype).element_size(),
+            confidence_head=model.confidence_head_alpha > 0, ttt_length=model.ttt_length,
+        )  # fmt: skip
+        kind = get_kind(model.kind)
+        self.drafter_flops = sum(kind.step_flops(shape, perf, device.type, 0).values())
+        layer_params = sum(p.numel() for p in self.target[0].target.decoder.layers.parameters())
+        self.target_flops = forward_flops(
+            layer_params, r["layers"], r["heads"], r["head_dim"], 1, r["seq_len"]
+        )
+        self.sample()  # warm-up
 
-def target_rate(run_cfg, device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of the frozen target's forward (no grad) at the reference shape, its host time
-    (the narrow width) taken out."""
-    from transformers import AutoModelForCausalLM
-
-    from dspark_ds.target import FrozenTarget, default_layer_ids
-    from dspark_ds.tune.workload import forward_flops
-
-    r = REFERENCE
-    times = []
-    for narrow in (False, True):
-        config = _reference_config(run_cfg, narrow)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).to(device, dtype)
-        target = FrozenTarget(model, default_layer_ids(r["layers"]))
-        if not narrow:
-            layer_params = sum(p.numel() for p in target.decoder.layers.parameters())
-        ids = torch.randint(0, 64, (1, r["seq_len"]), device=device)
-        mask = torch.ones_like(ids)
-        times.append(timed(lambda t=target, i=ids, m=mask: t(i, attention_mask=m), device, 3))
-    flops = forward_flops(layer_params, r["layers"], r["heads"], r["head_dim"], 1, r["seq_len"])
-    return flops / max(times[0] - times[1], 1e-9)
+    def sample(self) -> dict[str, float]:
+        d = self.device
+        t = [timed(lambda: self.a @ self.b, d)]
+        t += [timed(step, d) for step in self.drafter]
+        with torch.no_grad():
+            t += [timed(target, d) for target in self.target]
+        mm, d_full, d_narrow, t_full, t_narrow = max_over_ranks(t)
+        return {
+            "peak_flops": self.matmul_flops / mm,
+            "sustained": self.drafter_flops / max(d_full - d_narrow, 1e-9),
+            "target_sustained": self.target_flops / max(t_full - t_narrow, 1e-9),
+        }
 
 
 # ---- communication --------------------------------------------------------------------------
-def collectives(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+class Collectives:
     """Latency (1 element) and bus bandwidth (a large buffer) of each ZeRO collective."""
-    import torch.distributed as dist
 
-    world = distributed.world_size()
-    out: dict[str, float] = {}
-    numel = (64 if device.type == "cuda" else 2) * 2**20
-    elem = torch.tensor([], dtype=dtype).element_size()
-    latencies = []
-    for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        times = {}
-        for n in (1, numel):
-            full = torch.zeros(n * world, device=device, dtype=dtype)
+    OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        import torch.distributed as dist
+
+        self.device, self.world = device, distributed.world_size()
+        self.numel = (64 if device.type == "cuda" else 2) * 2**20
+        self.elem = torch.tensor([], dtype=dtype).element_size()
+        self.calls = {}
+        for n in (1, self.numel):
+            full = torch.zeros(n * self.world, device=device, dtype=dtype)
             part = torch.zeros(n, device=device, dtype=dtype)
-            call = {
+            self.calls[n] = {
                 "all_reduce": lambda p=part: dist.all_reduce(p),
                 "all_gather": lambda f=full, p=part: dist.all_gather_into_tensor(f, p),
                 "reduce_scatter": lambda f=full, p=part: dist.reduce_scatter_tensor(p, f),
-            }[op]
-            times[n] = timed(call, device, repeats=2 if n > 1 else 6, warmup=1)
-        latencies.append(times[1])
-        out[f"{op}_latency_s"] = times[1]
-        # bytes each rank moves over its link: ring all-reduce 2(N-1)/N of the buffer, the
-        # others (N-1)/N of the gathered / scattered whole
-        factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
-        moved = factor * numel * elem * (1 if op == "all_reduce" else world)
-        out[f"{op}_bytes_per_s"] = moved / max(times[numel] - times[1], 1e-9)
-    out["collective_latency_s"] = statistics.median(latencies)
-    return out
+            }
+        self.sample()  # warm-up
+
+    def sample(self) -> dict[str, float]:
+        t = []
+        for op in self.OPS:
+            t += [
+                timed(self.calls[1][op], self.device, 3),
+                timed(self.calls[self.numel][op], self.device),
+            ]
+        t = max_over_ranks(t)
+        out: dict[str, float] = {}
+        world = self.world
+        for i, op in enumerate(self.OPS):
+            small, large = t[2 * i], t[2 * i + 1]
+            out[f"{op}_latency_s"] = small
+            # bytes each rank moves over its link: ring all-reduce 2(N-1)/N of the buffer, the
+            # others (N-1)/N of the gathered / scattered whole
+            factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+            moved = factor * self.numel * self.elem * (1 if op == "all_reduce" else world)
+            out[f"{op}_bytes_per_s"] = moved / max(large - small, 1e-9)
+        out["collective_latency_s"] = statistics.median(out[f"{op}_latency_s"] for op in self.OPS)
+        return out
 
 
 def host_device_copy(device: torch.device) -> float:
@@ -206,9 +232,9 @@ def host_device_copy(device: torch.device) -> float:
         dev = torch.empty(numel, dtype=torch.float32, device=device)
         h2d = timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5)
         d2h = timed(lambda: host.copy_(dev, non_blocking=True), device, repeats=5)
-        return numel * 4 / max(h2d, d2h)
+        return numel * 4 / max_over_ranks([max(h2d, d2h)])[0]
     src, dst = torch.ones(numel), torch.empty(numel)
-    return numel * 4 / timed(lambda: dst.copy_(src), device, repeats=5)
+    return numel * 4 / max_over_ranks([timed(lambda: dst.copy_(src), device, repeats=5)])[0]
 
 
 def comm_overlap(device: torch.device, dtype: torch.dtype) -> float:
@@ -220,178 +246,220 @@ def comm_overlap(device: torch.device, dtype: torch.dtype) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     part = torch.zeros(2**20 * (16 if device.type == "cuda" else 1), device=device, dtype=dtype)
     full = torch.zeros(part.numel() * world, device=device, dtype=dtype)
-    t_mm = timed(lambda: a @ a, device, repeats=3)
-    t_comm = timed(lambda: dist.all_gather_into_tensor(full, part), device, repeats=3)
 
     def both():
         work = dist.all_gather_into_tensor(full, part, async_op=True)
         a @ a
         work.wait()
 
-    t_both = timed(both, device, repeats=3)
+    t_mm, t_comm, t_both = max_over_ranks(
+        [
+            timed(fn, device, repeats=3)
+            for fn in (lambda: a @ a, lambda: dist.all_gather_into_tensor(full, part), both)
+        ]
+    )
     hidden = t_mm + t_comm - t_both
     return float(min(1.0, max(0.0, hidden / max(min(t_mm, t_comm), 1e-9))))
 
 
-# ---- optimizers -------------------------------------------------------------------------------
-def adam_rates(device: torch.device) -> dict[str, float]:
-    """torch's AdamW per element (one flat tensor, as ZeRO-1/2/3 hand it) and per tensor (as
-    plain data parallelism hands it the parameter list); DeepSpeed's CPU Adam per element."""
-    from dspark_ds.engine import cpu_adam
+def nvme_rates(directory: str | Path, aio: dict | None, ranks_per_node: int) -> dict[str, float]:
+    """A node's NVMe write and read bytes/s through DeepSpeed's asynchronous I/O under
+    `directory`, every rank at once (the node's drives serve its ranks): the median of three
+    write + read pairs per rank, the slowest rank's, times the ranks."""
+    from dspark_ds.engine import aio_bandwidth
 
-    numel = 4 * 2**20
-
-    def rate(make_opt, params, repeats=3):
-        for p in params:
-            p.grad = torch.full_like(p, 1e-3)
-        opt = make_opt(params)
-        return timed(opt.step, device, repeats=repeats)
-
-    flat = [torch.zeros(numel, device=device, requires_grad=True)]
-    t_flat = rate(lambda ps: torch.optim.AdamW(ps, lr=1e-4), flat)
-    many = [torch.zeros(256, device=device, requires_grad=True) for _ in range(200)]
-    t_many = rate(lambda ps: torch.optim.AdamW(ps, lr=1e-4), many, repeats=5)
-    host = [torch.zeros(numel, requires_grad=True)]
-    t_cpu = rate(cpu_adam, host)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for _ in range(3):
+        distributed.barrier()
+        pairs.append(aio_bandwidth(directory, NVME_PROBE_BYTES, aio))
+    write, read = max_over_ranks([statistics.median(p[i] for p in pairs) for i in (0, 1)])
     return {
-        "device_adam_params_per_s": numel / t_flat,
-        "device_adam_tensor_s": max(0.0, (t_many - 200 * 256 * t_flat / numel) / 200),
-        "cpu_adam_params_per_s": numel / t_cpu,
+        "nvme_write_bytes_per_s": ranks_per_node * NVME_PROBE_BYTES / write,
+        "nvme_read_bytes_per_s": ranks_per_node * NVME_PROBE_BYTES / read,
     }
 
 
-# ---- host time per op, and what DeepSpeed adds ---------------------------------------------------
-def _phases(model_call, backward, step, device, repeats: int) -> tuple[float, float, float]:
-    """Median forward, backward and step seconds (slowest rank each)."""
-    fwd, bwd, opt = [], [], []
-    for i in range(repeats + 2):
+# ---- optimizers -------------------------------------------------------------------------------
+class Optimizers:
+    """torch's AdamW over one flat tensor (as ZeRO hands it) and over 200 small ones (as plain
+    data parallelism hands it the parameter list); DeepSpeed's CPU Adam over a flat one."""
+
+    NUMEL, TENSORS, SMALL = 4 * 2**20, 200, 256
+
+    def __init__(self, device: torch.device):
+        from dspark_ds.engine import cpu_adam
+
+        self.device = device
+
+        def made(make_opt, params):
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            return make_opt(params)
+
+        adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
+        self.flat = made(adamw, [torch.zeros(self.NUMEL, device=device, requires_grad=True)])
+        self.many = made(
+            adamw,
+            [
+                torch.zeros(self.SMALL, device=device, requires_grad=True)
+                for _ in range(self.TENSORS)
+            ],
+        )
+        self.cpu = made(cpu_adam, [torch.zeros(self.NUMEL, requires_grad=True)])
+        self.sample()  # warm-up
+
+    def sample(self) -> dict[str, float]:
+        d = self.device
+        t_flat, t_many, t_cpu = max_over_ranks(
+            [timed(self.flat.step, d), timed(self.many.step, d), timed(self.cpu.step, d)]
+        )
+        per_element = t_flat / self.NUMEL
+        return {
+            "device_adam_params_per_s": self.NUMEL / t_flat,
+            "device_adam_tensor_s": max(
+                0.0, (t_many - self.TENSORS * self.SMALL * per_element) / self.TENSORS
+            ),
+            "cpu_adam_params_per_s": self.NUMEL / t_cpu,
+        }
+
+
+# ---- host time per op, the recipe's host work, what DeepSpeed adds ----------------------------
+class HostWork:
+    """The stand-in (workload.stand_in_model, 2 layers) in plain PyTorch, its ops counted: the
+    host time per op; and the recipe's drafter (each loss path and anchor point) and target 32
+    wide (workload.NarrowCopies) timed beside it: their work in stand-in ops."""
+
+    def __init__(self, run_cfg, stages: tuple[int, ...], device: torch.device, dtype):
+        self.device = device
+        self.model = stand_in_model(2, dtype)().to(device).train()
+        self.ids = torch.randint(0, 64, (1, 32), device=device)
+        with OpCounter() as counter:
+            self.stand_in()
+        self.ops = counter.ops
+        run_on = distributed.collective_device() if distributed.has_group() else device
+        self.copies = NarrowCopies(run_cfg, stages, device.type, run_on)
+        self.counts = self.copies.counts()
+        self.sample()  # warm-up
+
+    def stand_in(self) -> None:
+        self.model(input_ids=self.ids).last_hidden_state.float().pow(2).mean().backward()
+        self.model.zero_grad(set_to_none=True)
+
+    def sample(self) -> dict:
+        d = self.device
+        t = [timed(self.stand_in, d, 3)]
+        layout = []
+        for stage, steps in self.copies.steps.items():
+            for i, step in enumerate(steps):
+                t.append(timed(step, d))
+                layout.append((stage, i))
+        with torch.no_grad():
+            t.append(timed(self.copies.target, d))
+        t = max_over_ranks(t)
+        per_op = t[0] / self.ops
+        work: dict = {"drafter": {}}
+        for stage, steps in self.copies.steps.items():
+            work["drafter"][stage] = [0.0] * len(steps)
+        for (stage, i), seconds in zip(layout, t[1:-1]):
+            work["drafter"][stage][i] = seconds / per_op
+        work["target"] = t[-1] / per_op
+        return {"op_overhead_s": per_op, "work": work}
+
+
+class EngineWindow:
+    """What DeepSpeed adds in one engine mode (ENGINE_MODES): the recipe's drafter 32 wide
+    under a real engine of that mode against the plain copy (`HostWork`'s), per micro-batch and
+    per step, and under ZeRO-3 the target 32 wide under its own optimizer-less engine against
+    the plain one. The engines live until `close`."""
+
+    def __init__(self, run_cfg, host: HostWork, mode: int, target_in_job: bool):
+        from dspark_ds.engine import build_ds_config, frozen_engine, plain_engine
+        from dspark_ds.tune.estimate import option_overrides
+
+        self.mode, self.host = mode, host
+        self.zero3 = ENGINE_MODES[mode].startswith("zero3")
+        stage = 3 if self.zero3 else 0
+        steps = host.copies.steps.get(stage) or next(iter(host.copies.steps.values()))
+        self.step = steps[-1]
+        self.calls = host.counts["calls"]["drafter"].get(stage, (1, 1))
+        self.point = len(steps) - 1
+        world, B = distributed.world_size(), run_cfg.data.batch_size
+        option = {o.name: o for o in OPTIONS}[ENGINE_OPTIONS[ENGINE_MODES[mode]]]
+        ds_config = build_ds_config(
+            replace(run_cfg.deepspeed, config=option.config,
+                    overrides=option_overrides(option, run_cfg)),
+            replace(run_cfg.train, global_batch_size=B * world),
+            micro_batch_size=B, world_size=world, use_gpu=host.device.type == "cuda",
+        )  # fmt: skip
+        self.engine = plain_engine(self.step.make, ds_config)
+        self.plain_opt = torch.optim.AdamW(
+            [p for p in self.step.model.parameters() if p.requires_grad], lr=1e-4
+        )
+        self.tensors = sum(1 for p in self.step.model.parameters() if p.requires_grad)
+        self.target = self.target_engine = None
+        if self.zero3 and target_in_job:
+            self.target = host.copies.target.make()
+            self.target_engine = frozen_engine(self.target, ds_config)
+        self.sample()  # warm-up
+
+    def _phases(self, model, backward, step) -> list[float]:
+        d = self.host.device
         distributed.barrier()
+        _sync(d)
         t0 = time.perf_counter()
-        loss = model_call()
-        _sync(device)
+        loss = self.step.loss(model)
+        _sync(d)
         t1 = time.perf_counter()
         backward(loss)
-        _sync(device)
+        _sync(d)
         t2 = time.perf_counter()
         step()
-        _sync(device)
-        t3 = time.perf_counter()
-        if i >= 2:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-            opt.append(t3 - t2)
-    return tuple(max_over_ranks(statistics.median(x)) for x in (fwd, bwd, opt))
+        _sync(d)
+        return [t1 - t0, t2 - t1, time.perf_counter() - t2]
 
+    def sample(self, ag_latency: float = 0.0) -> dict[str, float]:
+        """One pass: plain and engine forward, backward and step of the drafter copy (and the
+        target's forward under ZeRO-3) -> (micro-batch, step, per forward call, per backward
+        call, per target call) seconds added."""
+        plain_model = self.step.model
 
-class StandIn:
-    """The stand-in model (workload.stand_in_model, 2 layers) in plain PyTorch: the host time
-    per op, and the baseline DeepSpeed's costs are measured against."""
+        def plain_step():
+            self.plain_opt.step()
+            plain_model.zero_grad(set_to_none=True)
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device, self.dtype = device, dtype
-        self.make = stand_in_model(2, dtype)
-        self.ids = torch.randint(0, 64, (1, 32), device=device)
-        self.model = self.make().to(device).train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        with OpCounter() as counter:
-            self.loss(self.model).backward()
-        self.model.zero_grad(set_to_none=True)
-        self.ops = counter.ops
-        self.modules = sum(1 for _ in self.model.modules())
-        self.tensors = sum(1 for _ in self.model.parameters())
-
-    def loss(self, model):
-        return model(input_ids=self.ids).last_hidden_state.float().pow(2).mean()
-
-    def phases(self, repeats: int) -> tuple[float, float, float]:
-        return _phases(
-            lambda: self.loss(self.model),
-            lambda loss: loss.backward(),
-            lambda: (self.opt.step(), self.model.zero_grad(set_to_none=True)),
-            self.device,
-            repeats,
-        )
-
-    def op_seconds(self, repeats: int = 10) -> float:
-        fwd, bwd, _ = self.phases(repeats)
-        return (fwd + bwd) / self.ops
-
-    def frozen_forward(self, model, repeats: int) -> float:
-        """Median seconds of `model`'s forward without gradients (the slowest rank's)."""
-
-        def forward():
+        t = self._phases(plain_model, lambda loss: loss.backward(), plain_step)
+        t += self._phases(self.engine, self.engine.backward, self.engine.step)
+        if self.target is not None:
+            copy = self.host.copies.target
             with torch.no_grad():
-                model(input_ids=self.ids)
+                t += [
+                    timed(copy, self.host.device),
+                    timed(lambda: copy.run(self.target), self.host.device),
+                ]
+        t = max_over_ranks(t)
+        fwd, bwd, step = (max(0.0, e - p) for e, p in zip(t[3:6], t[0:3]))
+        out = dict.fromkeys(("micro", "step", "fwd_call", "bwd_call", "target_call"), 0.0)
+        if not self.zero3:
+            out["micro"], out["step"] = fwd + bwd, step
+            return out
+        # NOTE: ZeRO-3 refreshes each persistent parameter after the step, one all-gather each:
+        # the model counts those apart (param_gather)
+        out["step"] = max(0.0, step - self.tensors * ag_latency)
+        out["fwd_call"] = fwd / max(self.calls[0], 1)
+        out["bwd_call"] = bwd / max(self.calls[1], 1)
+        if self.target is not None:
+            target_calls = max(self.host.counts["calls"]["target"], 1)
+            out["target_call"] = max(0.0, t[7] - t[6]) / target_calls
+        return out
 
-        return timed(forward, self.device, repeats)
+    def close(self) -> None:
+        from dspark_ds.engine import release_engine
 
-
-class Probe:
-    """A fixed small workload — the stand-in's forward + backward, a 512² matmul and two small
-    all-reduces (a step's synchronisations, where a descheduled rank makes the others wait),
-    four times, on every rank — that says how fast the machine is at a moment (the slowest
-    rank's seconds). Timed in every calibration round, and by `--measure` between an option's
-    timed steps: their ratio is how much slower (or faster) the machine ran while that option
-    was measured than while it was calibrated (other jobs on a shared machine)."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.device = device
-        self.stand_in = StandIn(device, dtype)
-        self.a = torch.randn(512, 512, device=device, dtype=dtype)
-        self.flag = torch.zeros(1, device=distributed.collective_device())
-
-    def __call__(self) -> float:
-        import torch.distributed as dist
-
-        model = self.stand_in.model
-        distributed.barrier()
-        _sync(self.device)
-        t0 = time.perf_counter()
-        for _ in range(4):
-            self.stand_in.loss(model).backward()
-            model.zero_grad(set_to_none=True)
-            if distributed.has_group():
-                dist.all_reduce(self.flag)
-            self.a @ self.a
-            if distributed.has_group():
-                dist.all_reduce(self.flag)
-        _sync(self.device)
-        return max_over_ranks(time.perf_counter() - t0)
-
-
-def engine_cost(run_cfg, stand_in: StandIn, mode: int, ag_latency: float, repeats: int = 8):
-    """What DeepSpeed adds in engine mode `mode` (ENGINE_MODES) to the stand-in, against plain
-    PyTorch timed right before it: (per micro-batch, per step, per module forward, per module
-    backward, per module of a frozen target's forward) seconds. Under ZeRO-3 the micro-batch's
-    part is per module (its hooks run on every module; the stand-in's parameters are all under
-    the persistence threshold, so none of it is all-gather traffic), the step's less the
-    modelled all-gather of each parameter, and an in-job target's optimizer-less engine is
-    timed on its own (its forward under no_grad)."""
-    from dspark_ds.engine import build_ds_config, frozen_engine, plain_engine, release_engine
-    from dspark_ds.tune.estimate import option_overrides
-
-    device = stand_in.device
-    world = distributed.world_size()
-    option = {o.name: o for o in OPTIONS}[ENGINE_OPTIONS[ENGINE_MODES[mode]]]
-    ds_config = build_ds_config(
-        replace(run_cfg.deepspeed, config=option.config,
-                overrides=option_overrides(option, run_cfg)),
-        replace(run_cfg.train, global_batch_size=world),
-        micro_batch_size=1, world_size=world, use_gpu=device.type == "cuda",
-    )  # fmt: skip
-    engine = plain_engine(stand_in.make, ds_config)
-    base = stand_in.phases(repeats)
-    got = _phases(lambda: stand_in.loss(engine), engine.backward, engine.step, device, repeats)
-    release_engine(engine)
-    fwd, bwd, step = (max(0.0, g - p) for g, p in zip(got, base))
-    if not ENGINE_MODES[mode].startswith("zero3"):
-        return fwd + bwd, step, 0.0, 0.0, 0.0
-    m = stand_in.modules
-    frozen = frozen_engine(stand_in.make(), ds_config)
-    plain = stand_in.frozen_forward(stand_in.model, repeats)
-    target = max(0.0, stand_in.frozen_forward(frozen, repeats) - plain) / m
-    release_engine(frozen)
-    return 0.0, max(0.0, step - stand_in.tensors * ag_latency), fwd / m, bwd / m, target
+        release_engine(self.engine)
+        if self.target_engine is not None:
+            release_engine(self.target_engine)
+        self.engine = self.target_engine = self.target = None
 
 
 # ---- the whole calibration ---------------------------------------------------------------------
@@ -405,29 +473,35 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-class Calibration:
-    """The measurements of one calibration on every rank of the group.
+ENGINE_KEYS = {"micro": "engine_micro_s", "step": "engine_step_s",
+               "fwd_call": "engine_module_fwd_s", "bwd_call": "engine_module_bwd_s",
+               "target_call": "engine_target_module_s"}  # fmt: skip
 
-    The rates that follow the machine's load (compute, collectives, host time per op, the
-    recipe's host work) are measured in rounds, and each figure is the median over the rounds;
-    DeepSpeed's costs once per engine mode. `--measure` runs a round and the option's engine
-    mode right before measuring each option, so that prediction and measurement see the same
-    load (on a machine shared with other jobs); a plain calibration runs its rounds back to
-    back."""
+
+class Calibration:
+    """The measurements of one calibration on every rank of the group: the "once" part, then
+    samples (`sample`), each with the engine mode of an open `window`; `values` turns samples
+    into Machine fields and host work."""
 
     def __init__(self, run_cfg, device: torch.device, stages: tuple[int, ...]):
+        from dspark_ds.tune.workload import target_in_job
+
         self.run_cfg, self.device, self.stages = run_cfg, device, stages
         self.dtype = torch.bfloat16 if run_cfg.train.precision == "bf16" else torch.float32
+        self.in_job = target_in_job(run_cfg)
         self.load = [os.getloadavg()[0]]
         self.spent = 0.0
-        self.rounds: list[dict] = []
-        self.engines: dict[int, tuple] = {}
+        self.samples: list[dict] = []
         self.fixed: dict = {}
-        self.stand_in = StandIn(device, self.dtype)
-        self.probe = Probe(device, self.dtype)
+        t0 = time.perf_counter()
+        self.host = HostWork(run_cfg, stages, device, self.dtype)
+        self.compute = Compute(run_cfg, device, self.dtype)
+        self.collectives = Collectives(device, self.dtype) if distributed.world_size() > 1 else None
+        self.optimizers = Optimizers(device)
+        self.spent += time.perf_counter() - t0
 
-    def once(self) -> None:
-        """What does not follow the load much: copies, overlap, optimizers."""
+    def once(self, nvme_dir: str | Path | None = None, aio: dict | None = None) -> None:
+        """What does not follow the load much: copies, overlap; NVMe under `nvme_dir`."""
         t0 = time.perf_counter()
         device, dtype = self.device, self.dtype
         self.fixed["host_device_bytes_per_s"] = host_device_copy(device)
@@ -437,55 +511,52 @@ class Calibration:
             # NOTE: gloo's copies run on the cores that compute: a ZeRO-3 step on a CPU hides
             # none of its all-gathers (a matmul beside an idle core would suggest otherwise)
             self.fixed["comm_overlap"] = 0.0
-        self.fixed.update(adam_rates(device))
+        if nvme_dir is not None:
+            self.fixed.update(nvme_rates(nvme_dir, aio, ranks_per_node()))
         self.spent += time.perf_counter() - t0
 
-    def round(self) -> None:
-        """The load-following rates once more."""
-        from dspark_ds.tune.workload import host_work
-
+    def window(self, mode: int) -> EngineWindow:
         t0 = time.perf_counter()
-        device, dtype, run_cfg = self.device, self.dtype, self.run_cfg
-        got = {"peak_flops": matmul_flops(device, dtype)}
-        got["sustained"] = drafter_rate(run_cfg, device, dtype)
-        got["target_sustained"] = target_rate(run_cfg, device, dtype)
-        if distributed.world_size() > 1:
-            got.update(collectives(device, dtype))
-        got["op_overhead_s"] = self.stand_in.op_seconds()
-        got["probe_s"] = statistics.median(self.probe() for _ in range(5))
-        if device.type != "cuda":  # a CPU machine's host work is timed (workload.py)
-            got["host_work"] = host_work(run_cfg, self.stages, "cpu")
-        self.rounds.append(got)
+        window = EngineWindow(self.run_cfg, self.host, mode, self.in_job)
+        self.spent += time.perf_counter() - t0
+        return window
+
+    def sample(self, window: EngineWindow) -> dict:
+        """One pass over every load-following workload and `window`'s engine."""
+        t0 = time.perf_counter()
+        got = {"mode": window.mode}
+        got.update(self.compute.sample())
+        if self.collectives is not None:
+            got.update(self.collectives.sample())
+        got.update(self.optimizers.sample())
+        got.update(self.host.sample())
+        got["engine"] = window.sample(got.get("all_gather_latency_s", 0.0))
+        self.samples.append(got)
         self.load.append(os.getloadavg()[0])
         self.spent += time.perf_counter() - t0
+        return got
 
-    def engine(self, mode: int) -> None:
-        t0 = time.perf_counter()
-        ag = statistics.median(r.get("all_gather_latency_s", 0.0) for r in self.rounds)
-        self.engines[mode] = engine_cost(self.run_cfg, self.stand_in, mode, ag)
-        self.spent += time.perf_counter() - t0
-
-    def run(self, rounds: int = 3) -> None:
-        """A calibration on its own: the fixed part, `rounds` rounds, every engine mode."""
+    def run(self, modes: list[int], samples: int = 3) -> None:
+        """A calibration on its own: the once part, then `samples` samples in each mode."""
         from tqdm import tqdm
 
         self.once()
-        parts = [self.round] * rounds + [
-            lambda m=m: self.engine(m) for m in range(len(ENGINE_MODES))
-        ]
-        for part in tqdm(
-            parts, desc="calibrating", unit="part", disable=not distributed.is_rank0()
+        for mode in tqdm(
+            modes, desc="calibrating", unit="mode", disable=not distributed.is_rank0()
         ):
-            part()
+            window = self.window(mode)
+            for _ in range(samples):
+                self.sample(window)
+            window.close()
 
-    def result(self) -> tuple[dict, dict, dict | None]:
-        """(Machine fields measured here, what / where / when, the recipe's host work)."""
-        for mode in range(len(ENGINE_MODES)):
-            if mode not in self.engines:
-                self.engine(mode)
+    def values(self, samples: list[dict] | None = None) -> tuple[dict, dict]:
+        """(Machine fields, the recipe's host work) from `samples` (default: every sample):
+        each figure the median over them, each engine mode's from its own samples (modes
+        without a sample: 0)."""
+        samples = samples if samples is not None else self.samples
 
         def median(key):
-            return statistics.median(r[key] for r in self.rounds)
+            return statistics.median(s[key] for s in samples)
 
         values = dict(self.fixed)
         values["peak_flops"] = median("peak_flops")
@@ -494,55 +565,81 @@ class Calibration:
             1.0, median("target_sustained") / values["peak_flops"]
         )
         values["op_overhead_s"] = median("op_overhead_s")
-        values["probe_s"] = median("probe_s")
-        if distributed.world_size() > 1:
-            for key in ("all_reduce_bytes_per_s", "all_gather_bytes_per_s",
-                        "reduce_scatter_bytes_per_s", "collective_latency_s"):  # fmt: skip
-                values[key] = median(key)
-        engines = [list(self.engines[m]) for m in range(len(ENGINE_MODES))]
-        # ZeRO-3's hooks are the same code in its three modes (their offload costs are modelled
-        # apart): one figure each, the median of the three measurements
-        zero3 = [m for m, name in enumerate(ENGINE_MODES) if name.startswith("zero3")]
-        for i in (2, 3, 4):
-            pooled = statistics.median(engines[m][i] for m in zero3)
-            for m in zero3:
-                engines[m][i] = pooled
-        for i, key in enumerate(
-            ("engine_micro_s", "engine_step_s", "engine_module_fwd_s", "engine_module_bwd_s",
-             "engine_target_module_s")
-        ):  # fmt: skip
-            values[key] = tuple(e[i] for e in engines)
-        work = None
-        if "host_work" in self.rounds[0]:
-            work = dict(self.rounds[0]["host_work"])
-            work["drafter"] = {
-                s: statistics.median(r["host_work"]["drafter"][s] for r in self.rounds)
-                for s in self.stages
-            }
-            work["target"] = statistics.median(r["host_work"]["target"] for r in self.rounds)
+        for key in ("device_adam_params_per_s", "device_adam_tensor_s", "cpu_adam_params_per_s"):
+            values[key] = median(key)
+        if self.collectives is not None:
+            for op in Collectives.OPS:
+                values[f"{op}_bytes_per_s"] = median(f"{op}_bytes_per_s")
+            values["collective_latency_s"] = median("collective_latency_s")
+        modes = {s["mode"] for s in samples}
+        for part, key in ENGINE_KEYS.items():
+            values[key] = tuple(
+                statistics.median(s["engine"][part] for s in samples if s["mode"] == mode)
+                if mode in modes
+                else 0.0
+                for mode in range(len(ENGINE_MODES))
+            )
+        from dspark_ds.tune.workload import at_anchors
+
+        anchors = self.host.copies.anchors
+        work = dict(self.host.counts, collectives_timed=distributed.has_group())
+        work["drafter"] = {
+            stage: at_anchors(
+                [
+                    statistics.median(s["work"]["drafter"][stage][i] for s in samples)
+                    for i in range(len(steps))
+                ],
+                anchors,
+            )
+            for stage, steps in self.host.copies.steps.items()
+        }
+        work["target"] = statistics.median(s["work"]["target"] for s in samples)
+        return values, work
+
+    def meta(self) -> dict:
+        """What was measured, where and when."""
         cuda = self.device.type == "cuda"
-        memory = host_memory_bytes()
-        values.update(
-            gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", distributed.world_size())),
-            gpu_memory_bytes=float(torch.cuda.get_device_properties(self.device).total_memory)
-            if cuda
-            else memory,
-            host_memory_bytes=memory,
-            dispatch_overlaps_compute=cuda,
-        )
         device_name = torch.cuda.get_device_name(self.device) if cuda else platform.processor()
-        meta = {
+        return {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(),
             "device": device_name or "cpu",
             "ranks": distributed.world_size(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "threads_per_rank": torch.get_num_threads(),
-            "rounds": len(self.rounds),
+            "samples": len(self.samples),
             "load_average": [round(min(self.load), 2), round(max(self.load), 2)],
             "seconds": round(self.spent, 1),
             "torch": torch.__version__,
-            "host_memory_gib": round(memory / GIB, 1),
+            "host_memory_gib": round(host_memory_bytes() / GIB, 1),
             "drafter_kind": self.run_cfg.model.kind,
+            "nvme_measured": "nvme_read_bytes_per_s" in self.fixed,
         }
-        return values, meta, work
+
+    def machine_values(self) -> dict:
+        """The fields that describe the machine rather than a measurement."""
+        cuda = self.device.type == "cuda"
+        memory = host_memory_bytes()
+        return dict(
+            gpus_per_node=ranks_per_node(),
+            gpu_memory_bytes=float(torch.cuda.get_device_properties(self.device).total_memory)
+            if cuda
+            else memory,
+            host_memory_bytes=memory,
+            dispatch_overlaps_compute=cuda,
+        )
+
+
+def ranks_per_node() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", distributed.world_size()))
+
+
+def engine_values(values: dict, mode: int, base: dict) -> dict:
+    """`values` with its engine tuples holding only `mode`'s entry from them, the other modes'
+    from `base` (a machine's fields)."""
+    out = dict(values)
+    for key in TUPLE_FIELDS:
+        merged = list(base[key])
+        merged[mode] = values[key][mode]
+        out[key] = tuple(merged)
+    return out

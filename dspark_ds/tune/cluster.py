@@ -18,7 +18,7 @@ from dspark_ds.errors import ConfigError
 GB = 1e9
 GIB = 1024**3
 PRESET_NAMES = ("8xH100-80GB", "8xH200-141GB")
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,13 @@ class Machine:
     """GPU: ops are queued while earlier ones run, so the host time hides behind the device's
     (the larger of the two counts); CPU: the same thread does both (they add)."""
     engine_module_fwd_s: tuple[float, ...] = (0.0,) * 7
-    """ZeRO-3's hooks per module and forward, for each engine mode of ENGINE_MODES (fetch /
-    release bookkeeping; the all-gathers of partitioned parameters are counted apart)."""
+    """ZeRO-3's hooks per module call in the forward, for each engine mode of ENGINE_MODES
+    (fetch / release bookkeeping; the all-gathers of partitioned parameters are counted
+    apart)."""
     engine_module_bwd_s: tuple[float, ...] = (0.0,) * 7
+    """...per module call in the backward (the calls whose output needs a gradient)."""
     engine_target_module_s: tuple[float, ...] = (0.0,) * 7
-    """...and per module of an in-job target's forward (its own optimizer-less engine)."""
+    """...and per module call of an in-job target's forward (its own optimizer-less engine)."""
     engine_micro_s: tuple[float, ...] = (0.0,) * 7
     """DeepSpeed's fixed cost per micro-batch (forward + backward) for each engine mode of
     ENGINE_MODES, beyond plain PyTorch."""
@@ -81,9 +83,6 @@ class Machine:
     step's small collectives), beyond plain PyTorch's optimizer."""
     comm_overlap: float = 0.0
     """Share of ZeRO-3's prefetched all-gathers that runs while the device computes (0..1)."""
-    probe_s: float = 0.0
-    """Seconds of the calibration's probe workload (calibrate.Probe) when calibrated; 0 = not
-    calibrated. `--measure` times the probe again between each option's steps."""
     sources: dict = field(default_factory=dict, compare=False)
     """Field -> where its value came from (preset name, profile path, flag)."""
 
@@ -238,9 +237,12 @@ class ClusterConfig:
     """A profile measured by --cluster.calibrate (JSON); its figures replace the preset's."""
     calibrate: bool | None = None
     """Measure the rates on this machine (matmul and training rates, collectives on the
-    launcher's ranks, host <-> device copies, optimizer steps, DeepSpeed's own costs) and
-    predict for it; None = only with --measure and no --cluster.profile; false = never (the
-    preset's or the profile's figures)."""
+    launcher's ranks, host <-> device copies, NVMe with --measure, optimizer steps, DeepSpeed's
+    own costs) and predict for it; None = only with --measure and no --cluster.profile;
+    false = never (the preset's or the profile's figures)."""
+    samples: int = 3
+    """Calibration samples per engine mode (each a pass over every measured rate); with
+    --measure, per option, taken between blocks of its timed steps."""
     save_profile: str | None = None
     """Write the calibrated profile here, for a later --cluster.profile."""
     nodes: int | list[int] | str = 1
@@ -294,6 +296,8 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.preset: unknown {self.preset!r}; choose from {list(PRESETS)}"
             )
+        if self.samples < 1:
+            raise ConfigError(f"cluster.samples: must be >= 1, got {self.samples}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ConfigError(f"cluster.gpus_per_node: must be >= 1, got {self.gpus_per_node}")
         for name in ("gpu_memory_gb", "host_memory_gb", "peak_tflops", "intra_node_gb_per_s",

@@ -7,6 +7,7 @@ import copy
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,14 +57,15 @@ def option_run_config(option: ZeroOption, run_cfg, steps: int, workdir: str):
 
 
 def measure(
-    option: ZeroOption, run_cfg, steps: int, workdir: str, memory: bool = True, probe=None
-) -> dict[str, float | list[float] | None]:
+    option: ZeroOption, run_cfg, steps: int, workdir: str, memory: bool = True,
+    between: Callable[[], object] | None = None, blocks: int = 1,
+) -> dict:  # fmt: skip
     """Builds the trainer for this option and runs 1 + `steps` optimizer steps: peak memory of
     the build + first step (CUDA: max_memory_allocated; CPU: the profiler's allocation timeline;
-    None without `memory`), then the median time of the next `steps`; both the maximum over
-    ranks (a step is as slow as its slowest rank). `probe` (calibrate.Probe), if given, is
-    timed between the timed steps (about eight times, and after the last): its median says how
-    fast the machine ran meanwhile."""
+    None without `memory`), then the median time of the next `steps` and of each of their
+    PHASES; each the maximum over ranks (a step is as slow as its slowest rank). With
+    `between` (a calibration sample), the timed steps are split into `blocks` blocks and
+    `between` runs before each: what it measures sees the same conditions as the steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from dspark_ds import distributed
@@ -89,41 +91,76 @@ def measure(
     peak = 0.0
     if memory:
         peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
-    times, cpu_times, probes = [], [], []
-    every = max(1, steps // 8)
+    times, cpu_times, phases, waited = [], [], [], []
+    blocks = max(1, min(blocks, steps)) if between is not None else 1
+    starts = {round(i * steps / blocks) for i in range(blocks)}
     for i in range(steps):
-        if probe is not None and i % every == 0:
-            probes.append(probe())
+        if between is not None and i in starts:
+            between()
         if cuda:
             torch.cuda.synchronize()
         distributed.barrier()
+        parts = [0.0] * len(PHASES)
+        w0 = waited_s()
         t0, c0 = time.perf_counter(), time.process_time()
-        _one_step(trainer, batches)
+        _one_step(trainer, batches, parts)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
-    if probe is not None:
-        probes.append(probe())
-    peak, step_s, cpu_s = distributed.all_reduce_values(
-        [peak, statistics.median(times), statistics.median(cpu_times)], op="max"
-    )
+        waited.append(waited_s() - w0)
+        phases.append(parts)
+    summary = [statistics.median(times), statistics.median(cpu_times), statistics.median(waited)]
+    summary += [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
+    peak, *summary = distributed.all_reduce_values([peak, *summary], op="max")
     _release(trainer)
     return {
         "peak_bytes": peak if memory else None,
-        "step_s": step_s,
-        "cpu_step_s": cpu_s,
+        "step_s": summary[0],
+        "cpu_step_s": summary[1],
+        "waited_s": summary[2],
+        "phase_s": dict(zip(PHASES, summary[3:])),
         "step_times_s": times,
-        "probe_s": statistics.median(probes) if probes else None,
     }
 
 
-def _one_step(trainer, batches) -> None:
+def waited_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a core (other processes on the
+    machine; Linux's schedstat), or 0 where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+PHASES = ("batch", "forward", "backward", "engine_step")
+"""A measured step's parts: the next batch (with an in-job target, its forward), the drafter's
+forward + loss, the backward, DeepSpeed's step."""
+
+
+def _one_step(trainer, batches, phases: list[float] | None = None) -> None:
+    """One optimizer step; `phases` (if given) gets the seconds of each of PHASES added
+    (summed over the micro-batches)."""
     ctx = trainer.step_context(training=True)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(trainer.grad_accum):
-        out = trainer.kind.training_step(trainer.engine, trainer.on_device(next(batches)), ctx)
+        t = [time.perf_counter()]
+        batch = trainer.on_device(next(batches))
+        sync()
+        t.append(time.perf_counter())
+        out = trainer.kind.training_step(trainer.engine, batch, ctx)
+        sync()
+        t.append(time.perf_counter())
         trainer.engine.backward(out.loss)
+        sync()
+        t.append(time.perf_counter())
         trainer.engine.step()
+        sync()
+        t.append(time.perf_counter())
+        if phases is not None:
+            for i in range(len(PHASES)):
+                phases[i] += t[i + 1] - t[i]
 
 
 def _release(trainer) -> None:

@@ -12,7 +12,7 @@ from dspark_ds.tune.inventory import Inventory
 MB = 1024**2
 HEADER = ["option", "per GPU", "host/node", "states", "DeepSpeed est.", "activations", "fits",
           "step s", "tokens/s"]  # fmt: skip
-MEASURED_HEADER = ["measured peak", "est/meas", "measured step s", "load ×", "pred/meas"]
+MEASURED_HEADER = ["measured peak", "est/meas", "measured step s", "pred/meas"]
 
 
 def fmt_bytes(x: float | None) -> str:
@@ -52,7 +52,9 @@ def machine_label(cfg: TunerConfig, machine: Machine) -> str:
     return f"preset {cfg.cluster.preset}"
 
 
-def row(e: Estimate, machine: Machine, measured: dict[str, dict] | None) -> list[str]:
+def row(
+    e: Estimate, machine: Machine, measured: dict[str, dict] | None, at_measurement: dict
+) -> list[str]:
     out = [
         e.option,
         fmt_bytes(e.device_total),
@@ -71,13 +73,11 @@ def row(e: Estimate, machine: Machine, measured: dict[str, dict] | None) -> list
         return out + ["-"] * len(MEASURED_HEADER)
     here = e.device_total + e.host_total_per_rank  # one machine: device and host share RAM
     peak = m.get("peak_bytes")
-    load = (m.get("probe_s") or 0) / machine.probe_s if machine.probe_s else 0.0
-    predicted = e.step["predicted_step_s"] * (load or 1.0)
+    predicted = at_measurement.get(e.option, e.step["predicted_step_s"])
     return out + [
         fmt_bytes(peak),
         f"{here / peak:.2f}" if peak else "-",
         fmt_s(m["step_s"]),
-        f"{load:.2f}" if load else "-",
         f"{predicted / m['step_s']:.2f}",
     ]
 
@@ -181,10 +181,12 @@ def report(
     measured: dict[str, dict] | None = None,
     scaling: dict[int, list[Estimate]] | None = None,
     calibration: dict | None = None,
+    at_measurement: dict[str, float] | None = None,
 ) -> str:
     nodes = estimates[0].step["nodes"] if estimates else 1
     header = HEADER + (MEASURED_HEADER if measured else [])
-    rows = [row(e, machine, measured or None) for e in estimates]
+    at_measurement = at_measurement or {}
+    rows = [row(e, machine, measured or None, at_measurement) for e in estimates]
     lines = [*headline(cfg, inv, run_cfg, machine, nodes), "", *table(rows, header)]
     lines += [f"  {e.option}: does not fit: {e.why}" for e in estimates if not e.fits]
     lines += ["", "predicted step, by term (seconds):"]
@@ -199,15 +201,20 @@ def report(
     if calibration:
         lines.append(
             f"calibrated {calibration['date']} on {calibration['ranks']} rank(s), "
-            f"{calibration['dtype']}, load average {calibration['load_average']}, "
-            f"{calibration['seconds']} s"
+            f"{calibration['dtype']}, {calibration['samples']} samples, load average "
+            f"{calibration['load_average']}, {calibration['seconds']} s"
+            + ("" if calibration.get("nvme_measured") else "; NVMe not measured")
         )
     if measured:
         lines.append(
             "measured here: estimate covers device + host bytes of one rank "
             "(on a CPU-only machine both live in the same RAM); measured step s = the median "
-            f"of {cfg.measure_steps} steps, the slowest rank's; load × = the probe workload's "
-            "seconds between those steps over its seconds at calibration (other jobs on the "
-            "machine); pred/meas = the prediction × load over the measured step"
+            f"of {cfg.measure_steps} steps, the slowest rank's; pred/meas = "
+            + (
+                "the prediction from the calibration samples taken between that option's "
+                "steps over the measured step"
+                if at_measurement
+                else "the prediction over the measured step"
+            )
         )
     return "\n".join(lines)

@@ -15,8 +15,9 @@ reduce-scatter (N-1)/N of the whole); across nodes the slower of NVLink and the 
   unless the host work was timed on a process group (then it holds them).
 - engine: what DeepSpeed adds per micro-batch and per step at this stage and offload
   (measured by the calibration on a stand-in model).
-- zero3_hooks: ZeRO-3's hooks on every module of the drafter (forward and backward) and of the
-  in-job target (forward).
+- zero3_hooks: ZeRO-3's hooks on every module call of the drafter (its forward + loss, and in
+  the backward the calls whose output needs a gradient) and of the in-job target (forward);
+  the calls counted on the recipe's own copy 32 wide (workload.py).
 - grad_reduce: ZeRO-0/1 all-reduce the gradients once per step; ZeRO-2 all-reduces each
   micro-batch's (the optimizer keeps its partition); ZeRO-3 reduce-scatters each micro-batch's;
   in reduce_bucket_size buckets (one latency each beyond the first, which `engine` holds);
@@ -33,7 +34,10 @@ reduce-scatter (N-1)/N of the whole); across nodes the slower of NVLink and the 
 - optimizer: Adam over the rank's elements (all of them at ZeRO-0), on the device or, with
   optimizer offload, DeepSpeed's CPU Adam on the host.
 - nvme: NVMe offload reads and writes the optimizer states (fp32 master + Adam m, v) every
-  step, and reads a parameter partition at every gather; a node's drives serve its ranks.
+  step, writes each micro-batch's fp32 gradient partition and reads it back for the step;
+  with parameters on NVMe, reads the partition of every parameter DeepSpeed swaps (1 MiB or
+  more) at each gather and writes the updated ones after the step; a node's drives serve its
+  ranks.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ from dspark_ds.tune.cluster import Machine, engine_mode
 from dspark_ds.tune.inventory import Inventory, ModuleParams
 from dspark_ds.tune.workload import Workload, target_in_job
 
+SWAP_MIN_BYTES = 2**20
+"""DeepSpeed swaps a parameter partition to NVMe only from this size (its MIN_AIO_BYTES, the
+default aio block size)."""
 TERMS = ("compute", "host_ops", "step_collectives", "engine", "zero3_hooks", "grad_reduce",
          "param_gather", "offload_copy", "optimizer", "nvme")  # fmt: skip
 
@@ -62,6 +69,9 @@ class StepTime:
     tokens_per_sequence: int
     terms: dict[str, float] = field(default_factory=dict)
     """Seconds per step by term (TERMS)."""
+    in_step: dict[str, float] = field(default_factory=dict)
+    """The part of each term spent in DeepSpeed's optimizer step (after the last backward);
+    the rest is in the micro-batches."""
     note: str = ""
 
     @property
@@ -81,6 +91,7 @@ class StepTime:
             "predicted_step_s": self.seconds,
             "tokens_per_s": self.tokens_per_s,
             "terms": dict(self.terms),
+            "optimizer_step_s": sum(self.in_step.values()),
             "note": self.note,
         }
 
@@ -122,16 +133,19 @@ def partitioned_elements(module: ModuleParams, threshold: int) -> int:
     return sum(n for n in module.numels if n > threshold)
 
 
-def zero3_gathers(inv: Inventory, zero: ZeroSettings, in_job: bool) -> tuple[int, float]:
+def zero3_gathers(
+    inv: Inventory, zero: ZeroSettings, in_job: bool, min_numel: int = 0
+) -> tuple[int, float]:
     """(all-gather calls, elements gathered) of one micro-batch under ZeRO-3: each module with
     partitioned parameters once in forward and, where its backward needs them, once in
-    backward; the in-job target's modules once (its forward)."""
+    backward; the in-job target's modules once (its forward). `min_numel`: only parameters of
+    more elements count (those DeepSpeed swaps to NVMe)."""
     calls, elements = 0, 0.0
     visits = [(m, 1 + int(m.backward)) for m in inv.drafter_param_modules]
     if in_job:
         visits += [(m, 1) for m in inv.target_param_modules]
     for module, times in visits:
-        e = partitioned_elements(module, zero.param_persistence_threshold)
+        e = partitioned_elements(module, max(zero.param_persistence_threshold, min_numel))
         if e:
             calls += times
             elements += times * e
@@ -169,9 +183,12 @@ def step_time(
         "zero3_hooks": 0.0,
     }
     if stage == 3:
-        modules = inv.drafter_modules * (m.engine_module_fwd_s[mode] + m.engine_module_bwd_s[mode])
-        modules += (inv.target_modules if in_job else 0) * m.engine_target_module_s[mode]
-        host["zero3_hooks"] = modules
+        fwd_calls, bwd_calls = wl.drafter_calls
+        host["zero3_hooks"] = (
+            fwd_calls * m.engine_module_fwd_s[mode]
+            + bwd_calls * m.engine_module_bwd_s[mode]
+            + wl.target_calls * m.engine_target_module_s[mode]
+        )
     # NOTE: on a GPU the host runs ahead of the device: only what exceeds its compute shows
     total_host = sum(host.values())
     shown = 1.0
@@ -180,6 +197,7 @@ def step_time(
     for key, value in host.items():
         t[key] = accum * value * shown
     t["engine"] += m.engine_step_s[mode]
+    in_step = {"engine": m.engine_step_s[mode]}
     if not wl.collectives_timed:
         t["step_collectives"] = accum * 2 * latency
 
@@ -199,6 +217,7 @@ def step_time(
         gathers = max(1, math.ceil(P / max(zero.allgather_bucket_size, 1)))
         t["param_gather"] = bus_seconds(m, "all_gather", P * b, world, nodes)
         t["param_gather"] += (gathers - 1) * ag_latency
+        in_step["param_gather"] = t["param_gather"]
     elif stage == 3:
         calls, gather_elements = zero3_gathers(inv, zero, in_job)
         gather = 0.0
@@ -213,6 +232,7 @@ def step_time(
         after = len(persistent) * ag_latency if world > 1 else 0.0
         after += bus_seconds(m, "all_gather", sum(persistent) * b, world, nodes)
         t["param_gather"] = accum * gather + after
+        in_step["param_gather"] = after
 
     if stage in (0, 1):
         t["grad_reduce"] = bus_seconds(m, "all_reduce", grad_bytes, world, nodes) + extra
@@ -227,21 +247,35 @@ def step_time(
     own = P / world if stage >= 1 else P
     if zero.offload_optimizer:
         t["offload_copy"] = (accum * own * 4 + own * b) / m.host_device_bytes_per_s
+        in_step["offload_copy"] = own * b / m.host_device_bytes_per_s
         t["optimizer"] = own / m.cpu_adam_params_per_s
     else:
         t["optimizer"] = own / m.device_adam_params_per_s
         if stage == 0:
             t["optimizer"] += tensors * m.device_adam_tensor_s
+    # a node's drives serve its ranks
+    read_s = m.gpus_per_node / m.nvme_read_bytes_per_s
+    write_s = m.gpus_per_node / m.nvme_write_bytes_per_s
+    in_step["nvme"] = 0.0
     if zero.offload_param:
         per_micro = gather_elements / world * b
         if zero.offload_param == "nvme":
-            t["nvme"] += accum * per_micro / (m.nvme_read_bytes_per_s / m.gpus_per_node)
-            t["nvme"] += own * b / (m.nvme_write_bytes_per_s / m.gpus_per_node)
+            swapped = zero3_gathers(inv, zero, in_job, min_numel=SWAP_MIN_BYTES * world // b)
+            t["nvme"] += accum * swapped[1] / world * b * read_s
+            updated = sum(
+                partitioned_elements(mod, max(zero.param_persistence_threshold,
+                                              SWAP_MIN_BYTES * world // b))
+                for mod in inv.drafter_param_modules if mod.trainable
+            )  # fmt: skip
+            in_step["nvme"] += updated / world * b * write_s
+            t["nvme"] += updated / world * b * write_s
         t["offload_copy"] += accum * per_micro / m.host_device_bytes_per_s
     if zero.offload_optimizer == "nvme":
         states = own * 12  # fp32 master, Adam m and v
-        t["nvme"] += states / (m.nvme_read_bytes_per_s / m.gpus_per_node)
-        t["nvme"] += states / (m.nvme_write_bytes_per_s / m.gpus_per_node)
+        grads = own * 4 * accum  # each micro-batch's fp32 partition
+        in_step["nvme"] += states * (read_s + write_s) + grads * read_s
+        t["nvme"] += states * (read_s + write_s) + grads * (read_s + write_s)
+    in_step["optimizer"] = t["optimizer"]
     return StepTime(
         option=option,
         nodes=nodes,
@@ -250,5 +284,6 @@ def step_time(
         sequences=sequences,
         tokens_per_sequence=run_cfg.data.max_length,
         terms=t,
+        in_step=in_step,
         note=note,
     )

@@ -1,18 +1,21 @@
 """What one micro-batch of a recipe costs, independent of the machine: its matmul FLOPs (the
-drafter kind's own count, through the registry, and the in-job target's forward) and its host
-work, in units of one tensor op of a stand-in model.
+drafter kind's own count, `DrafterKind.step_flops`, and the in-job target's forward), its host
+work in units of one tensor op of a stand-in model, and how often its modules run (ZeRO-3
+hooks each module call).
 
 Host work matters where tensors are small (every op costs host time whatever its size: the
 tiny CPU recipe is all such time); the FLOPs where they are large. A copy of the drafter 32
 wide (the recipe's layer count, block size, anchors, chunking, loss path and attention) runs
-one forward + loss + backward on the CPU, the target's forward likewise. For a CPU machine
-their seconds over the seconds per op of a stand-in (a small Qwen3 model, timed in the same
-process) give the work in stand-in ops, which the machine's calibrated seconds per op turn
-into seconds: the drafter's Python between its ops (the loss's bookkeeping, the metrics) and
-its small matmuls cost more per op than the stand-in's, which a raw op count would miss. For a
-GPU machine the host only launches each op: the raw op count is the work. The loops of the
-blockwise attention and the chunked loss depend on the anchors and chunk sizes, which the copy
-keeps; the widths do not change them.
+one forward + loss + backward through the kind's `training_step`, the target's forward
+likewise (`FrozenTarget`, as training calls it). For a CPU machine their seconds over the
+seconds per op of a stand-in (a small Qwen3 model, timed in the same process) give the work in
+stand-in ops, which the machine's calibrated seconds per op turn into seconds: the drafter's
+Python between its ops (the loss's bookkeeping, the metrics) and its small matmuls cost more
+per op than the stand-in's, which a raw op count would miss. For a GPU machine the host only
+launches each op: the raw op count is the work. The loops of the blockwise attention and the
+chunked loss depend on the anchors and chunk sizes, which the copy keeps; the widths do not
+change them. The same copies, under a real DeepSpeed engine, are what the calibration times
+DeepSpeed's own costs on (calibrate.py).
 """
 
 from __future__ import annotations
@@ -23,12 +26,16 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dspark_ds.tune.inventory import Inventory
 
 NARROW = dict(hidden=32, intermediate=64, heads=2, head_dim=8, vocab=256)
 """The widths of the copy whose host work is timed."""
+ANCHOR_POINTS = (32, 64)
+"""Past the last of these, the copy's work is extrapolated linearly in the anchors from both
+(its attention's arithmetic would otherwise grow with anchors × sequence)."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -41,6 +48,35 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+class CallCounter:
+    """Counts the module calls of `model` while open: every forward (ZeRO-3's forward hooks
+    run on each) and those whose output needs a gradient (its backward hooks run on those)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.forward = self.backward = 0
+        self._handles: list = []
+
+    def __enter__(self) -> CallCounter:
+        def pre(_module, _args):
+            self.forward += 1
+
+        def post(_module, _args, output):
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in outputs):
+                self.backward += 1
+
+        for module in self.model.modules():
+            self._handles.append(module.register_forward_pre_hook(pre))
+            self._handles.append(module.register_forward_hook(post))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
 
 @dataclass(frozen=True)
@@ -58,6 +94,11 @@ class Workload:
     """The host work was timed on a process group: it holds the loss's small all-reduces."""
     tokens: int
     """B · S, the micro-batch's tokens."""
+    drafter_calls: tuple[float, float] = (0.0, 0.0)
+    """Module calls of the drafter's forward + loss (ZeRO-3's forward hooks) and of those
+    with a gradient (its backward hooks)."""
+    target_calls: float = 0.0
+    """Module calls of the in-job target's forward (0 offline)."""
 
     @property
     def flops(self) -> float:
@@ -87,7 +128,7 @@ def drafter_flops(inv: Inventory, run_cfg, device: str, stage: int) -> dict[str,
     return kind.step_flops(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
 
 
-# ---- a drafter kind's training step, built for timing ------------------------------------------
+# ---- a drafter kind's training step and the target's forward, built for timing -------------
 def counted_perf(perf, device: str):
     """The perf section a copy runs on the CPU for a `device` prediction: the loss chunks of
     `device`; on CUDA the dense kernel stands in for flex_attention (one fused kernel per call
@@ -127,15 +168,23 @@ def resized_config(config, *, hidden, intermediate, heads, head_dim, vocab, laye
     return config
 
 
+def narrow_config(config):
+    return resized_config(
+        config, hidden=NARROW["hidden"], intermediate=NARROW["intermediate"],
+        heads=NARROW["heads"], head_dim=NARROW["head_dim"], vocab=NARROW["vocab"],
+    )  # fmt: skip
+
+
 class KindStep:
     """One training micro-batch (forward + loss + backward) of a drafter kind, through the
     kind's `training_step`, built from a target config and a run's model and perf sections, on
-    random inputs of B × S."""
+    random inputs of B × S. `make()` builds a fresh drafter (for an engine to wrap); `loss(m)`
+    runs the step's forward + loss through `m` (the drafter or a DeepSpeed engine around one);
+    calling the step runs forward, loss and backward on its own drafter."""
 
     def __init__(self, model_section, perf, target_config, layer_ids, batch_size: int,
                  seq_len: int, zero3: bool, device: torch.device | None = None,
                  dtype: torch.dtype = torch.float32, target_path: str | None = None):  # fmt: skip
-        from dspark_ds.drafters import build_draft_model
         from dspark_ds.drafters.common.target_config import text_config
         from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
         from dspark_ds.drafters.registry import get_kind
@@ -144,13 +193,12 @@ class KindStep:
         self.kind = kind = get_kind(model_section.kind)
         text = text_config(target_config)
         vocab, hidden = int(text.vocab_size), int(text.hidden_size)
-        draft_config = kind.build_config(
+        self.draft_config = kind.build_config(
             target_config, model_section, target_layer_ids=layer_ids,
             mask_token_id=vocab - 1, target_path=target_path,
         )  # fmt: skip
-        torch.manual_seed(0)
-        self.model = build_draft_model(draft_config).to(device, dtype).train()
-        self.model.freeze_shared()
+        self.device, self.dtype, self.perf = device, dtype, perf
+        self.model = self.make()
         if zero3:
             # NOTE: the loss path reads ZeRO-3 off the parameters (they carry `ds_id`)
             for p in self.model.parameters():
@@ -176,14 +224,61 @@ class KindStep:
         for key in ("target_hidden_states", "target_last_hidden_states"):
             self.batch[key] = self.batch[key].to(dtype)
         self.batch["sample_ids"] = torch.arange(B)
-        self.device = device
+
+    def make(self) -> nn.Module:
+        """A fresh drafter (the same seed every time), its shared weights frozen, on the step's
+        device and dtype, with the run's attention."""
+        from dspark_ds.drafters import build_draft_model
+
+        torch.manual_seed(0)
+        model = build_draft_model(self.draft_config).to(self.device, self.dtype).train()
+        model.freeze_shared()
+        model.attn_implementation = self.perf.attn_implementation
+        return model
+
+    def loss(self, model) -> torch.Tensor:
+        return self.kind.training_step(model, self.batch, self.ctx).loss
 
     def __call__(self) -> None:
-        out = self.kind.training_step(self.model, self.batch, self.ctx)
-        out.loss.backward()
+        self.loss(self.model).backward()
         self.model.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+
+class TargetForward:
+    """The frozen target's forward over B × S tokens as training calls it (`FrozenTarget`, no
+    gradient), built from a target config."""
+
+    def __init__(self, config, layer_ids, batch_size: int, seq_len: int,
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32):  # fmt: skip
+        from dspark_ds.drafters.common.target_config import text_config
+
+        self.config, self.layer_ids = config, layer_ids
+        self.device, self.dtype = device or torch.device("cpu"), dtype
+        vocab = int(text_config(config).vocab_size)
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(self.device)
+        self.mask = torch.ones_like(self.ids)
+        self.target = self.make()
+
+    def make(self) -> nn.Module:
+        """A fresh `FrozenTarget` (for an engine to partition)."""
+        from transformers import AutoModelForCausalLM
+
+        from dspark_ds.target import FrozenTarget
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(self.config).to(self.device, self.dtype)
+        return FrozenTarget(model, self.layer_ids)
+
+    def run(self, target: nn.Module) -> None:
+        target(self.ids, attention_mask=self.mask)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def __call__(self) -> None:
+        self.run(self.target)
 
 
 # ---- host work --------------------------------------------------------------------------------
@@ -239,73 +334,99 @@ class StandInOps:
         return statistics.median(ratios)
 
 
-def narrow_config(config):
-    return resized_config(
-        config, hidden=NARROW["hidden"], intermediate=NARROW["intermediate"],
-        heads=NARROW["heads"], head_dim=NARROW["head_dim"], vocab=NARROW["vocab"],
-    )  # fmt: skip
+def anchor_points(anchors: int) -> list[int]:
+    """The anchor counts the narrow copy runs at (ANCHOR_POINTS past the last of them)."""
+    return [anchors] if anchors <= ANCHOR_POINTS[-1] else list(ANCHOR_POINTS)
+
+
+def at_anchors(values: list[float], anchors: int) -> float:
+    """A value measured at `anchor_points(anchors)`, linear in the anchors past the last."""
+    if len(values) == 1:
+        return values[0]
+    (a0, a1), (v0, v1) = ANCHOR_POINTS, values
+    return v1 + (v1 - v0) / (a1 - a0) * (anchors - a1)
+
+
+class NarrowCopies:
+    """The recipe's drafter (for each loss path `stages` asks for: 0 or 3, and each anchor
+    point) and its target, 32 wide, on `device` (the process group's, when there is one: the
+    loss all-reduces its denominators, every rank runs the copy in step)."""
+
+    def __init__(self, run_cfg, stages: tuple[int, ...], device: str = "cpu",
+                 run_on: torch.device | None = None):  # fmt: skip
+        from dspark_ds.drafters.common.target_config import text_config
+        from dspark_ds.target import default_layer_ids
+        from dspark_ds.tune.inventory import target_config_of
+
+        run_on = run_on or torch.device("cpu")
+        perf = counted_perf(run_cfg.perf, device)
+        self.config = narrow_config(target_config_of(run_cfg.target.path))
+        num_layers = int(text_config(self.config).num_hidden_layers)
+        layer_ids = run_cfg.target.layer_ids or default_layer_ids(num_layers)
+        self.anchors = run_cfg.model.num_anchors
+        points = anchor_points(self.anchors)
+        seq_len = min(run_cfg.data.max_length, 2 * max(points) + 64)
+        B = run_cfg.data.batch_size
+        self.steps = {
+            stage: [
+                KindStep(
+                    replace(run_cfg.model, num_anchors=a),
+                    perf,
+                    self.config,
+                    layer_ids,
+                    B,
+                    seq_len,
+                    zero3=stage == 3,
+                    device=run_on,
+                    target_path=run_cfg.target.path,
+                )  # fmt: skip
+                for a in points
+            ]
+            for stage in stages
+        }
+        self.target = TargetForward(self.config, layer_ids, B, min(seq_len, 64), run_on)
+
+    def counts(self) -> dict:
+        """{"ops": {"drafter": {stage: n}, "target": n}, "calls": {"drafter": {stage: (forward,
+        backward)}, "target": n}}: one micro-batch's tensor ops and module calls."""
+        ops: dict = {"drafter": {}}
+        calls: dict = {"drafter": {}}
+        for stage, steps in self.steps.items():
+            n_ops, fwd, bwd = [], [], []
+            for step in steps:
+                with OpCounter() as counter, CallCounter(step.model) as called:
+                    step()
+                n_ops.append(counter.ops)
+                fwd.append(called.forward)
+                bwd.append(called.backward)
+            ops["drafter"][stage] = at_anchors(n_ops, self.anchors)
+            calls["drafter"][stage] = (at_anchors(fwd, self.anchors), at_anchors(bwd, self.anchors))
+        with OpCounter() as counter, CallCounter(self.target.target) as called:
+            self.target()
+        ops["target"], calls["target"] = counter.ops, called.forward
+        return {"ops": ops, "calls": calls}
 
 
 def host_work(run_cfg, stages: tuple[int, ...], device: str = "cpu", timed: bool = True) -> dict:
-    """{"drafter": {stage: stand-in ops}, "target": stand-in ops, "ops": the raw op counts}:
-    the host work of one micro-batch on `device`, from the narrow copy timed on this CPU (the
-    drafter's loss path follows the ZeRO stage, as in training); not `timed`: the op counts
-    only (what a GPU's host does per op is launch it).
-
-    NOTE: the attention's arithmetic grows with anchors × sequence whatever the width, so the
-    copy runs at most 64 anchors (a sequence just long enough for them); past that its host
-    work is extrapolated linearly in the anchors from 32 and 64 (the loops over attention and
-    loss chunks grow with them)."""
-    from transformers import AutoModelForCausalLM
-
+    """{"drafter": {stage: stand-in ops}, "target": stand-in ops, "ops": the raw op counts,
+    "calls": the module calls (NarrowCopies.counts)}: the host work of one micro-batch on
+    `device`, from the narrow copy timed on this CPU (the drafter's loss path follows the ZeRO
+    stage, as in training); not `timed`: the op counts only (what a GPU's host does per op is
+    launch it)."""
     from dspark_ds.distributed import collective_device, has_group
-    from dspark_ds.drafters.common.target_config import text_config
-    from dspark_ds.target import FrozenTarget, default_layer_ids
-    from dspark_ds.tune.inventory import target_config_of
 
-    # NOTE: under a process group the loss all-reduces its denominators: the copy runs on the
-    # group's device (every rank runs it, in step)
     run_on = collective_device() if has_group() else torch.device("cpu")
-    perf = counted_perf(run_cfg.perf, device)
-    config = narrow_config(target_config_of(run_cfg.target.path))
-    num_layers = int(text_config(config).num_hidden_layers)
-    layer_ids = run_cfg.target.layer_ids or default_layer_ids(num_layers)
-    anchors = run_cfg.model.num_anchors
-    points = [anchors] if anchors <= 64 else [32, 64]
-    seq_len = min(run_cfg.data.max_length, 2 * max(points) + 64)
-    out: dict = {"drafter": {}, "ops": {"drafter": {}}, "collectives_timed": has_group()}
     with torch.random.fork_rng():
-        unit = StandInOps() if timed else None
-        for stage in stages:
-            work, ops = [], []
-            for a in points:
-                model = replace(run_cfg.model, num_anchors=a)
-                step = KindStep(
-                    model, perf, config, layer_ids, run_cfg.data.batch_size, seq_len,
-                    zero3=stage == 3, device=run_on, target_path=run_cfg.target.path,
-                )  # fmt: skip
-                with OpCounter() as counter:
-                    step()
-                ops.append(counter.ops)
-                work.append(unit.work(step) if unit else counter.ops)
-            if len(points) == 2:  # linear in the anchors past 64
-                slope = (work[1] - work[0]) / (points[1] - points[0])
-                work.append(work[1] + slope * (anchors - points[1]))
-                slope = (ops[1] - ops[0]) / (points[1] - points[0])
-                ops.append(ops[1] + slope * (anchors - points[1]))
-            out["ops"]["drafter"][stage] = ops[-1]
-            out["drafter"][stage] = work[-1]
-        target = FrozenTarget(AutoModelForCausalLM.from_config(config).float(), layer_ids)
-        target = target.to(run_on)
-        ids = torch.randint(0, NARROW["vocab"], (run_cfg.data.batch_size, min(seq_len, 64)))
-        ids = ids.to(run_on)
-        mask = torch.ones_like(ids)
-        with OpCounter() as counter:
-            target(ids, attention_mask=mask)
-        out["ops"]["target"] = counter.ops
-        out["target"] = counter.ops
-        if unit:
-            out["target"] = unit.work(lambda: target(ids, attention_mask=mask))
+        copies = NarrowCopies(run_cfg, stages, device, run_on)
+        out = dict(copies.counts(), collectives_timed=has_group())
+        out["drafter"] = dict(out["ops"]["drafter"])
+        out["target"] = out["ops"]["target"]
+        if timed:
+            unit = StandInOps()
+            for stage, steps in copies.steps.items():
+                work = [unit.work(step) for step in steps]
+                out["drafter"][stage] = at_anchors(work, copies.anchors)
+            out["target"] = unit.work(copies.target)
     return out
 
 
@@ -320,4 +441,6 @@ def workload(inv: Inventory, run_cfg, device: str, stage: int, work: dict | None
         target_ops=(work["target"] if in_job else 0.0) if work else 0.0,
         collectives_timed=bool(work and work["collectives_timed"]),
         tokens=run_cfg.data.batch_size * run_cfg.data.max_length,
+        drafter_calls=tuple(work["calls"]["drafter"][key]) if work else (0.0, 0.0),
+        target_calls=(work["calls"]["target"] if in_job else 0.0) if work else 0.0,
     )

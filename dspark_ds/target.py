@@ -116,11 +116,16 @@ def import_target_class(config) -> None:
 
 
 def build_target_model(cfg: TargetConfig, config) -> nn.Module:
-    """The target's model class built from `config` (random weights; under `zero.Init` each
-    parameter is partitioned as its module is built)."""
+    """The target's model class built from `config`, its weights left uninitialised (they are
+    read from the checkpoint next; under `zero.Init` each parameter is partitioned as its module
+    is built, and transformers' init would index into the empty partitions)."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    return AutoModelForCausalLM.from_config(config, **_model_kwargs(cfg))
+    with no_init_weights():  # NOTE: this skips the tying of embeddings too
+        model = AutoModelForCausalLM.from_config(config, **_model_kwargs(cfg))
+    model.tie_weights()
+    return model
 
 
 def default_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:

@@ -4,8 +4,11 @@ A drafter directory is `config.json` (the draft text config plus the DSpark fiel
 `model.safetensors` (or shards with `model.safetensors.index.json`), readable by the
 reference implementation, SGLang and vLLM. `architectures` selects the backend.
 
-`config.json` keeps the target family's `model_type` (qwen3, gemma4_text): the reference
-implementation, SGLang and vLLM read it as the family's config class. transformers' Auto classes
+`config.json` keeps the `model_type` of the drafter's backbone: the target's own for Qwen3 and
+Gemma4 targets (qwen3, gemma4_text), "qwen3" for every other family, whose drafter is the
+Qwen3 backbone sized from the target (drafters/common/families.py); `target_model_type` and
+`target_text_model_type` name the target's family. The reference implementation, SGLang and
+vLLM read `model_type` as the drafter's config class. transformers' Auto classes
 map that config class to the plain causal LM, and use `architectures` only to choose among the
 classes registered for it; `register_auto_classes` (run when `dspark_ds.drafters` is imported)
 adds the drafter architectures there, so `AutoModelForCausalLM.from_pretrained(drafter_dir)`

@@ -26,7 +26,6 @@ _LOGIT_FIELDS = {
     "logit_scale": 1.0,  # Cohere
     "logits_scaling": 1.0,  # Granite
     "lm_head_multiplier": 1.0,  # Falcon-H1
-    "scale_emb": 1.0,  # MiniCPM (logits divided by hidden_size / dim_model_base)
 }
 # The first of these a config has is the RMSNorm epsilon.
 _EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")

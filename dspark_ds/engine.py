@@ -7,6 +7,8 @@
   the target runs in the job (online / hybrid / synthetic: see "the target inside the job"
   below), copies of the target's tensors otherwise (offline). Frozen parameters are never
   given to the optimizer and never written into checkpoints.
+- `load_target`: the in-job target; under ZeRO-3 `load_partitioned_target` builds it inside
+  `deepspeed.zero.Init` and each rank reads only its partitions from the checkpoint files.
 - save / load (incl. DeepSpeed's universal checkpoint for a different world size) and the fp32
   weights of a checkpoint or of the live model, for export.
 """

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -368,30 +367,33 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
 
 def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding [V,H], lm_head [V,H]) read straight from the target's safetensors, without
-    loading the whole target. Tied targets return the embedding twice."""
-    from safetensors import safe_open
+    loading the whole target: the model is built on the meta device to learn the two
+    parameters' names (any family), then only those tensors are read. Tied targets return the
+    embedding twice."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    root = Path(target_path)
-    files: dict[str, Path] = {}
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        for name, shard in json.loads(index.read_text())["weight_map"].items():
-            files[name] = root / shard
-    elif (root / "model.safetensors").exists():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            files = {name: root / "model.safetensors" for name in f.keys()}
-    else:
-        raise ConfigError(f"target.path: {root} has no model.safetensors(.index.json)")
+    from dspark_ds.target_weights import TargetWeights, local_target_dir
 
-    def find(suffixes: tuple[str, ...]) -> torch.Tensor | None:
-        for name, file in files.items():
-            if name.endswith(suffixes):
-                with safe_open(str(file), framework="pt") as f:
-                    return f.get_tensor(name)
-        return None
-
-    embed = find(("embed_tokens.weight",))
+    root = local_target_dir(target_path)
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except OSError as err:
+        raise ConfigError(
+            f"target.path: cannot read a model config from {target_path!r} ({first_line(err)})"
+        ) from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names: dict[int, list[str]] = {}  # a tied weight has both names; the checkpoint one
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    embed_names = names[id(model.get_input_embeddings().weight)]
+    head = model.get_output_embeddings()
+    head_names = names[id(head.weight)] if head is not None else embed_names
+    found = {
+        name: source.read().view(source.shape)
+        for name, source in TargetWeights(root).sources(model, only={*embed_names, *head_names})
+    }
+    embed = next((found[n] for n in embed_names if n in found), None)
     if embed is None:
-        raise ConfigError(f"target.path: {root} has no *embed_tokens.weight tensor")
-    head = find(("lm_head.weight",))
-    return embed, (embed if head is None else head)
+        raise ConfigError(f"target.path: {root} holds no {embed_names[0]} tensor (the embedding)")
+    return embed, next((found[n] for n in head_names if n in found), embed)

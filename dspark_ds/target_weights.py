@@ -174,10 +174,13 @@ class TargetWeights:
         for name in files:
             self.tensors.update(read_header(self.root / name))
 
-    def sources(self, model: nn.Module) -> Iterator[tuple[str, StoredTensor | Computed]]:
+    def sources(
+        self, model: nn.Module, only: set[str] | None = None
+    ) -> Iterator[tuple[str, StoredTensor | Computed]]:
         """(name in `model`'s state dict, where its value is) for every stored tensor the model
-        uses, one stored tensor or one converted group at a time, with the key renamings and
-        converters transformers' `from_pretrained` applies to this model."""
+        uses (or only those named in `only`), one stored tensor or one converted group at a
+        time, with the key renamings and converters transformers' `from_pretrained` applies to
+        this model. `model` may be on the meta device."""
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
             WeightConverter,
@@ -195,7 +198,7 @@ class TargetWeights:
         groups: dict[str, WeightConverter] = {}
         for key in sorted(self.tensors, key=dot_natural_key):
             name, pattern = rename_source_key(key, renamings, converters, prefix, known)
-            if name not in known:
+            if name not in known or (only is not None and name not in only):
                 continue  # transformers ignores it too (e.g. an old rotary inv_freq)
             if pattern is None:
                 yield name, self.tensors[key]

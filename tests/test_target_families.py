@@ -134,6 +134,20 @@ def test_checkpoint_read_tensor_by_tensor_equals_from_pretrained(family, family_
     assert params <= seen
 
 
+def test_shared_weights_are_read_by_the_models_own_names(family_dirs, tmp_path):
+    """What offline training and the export copy into the drafter: the embedding and lm_head,
+    whatever the family names them (GPT-2: `transformer.wte`, tied)."""
+    from dspark_ds.target import target_shared_weights
+
+    gpt2 = AutoConfig.for_model("gpt2", vocab_size=64, n_embd=32, n_layer=2, n_head=4)
+    AutoModelForCausalLM.from_config(gpt2).save_pretrained(tmp_path / "gpt2")
+    for path in [*family_dirs.values(), str(tmp_path / "gpt2")]:
+        model = _load(path)
+        embed, head = target_shared_weights(path)
+        assert torch.equal(embed, model.get_input_embeddings().weight), path
+        assert torch.equal(head, model.get_output_embeddings().weight), path
+
+
 def test_stored_tensor_ranges_and_a_truncated_file(tmp_path):
     from safetensors.torch import save_file
 

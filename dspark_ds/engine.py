@@ -7,8 +7,9 @@
   the target runs in the job (online / hybrid / synthetic: see "the target inside the job"
   below), copies of the target's tensors otherwise (offline). Frozen parameters are never
   given to the optimizer and never written into checkpoints.
-- `load_target`: the in-job target; under ZeRO-3 `load_partitioned_target` builds it inside
-  `deepspeed.zero.Init` and each rank reads only its partitions from the checkpoint files.
+- `load_target_in_job`: the online / hybrid target; under ZeRO-3 `load_partitioned_target`
+  builds it inside `deepspeed.zero.Init` and each rank reads only its partitions from the
+  checkpoint files.
 - save / load (incl. DeepSpeed's universal checkpoint for a different world size) and the fp32
   weights of a checkpoint or of the live model, for export.
 """
@@ -218,7 +219,8 @@ def zero_settings(ds_config: dict) -> ZeroSettings:
 # (`dspark_ds.target.share_embeddings_and_head`): one copy in memory, frozen, so never handed to
 # the optimizer (it only gets requires_grad parameters) nor saved (exclude_frozen_parameters).
 #   ZeRO-0/1/2: the target is a plain module, replicated on every rank.
-#   ZeRO-3: `DrafterEngine.build` first gives the target to an optimizer-less DeepSpeed engine
+#   ZeRO-3: the target arrives partitioned (`load_partitioned_target`: no rank ever holds it
+#     whole) and `DrafterEngine.build` gives it to an optimizer-less DeepSpeed engine
 #     (DeepSpeed's ZeRO-3 inference mode, same ds config): its parameters are partitioned across
 #     ranks like the drafter's, and the hooks that engine puts on every submodule all-gather a
 #     layer's weights just for that layer's forward, so calling `target(...)` (under no_grad,
@@ -246,7 +248,7 @@ def check_target_dtype(target_dtype: torch.dtype, precision: str) -> None:
         )
 
 
-def load_target(target_cfg, ds_config: dict, device: torch.device):
+def load_target_in_job(target_cfg, ds_config: dict, device: torch.device):
     """The frozen target of an online / hybrid run: under ZeRO-3 built partitioned
     (`load_partitioned_target`), otherwise loaded whole onto `device`."""
     from dspark_ds.target import load_target as load_whole
@@ -307,7 +309,7 @@ def load_partitioned_target(target_cfg, ds_config: dict):
             ):
                 # NOTE: DeepSpeed's layout (partition_parameters._partition_param): rank r
                 # holds flat elements [r * size, (r + 1) * size) of the parameter, padded at
-                # the end; tests/test_target_partitioned.py pins it against a whole load.
+                # the end; tests/test_target_families_e2e.py pins it against a whole load.
                 size = part.ds_numel
                 start = size * dist.get_rank(group=tensor.ds_process_group)
                 end = min(start + size, tensor.ds_numel)

@@ -236,7 +236,7 @@ class Trainer:
         cfg = self.cfg
         # under ZeRO-3 no rank loads the whole target (engine.load_partitioned_target)
         self.target = (
-            eng_lib.load_target(cfg.target, self.ds_config, self.device)
+            eng_lib.load_target_in_job(cfg.target, self.ds_config, self.device)
             if self.needs_target
             else None
         )

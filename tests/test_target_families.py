@@ -237,3 +237,14 @@ def test_train_names_the_target_option_for_a_refused_family(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "target.path: final_logit_softcapping: gemma2 targets" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_zero3_refuses_a_quantized_checkpoint_before_building_anything(family_dirs, tmp_path):
+    """Its weights need transformers' quantizer, which a partition-wise read bypasses."""
+    from dspark_ds.engine import load_partitioned_target
+
+    cfg = AutoConfig.from_pretrained(family_dirs["gpt_oss"])
+    cfg.quantization_config = {"quant_method": "mxfp4"}
+    cfg.save_pretrained(tmp_path / "quantized")
+    with pytest.raises(ConfigError, match="quantized checkpoint .quantization_config: mxfp4"):
+        load_partitioned_target(TargetConfig(path=str(tmp_path / "quantized")), {})

@@ -154,7 +154,9 @@ def _is_rank(pid: int) -> bool:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
     except OSError:
         return False
-    return "dspark_ds.launch" in argv or "torch.distributed.run" in argv
+    # python itself, not srun's command line that names it
+    python = bool(argv) and "python" in Path(argv[0]).name
+    return python and ("dspark_ds.launch" in argv or "torch.distributed.run" in argv)
 
 
 def main() -> int:

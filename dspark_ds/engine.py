@@ -190,6 +190,12 @@ class ZeroSettings:
     """cpu | nvme | None."""
     offload_param: str | None
     """cpu | nvme | None."""
+    param_swap_elems: int = 0
+    """NVMe parameter offload: the page-locked host buffers the parameters swap through
+    (offload_param.buffer_count × buffer_size elements, in the parameters' dtype); else 0."""
+    optimizer_swap_buffers: int = 0
+    """NVMe optimizer offload: how many page-locked host buffers of the largest fp32 partition
+    the optimizer states swap through (offload_optimizer.buffer_count); else 0."""
 
 
 def zero_settings(ds_config: dict) -> ZeroSettings:
@@ -221,6 +227,12 @@ def zero_settings(ds_config: dict) -> ZeroSettings:
         model_persistence_threshold=int(zero.model_persistence_threshold),
         offload_optimizer=device(zero.offload_optimizer),
         offload_param=device(zero.offload_param),
+        param_swap_elems=int(zero.offload_param.buffer_count * zero.offload_param.buffer_size)
+        if device(zero.offload_param) == "nvme"
+        else 0,
+        optimizer_swap_buffers=int(zero.offload_optimizer.buffer_count)
+        if device(zero.offload_optimizer) == "nvme"
+        else 0,
     )
 
 

@@ -295,7 +295,6 @@ def init(
     backend: str | None = None,
     *,
     always: bool = True,
-    timeout_s: float | None = None,
     settings: DistributedConfig | None = None,
 ) -> tuple[int, int, int]:
     """Joins (or creates) the default process group; returns (rank, world size, local rank).
@@ -305,7 +304,7 @@ def init(
     their device. always: False = a world of one gets no group (data tools); True = it gets a
     one-process group (DeepSpeed needs one), and so do ranks given by hand as RANK /
     WORLD_SIZE without a MASTER_ADDR (they coordinate through files). settings: the interface
-    and the timeout (`DistributedConfig`); timeout_s overrides its timeout.
+    and the timeout (`DistributedConfig`; its defaults when None).
 
     Before joining, the network interface is exported (`configure_network`) and every rank
     but 0 waits, at most the timeout, until MASTER_ADDR:MASTER_PORT answers; a rendezvous that
@@ -330,8 +329,6 @@ def init(
         if backend == "nccl":
             kwargs["device_id"] = device
     net = settings or DistributedConfig()
-    if timeout_s is not None:
-        net = DistributedConfig(ifname=net.ifname, timeout_s=timeout_s)
     choice = configure_network(info, net.ifname)
     timeout = timedelta(seconds=net.timeout_s)
     # NOTE: groups made later without a timeout (DeepSpeed's data-parallel clones of the world)

@@ -7,6 +7,9 @@
   the target runs in the job (online / hybrid / synthetic: see "the target inside the job"
   below), copies of the target's tensors otherwise (offline). Frozen parameters are never
   given to the optimizer and never written into checkpoints.
+- `load_target_in_job`: the online / hybrid target; under ZeRO-3 `load_partitioned_target`
+  builds it inside `deepspeed.zero.Init` and each rank reads only its partitions from the
+  checkpoint files.
 - save / load (incl. DeepSpeed's universal checkpoint for a different world size) and the fp32
   weights of a checkpoint or of the live model, for export.
 - for the ZeRO tuner: the ZeRO settings a config means (`zero_settings`), DeepSpeed's own memory
@@ -191,6 +194,12 @@ class ZeroSettings:
     """cpu | nvme | None."""
     offload_param: str | None
     """cpu | nvme | None."""
+    param_swap_elems: int = 0
+    """NVMe parameter offload: the page-locked host buffers the parameters swap through
+    (offload_param.buffer_count × buffer_size elements, in the parameters' dtype); else 0."""
+    optimizer_swap_buffers: int = 0
+    """NVMe optimizer offload: how many page-locked host buffers of the largest fp32 partition
+    the optimizer states swap through (offload_optimizer.buffer_count); else 0."""
 
 
 def zero_settings(ds_config: dict) -> ZeroSettings:
@@ -222,6 +231,12 @@ def zero_settings(ds_config: dict) -> ZeroSettings:
         model_persistence_threshold=int(zero.model_persistence_threshold),
         offload_optimizer=device(zero.offload_optimizer),
         offload_param=device(zero.offload_param),
+        param_swap_elems=int(zero.offload_param.buffer_count * zero.offload_param.buffer_size)
+        if device(zero.offload_param) == "nvme"
+        else 0,
+        optimizer_swap_buffers=int(zero.offload_optimizer.buffer_count)
+        if device(zero.offload_optimizer) == "nvme"
+        else 0,
     )
 
 
@@ -230,7 +245,8 @@ def zero_settings(ds_config: dict) -> ZeroSettings:
 # (`dspark_ds.target.share_embeddings_and_head`): one copy in memory, frozen, so never handed to
 # the optimizer (it only gets requires_grad parameters) nor saved (exclude_frozen_parameters).
 #   ZeRO-0/1/2: the target is a plain module, replicated on every rank.
-#   ZeRO-3: `DrafterEngine.build` first gives the target to an optimizer-less DeepSpeed engine
+#   ZeRO-3: the target arrives partitioned (`load_partitioned_target`: no rank ever holds it
+#     whole) and `DrafterEngine.build` gives it to an optimizer-less DeepSpeed engine
 #     (DeepSpeed's ZeRO-3 inference mode, same ds config): its parameters are partitioned across
 #     ranks like the drafter's, and the hooks that engine puts on every submodule all-gather a
 #     layer's weights just for that layer's forward, so calling `target(...)` (under no_grad,
@@ -258,10 +274,86 @@ def check_target_dtype(target_dtype: torch.dtype, precision: str) -> None:
         )
 
 
-def target_load_device(ds_config: dict, device: torch.device) -> torch.device:
-    """Where to load an in-job target: host memory under ZeRO-3 (the engine then moves each
-    parameter's partition to `device`, so no rank ever holds the whole target on `device`)."""
-    return torch.device("cpu") if zero_stage(ds_config) == 3 else device
+def load_target_in_job(target_cfg, ds_config: dict, device: torch.device):
+    """The frozen target of an online / hybrid run: under ZeRO-3 built partitioned
+    (`load_partitioned_target`), otherwise loaded whole onto `device`."""
+    from dspark_ds.target import load_target as load_whole
+
+    if zero_stage(ds_config) == 3:
+        return load_partitioned_target(target_cfg, ds_config)
+    return load_whole(target_cfg, device)
+
+
+def _target_ds_config(ds_config: dict) -> dict:
+    """The run's DeepSpeed config for the target's optimizer-less engine."""
+    cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
+    cfg.get("checkpoint", {}).pop("load_universal", None)  # nothing is ever loaded into it
+    offload = cfg.get("zero_optimization", {}).get("offload_param") or {}
+    if offload.get("device") == "nvme" and offload.get("nvme_path"):
+        # NOTE: each zero.Init's parameter swapper empties <nvme_path>/zero_stage_3/ when it
+        # starts: the drafter's would delete the target's swapped-out parameters
+        offload["nvme_path"] = os.path.join(offload["nvme_path"], "target")
+    return cfg
+
+
+def load_partitioned_target(target_cfg, ds_config: dict):
+    """ZeRO-3: the target built from its config inside `deepspeed.zero.Init` (each parameter
+    partitioned as soon as its module exists), then every rank reads from the checkpoint files
+    only the elements of its own partition of each parameter (target_weights.py). No rank ever
+    holds the whole target: what a rank holds at most is its partitions (in device memory, or in
+    host memory with `offload_param`) plus one converted group of a MoE checkpoint, or one
+    tensor for parameters DeepSpeed keeps gathered (docs/known-limits.md has the formula)."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from dspark_ds.target import (
+        FrozenTarget,
+        build_target_model,
+        import_target_class,
+        target_model_config,
+    )
+    from dspark_ds.target_weights import TargetWeights, fill_plan, local_target_dir
+
+    config = target_model_config(target_cfg, partitioned=True)
+    weights = TargetWeights(local_target_dir(target_cfg.path, target_cfg.revision))
+    join_deepspeed_comm()
+    import_target_class(config)
+    # NOTE: zero.Init casts every floating tensor made inside it to the run's dtype by default;
+    # the target's own dtype comes from target.dtype, and a buffer transformers computes in
+    # fp32 (RoPE's inv_freq) must stay fp32 as from_pretrained leaves it, so only the device
+    # is overridden.
+    with deepspeed.zero.Init(
+        config_dict_or_path=_target_ds_config(ds_config),
+        tensor_overrides=[deepspeed.zero.DeepSpeedTensorOverride.device],
+    ):
+        model = build_target_model(target_cfg, config)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for _name, tensor, source in fill_plan(model, weights):
+            if not hasattr(tensor, "ds_id"):  # a buffer: never partitioned
+                tensor.copy_(source.read().view(tensor.shape))
+                continue
+            part = tensor.ds_tensor
+            if (
+                tensor.ds_status == ZeroParamStatus.NOT_AVAILABLE
+                and getattr(part, "final_location", None) != OffloadDeviceEnum.nvme
+            ):
+                # NOTE: DeepSpeed's layout (partition_parameters._partition_param): rank r
+                # holds flat elements [r * size, (r + 1) * size) of the parameter, padded at
+                # the end; tests/test_target_families_e2e.py pins it against a whole load.
+                size = part.ds_numel
+                start = size * dist.get_rank(group=tensor.ds_process_group)
+                end = min(start + size, tensor.ds_numel)
+                if start < end:
+                    part.narrow(0, 0, end - start).copy_(source.read(start, end))
+                continue
+            # swapped to NVMe, or kept whole: the public way, one whole tensor on rank 0
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
+                if rank == 0:
+                    tensor.copy_(source.read().view(tensor.shape))
+    target = FrozenTarget(model, target_cfg.layer_ids)
+    target.name_or_path = target_cfg.path
+    return target
 
 
 def join_deepspeed_comm() -> None:
@@ -286,21 +378,17 @@ def accelerator_name() -> str:
 
 
 def _shard_target(target: nn.Module, ds_config: dict):
-    """ZeRO-3: partition the frozen target with an optimizer-less engine; returns the engine."""
+    """ZeRO-3: the optimizer-less engine of the frozen target (partitioned first if it was
+    loaded whole); returns the engine."""
     from deepspeed.accelerator import get_accelerator
 
-    cfg = {k: v for k, v in copy.deepcopy(ds_config).items() if k not in ("optimizer", "scheduler")}
-    cfg.get("checkpoint", {}).pop("load_universal", None)  # nothing is ever loaded into it
-    offload = cfg.get("zero_optimization", {}).get("offload_param") or {}
-    if offload.get("device") == "nvme" and offload.get("nvme_path"):
-        # NOTE: each zero.Init's parameter swapper empties <nvme_path>/zero_stage_3/ when it
-        # starts: the drafter's would delete the target's swapped-out parameters
-        offload["nvme_path"] = os.path.join(offload["nvme_path"], "target")
-    # NOTE: partition first, parameter by parameter onto the device (deepspeed.initialize alone
-    # would move the whole module there before partitioning it); buffers are not partitioned.
-    deepspeed.zero.Init(module=target, config_dict_or_path=cfg)
+    cfg = _target_ds_config(ds_config)
+    if not any(hasattr(p, "ds_id") for p in target.parameters()):
+        # NOTE: partition first, parameter by parameter onto the device (deepspeed.initialize
+        # alone would move the whole module there before partitioning it).
+        deepspeed.zero.Init(module=target, config_dict_or_path=cfg)
     device = torch.device(get_accelerator().current_device_name())
-    for buf in target.buffers():
+    for buf in target.buffers():  # buffers are not partitioned
         buf.data = buf.data.to(device)
     target_engine, _, _, _ = deepspeed.initialize(model=target, config=cfg)
     target_engine.eval()
@@ -436,6 +524,8 @@ class DrafterEngine:
         target_engine = None
         if target is not None:
             target_engine = _prepare_target(target, ds_config, use_zero_init)
+            if target_engine is not None:  # loaded partitioned: not checked yet
+                target.check_head()  # one forward on every rank
         # NOTE: the drafter's own embedding / lm_head are initialised (and dropped when shared)
         # so that the random draws of every other module do not depend on the mode.
         if use_zero_init:

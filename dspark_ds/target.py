@@ -14,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from dspark_ds.distributed import local_device
+from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_model_path, first_line
@@ -32,7 +32,8 @@ class TargetConfig:
     """The frozen target model."""
 
     path: str = ""
-    """Local directory or Hugging Face hub id of the target (Qwen3 / Gemma4 causal LM)."""
+    """Local directory or Hugging Face hub id of the target: a causal LM of any family
+    transformers loads (docs/drafters.md#target-families)."""
     layer_ids: list[int] | None = None
     """Tapped layers, strictly increasing, in {-1} ∪ [0, L-1] (-1 = embeddings); None = 5 evenly
     spaced ids from 1 to L-3 (Qwen3-4B/8B: [1, 9, 17, 25, 33])."""
@@ -40,8 +41,9 @@ class TargetConfig:
     """Compute dtype of the target: float32 | bfloat16 | float16."""
     device: str | None = None
     """Device for the target; None = cuda:LOCAL_RANK when CUDA is available, else cpu."""
-    attn_implementation: str | None = "sdpa"
-    """Attention kernel passed to from_pretrained (sdpa | eager | flash_attention_2 | None)."""
+    attn_implementation: str | None = None
+    """Attention kernel passed to from_pretrained (sdpa | eager | flash_attention_2); None =
+    transformers' choice for the family (sdpa where the family has it, else eager: gpt-oss)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``path`` is a hub id."""
     trust_remote_code: bool = False
@@ -62,6 +64,67 @@ class TargetPathConfig:
 
     path: str | None = None
     """Local directory or Hugging Face hub id of the target."""
+
+
+def _model_kwargs(cfg: TargetConfig) -> dict:
+    kwargs = {"dtype": cfg.torch_dtype, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    return kwargs
+
+
+def target_model_config(cfg: TargetConfig, partitioned: bool = False):
+    """The target's transformers config (ConfigError when it cannot be read). `partitioned`:
+    for a target loaded partition by partition (ZeRO-3), which reads plain weights only."""
+    from transformers import AutoConfig
+
+    check_model_path(cfg.path, "target.path")
+    if not cfg.path:
+        raise ConfigError("target.path is required (a local directory or a hub id)")
+    try:
+        config = AutoConfig.from_pretrained(
+            cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except OSError as err:
+        raise ConfigError(
+            f"target.path: cannot read a model config from {cfg.path!r} ({first_line(err)})"
+        ) from None
+    quant = getattr(config, "quantization_config", None)
+    if partitioned and quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigError(
+            f"target.path: {cfg.path} is a quantized checkpoint (quantization_config: {method}); "
+            "under ZeRO-3 the target is read partition by partition from plain (bf16 / fp32) "
+            "weights: use a dequantized copy, or ZeRO 0-2"
+        )
+    return config
+
+
+def import_target_class(config) -> None:
+    """Imports the modelling module of `config`'s causal LM class.
+
+    NOTE: call it before `deepspeed.zero.Init`: a class first defined inside that context gets
+    its `__init__` reset to the undecorated function when the context exits, which drops what
+    a decorator added (transformers' MoE experts then lack `self.config`)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):  # remote code: imported by from_config itself
+        pass
+
+
+def build_target_model(cfg: TargetConfig, config) -> nn.Module:
+    """The target's model class built from `config`, its weights left uninitialised (they are
+    read from the checkpoint next; under `zero.Init` each parameter is partitioned as its module
+    is built, and transformers' init would index into the empty partitions)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # NOTE: this skips the tying of embeddings too
+        model = AutoModelForCausalLM.from_config(config, **_model_kwargs(cfg))
+    model.tie_weights()
+    return model
 
 
 def default_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
@@ -87,13 +150,34 @@ def config_sha256(config) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 
 
-class FrozenTarget(nn.Module):
-    """A causal LM in eval mode with no gradients that returns the tapped features.
+def decoder_layers(decoder: nn.Module, num_layers: int) -> nn.ModuleList:
+    """The decoder's `num_layers` layers (`.layers` in most families, `.h` in GPT-2-like ones)."""
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for child in decoder.children():
+        if isinstance(child, nn.ModuleList) and len(child) == num_layers:
+            return child
+    raise ConfigError(
+        f"target.path: {type(decoder).__name__} has no list of its {num_layers} decoder layers "
+        "(num_hidden_layers) to tap"
+    )
 
-    Taps are forward hooks on the embedding and the chosen decoder layers, so only the ``n``
-    tapped states are kept (``output_hidden_states=True`` would hold all ``L + 1``), and the
-    lm_head never runs over the whole sequence. The wrapped model is a plain ``nn.Module``: an
-    engine may partition it (DeepSpeed ZeRO-3) before or after wrapping; hooks still fire.
+
+def _first_tensor(value) -> torch.Tensor:
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+class FrozenTarget(nn.Module):
+    """A causal LM of any family in eval mode with no gradients that returns the tapped features.
+
+    Taps are forward hooks: a pre-hook on decoder layer 0 takes its input (id -1, the embedding
+    output as the layers see it, scaled where the family scales it) and a hook on layer i its
+    output, so only the ``n`` tapped states are kept (``output_hidden_states=True`` would hold
+    all ``L + 1``; `tests/test_target_families.py` checks the taps equal them in every tested
+    family), and the lm_head never runs over the whole sequence. The wrapped model is a plain
+    ``nn.Module``: an engine may partition it (DeepSpeed ZeRO-3) before or after wrapping;
+    hooks still fire.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None):
@@ -101,6 +185,7 @@ class FrozenTarget(nn.Module):
         self.model = model.eval().requires_grad_(False)
         self.config = model.config
         tcfg = text_config(model.config)
+        self.family = families.family(tcfg)
         self.hidden_size = int(tcfg.hidden_size)
         self.num_layers = int(tcfg.num_hidden_layers)
         self.vocab_size = int(tcfg.vocab_size)
@@ -109,18 +194,56 @@ class FrozenTarget(nn.Module):
         )
         validate_layer_ids(self.layer_ids, self.num_layers, field="target.layer_ids")
         self.decoder = model.get_decoder()
+        layers = decoder_layers(self.decoder, self.num_layers)
         self._taps: dict[int, torch.Tensor] = {}
-        self.decoder.embed_tokens.register_forward_hook(self._hook(-1))
+        layers[0].register_forward_pre_hook(self._embedding_hook, with_kwargs=True)
         for i in self.layer_ids:
             if i >= 0:
-                self.decoder.layers[i].register_forward_hook(self._hook(i))
+                layers[i].register_forward_hook(self._hook(i))
+
+    def _embedding_hook(self, _module, args, kwargs):
+        if -1 in self.layer_ids:
+            self._taps[-1] = args[0] if args else kwargs["hidden_states"]
 
     def _hook(self, layer_id: int):
         def fn(_module, _inputs, output):
             if layer_id in self.layer_ids:
-                self._taps[layer_id] = output[0] if isinstance(output, tuple) else output
+                self._taps[layer_id] = _first_tensor(output)
 
         return fn
+
+    @torch.no_grad()
+    def check_head(self, num_tokens: int = 8) -> None:
+        """Refuses a target whose logits are not lm_head(final normed state), what a
+        Qwen3-style drafter computes with the shared lm_head (families with their own drafter
+        backbone are left alone), from one forward on a few tokens. Every rank calls it (under
+        ZeRO-3 the forward is collective)."""
+        if families.is_native(self.family):
+            return
+        head = self.model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ConfigError(
+                f"target.path: the {self.family} target's lm_head has a bias, which the "
+                "Qwen3-style drafter's shared lm_head does not; not supported"
+            )
+        seen: dict[str, torch.Tensor] = {}
+        hook = self.decoder.register_forward_hook(
+            lambda _m, _i, out: seen.__setitem__("last", out.last_hidden_state)
+        )
+        ids = torch.arange(num_tokens, device=self.device).remainder(self.vocab_size)
+        try:
+            logits = self.model(input_ids=ids.unsqueeze(0), use_cache=False).logits.float()
+        finally:
+            hook.remove()
+        plain = head(seen["last"]).float()
+        scale = float(plain.abs().max()) + 1e-6
+        if not torch.allclose(logits, plain, rtol=1e-3, atol=1e-3 * scale):
+            diff = float((logits - plain).abs().max())
+            raise ConfigError(
+                f"target.path: the {self.family} target's logits differ from lm_head(final "
+                f"hidden state) by up to {diff:.3g} (soft-capped or scaled logits); the "
+                "Qwen3-style drafter cannot share such a head"
+            )
 
     @classmethod
     def from_config(cls, cfg: TargetConfig, device: torch.device | str | None = None):
@@ -128,22 +251,19 @@ class FrozenTarget(nn.Module):
 
         if not cfg.path:
             raise ConfigError("target.path is required (a local directory or a hub id)")
-        kwargs = {
-            "dtype": cfg.torch_dtype,
-            "revision": cfg.revision,
-            "trust_remote_code": cfg.trust_remote_code,
-        }
-        if cfg.attn_implementation:
-            kwargs["attn_implementation"] = cfg.attn_implementation
         try:
-            model = AutoModelForCausalLM.from_pretrained(cfg.path, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.path, revision=cfg.revision, **_model_kwargs(cfg)
+            )
         except OSError as err:  # not found, not a model, no connection: one line, exit 2
             raise ConfigError(
                 f"target.path: cannot load a model from {cfg.path!r} ({first_line(err)})"
             ) from None
         target = cls(model, cfg.layer_ids)
         target.name_or_path = cfg.path
-        return target.to(device or cfg.device or local_device())
+        target = target.to(device or cfg.device or local_device())
+        target.check_head()
+        return target
 
     def train(self, mode: bool = True):  # noqa: ARG002 - the target never leaves eval mode
         return super().train(False)
@@ -159,7 +279,7 @@ class FrozenTarget(nn.Module):
     @property
     def embed_weight(self) -> nn.Parameter:
         """The input embedding matrix [V, H] (the drafter shares it in online mode)."""
-        return self.decoder.embed_tokens.weight
+        return self.model.get_input_embeddings().weight
 
     @property
     def lm_head_weight(self) -> nn.Parameter:
@@ -247,30 +367,33 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
 
 def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding [V,H], lm_head [V,H]) read straight from the target's safetensors, without
-    loading the whole target. Tied targets return the embedding twice."""
-    from safetensors import safe_open
+    loading the whole target: the model is built on the meta device to learn the two
+    parameters' names (any family), then only those tensors are read. Tied targets return the
+    embedding twice."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    root = Path(target_path)
-    files: dict[str, Path] = {}
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        for name, shard in json.loads(index.read_text())["weight_map"].items():
-            files[name] = root / shard
-    elif (root / "model.safetensors").exists():
-        with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-            files = {name: root / "model.safetensors" for name in f.keys()}
-    else:
-        raise ConfigError(f"target.path: {root} has no model.safetensors(.index.json)")
+    from dspark_ds.target_weights import TargetWeights, local_target_dir
 
-    def find(suffixes: tuple[str, ...]) -> torch.Tensor | None:
-        for name, file in files.items():
-            if name.endswith(suffixes):
-                with safe_open(str(file), framework="pt") as f:
-                    return f.get_tensor(name)
-        return None
-
-    embed = find(("embed_tokens.weight",))
+    root = local_target_dir(target_path)
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except OSError as err:
+        raise ConfigError(
+            f"target.path: cannot read a model config from {target_path!r} ({first_line(err)})"
+        ) from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    names: dict[int, list[str]] = {}  # a tied weight has both names; the checkpoint one
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    embed_names = names[id(model.get_input_embeddings().weight)]
+    head = model.get_output_embeddings()
+    head_names = names[id(head.weight)] if head is not None else embed_names
+    found = {
+        name: source.read().view(source.shape)
+        for name, source in TargetWeights(root).sources(model, only={*embed_names, *head_names})
+    }
+    embed = next((found[n] for n in embed_names if n in found), None)
     if embed is None:
-        raise ConfigError(f"target.path: {root} has no *embed_tokens.weight tensor")
-    head = find(("lm_head.weight",))
-    return embed, (embed if head is None else head)
+        raise ConfigError(f"target.path: {root} holds no {embed_names[0]} tensor (the embedding)")
+    return embed, next((found[n] for n in head_names if n in found), embed)

@@ -108,13 +108,20 @@ def run_case(
             time.sleep(0.2)
         cluster.run("scancel", job_id)
     proc.wait(timeout=900)
+    # NOTE: `sbatch --wait` can return while the ranks still write their checkpoint (the job
+    # is already "ended" for Slurm when a requeued or cancelled instance is); the job's end is
+    # when its last rank is gone
+    while time.monotonic() < deadline and any(
+        _is_rank(p) for host in cluster.hosts for p in cluster.job_pids(host)
+    ):
+        time.sleep(0.1)
     ended = time.monotonic()
     info = cluster.job(int(job_id))
     trained = max(steps(run_dir), default=0)
     saved = newest_complete(run_dir)
     log = next(work.glob("*.out")).read_text()
     if t_signal is None:  # the time limit: from the warning / TERM the log shows
-        t_signal = ended - float(_after_signal(log))
+        t_signal = _signal_time(log, ended)
     return {
         "how": how,
         "launcher": launcher,
@@ -129,19 +136,27 @@ def run_case(
     }
 
 
-def _after_signal(log: str) -> float:
-    """Seconds between the first USR1 / TERM line of the batch log and its last line."""
+def _signal_time(log: str, now_monotonic: float) -> float:
+    """The monotonic time of the batch log's first USR1 / TERM line (its HH:MM:SS, today)."""
     import re
 
-    stamps = re.findall(r"\[slurm (\d\d):(\d\d):(\d\d)\] (USR1|TERM)", log)
-    last = re.findall(r"\[slurm (\d\d):(\d\d):(\d\d)\]", log)
-    if not stamps or not last:
+    found = re.findall(r"\[slurm (\d\d):(\d\d):(\d\d)\] (?:USR1|TERM)", log)
+    if not found:
         return float("nan")
+    h, m, s = (int(x) for x in found[0])
+    now = time.localtime()
+    stamp = time.mktime((now.tm_year, now.tm_mon, now.tm_mday, h, m, s, 0, 0, -1))
+    return now_monotonic - (time.time() - stamp)
 
-    def sec(h, m, s):
-        return int(h) * 3600 + int(m) * 60 + int(s)
 
-    return sec(*last[-1]) - sec(*stamps[0][:3])
+def _is_rank(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return False
+    # python itself, not srun's command line that names it
+    python = bool(argv) and "python" in Path(argv[0]).name
+    return python and ("dspark_ds.launch" in argv or "torch.distributed.run" in argv)
 
 
 def main() -> int:

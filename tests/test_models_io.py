@@ -98,10 +98,13 @@ def test_bad_config_is_refused_naming_the_field(kwargs, field):
         build_draft_config(tiny_qwen3_config(), **base)
 
 
-def test_unknown_family_is_refused():
+def test_a_family_with_soft_capped_logits_is_refused_by_name():
+    """Other families get the Qwen3-style drafter, whose logits are lm_head(h) alone."""
     cfg = tiny_qwen3_config()
     cfg.model_type = "llama"
-    with pytest.raises(ValueError, match="model_type"):
+    assert build_draft_config(cfg, target_layer_ids=[0], mask_token_id=1).model_type == "qwen3"
+    cfg.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="^final_logit_softcapping: llama targets"):
         build_draft_config(cfg, target_layer_ids=[0], mask_token_id=1)
 
 

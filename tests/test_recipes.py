@@ -46,6 +46,8 @@ def test_recipe_parses(path):
         assert cfg.model.markov_rank == 0 and cfg.model.confidence_head_alpha == 0.0
         assert (cfg.model.ce_loss_alpha, cfg.model.l1_loss_alpha) == (1.0, 0.0)
     ids = [1, 10, 19, 28, 37] if "14b" in path.stem else [1, 9, 17, 25, 33]
+    if "32b" in path.stem:  # Qwen3-32B, 64 layers: default_layer_ids(64)
+        ids = [1, 16, 31, 46, 61]
     if "gemma4" in path.stem:  # Gemma4-12B, 48 layers; see tests/test_gemma4.py
         ids = [5, 17, 29, 41, 46]
     assert cfg.target.layer_ids == ids

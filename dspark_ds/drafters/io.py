@@ -4,8 +4,11 @@ A drafter directory is `config.json` (the draft text config plus the DSpark fiel
 `model.safetensors` (or shards with `model.safetensors.index.json`), readable by the
 reference implementation, SGLang and vLLM. `architectures` selects the backend.
 
-`config.json` keeps the target family's `model_type` (qwen3, gemma4_text): the reference
-implementation, SGLang and vLLM read it as the family's config class. transformers' Auto classes
+`config.json` keeps the `model_type` of the drafter's backbone: the target's own for Qwen3 and
+Gemma4 targets (qwen3, gemma4_text), "qwen3" for every other family, whose drafter is the
+Qwen3 backbone sized from the target (drafters/common/families.py); `target_model_type` and
+`target_text_model_type` name the target's family. The reference implementation, SGLang and
+vLLM read `model_type` as the drafter's config class. transformers' Auto classes
 map that config class to the plain causal LM, and use `architectures` only to choose among the
 classes registered for it; `register_auto_classes` (run when `dspark_ds.drafters` is imported)
 adds the drafter architectures there, so `AutoModelForCausalLM.from_pretrained(drafter_dir)`
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.drafters.presets import DrafterConfig, preset
 from dspark_ds.errors import ConfigError
@@ -50,7 +54,8 @@ BACKENDS: dict[str, tuple[str, str, str]] = {
         "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
     ),
 }
-# drafter kind -> target text model_type -> architecture
+# drafter kind -> target text model_type -> architecture, for the families with a backbone of
+# their own; every other family gets GENERIC_ARCHITECTURES (drafters/common/families.py)
 ARCHITECTURES: dict[str, dict[str, str]] = {
     "dspark": {
         "qwen3": "Qwen3DSparkModel",
@@ -63,6 +68,13 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
         "gemma4_text": "Gemma4Eagle3Model",
     },
 }
+# drafter kind -> the Qwen3-style architecture built for a target of any other family
+GENERIC_ARCHITECTURES: dict[str, str] = {"dspark": "Qwen3DSparkModel", "eagle3": "Qwen3Eagle3Model"}
+
+
+def architecture_for(kind: str, model_type: str) -> str:
+    """The drafter architecture `kind` builds for a target whose text model_type is this."""
+    return ARCHITECTURES[kind].get(model_type, GENERIC_ARCHITECTURES[kind])
 
 
 def _import(path: str):
@@ -82,19 +94,19 @@ def _backend(architecture: str):
 def _reshape_target_config(
     target_config, kind: str, target_layer_ids: list[int], num_draft_layers: int
 ):
-    """What every drafter config starts as: a deep copy of the target's text config with the
-    drafter's layers, the tapped ids and the backend's architecture. Returns (config, text)."""
+    """What every drafter config starts as: the target's text config (a deep copy for the
+    families with their own backbone, the Qwen3-style translation for the others) with the
+    drafter's layers, the tapped ids, the backend's architecture and the target's family
+    (`target_model_type`, `target_text_model_type`). Returns (config, text)."""
     text = text_config(target_config)
-    model_type = getattr(text, "model_type", None)
-    if model_type not in ARCHITECTURES[kind]:
-        raise ConfigError(
-            f"model_type: no {kind} drafter backend for target family {model_type!r} "
-            f"(available: {sorted(ARCHITECTURES[kind])})"
-        )
+    model_type = families.family(text)
     num_target_layers = int(text.num_hidden_layers)
     ids = validate_layer_ids(target_layer_ids, num_target_layers)
-    cfg = copy.deepcopy(text)
-    cfg.architectures = [ARCHITECTURES[kind][model_type]]
+    if model_type in ARCHITECTURES[kind]:
+        cfg = copy.deepcopy(text)
+    else:
+        cfg = families.qwen3_style_config(text)
+    cfg.architectures = [architecture_for(kind, model_type)]
     cfg.num_target_layers = num_target_layers
     cfg.num_hidden_layers = int(num_draft_layers)
     cfg.layer_types = ["full_attention"] * int(num_draft_layers)
@@ -102,9 +114,8 @@ def _reshape_target_config(
     if hasattr(cfg, "use_sliding_window"):
         cfg.use_sliding_window = False
     cfg.target_layer_ids = ids
-    if model_type.startswith("gemma4"):
-        cfg.target_model_type = getattr(target_config, "model_type", model_type)
-        cfg.target_text_model_type = model_type
+    cfg.target_model_type = str(getattr(target_config, "model_type", None) or model_type)
+    cfg.target_text_model_type = model_type
     return cfg, text
 
 

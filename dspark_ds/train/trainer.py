@@ -33,7 +33,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.io import draft_config_dict
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext, StepOutput
+from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
 from dspark_ds.train import checkpoint_files as ckpt
@@ -99,10 +100,14 @@ def make_draft_config(cfg: TrainRunConfig):
             target_path=cfg.target.path,
         )
     except ConfigError as err:
-        # the builders name the drafter config's field; the user set the run's option
+        # the builders name the drafter config's field (the run's `model` option) or the
+        # target config's (set by the target the run names)
         field, _, why = str(err).partition(":")
-        option = {"target_layer_ids": "target.layer_ids", "model_type": "target.path"}
-        raise ConfigError(f"{option.get(field, 'model.' + field)}:{why}") from err
+        if field == "target_layer_ids":
+            raise ConfigError(f"target.layer_ids:{why}") from err
+        if field in {f.name for f in fields(DrafterConfig)}:
+            raise ConfigError(f"model.{field}:{why}") from err
+        raise ConfigError(f"target.path: {field}:{why}") from err
 
 
 @dataclass
@@ -226,11 +231,12 @@ class Trainer:
 
     # ---- building ---------------------------------------------------------------------------
     def _build_data(self, eng_lib) -> None:
-        from dspark_ds.target import load_target, target_shared_weights
+        from dspark_ds.target import target_shared_weights
 
         cfg = self.cfg
+        # under ZeRO-3 no rank loads the whole target (engine.load_partitioned_target)
         self.target = (
-            load_target(cfg.target, eng_lib.target_load_device(self.ds_config, self.device))
+            eng_lib.load_target_in_job(cfg.target, self.ds_config, self.device)
             if self.needs_target
             else None
         )

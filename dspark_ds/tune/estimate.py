@@ -150,6 +150,13 @@ def model_states(
         device["optimizer_states"] = opt_states
     else:
         host["optimizer_states"] = 0 if zero.offload_optimizer == "nvme" else opt_states
+    # NVMe offload swaps through page-locked host buffers DeepSpeed allocates whole at start:
+    # the parameters' (in their dtype), and the optimizer's (each one fp32 partition)
+    if zero.param_swap_elems:
+        host["nvme_param_buffers"] = zero.param_swap_elems * b
+    if zero.optimizer_swap_buffers:
+        largest = partitioned / world if stage == 3 else P / world
+        host["nvme_optimizer_buffers"] = zero.optimizer_swap_buffers * largest * 4
     return device, host
 
 

@@ -46,6 +46,16 @@ KNOWN_TARGETS: dict[str, dict] = {
         vocab_size=151936,
         tie_word_embeddings=False,
     ),
+    "Qwen/Qwen3-32B": dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
 }
 
 

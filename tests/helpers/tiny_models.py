@@ -11,6 +11,9 @@ Stable API (other test files rely on it):
 - ``build_tiny_target(out_dir, ...) -> str``: a random ``Qwen3ForCausalLM`` (hidden 32, 4 layers,
   vocab = the tokenizer's, fp32) plus its tokenizer, saved to ``out_dir``; returns ``out_dir``.
   Loadable with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+- ``build_tiny_family_target(out_dir, family, seed=0) -> str``: the same for another family
+  (``FAMILIES``: llama, qwen2, mistral (tied embeddings), qwen3_moe, gpt_oss, deepseek_v3), from
+  ``family_config(family, vocab_size)``.
 - ``write_chat_jsonl(path, n, layout="messages", seed=0)``: ``n`` small conversations.
 - ``QWEN3_TEMPLATE``, ``QWEN3_TEMPLATE_NO_MARKERS``, ``GEMMA_TEMPLATE``: the template strings.
 """
@@ -173,6 +176,65 @@ def build_tiny_target(
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).to(torch.float32).eval()
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+# Tiny configs of the target families tested beyond Qwen3 and Gemma4: each keeps what makes
+# its family differ (MoE routing and the per-expert checkpoint layout, MLA attention, attention
+# sinks with sliding windows, YaRN RoPE, q/k/v biases, tied embeddings).
+FAMILIES: dict[str, dict] = {
+    "llama": dict(head_dim=8),
+    "qwen2": dict(),  # q/k/v biases, no head_dim field
+    "mistral": dict(head_dim=8, tie_word_embeddings=True),
+    "qwen3_moe": dict(
+        head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        decoder_sparse_step=1, norm_topk_prob=True,
+    ),
+    "gpt_oss": dict(
+        head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False,
+        },
+    ),
+    "deepseek_v3": dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        n_group=1, topk_group=1,
+    ),
+}  # fmt: skip
+
+
+def family_config(family: str, vocab_size: int, **overrides):
+    """A tiny random config of `family` (hidden 32, 4 layers, 4 heads)."""
+    from transformers import AutoConfig
+
+    kw = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    kw.update(FAMILIES[family])
+    kw.update(overrides)
+    return AutoConfig.for_model(family, **kw)
+
+
+def build_tiny_family_target(out_dir: str | Path, family: str, *, seed: int = 0) -> str:
+    """Save a random tiny causal LM of `family` (fp32) and the tiny tokenizer to `out_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    tok = build_tiny_tokenizer(out_dir)
+    cfg = family_config(
+        family, len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(out_dir)
     return str(out_dir)
 

@@ -1,0 +1,290 @@
+"""Targets of other families through the whole pipeline, on 2 ranks, and ZeRO-3 loading.
+
+- every family of `helpers.tiny_models.FAMILIES`: an offline cache, then ONE torchrun launch
+  (`train-many`) training each family online under ZeRO-3 (the target loaded partition by
+  partition, `engine.load_partitioned_target`) and offline under ZeRO-2, 3 steps each, with the
+  end-of-run export; then each export decodes losslessly (greedy) against its target;
+- T = 1: speculative sampling has each family's exact target distribution (chi-square, tiny
+  vocabulary, random drafters of both kinds);
+- ZeRO-3 loading on 2 ranks gives the very features a whole `from_pretrained` gives (every
+  family, Qwen3, Gemma4; fp32 and bf16; parameters swapped to NVMe), and a rank's host memory grows by at most 0.6x the
+  target's size while loading a 176 MB target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dspark_ds.eval.decoding import speculative_generate
+
+from helpers.dist import REPO, check, run_distributed, torchrun
+from helpers.evaluation import chi_square_pvalue, exact_continuation_probs
+from helpers.gemma4 import greedy_without_cache
+from helpers.tiny_models import (
+    FAMILIES,
+    build_tiny_family_target,
+    build_tiny_target,
+    family_config,
+    write_chat_jsonl,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+LAYER_IDS = [-1, 0, 2]  # of 4 target layers (the last one is refused at evaluation)
+STEPS = 3
+RECIPE = str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")
+
+
+# ---- train (online ZeRO-3, offline ZeRO-2), export, decode -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from dspark_ds.cli import main as cli_main
+
+    root = tmp_path_factory.mktemp("family_runs")
+    data = write_chat_jsonl(root / "train.jsonl", 16)
+    targets, argvs = {}, []
+    for family in FAMILIES:
+        target = targets[family] = build_tiny_family_target(root / family, family)
+        common = [
+            "--config", RECIPE, f"--target.path={target}",
+            f"--target.layer_ids={json.dumps(LAYER_IDS)}", f"--output_dir={root / 'runs'}",
+            f"--train.max_steps={STEPS}", "--train.progress_bar=false", "--tracking.enabled=false",
+        ]  # fmt: skip
+        cache = root / family / "cache"
+        assert cli_main([
+            "build-cache", f"--data.paths=[{data}]", f"--data.cache_dir={cache}",
+            "--data.max_length=64", "--data.num_workers=0", "--data.samples_per_shard=8",
+            f"--target.path={target}", f"--target.layer_ids={json.dumps(LAYER_IDS)}",
+            "--target.dtype=float32", "--target.device=cpu", "--batch_size=4",
+        ]) == 0  # fmt: skip
+        argvs.append([*common, f"--name={family}_online", "--deepspeed.config=zero3"])
+        argvs.append([
+            *common, f"--name={family}_offline", "--deepspeed.config=zero2",
+            "--data.mode=offline", f"--data.cache_dir={cache}", "--train.synthetic_samples=0",
+        ])  # fmt: skip
+    spec, result = root / "spec.json", root / "result.json"
+    spec.write_text(json.dumps({"runs": argvs, "result_file": str(result)}))
+    check(torchrun([str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(spec)]))
+    return targets, json.loads(result.read_text())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_online_and_offline_exports_and_decodes_losslessly(family, runs):
+    from dspark_ds.drafters import load_draft_model
+
+    targets, results = runs
+    target = AutoModelForCausalLM.from_pretrained(targets[family], dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(targets[family])
+    online, offline = results[f"{family}_online"], results[f"{family}_offline"]
+    for res in (online, offline):
+        losses = list(res["losses"].values())
+        assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    # online under ZeRO-3: the drafter holds the target's own embedding / lm_head, and each rank
+    # stores half of the target
+    for facts in online["target"]:
+        assert facts["shares"] and facts["frozen"]
+        assert facts["local_numel"] <= facts["full_numel"] // 2 + 4096
+    assert offline["target"] == [None, None]
+    prompts = ["Hi!", "Write add(a, b) in python."]
+    for res in (online, offline):
+        export = Path(res["export_dir"])
+        written = json.loads((export / "config.json").read_text())
+        assert written["architectures"] == ["Qwen3DSparkModel"]
+        assert written["model_type"] == "qwen3" and written["target_model_type"] == family
+        drafter = load_draft_model(export)
+        assert torch.equal(drafter.lm_head.weight, target.get_output_embeddings().weight)
+        for text in prompts:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True,
+                return_tensors="pt", return_dict=True,
+            )["input_ids"]  # fmt: skip
+            want = greedy_without_cache(target, ids, 12, {int(tok.eos_token_id)})
+            got, stats = speculative_generate(
+                target, drafter, ids, max_new_tokens=12, temperature=0.0,
+                stop_token_ids=[int(tok.eos_token_id)],
+            )  # fmt: skip
+            assert got.tolist() == want.tolist(), f"{family}: {text!r}"
+            assert stats.rounds >= 1
+
+
+# ---- T = 1 ------------------------------------------------------------------------------------
+
+NUM_NEW = 4
+NUM_SAMPLES = 300
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sampled_speculative_decoding_has_the_family_targets_distribution(family):
+    """x1 comes from the prefill, (x2, x3) and x4 from verification rounds."""
+    from dspark_ds.drafters.io import build_draft_config, build_draft_model, build_eagle3_config
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(
+        family_config(family, 8, tie_word_embeddings=False), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(4.0)  # sharper next-token distributions
+    prompt = torch.tensor([[1, 2, 3]])
+    exact = exact_continuation_probs(target, prompt, NUM_NEW)
+    for kind in ("dspark", "eagle3"):
+        if kind == "dspark":
+            cfg = build_draft_config(target.config, target_layer_ids=[0], mask_token_id=7,
+                                     block_size=3, markov_rank=4, num_draft_layers=1)  # fmt: skip
+        else:
+            cfg = build_eagle3_config(target.config, target_layer_ids=[0], ttt_length=2)
+        torch.manual_seed(1)
+        drafter = build_draft_model(cfg)
+        drafter.initialize_embeddings_and_head(
+            target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        )
+        counts, accepted = torch.zeros([8] * NUM_NEW), 0
+        for seed in range(NUM_SAMPLES):
+            out, stats = speculative_generate(
+                target, drafter.eval(), prompt, max_new_tokens=NUM_NEW, temperature=1.0,
+                generator=torch.Generator().manual_seed(seed),
+            )  # fmt: skip
+            counts[tuple(out[0, 3:].tolist())] += 1
+            accepted += sum(stats.accepted_per_round)
+        assert accepted > 0.1 * NUM_SAMPLES, (kind, accepted)  # both verifier outcomes happen
+        pvalues = [
+            chi_square_pvalue(counts.sum(dim=(0, 3)), exact.sum(dim=(0, 3))),
+            chi_square_pvalue(counts.sum(dim=(0, 1, 2)), exact.sum(dim=(0, 1, 2))),
+        ]
+        assert min(pvalues) > 1e-3, (kind, pvalues)
+
+
+# ---- ZeRO-3 loading: exact, and no rank holds the whole target --------------------------------
+
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "train_batch_size": 2,
+    "zero_optimization": {"stage": 3},
+}
+
+
+def _nvme_config(swap_dir: str) -> dict:
+    """DS_CONFIG with the parameters swapped to NVMe (a partition of 1 MiB or more is)."""
+    nvme = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False,
+            "buffer_count": 5, "buffer_size": 1e6}  # fmt: skip
+    aio = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+           "single_submit": False, "overlap_events": True}  # fmt: skip
+    return {**DS_CONFIG, "zero_optimization": {"stage": 3, "offload_param": nvme}, "aio": aio}
+
+
+def _partitioned_equals_whole(rank, world, paths: dict[str, str], bf16: list[str], swap: str):
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    from dspark_ds import engine
+    from dspark_ds.target import TargetConfig, load_target
+
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    for name, path in paths.items():
+        for dtype in ["float32", "bfloat16"] if name in bf16 else ["float32"]:
+            cfg = TargetConfig(path=path, layer_ids=LAYER_IDS, dtype=dtype, device="cpu")
+            ds = {**DS_CONFIG, "bf16": {"enabled": dtype == "bfloat16"}}
+            if name == "llama_nvme":  # the embedding's partitions go through the NVMe swapper
+                ds = _nvme_config(f"{swap}/{rank}")
+            target = engine.load_partitioned_target(cfg, ds)
+            params = list(target.parameters())
+            assert all(p.data.numel() == 0 for p in params), name  # nothing gathered
+            full = sum(p.ds_numel for p in params)
+            assert sum(p.ds_tensor.numel() for p in params) <= full // 2 + len(params), name
+            locations = [getattr(p.ds_tensor, "final_location", None) for p in params]
+            assert (OffloadDeviceEnum.nvme in locations) == (name == "llama_nvme"), name
+            engine._shard_target(target, ds)
+            target.check_head()
+            hidden, last = target(ids)
+            whole_hidden, whole_last = load_target(cfg, "cpu")(ids)
+            assert torch.equal(hidden, whole_hidden), (name, dtype)
+            assert torch.equal(last, whole_last), (name, dtype)
+
+
+def test_zero3_target_loaded_partition_by_partition_equals_the_whole_load(tmp_path):
+    from helpers.gemma4 import tiny_gemma4_target_config
+    from helpers.tiny_models import build_tiny_tokenizer
+
+    paths = {f: build_tiny_family_target(tmp_path / f, f) for f in FAMILIES}
+    paths["qwen3"] = build_tiny_target(tmp_path / "qwen3", tie_word_embeddings=True)
+    tok = build_tiny_tokenizer(tmp_path / "gemma4")
+    torch.manual_seed(0)
+    gemma4 = AutoModelForCausalLM.from_config(
+        tiny_gemma4_target_config(vocab_size=len(tok)), dtype=torch.float32
+    )
+    with torch.no_grad():  # a persistent buffer the checkpoint must restore
+        for i, layer in enumerate(gemma4.model.language_model.layers):
+            layer.layer_scalar.fill_(0.5 + 0.25 * i)
+    gemma4.save_pretrained(tmp_path / "gemma4")
+    paths["gemma4"] = str(tmp_path / "gemma4")
+    # a 2 MiB embedding (8192 x 64 fp32): its 1 MiB partitions are swapped to NVMe
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(
+        family_config("llama", 8192, hidden_size=64, head_dim=16)
+    ).save_pretrained(tmp_path / "llama_nvme")
+    paths["llama_nvme"] = str(tmp_path / "llama_nvme")
+    run_distributed(
+        _partitioned_equals_whole, 2,
+        args=(paths, ["llama", "qwen3_moe", "qwen3"], str(tmp_path / "swap")),
+    )  # fmt: skip
+
+
+def _rss() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _host_memory_of_a_load(rank, world, warmup: str, path: str, out_file: str):
+    """Peak RSS growth of loading `path` partitioned (and its target engine), after loading
+    `warmup` the same way (imports, DeepSpeed's first-use set-up)."""
+    from dspark_ds import engine
+    from dspark_ds.target import TargetConfig
+
+    engine.join_deepspeed_comm()
+    growth = []
+    for p in (warmup, path):
+        cfg = TargetConfig(path=p, layer_ids=[1], dtype="float32", device="cpu")
+        before = _rss()["VmRSS"]
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        target = engine.load_partitioned_target(cfg, DS_CONFIG)
+        engine._shard_target(target, DS_CONFIG)
+        growth.append(_rss()["VmHWM"] - before)
+    Path(f"{out_file}.{rank}").write_text(json.dumps(growth[-1]))
+
+
+def test_zero3_loading_holds_at_most_0_6x_of_the_target_per_rank(tmp_path, monkeypatch):
+    """A 176 MB fp32 Llama on 2 ranks: each rank's peak RSS growth while the target is built,
+    read and given its engine. Measured with glibc's mmap threshold pinned at 128 KiB, so freed
+    tensors go back to the system instead of staying in the heap as RSS (the allocator's
+    policy, not what the code holds)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=384, intermediate_size=1024,
+                      num_hidden_layers=24, num_attention_heads=6, num_key_value_heads=6,
+                      max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert size >= 100 * 2**20 and largest <= 0.03 * size
+    model.save_pretrained(tmp_path / "big")
+    del model
+    small = build_tiny_family_target(tmp_path / "small", "llama")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    out = tmp_path / "growth"
+    run_distributed(_host_memory_of_a_load, 2, args=(small, str(tmp_path / "big"), str(out)))
+    growth = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    print(f"[memory] target {size / 2**20:.0f} MiB, peak growth per rank "
+          f"{[f'{g / 2**20:.0f} MiB ({g / size:.2f}x)' for g in growth]}")  # fmt: skip
+    assert all(g <= 0.6 * size for g in growth), growth

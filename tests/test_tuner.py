@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dspark_ds import tune
 from dspark_ds.cli import main as cli_main
+from dspark_ds.errors import ConfigError
 
 from helpers.dist import GUARDED, check, guard_stats, guarded_env, python, torchrun
 from helpers.tiny_models import build_tiny_target
@@ -391,3 +393,22 @@ def test_two_rank_measure_under_the_device_guard(tmp_path):
         assert 0.7 <= estimate / m["peak_bytes"] <= 1.3, (name, estimate, m, result["text"])
         assert m["step_s"] > 0
     assert [s["policed"] > 0 for s in guard_stats(tmp_path / "guard")] == [True, True]
+
+
+def test_measured_steps_run_past_the_end_of_the_data():
+    """`--measure_steps` more than the recipe's data holds (the tiny recipe's 64 synthetic
+    samples: 16 micro-batches of 2 per rank on 2 ranks) starts the data over, epoch after epoch,
+    as training does, instead of stopping the measurement."""
+    from dspark_ds.train.batches import SyntheticSource
+    from dspark_ds.tune.measure import epochs
+
+    source = SyntheticSource(num_samples=8, seq_len=16, vocab_size=50, batch_size=2, rank=0,
+                             world_size=2, seed=0, provider=None)  # fmt: skip
+    batches = epochs(source)
+    got = [next(batches)["input_ids"] for _ in range(5)]  # 2 per epoch
+    assert source.epoch == 2
+    assert not torch.equal(got[0], got[2])  # each epoch in its own order, as training's
+    empty = SyntheticSource(num_samples=2, seq_len=16, vocab_size=50, batch_size=2, rank=0,
+                            world_size=2, seed=0, provider=None)  # fmt: skip
+    with pytest.raises(ConfigError, match="yields no micro-batch"):
+        next(epochs(empty))

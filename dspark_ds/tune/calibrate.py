@@ -5,10 +5,10 @@ All ranks measure at once (ranks of a node share its cores, memory bandwidth and
 training); each figure is the slowest rank's. What is measured:
 
 - peak_flops: an [n × n] matmul in the compute dtype; sustained_fraction: a training
-  micro-batch of the recipe's drafter kind at a fixed reference shape (REFERENCE: narrower and
-  shorter than any recipe), its FLOPs by the kind's own count over its time less its host
-  time (the same step 32 wide), as a share of that peak; target_sustained_fraction: the same
-  for a frozen target's forward.
+  micro-batch of the recipe's drafter kind, one draft layer at the recipe's widths, sequence
+  and anchors (capped for the device: `reference_shape`), its FLOPs by the kind's own count
+  over its time less its host time (the same step 32 wide), as a share of that peak;
+  target_sustained_fraction: the same for a frozen target's forward, a few layers deep.
 - the three collectives of ZeRO (all-reduce, all-gather, reduce-scatter) on the process group:
   latency from a one-element call, bus bandwidth from a large one.
 - the optimizers: torch's AdamW per element (one flat tensor, as ZeRO-1/2/3 hand it) and per
@@ -88,17 +88,52 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int = 1) -> f
 
 
 # ---- compute --------------------------------------------------------------------------------
-# A reference shape, narrower and shorter than any recipe's (and unlike the tests' recipes): the
-# rates measured there apply to the recipe's FLOPs through the same FLOP model.
-REFERENCE = dict(hidden=192, intermediate=512, heads=4, head_dim=48, vocab=12000, layers=4,
-                 seq_len=192, anchors=24, draft_layers=1)  # fmt: skip
+# The compute rates are measured at the recipe's own widths (a GEMM's efficiency depends on its
+# sizes: on this project's CPU machine the bench recipe's drafter runs 12 % and its target's
+# forward 80 % nearer the peak than at a 192-wide shape), with one draft layer, a few target
+# layers, each size at least REFERENCE_FLOOR (below it the step is all host time, which the
+# 32-wide copy takes out, and the difference is noise) and at most the device's cap, so that a
+# sample stays short; the FLOP model carries the rates to the recipe's full depth and length.
+REFERENCE_FLOOR = dict(hidden=192, intermediate=512, heads=4, head_dim=48, vocab=12000, layers=4,
+                       seq_len=192, anchors=24, draft_layers=1)  # fmt: skip
+REFERENCE_CAPS = {
+    "cpu": dict(hidden=512, intermediate=1536, heads=8, head_dim=128, vocab=32768, layers=4,
+                seq_len=256, anchors=32, draft_layers=1),
+    "cuda": dict(hidden=8192, intermediate=32768, heads=64, head_dim=256, vocab=262144,
+                 layers=4, seq_len=2048, anchors=256, draft_layers=1),
+}  # fmt: skip
 
 
-def _reference_config(run_cfg, narrow: bool):
+def reference_shape(run_cfg, device_type: str) -> dict[str, int]:
+    """The shape the compute rates are measured at: the recipe's target widths and its
+    sequence and anchors, each between REFERENCE_FLOOR and the device type's REFERENCE_CAPS."""
+    from dspark_ds.drafters.common.target_config import text_config
+    from dspark_ds.tune.inventory import target_config_of
+
+    text = text_config(target_config_of(run_cfg.target.path))
+    heads = int(text.num_attention_heads)
+    own = dict(
+        hidden=int(text.hidden_size),
+        intermediate=int(text.intermediate_size),
+        heads=heads,
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        vocab=int(text.vocab_size),
+        layers=min(int(text.num_hidden_layers), REFERENCE_FLOOR["layers"]),
+        seq_len=int(run_cfg.data.max_length),
+        anchors=int(run_cfg.model.num_anchors or 1),
+        draft_layers=1,
+    )
+    caps = REFERENCE_CAPS["cuda" if device_type == "cuda" else "cpu"]
+    shape = {k: max(REFERENCE_FLOOR[k], min(v, caps[k])) for k, v in own.items()}
+    shape["heads"] -= shape["heads"] % 2  # GQA halves them (the floor's 4 keeps them even)
+    return shape
+
+
+def _reference_config(run_cfg, shape: dict[str, int], narrow: bool):
     from dspark_ds.tune.inventory import target_config_of
     from dspark_ds.tune.workload import narrow_config, resized_config
 
-    r = REFERENCE
+    r = shape
     config = resized_config(
         target_config_of(run_cfg.target.path), hidden=r["hidden"],
         intermediate=r["intermediate"], heads=r["heads"], head_dim=r["head_dim"],
@@ -119,7 +154,7 @@ class Compute:
         from dspark_ds.target import default_layer_ids
         from dspark_ds.tune.workload import KindStep, TargetForward, counted_perf, forward_flops
 
-        r = REFERENCE
+        r = self.shape = reference_shape(run_cfg, device.type)
         self.device = device
         n = 4096 if device.type == "cuda" else 1024
         self.a = torch.randn(n, n, device=device, dtype=dtype)
@@ -130,7 +165,7 @@ class Compute:
         layer_ids = default_layer_ids(r["layers"])
         self.drafter, self.target = [], []
         for narrow in (False, True):
-            config = _reference_config(run_cfg, narrow)
+            config = _reference_config(run_cfg, r, narrow)
             self.drafter.append(
                 KindStep(
                     model,
@@ -145,7 +180,7 @@ class Compute:
                 )  # fmt: skip
             )
             self.target.append(TargetForward(config, layer_ids, 1, r["seq_len"], device, dtype))
-        text = text_config(_reference_config(run_cfg, False))
+        text = text_config(_reference_config(run_cfg, r, False))
         shape = StepShape(
             batch=1, seq_len=r["seq_len"], num_anchors=model.num_anchors,
             block_size=model.block_size, hidden=r["hidden"], intermediate=r["intermediate"],
@@ -614,6 +649,7 @@ class Calibration:
             "host_memory_gib": round(host_memory_bytes() / GIB, 1),
             "drafter_kind": self.run_cfg.model.kind,
             "nvme_measured": "nvme_read_bytes_per_s" in self.fixed,
+            "compute_shape": dict(self.compute.shape),
         }
 
     def machine_values(self) -> dict:

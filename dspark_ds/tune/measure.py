@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_ds.errors import ConfigError
 from dspark_ds.tune.config import ZeroOption
 from dspark_ds.tune.estimate import option_overrides
 
@@ -86,7 +87,7 @@ def measure(
     )
     with prof_ctx as prof:
         trainer = Trainer(cfg)
-        batches = iter(trainer.source)
+        batches = epochs(trainer.source)
         _one_step(trainer, batches)
     peak = 0.0
     if memory:
@@ -137,6 +138,21 @@ def waited_s() -> float:
 PHASES = ("batch", "forward", "backward", "engine_step")
 """A measured step's parts: the next batch (with an in-job target, its forward), the drafter's
 forward + loss, the backward, DeepSpeed's step."""
+
+
+def epochs(source):
+    """The source's micro-batches, epoch after epoch: a recipe with little data (the tiny one's
+    64 synthetic samples) runs out before many measured steps do."""
+    epoch = source.epoch
+    while True:
+        source.set_epoch(epoch)
+        empty = True
+        for batch in source:
+            empty = False
+            yield batch
+        if empty:
+            raise ConfigError("measure: the recipe's data yields no micro-batch on this rank")
+        epoch += 1
 
 
 def _one_step(trainer, batches, phases: list[float] | None = None) -> None:

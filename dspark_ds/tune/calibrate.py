@@ -60,6 +60,8 @@ from dspark_ds.tune.workload import NarrowCopies, OpCounter, stand_in_model
 ENGINE_OPTIONS = dict(zip(ENGINE_MODES, ("zero0", "zero1", "zero2", "zero2+offload_opt",
                                          "zero3", "zero3+offload_opt",
                                          "zero3+offload_opt+param")))  # fmt: skip
+REPEATS = 3
+"""Timings of a host-bound workload per sample (the median is kept)."""
 NVME_PROBE_BYTES = 32 * 2**20
 """Bytes each rank writes and reads to measure NVMe."""
 
@@ -383,14 +385,16 @@ class HostWork:
 
     def sample(self) -> dict:
         d = self.device
-        t = [timed(self.stand_in, d, 3)]
+        # NOTE: each figure this rank's median of REPEATS, then the slowest rank's: a single
+        # timing's noise, maximised over ranks, biases the host work upwards
+        t = [timed(self.stand_in, d, REPEATS)]
         layout = []
         for stage, steps in self.copies.steps.items():
             for i, step in enumerate(steps):
-                t.append(timed(step, d))
+                t.append(timed(step, d, REPEATS))
                 layout.append((stage, i))
         with torch.no_grad():
-            t.append(timed(self.copies.target, d))
+            t.append(timed(self.copies.target, d, REPEATS))
         t = max_over_ranks(t)
         per_op = t[0] / self.ops
         work: dict = {"drafter": {}}
@@ -439,19 +443,23 @@ class EngineWindow:
         self.sample()  # warm-up
 
     def _phases(self, model, backward, step) -> list[float]:
+        """Forward + loss, backward and step seconds: each this rank's median of REPEATS."""
         d = self.host.device
-        distributed.barrier()
-        _sync(d)
-        t0 = time.perf_counter()
-        loss = self.step.loss(model)
-        _sync(d)
-        t1 = time.perf_counter()
-        backward(loss)
-        _sync(d)
-        t2 = time.perf_counter()
-        step()
-        _sync(d)
-        return [t1 - t0, t2 - t1, time.perf_counter() - t2]
+        runs = []
+        for _ in range(REPEATS):
+            distributed.barrier()
+            _sync(d)
+            t0 = time.perf_counter()
+            loss = self.step.loss(model)
+            _sync(d)
+            t1 = time.perf_counter()
+            backward(loss)
+            _sync(d)
+            t2 = time.perf_counter()
+            step()
+            _sync(d)
+            runs.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        return [statistics.median(r[i] for r in runs) for i in range(3)]
 
     def sample(self, ag_latency: float = 0.0) -> dict[str, float]:
         """One pass: plain and engine forward, backward and step of the drafter copy (and the
@@ -469,8 +477,8 @@ class EngineWindow:
             copy = self.host.copies.target
             with torch.no_grad():
                 t += [
-                    timed(copy, self.host.device),
-                    timed(lambda: copy.run(self.target), self.host.device),
+                    timed(copy, self.host.device, REPEATS),
+                    timed(lambda: copy.run(self.target), self.host.device, REPEATS),
                 ]
         t = max_over_ranks(t)
         fwd, bwd, step = (max(0.0, e - p) for e, p in zip(t[3:6], t[0:3]))

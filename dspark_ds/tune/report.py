@@ -153,10 +153,13 @@ def figures(machine: Machine) -> list[str]:
     def src(key: str) -> str:
         return machine.sources.get(key, "default")
 
+    def both(a: str, b: str) -> str:
+        return src(a) if src(a) == src(b) else f"{src(a)}; {src(b)}"
+
     return [
         "figures: "
         f"peak {machine.peak_flops / 1e12:.3g} TFLOP/s × sustained "
-        f"{machine.sustained_fraction:.2f} [{src('peak_flops')}; {src('sustained_fraction')}], "
+        f"{machine.sustained_fraction:.2f} [{both('peak_flops', 'sustained_fraction')}], "
         f"all-reduce {machine.all_reduce_bytes_per_s / DECIMAL_GB:.3g} GB/s, all-gather "
         f"{machine.all_gather_bytes_per_s / DECIMAL_GB:.3g} GB/s, reduce-scatter "
         f"{machine.reduce_scatter_bytes_per_s / DECIMAL_GB:.3g} GB/s, latency "

@@ -120,16 +120,21 @@ def test_distributed_timeout_must_be_positive():
 
 
 # ---- a rendezvous that cannot be reached ------------------------------------------------------
-def test_unreachable_rendezvous_fails_in_bounded_time(monkeypatch):
-    port = network.free_job_port(777)  # nothing listens there
-    for key, value in {
+def second_rank_env(port: int) -> dict[str, str]:
+    """Rank 1 of 2, its head at 127.0.0.1:`port`."""
+    return {
         "RANK": "1",
         "WORLD_SIZE": "2",
         "LOCAL_RANK": "1",
         "LOCAL_WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-    }.items():
+    }
+
+
+def test_unreachable_rendezvous_fails_in_bounded_time(monkeypatch):
+    port = network.free_job_port(777)  # nothing listens there
+    for key, value in second_rank_env(port).items():
         monkeypatch.setenv(key, value)
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "DSPARK_IFNAME"):
         monkeypatch.delenv(key, raising=False)
@@ -151,12 +156,7 @@ def test_cli_names_the_rendezvous_it_cannot_reach(tmp_path):
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(REPO),
         "DS_ACCELERATOR": "cpu",
-        "RANK": "1",
-        "WORLD_SIZE": "2",
-        "LOCAL_RANK": "1",
-        "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+        **second_rank_env(port),
         "HF_HUB_OFFLINE": "1",
     }
     from helpers.tiny_models import build_tiny_target

@@ -100,6 +100,12 @@ def part_of(out: Path) -> Path:
     return Path(f"{out}.parts") / "part-00000-of-00001.jsonl"
 
 
+def rows_in(part: Path) -> int:
+    """Finished rows of a part another process is writing (read_part would cut a torn last
+    line off the writer's file)."""
+    return part.read_bytes().count(b"\n") if part.exists() else 0
+
+
 # ---- real servers ----------------------------------------------------------------------------
 
 
@@ -171,16 +177,20 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_resumes(env, servers, tmp_path):
     out = tmp_path / "interrupted.jsonl"
     argv = ["regenerate", "--data.paths", f"[{env['long']}]", "--target.path", env["target"],
             "--output", str(out), "--server.urls", f"[{servers[0].url},{servers[1].url}]",
-            "--server.concurrency", "2", "--temperature", "0", "--max_new_tokens", "24",
+            "--server.concurrency", "1", "--temperature", "0", "--max_new_tokens", "64",
             "--data.max_length", "256"]  # fmt: skip
+    # NOTE: one request at a time and longer answers: the whole run takes several seconds
+    # after its fifth row (at concurrency 2 and 24 tokens it took 2 s, and once in CI it had
+    # finished before the signal arrived)
     env_vars = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     }
     proc = subprocess.Popen([sys.executable, "-m", "dspark_ds.cli", *argv], env=env_vars,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
-    while len(read_part(part_of(out))) < 5 and time.monotonic() < deadline and proc.poll() is None:
+    while rows_in(part_of(out)) < 5 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     out_text, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -378,8 +378,8 @@ def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp
     script.write_text(GENERIC_JOB)
     result = tmp_path / "tune.json"
     args = ["tune", "--recipe", str(TINY), "--target.path", tiny_target, "--measure", "true",
-            "--measure_steps", "2", "--output_json", str(result), "--overrides",
-            '["--data.batch_size", "1", "--train.global_batch_size", "4"]']  # fmt: skip
+            "--measure_steps", "2", "--output_json", str(result), "--cluster.calibrate", "false",
+            "--overrides", '["--data.batch_size", "1", "--train.global_batch_size", "4"]']  # fmt: skip
     env = job_env(tmp_path, DSPARK_SLURM_DIR=str(REPO / "slurm"))
     job = Job(multihost_cluster, tmp_path, "zero-options",
               ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"], str(script), args,

@@ -170,15 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(_one_line(err))
     except TrainingStopped as err:  # raised by every rank together, after what could be saved
         print(f"dspark-ds: error: {_one_line(err)}", file=sys.stderr, flush=True)
-        leave(err.exit_code)
+        leave(err.exit_code, _AS_PROCESS)
         return err.exit_code
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (which checkpoints first)
         print("dspark-ds: interrupted", file=sys.stderr, flush=True)
         return INTERRUPT_EXIT_CODE
     except SystemExit as err:  # the trainer's signal exits (75, 130), every rank together
-        leave(int(err.code or 0))
+        leave(int(err.code or 0), _AS_PROCESS)
         raise
-    leave(0)
+    leave(0, _AS_PROCESS)
     return 0
 
 
@@ -198,5 +198,18 @@ def _parse_error_text(err: Exception) -> str:
     return text
 
 
+_AS_PROCESS = False
+"""Set by `entry`: `main` is this process's whole program (`leave` may end it)."""
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """The `dspark-ds` command (and `python -m dspark_ds.cli`): `main` as the process's whole
+    program, which ends without the interpreter's finalization once a subcommand's work is
+    done (distributed.leave)."""
+    global _AS_PROCESS
+    _AS_PROCESS = True
+    return main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -543,7 +543,7 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def leave(code: int = 0) -> None:
+def leave(code: int = 0, whole_process: bool = False) -> None:
     """End a multi-rank process that finished (or is leaving for requeue) in good order.
 
     All ranks meet at a barrier, destroy the process group, finalise MPI under mpirun, flush
@@ -553,12 +553,15 @@ def leave(code: int = 0) -> None:
     ("terminate called without an active exception", SIGABRT) after the job's work is done —
     the launcher then reports a failure and `srun --kill-on-bad-exit` kills the other ranks.
     Not called on errors (a barrier or a destroy while other ranks sit in a collective can
-    hang). A world of one returns normally.
+    hang). A world of one returns normally, unless `whole_process` (the process's own entry
+    point, not a call from inside another program such as a test): a single-process run's
+    DeepSpeed groups can abort its finalization the same way.
     """
-    if not has_group():
+    if has_group():
+        dist.barrier()
+    elif not whole_process:
         return
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy()
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()  # what mpi4py's exit hook would do; mpirun counts a rank without it failed

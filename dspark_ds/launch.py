@@ -11,7 +11,7 @@ import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, as_process: bool = False) -> int:
     from dspark_ds import cli
     from dspark_ds.distributed import prepare_env
 
@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
             info.rank,
             sys.stderr,
         )
-    return cli.main(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    return cli.entry(argv) if as_process else cli.main(argv)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(as_process=True))

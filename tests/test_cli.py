@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -226,3 +228,22 @@ def test_only_config_errors_are_one_line_exits(capsys, monkeypatch):
     monkeypatch.setattr(trainer, "train", bug)
     with pytest.raises(ValueError, match="an internal invariant broke"):
         main(argv)
+
+
+def test_the_command_ends_without_interpreter_finalization():
+    """`dspark-ds` (and `python -m dspark_ds.cli`) ends a finished subcommand with os._exit
+    after destroying its process group, as multi-rank runs do: at finalization DeepSpeed's
+    module-global gloo groups could abort a finished single-process run (SIGABRT, "terminate
+    called without an active exception", seen once in a test's 1-process training). An exit
+    hook of the program therefore never runs, the exit code and the output stay; `main()`
+    called from inside another program still returns."""
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('finalized', flush=True))\n"
+        "from dspark_ds.cli import entry\n"
+        "sys.exit(entry(['tune', '--recipe', 'dspark_ds/recipes/dspark_qwen3_8b.yaml']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recommended:" in proc.stdout and "finalized" not in proc.stdout

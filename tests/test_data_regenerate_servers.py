@@ -185,8 +185,12 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_resumes(env, servers, tmp_path):
     env_vars = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     }
+    # NOTE: a shell without job control starts its background jobs with SIGINT ignored, and a
+    # child inherits that (Python then installs no Ctrl-C handler): as a terminal would, the
+    # child gets SIGINT's default disposition whatever started the test run
     proc = subprocess.Popen([sys.executable, "-m", "dspark_ds.cli", *argv], env=env_vars,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.monotonic() + 120
     while rows_in(part_of(out)) < 5 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)

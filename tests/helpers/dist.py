@@ -194,7 +194,7 @@ def train_many(runs: list[list[str]], result_file: str) -> None:
         if int(os.environ.get("RANK", 0)) == 0:
             Path(result_file).write_text(json.dumps(results))
             Path(f"{result_file}.device_guard.json").write_text(json.dumps(guard.stats))
-        leave(0)
+        leave(0, whole_process=True)
 
 
 if __name__ == "__main__":

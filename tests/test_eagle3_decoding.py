@@ -16,6 +16,7 @@ from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.target_step import tap_layers
 
+from helpers.drafters import with_target_weights
 from helpers.tiny_models import build_tiny_target
 
 LAYER_IDS = [0, 1, 2]
@@ -30,15 +31,7 @@ def target(tmp_path_factory):
 def make_drafter(target, seed: int = 0, ttt_length: int = 4) -> Qwen3Eagle3Model:
     cfg = build_eagle3_config(target.config, target_layer_ids=LAYER_IDS, ttt_length=ttt_length)
     torch.manual_seed(seed)
-    drafter = build_draft_model(cfg)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    drafter.initialize_embeddings_and_head(
-        target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    )
-    return drafter.eval()
+    return with_target_weights(build_draft_model(cfg), target)
 
 
 def prompt(n: int = 9, seed: int = 0) -> torch.Tensor:

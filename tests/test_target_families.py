@@ -21,6 +21,7 @@ from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.target import FrozenTarget, TargetConfig, load_target
 from dspark_ds.target_weights import StoredTensor, TargetWeights, fill_plan, read_header
 
+from helpers.drafters import with_target_weights
 from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import FAMILIES, build_tiny_family_target
 
@@ -47,15 +48,7 @@ def _random_drafter(target, kind: str, seed: int = 0):
     else:
         cfg = build_eagle3_config(target.config, target_layer_ids=LAYER_IDS, ttt_length=3)
     torch.manual_seed(seed)
-    drafter = build_draft_model(cfg)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    drafter.initialize_embeddings_and_head(
-        target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    )
-    return drafter.eval()
+    return with_target_weights(build_draft_model(cfg), target)
 
 
 # ---- the drafter a family gets ---------------------------------------------------------------

@@ -78,3 +78,16 @@ def random_batch(model, batch: int = 2, seq_len: int = 24, seed: int = 0, masked
         target_last_hidden_states=torch.randn(batch, seq_len, cfg.hidden_size, generator=g),
         loss_mask=loss_mask,
     )
+
+
+def with_target_weights(drafter, target):
+    """`drafter` (freshly built, seeded by the caller) with larger random weights than the
+    default init, so that drafts vary, and the target's embedding and lm_head; in eval mode."""
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    drafter.initialize_embeddings_and_head(
+        target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    return drafter.eval()

@@ -120,7 +120,7 @@ def reference_shape(run_cfg, device_type: str) -> dict[str, int]:
         heads=heads,
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
         vocab=int(text.vocab_size),
-        layers=min(int(text.num_hidden_layers), REFERENCE_FLOOR["layers"]),
+        layers=int(text.num_hidden_layers),
         seq_len=int(run_cfg.data.max_length),
         anchors=int(run_cfg.model.num_anchors or 1),
         draft_layers=1,

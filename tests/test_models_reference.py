@@ -22,8 +22,18 @@ HEADS = [
     dict(markov_head_type="rnn"),
     dict(markov_head_type="vanilla", confidence_head_with_markov=False),
     DFLASH,
+    dict(DFLASH, sample_from_anchor=False),
+    dict(markov_head_type="vanilla", sample_from_anchor=False),
 ]
-IDS = ["vanilla", "gated", "rnn", "conf-without-markov", "dflash"]
+IDS = [
+    "vanilla",
+    "gated",
+    "rnn",
+    "conf-without-markov",
+    "dflash",
+    "dflash-layout",
+    "vanilla-dflash-layout",
+]
 
 
 def _rope(x, pos, inv_freq):
@@ -34,20 +44,23 @@ def _rope(x, pos, inv_freq):
 
 
 def naive_block(model, input_ids, feats, anchor: int, labels: torch.Tensor):
-    """One sample, one block: explicit context slice [0, anchor), no masks, loops for heads."""
+    """One sample, one block: explicit context slice [0, anchor), no masks, loops for heads.
+    The block is [anchor, MASK...] of γ slots, or γ + 1 without `sample_from_anchor`, whose
+    anchor slot's output is then dropped."""
     G = model.block_size
+    Q = G if model.config.sample_from_anchor else G + 1
     ctx = model.hidden_norm(model.fc(feats[:anchor]))  # [p, H]
-    ids = torch.full((G,), model.mask_token_id)
+    ids = torch.full((Q,), model.mask_token_id)
     ids[0] = input_ids[anchor]
     h = model.embed_tokens(ids)
     pos_ctx = torch.arange(anchor)
-    pos_draft = torch.arange(anchor, anchor + G)
+    pos_draft = torch.arange(anchor, anchor + Q)
     inv_freq = model.rotary_emb.inv_freq
     for layer in model.layers:
         attn = layer.self_attn
         x = layer.input_layernorm(h)
         hd, nh, nkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
-        q = attn.q_norm(attn.q_proj(x).view(G, nh, hd))
+        q = attn.q_norm(attn.q_proj(x).view(Q, nh, hd))
         src = torch.cat([ctx, x])
         k = attn.k_norm(attn.k_proj(src).view(-1, nkv, hd))
         v = attn.v_proj(src).view(-1, nkv, hd)
@@ -61,7 +74,7 @@ def naive_block(model, input_ids, feats, anchor: int, labels: torch.Tensor):
             heads.append(w @ v[:, kv])
         h = h + attn.o_proj(torch.cat(heads, dim=-1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    h = model.norm(h)
+    h = model.norm(h)[Q - G :]
     logits = model.lm_head(h)
     prev = torch.cat([input_ids[anchor : anchor + 1], labels[:-1]])
     head = model.markov_head
@@ -133,14 +146,14 @@ def test_teacher_forcing_equals_forced_sampling(heads):
         for a in range(out.anchor_positions.shape[1]):
             p = int(out.anchor_positions[0, a])
             cache = model.new_cache()
-            block = torch.full((1, model.block_size), model.mask_token_id)
+            block = torch.full((1, model.query_block), model.mask_token_id)
             block[0, 0] = ids[p]
             hidden = model.forward_draft_block(
                 context_features=batch["target_hidden_states"][:, :p],
                 block_input_ids=block,
                 start=p,
                 cache=cache,
-            )
+            )[:, model.query_block - model.block_size :]
             labels = out.target_ids[0, a].unsqueeze(0)
             _, logits = model.sample_draft_tokens(
                 model.compute_logits(hidden),

@@ -279,7 +279,9 @@ class DemoPipeline:
         )
         sizes = {
             "dspark": {**blocks, "markov_rank": dr.markov_rank},
-            "dflash": blocks,
+            # NOTE: DSpark's block layout, not the DFlash preset's: the comparison isolates the
+            # heads (the README's figures were measured so); docs/serving.md#the-block-layout
+            "dflash": {**blocks, "sample_from_anchor": True},
             # ttt_length = γ: every drafter proposes at most γ tokens a round, and is trained on
             # the same γ next tokens of every position
             "eagle3": {"num_draft_layers": dr.eagle3_layers, "ttt_length": dr.block_size},

@@ -46,7 +46,13 @@ class DrafterConfig:
     num_draft_layers: int = 5
     """Transformer layers of the drafter backbone."""
     block_size: int = 7
-    """γ: tokens drafted per block (anchor + γ-1 masks)."""
+    """γ: tokens drafted per block."""
+    sample_from_anchor: bool = True
+    """The block layout (docs/serving.md#the-block-layout). true: a block is [anchor, MASK ×
+    (γ-1)] and every slot predicts the token after it, the anchor's slot the first draft
+    (DeepSpec's layout, which vLLM's `dspark` method reads). false: [anchor, MASK × γ], each MASK
+    predicting the token at its own position and the anchor's slot nothing (DFlash's layout, which
+    vLLM's and SGLang's `dflash` methods read)."""
     num_anchors: int = 512
     """Blocks (anchors) sampled per training sequence."""
     mask_token_id: int | None = None
@@ -136,9 +142,13 @@ _PRESETS: dict[str, DrafterConfig] = {
     # the paper's DSpark: 5 layers, γ 7, 512 anchors, vanilla Markov head of rank 256, the
     # confidence head fed the Markov features, CE / L1 / BCE 0.1 / 0.9 / 1.0
     "dspark": DrafterConfig(),
-    # DFlash: DSpark without the Markov and confidence heads, cross-entropy only
+    # DFlash: DSpark without the Markov and confidence heads, cross-entropy only, in DFlash's
+    # own block layout (what the engines' DFlash path serves)
     "dflash": DrafterConfig(
-        markov_rank=0, confidence_head_with_markov=False, **asdict(DFLASH_LOSS)
+        markov_rank=0,
+        confidence_head_with_markov=False,
+        sample_from_anchor=False,
+        **asdict(DFLASH_LOSS),
     ),
     # Eagle3: one autoregressive layer unrolled over 7 training-time-test steps
     # (ttt_length and step_loss_decay: DrafterConfig's defaults)

@@ -82,6 +82,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
     # config.json: what a drafter directory must carry, and what older ones may leave out
     REQUIRED_CONFIG_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_anchors")
     OPTIONAL_CONFIG_FIELDS = {
+        "sample_from_anchor": True,
         "markov_rank": 0,
         "markov_head_type": "vanilla",
         "enable_confidence_head": False,
@@ -93,6 +94,12 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         self.config = config
         hidden = int(config.hidden_size)
         self.block_size = int(config.block_size)
+        # NOTE: the layout decides which slots predict (docs/serving.md#the-block-layout): with
+        # sample_from_anchor the block is [anchor, MASK × (γ-1)] and slot j predicts token
+        # p + j + 1; without, [anchor, MASK × γ], slot j >= 1 predicts token p + j and the anchor
+        # slot's output is dropped. Both give γ predictions with the same labels.
+        self.sample_from_anchor = bool(getattr(config, "sample_from_anchor", True))
+        self.query_block = self.block_size + (0 if self.sample_from_anchor else 1)
         self.mask_token_id = int(config.mask_token_id)
         self.num_anchors = int(config.num_anchors)
         self.target_layer_ids = list(config.target_layer_ids)
@@ -202,7 +209,7 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         """
         bsz, seq_len = input_ids.shape
         device = input_ids.device
-        G = self.block_size
+        G, Q = self.block_size, self.query_block
         if anchor_positions is None:
             if block_keep_mask is not None:
                 raise ValueError("block_keep_mask: given without anchor_positions")
@@ -220,21 +227,21 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
             anchor_positions,
             block_keep_mask,
             mask_token_id=self.mask_token_id,
-            block_size=G,
+            block_size=Q,
         )
         h = self.embed_tokens(noise_ids)
         ctx = self.project_context(target_hidden_states)
         ctx_pos = torch.arange(seq_len, device=device).expand(bsz, -1)
-        draft_pos = create_position_ids(anchor_positions, G)
+        draft_pos = create_position_ids(anchor_positions, Q)
         mask = build_block_mask(
             self.resolve_attn_implementation(device),
             anchor_positions,
             block_keep_mask,
             seq_len=seq_len,
-            block_size=G,
+            block_size=Q,
         )
         hidden = self.backbone(h, ctx, ctx_pos, draft_pos, mask)
-        hidden_BAGH = hidden.view(bsz, num_blocks, G, -1)
+        hidden_BAGH = hidden.view(bsz, num_blocks, Q, -1)[:, :, Q - G :]
 
         label_idx, safe_idx = build_label_indices(
             anchor_positions, block_keep_mask, block_size=G, seq_len=seq_len
@@ -373,15 +380,17 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
 
     def propose_round(self, r: DraftRound) -> Proposal:
         """One round (the kind's `propose`): `[x_start, MASK × (γ-1)]` per row in one
-        forward, the Markov head samples each block left to right, the confidence head scores
-        every slot. Always drafts the whole block (the loop verifies what it can)."""
+        forward (`[x_start, MASK × γ]` without `sample_from_anchor`), the Markov head samples
+        each block left to right, the confidence head scores every slot. Always drafts the
+        whole block (the loop verifies what it can)."""
         rows = r.x_start.shape[0]
-        G = self.block_size
+        G, Q = self.block_size, self.query_block
         device = r.x_start.device
-        block_ids = torch.full((rows, G), self.mask_token_id, dtype=torch.long, device=device)
+        block_ids = torch.full((rows, Q), self.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = r.x_start
-        positions = r.starts.unsqueeze(1) + torch.arange(G, device=device)
+        positions = r.starts.unsqueeze(1) + torch.arange(Q, device=device)
         hidden = self.draft_block_from_cache(block_ids, positions, r.cache, r.key_mask)
+        hidden = hidden[:, Q - G :]
         tokens, logits = self.sample_draft_tokens(
             self.compute_logits(hidden),
             first_prev_token_ids=block_ids[:, 0],

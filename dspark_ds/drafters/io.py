@@ -1,8 +1,9 @@
 """Draft configs built from a target, and the interchange directory (docs/checkpoint-format.md).
 
 A drafter directory is `config.json` (the draft text config plus the DSpark fields) and
-`model.safetensors` (or shards with `model.safetensors.index.json`), readable by the
-reference implementation, SGLang and vLLM. `architectures` selects the backend.
+`model.safetensors` (or shards with `model.safetensors.index.json`), in the format the engines
+load as it is (drafters/serving.py: chosen by the kind and layout; DeepSpec's for DSpark, the
+DFlash and vLLM Eagle3 formats for the others). `architectures` selects the backend.
 
 `config.json` keeps the `model_type` of the drafter's backbone: the target's own for Qwen3 and
 Gemma4 targets (qwen3, gemma4_text), "qwen3" for every other family, whose drafter is the
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dspark_ds.drafters import serving
 from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.drafters.presets import DrafterConfig, preset
@@ -138,6 +140,7 @@ def dspark_config(
         raise ConfigError(f"mask_token_id: must be in [0, {vocab}), got {mask_token_id!r}")
     enable_confidence = model.confidence_head_alpha > 0
     cfg.block_size = int(model.block_size)
+    cfg.sample_from_anchor = bool(model.sample_from_anchor)
     cfg.mask_token_id = int(mask_token_id)
     cfg.num_anchors = int(model.num_anchors)
     cfg.markov_rank = int(model.markov_rank)
@@ -201,9 +204,11 @@ def build_draft_model(config):
     return cls(config)
 
 
-def config_from_dict(data: dict):
-    """A drafter config from its config.json; names the first missing field the architecture
-    needs."""
+def config_from_dict(data: dict, target_config=None):
+    """A drafter config from its config.json (ours, DeepSpec's or an engine format's,
+    `serving.native_dict`); names the first missing field the architecture needs.
+    `target_config` fills what a published checkpoint leaves to the target."""
+    data = serving.native_dict(data, target_config)
     archs = data.get("architectures") or []
     if not archs:
         raise ConfigError("architectures: missing from the drafter config.json")
@@ -216,34 +221,83 @@ def config_from_dict(data: dict):
     return config_cls.from_dict({**cls.OPTIONAL_CONFIG_FIELDS, **data})
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """One weights file; a damaged one (truncated, not safetensors) is a ConfigError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(file)
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(
+            f"{file}: not a readable safetensors file ({err}); export the drafter again"
+        ) from None
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a drafter directory (one file, or the shards of its index)."""
     single = path / "model.safetensors"
     if single.exists():
-        return load_file(single)
+        return _load_safetensors(single)
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ConfigError(f"{index}: not a safetensors index ({err!r})") from None
         state = {}
         for shard in sorted(set(weight_map.values())):
-            state.update(load_file(path / shard))
+            if not (path / shard).exists():
+                raise ConfigError(f"{path / shard}: listed in {index.name} but missing")
+            state.update(_load_safetensors(path / shard))
         return state
     raise ConfigError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def load_draft_model(path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Reads an interchange directory (ours or the reference's) into a drafter, in eval mode."""
-    path = Path(path)
-    cfg_file = path / "config.json"
+def read_config_dict(path: Path) -> dict:
+    """A drafter directory's config.json as written (ConfigError naming the file)."""
+    cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
         raise ConfigError(f"{cfg_file}: not found (is {path} a drafter directory?)")
     try:
         data = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{cfg_file}: not valid JSON ({err})") from None
-    model = build_draft_model(config_from_dict(data))
-    state = _read_state_dict(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cfg_file}: not a JSON object")
+    return data
+
+
+def load_draft_model(
+    path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    target_config=None,
+    shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
+    """Reads a drafter directory (ours, the reference's, or an engine format's: a published
+    DFlash or vLLM Eagle3 checkpoint) into a drafter, in eval mode. A published checkpoint that
+    leaves the embedding and lm_head to the target gets `shared_weights` (the target's
+    (embedding, lm_head)); `target_config` fills the config fields it leaves to the target."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    data = read_config_dict(path)
+    try:
+        model = build_draft_model(config_from_dict(data, target_config))
+    except ConfigError as err:
+        raise ConfigError(f"{cfg_file}: {err}") from None
+    state = read_state_dict(path)
     own = model.state_dict()
+    shared = model.shared_parameter_names()
+    if shared_weights is not None:
+        for name, tensor in zip(shared, shared_weights):
+            state.setdefault(name, tensor)
     missing = sorted(set(own) - set(state))
+    if missing and set(missing) <= set(shared) and shared_weights is None:
+        raise ConfigError(
+            f"{path}: has no {' / '.join(missing)} (a checkpoint that shares them with its "
+            "target); load it with the target's (shared_weights, or target.path)"
+        )
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         raise ConfigError(
@@ -287,6 +341,7 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
     if family_hook is not None:
         data = family_hook(data, model.config)
     data["architectures"] = [type(model).architecture]
+    data = serving.engine_dict(data)
     tmp = out / ".config.json.tmp"
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     tmp.replace(out / "config.json")

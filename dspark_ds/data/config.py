@@ -120,6 +120,9 @@ class ServerConfig:
     probe_interval_s: float = 5.0
     """A server that failed is out of rotation; it is probed this often (``/health``, then
     ``/v1/models``) and back in rotation once it answers."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the servers' API key (`vllm serve --api-key`, SGLang's
+    `--api-key`), sent as `Authorization: Bearer` when set; only this name is ever stored."""
     give_up_s: float = 900.0
     """Stop (exit 1; every finished row is kept and a rerun resumes) when no server has been in
     rotation for this long."""

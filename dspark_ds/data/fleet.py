@@ -13,6 +13,9 @@ answers chat requests for one client process.
   HTTP 408 / 429 are retried without taking the server out; any other 4xx is the request's own
   fault (a prompt too long for the server, say) and fails at once.
 - No server in rotation for ``give_up_s``: ``FleetDown``.
+- Key-protected servers: every request carries ``Authorization: Bearer`` with the key in the
+  environment variable ``api_key_env`` names (``OPENAI_API_KEY``); HTTP 401 / 403 stops the run
+  at once (ConfigError naming the server and what to set), keeping every finished row.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import aiohttp
 
 from dspark_ds.data.config import ServerConfig
 from dspark_ds.errors import ConfigError
+from dspark_ds.serve.auth import auth_headers, refused
 
 MAX_BACKOFF_S = 60.0
 CHECK_TIMEOUT_S = 30.0  # the start-up checks and the probes wait at most this long
@@ -152,7 +156,9 @@ class Fleet:
     async def __aenter__(self) -> Fleet:
         # NOTE: aiohttp's connector allows 100 connections by default, which would cap the
         # concurrency silently; `concurrency` already bounds what is in flight.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(self.cfg.api_key_env)
+        )
         self._some_up = asyncio.Event()
         self._some_up.set()
         return self
@@ -206,6 +212,8 @@ class Fleet:
             raise ConfigError(f"{where}: no answer within {CHECK_TIMEOUT_S:g} s") from None
         except aiohttp.ClientError as err:
             raise ConfigError(f"{where}: unreachable ({_error_text(err)})") from None
+        if status in (401, 403):
+            raise refused(where, "GET /models", status, self.cfg.api_key_env, "server.api_key_env")
         if status != 200:
             raise ConfigError(
                 f"{where}: GET /models answered HTTP {status} ({_error_detail(raw)}); not an "
@@ -292,6 +300,11 @@ class Fleet:
             raise _Failure(f"no answer within {timeout_s:g} s", down=True) from None
         except aiohttp.ClientError as err:
             raise _Failure(f"request failed ({_error_text(err)})", down=True) from None
+        if status in (401, 403):  # no retry helps: the run stops, keeping its finished rows
+            raise refused(
+                server.base, "POST /chat/completions", status, self.cfg.api_key_env,
+                "server.api_key_env",
+            )  # fmt: skip
         if status in (408, 429):
             raise _Failure(f"HTTP {status} ({_error_detail(raw)})", down=False)
         if status >= 500:

@@ -77,6 +77,36 @@ class SchedulerConfig:
 
 
 @dataclass
+class EngineConfig:
+    """A running vLLM server (OpenAI-compatible) serving the target with this drafter: the
+    evaluation sends it the same prompts and compares its speculative-decoding counters with
+    ours (docs/serving.md#parity)."""
+
+    url: str | None = None
+    """Base URL, http://host:port (or .../v1); None = no engine parity check."""
+    model: str | None = None
+    """Model name sent with every request; None = the only one the server lists."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the server's API key (`vllm serve --api-key`), sent as
+    `Authorization: Bearer`; only this name is ever stored, never the key."""
+    tolerance: float = 0.0
+    """Largest gap allowed between the engine's and our acceptance at any draft position (the
+    share of rounds that accepted it) and in τ, relative; greedy float32 is exact (0)."""
+    timeout_s: float = 600.0
+    """Longest wait for one answer."""
+
+    def validate(self, prefix: str = "engine") -> None:
+        if self.url is None:
+            return
+        if not str(self.url).startswith(("http://", "https://")):
+            raise ConfigError(f"{prefix}.url: {self.url!r} is not an http:// or https:// URL")
+        if self.tolerance < 0:
+            raise ConfigError(f"{prefix}.tolerance must be >= 0, got {self.tolerance}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"{prefix}.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
 class EvalConfig:
     """Speculative decoding of benchmark prompts with a drafter against its target (docs/evaluation.md)."""
 
@@ -96,11 +126,13 @@ class EvalConfig:
     alpaca 500, arena-hard-v2 500; every row of other benchmarks)."""
     max_new_tokens: int = 2048
     """Generation budget per prompt (the paper's: 2048)."""
-    budget_accounting: Literal["exact", "reference"] = "exact"
+    budget_accounting: Literal["exact", "reference", "engine"] = "exact"
     """exact: never verify past the budget (the last round's proposal is cut to the tokens left).
     reference: as the reference's evaluation, proposals are never cut for the budget; rounds run
     until the output is longer than max_new_tokens, the output is trimmed, and every round counts
-    in τ (use it to compare τ with the paper's tables)."""
+    in τ (use it to compare τ with the paper's tables). engine: as vLLM's scheduler, proposals are
+    never cut and rounds run while the output is shorter than max_new_tokens (what
+    `engine.url`'s parity check uses)."""
     temperature: float = 1.0
     """Sampling temperature; 0 = greedy. The paper's Table 1 reports T = 1."""
     confidence_threshold: float = 0.0
@@ -134,6 +166,9 @@ class EvalConfig:
     sqlite:///<output_dir>/mlflow.db then holds training and evaluation runs side by side)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     """Confidence calibration / STS options."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """A vLLM server serving the target with this drafter: its own speculative-decoding
+    counters beside ours on the same prompts (the parity check)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow tracking, the same section as `train`'s (rank 0 only)."""
     distributed: DistributedConfig = field(
@@ -158,9 +193,10 @@ class EvalConfig:
             raise ConfigError(f"eval.max_samples must be >= 1 or null, got {self.max_samples}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.budget_accounting not in ("exact", "reference"):
+        if self.budget_accounting not in ("exact", "reference", "engine"):
             raise ConfigError(
-                f"eval.budget_accounting must be exact | reference, got {self.budget_accounting!r}"
+                "eval.budget_accounting must be exact | reference | engine, got "
+                f"{self.budget_accounting!r}"
             )
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")
@@ -176,6 +212,29 @@ class EvalConfig:
             raise ConfigError(f"eval.batch_size must be >= 1, got {self.batch_size}")
         self.scheduler.validate("eval.scheduler")
         self.calibration.validate("eval.calibration")
+        self.engine.validate("engine")
+        if self.engine.url is not None:
+            self._validate_engine_run()
+
+    def _validate_engine_run(self) -> None:
+        """The parity check compares round by round: one prompt at a time, whole proposals,
+        rounds counted as vLLM's scheduler counts them."""
+        if self.batch_size != 1 or self.scheduler.enabled or self.scheduler.compare:
+            raise ConfigError(
+                "engine.url: the parity check decodes one prompt at a time; drop eval.batch_size"
+                " / eval.scheduler"
+            )
+        if self.confidence_threshold > 0:
+            raise ConfigError(
+                "engine.url: the parity check needs whole proposals (vLLM does not cut them); "
+                "set eval.confidence_threshold 0"
+            )
+        if self.budget_accounting == "reference":
+            raise ConfigError(
+                "eval.budget_accounting: reference counts one more round than vLLM at the "
+                "budget; the parity check uses engine (the default with engine.url)"
+            )
+        self.budget_accounting = "engine"
 
 
 @dataclass

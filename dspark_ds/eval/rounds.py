@@ -14,7 +14,7 @@ import torch
 
 from dspark_ds.drafters.common.rounds import first_stop
 
-BUDGET_ACCOUNTINGS = ("exact", "reference")
+BUDGET_ACCOUNTINGS = ("exact", "reference", "engine")
 
 
 def sync(device: torch.device) -> None:
@@ -33,6 +33,9 @@ class Verdict:
     """Drafts it accepted."""
     committed: list[int]
     """The tokens the round appends: the accepted drafts and the target's correction / bonus."""
+    verified: tuple[int, int] | None = None
+    """(proposed, accepted) as verification counted them, before a stop token cut the round
+    (what an inference engine's counters count); None: the same as `proposed`, `accepted`."""
 
 
 def settle(drafts: list[int], proposed: int, accepted: int, next_token: int, stops) -> Verdict:
@@ -40,10 +43,12 @@ def settle(drafts: list[int], proposed: int, accepted: int, next_token: int, sto
     after it had never been proposed."""
     committed = drafts[:accepted] + [next_token]
     stop = first_stop(committed, stops)
+    verified = None
     if stop is not None and stop < accepted:
+        verified = (proposed, accepted)
         proposed = accepted = stop + 1
         committed = committed[: stop + 1]
-    return Verdict(proposed, accepted, committed)
+    return Verdict(proposed, accepted, committed, verified)
 
 
 @dataclass
@@ -63,6 +68,9 @@ class DecodeStats:
     """Tokens appended by the round: accepted drafts + the correction / bonus token."""
     confidence_logits_per_round: list[list[float]] = field(default_factory=list)
     """Raw confidence logits of the verified slots (empty lists without a confidence head)."""
+    verified_per_round: list[tuple[int, int]] = field(default_factory=list)
+    """(proposed, accepted) as verification counted them, before a stop token cut the round:
+    what vLLM's speculative-decoding counters count (docs/serving.md#parity)."""
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     prefill_time_s: float = 0.0
@@ -83,6 +91,7 @@ class DecodeStats:
         self.accepted_per_round.append(verdict.accepted)
         self.committed_per_round.append(len(verdict.committed))
         self.confidence_logits_per_round.append(confidence_logits)
+        self.verified_per_round.append(verdict.verified or (verdict.proposed, verdict.accepted))
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,9 @@ class Budget:
 
     "exact" never verifies past `max_new_tokens`. "reference" (DeepSpec's evaluation) never
     cuts a proposal for the budget and runs rounds until the output is longer than the budget,
-    then trims it: every round, the last one's overshoot included, counts in τ.
+    then trims it: every round, the last one's overshoot included, counts in τ. "engine" (vLLM's
+    scheduler) never cuts a proposal either and runs rounds while the output is shorter than the
+    budget, then trims it.
     """
 
     max_new_tokens: int
@@ -102,7 +113,7 @@ class Budget:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.accounting not in BUDGET_ACCOUNTINGS:
             raise ValueError(
-                f"budget_accounting must be exact | reference, got {self.accounting!r}"
+                f"budget_accounting must be exact | reference | engine, got {self.accounting!r}"
             )
 
     def running(self, tokens: list[int], stops: set[int]) -> bool:

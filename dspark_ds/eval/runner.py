@@ -47,6 +47,9 @@ class PromptResult:
     """Tokens the target alone generated (batched runs; at T > 0 they differ from `stats`')."""
     policies: dict | None = None
     """Batched runs with scheduler.compare: policy name -> `batched.PromptRun`."""
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+    """The prompt's token ids and our generated ones (kept for the engine parity check)."""
 
 
 def _resolve_device(cfg: EvalConfig) -> torch.device:
@@ -90,7 +93,12 @@ def load_models(cfg: EvalConfig, device: torch.device):
         raise ConfigError(
             f"target.path: cannot load a model from {cfg.target.path!r} ({first_line(err)})"
         ) from None
-    drafter = load_draft_model(cfg.drafter, dtype=dtype, device=device)
+    # a published checkpoint (DFlash, vLLM's Eagle3) may leave its embedding and lm_head, and
+    # its target's layer count, to the target
+    shared = (target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    drafter = load_draft_model(
+        cfg.drafter, dtype=dtype, device=device, target_config=target.config, shared_weights=shared
+    )
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.target.path)
     return target, drafter, tokenizer
 
@@ -108,8 +116,12 @@ def decode_benchmarks(cfg: EvalConfig, target, drafter, tokenizer, device) -> li
         for index, turns in tqdm(mine, desc=f"eval {name}", disable=rank != 0, unit="prompt"):
             input_ids = encode_prompt(tokenizer, turns, cfg.chat_template_kwargs).to(device)
             seed = cfg.seed + 1_000_003 * b + index
-            stats, baseline_s = _decode_prompt(cfg, target, drafter, input_ids, seed, stops)
-            results.append(PromptResult(name, index, stats, baseline_s))
+            out, stats, baseline_s = _decode_prompt(cfg, target, drafter, input_ids, seed, stops)
+            result = PromptResult(name, index, stats, baseline_s)
+            if cfg.engine.url is not None:
+                result.prompt_ids = input_ids[0].tolist()
+                result.output_ids = out[0, input_ids.shape[1] :].tolist()
+            results.append(result)
     return results
 
 
@@ -124,9 +136,10 @@ def _my_prompts(cfg: EvalConfig, name: str) -> list[tuple[int, list[str]]]:
 
 
 def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops: list[int]):
-    """One prompt at batch 1: (its stats, the target alone's seconds when measured)."""
+    """One prompt at batch 1: (the output ids, its stats, the target alone's seconds when
+    measured)."""
     device = input_ids.device
-    _, stats = speculative_generate(
+    out, stats = speculative_generate(
         target, drafter, input_ids,
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         confidence_threshold=cfg.confidence_threshold,
@@ -134,14 +147,14 @@ def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops
         stop_token_ids=stops, budget_accounting=cfg.budget_accounting,
     )  # fmt: skip
     if not cfg.measure_baseline:
-        return stats, None
+        return out, stats, None
     t0 = time.perf_counter()
     target_generate(
         target, input_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         generator=torch.Generator(device=device).manual_seed(seed), stop_token_ids=stops,
     )  # fmt: skip
     sync(device)
-    return stats, time.perf_counter() - t0
+    return out, stats, time.perf_counter() - t0
 
 
 def _scheduler_sps(cfg: EvalConfig, target, drafter):
@@ -350,6 +363,7 @@ def run_eval(cfg: EvalConfig) -> dict | None:
     for name in cfg.benchmarks:  # a missing benchmark fails before the models load
         benchmark_path(name, cfg.data_dir)
     device = _resolve_device(cfg)
+    engine = _start_engine(cfg)  # an unfit server fails before the models load
     # NOTE: gloo for CPU evaluation; NCCL object collectives run on the current CUDA device,
     # which init() sets to this rank's before the group exists.
     had_group = distributed.has_group()
@@ -362,15 +376,51 @@ def run_eval(cfg: EvalConfig) -> dict | None:
         results = gather_results(local)
         if results is None:
             return None
-        return _report(cfg, drafter, results)
+        parity = None
+        if engine is not None:
+            parity = _engine_parity(
+                cfg, engine, drafter, results, stop_token_ids(target, tokenizer)
+            )
+        return _report(cfg, drafter, results, parity)
     finally:
         if not had_group and distributed.has_group():
             distributed.destroy()
 
 
-def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
+def _start_engine(cfg: EvalConfig):
+    """The engine side of the parity check (`engine.url`), checked before anything loads."""
+    if cfg.engine.url is None:
+        return None
+    from dspark_ds.serve.parity import EngineRun
+
+    if distributed.rank_and_world()[1] > 1:
+        raise ConfigError("engine.url: the parity check runs in one process (no torchrun / srun)")
+    return EngineRun.start(cfg)
+
+
+def _engine_parity(cfg: EvalConfig, engine, drafter, results: list[PromptResult], stops):
+    """The same prompts through the server, one at a time; its counters against ours."""
+    from dspark_ds.drafters.io import draft_config_dict
+    from dspark_ds.drafters.serving import parity_suspects
+    from dspark_ds.serve.parity import compare, our_counters
+
+    engine.decode(
+        [r.prompt_ids for r in results], max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, stops=stops,
+    )  # fmt: skip
+    data = {**draft_config_dict(drafter.config), "architectures": [drafter.architecture]}
+    differ = sum(r.output_ids != out for r, out in zip(results, engine.outputs))
+    return compare(
+        engine.spent(), our_counters([r.stats for r in results]), prompts=len(results),
+        outputs_differ=differ if cfg.temperature == 0 else 0, tolerance=cfg.engine.tolerance,
+        suspects=parity_suspects(data),
+    )  # fmt: skip
+
+
+def _report(cfg: EvalConfig, drafter, results: list[PromptResult], parity=None) -> dict:
     """Rank 0: the per-benchmark rows, calibration, the printed table, the files of the run
-    directory and the MLflow run; returns the results payload."""
+    directory and the MLflow run; returns the results payload. A failed engine parity check
+    (`parity`) is a ConfigError once everything is written."""
     out_dir = Path(cfg.run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     block_size = int(drafter.config.block_size)
@@ -380,6 +430,11 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
     policies = report.format_policy_table(rows)
     if policies:
         table += "\n\nverification policies (same batch size, same run):\n" + policies
+    if parity is not None:
+        from dspark_ds.serve.parity import format_parity
+
+        table += "\n\nengine (vLLM's counters) against this evaluation, same prompts:\n"
+        table += format_parity(parity)
     print(table, flush=True)
     if calib and "raw" in calib:
         print(_confidence_line(calib), flush=True)
@@ -389,13 +444,23 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult]) -> dict:
         "average": report.average_row(rows),
         "calibration": calib,
     }
+    if parity is not None:
+        payload["engine_parity"] = parity.as_dict()
     report.write_json(out_dir / "results.json", payload)
     report.write_csv(out_dir / "results.csv", rows)
     report.plot_acceptance_by_position(out_dir / "acceptance_by_position.png", rows)
     report.plot_tau_by_benchmark(out_dir / "tau_by_benchmark.png", rows)
     (out_dir / "results.txt").write_text(table + "\n")
-    payload["mlflow_run_id"] = log_to_tracking(cfg, drafter, _flat_metrics(rows, calib), out_dir)
+    metrics = _flat_metrics(rows, calib)
+    if parity is not None:
+        metrics.update(parity.metrics())
+    payload["mlflow_run_id"] = log_to_tracking(cfg, drafter, metrics, out_dir)
     distributed.print0(f"[eval] results in {out_dir}")
+    if parity is not None and not parity.ok:
+        raise ConfigError(
+            f"engine parity check failed ({'; '.join(parity.gaps)}); look at: "
+            + " | ".join(parity.look_at)
+        )
     return payload
 
 

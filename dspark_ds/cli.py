@@ -83,6 +83,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "dspark_ds.tracking.compare:run_compare",
         "MLflow runs side by side: differing params, final / best metrics, plots",
     ),
+    "serve-check": (
+        "dspark_ds.serve.check:ServeCheckConfig",
+        "dspark_ds.serve.check:run_serve_check",
+        "vLLM's own config validation and weight loader on a drafter directory (docs/serving.md)",
+    ),
     "bench-decode": (
         "dspark_ds.eval.config:DecodeBenchConfig",
         "dspark_ds.eval.decode_bench:run_decode_bench",

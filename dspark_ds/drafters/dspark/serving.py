@@ -2,7 +2,9 @@
 
 - DSpark (a Markov or confidence head), and DFlash in the anchor layout
   (`sample_from_anchor`): DeepSpec's directory (`Qwen3DSparkModel`, `Gemma4DSparkModel`), which
-  vLLM's `dspark` method reads, in its V2 model runner only.
+  vLLM's `dspark` method reads, in its V2 model runner only, with a vanilla Markov head (vLLM's
+  loader finds no place for a gated or GRU head's weights, and misses the Markov weights of a
+  rank-0 drafter: no engine serves DFlash in the anchor layout).
 - DFlash (no heads) in the fill-in layout on the Qwen3 backbone: the DFlash directory
   (`DFlashDraftModel`: `dflash_config.mask_token_id` / `target_layer_ids`, `block_size` = the
   anchor + γ masks), which vLLM's and SGLang's `dflash` methods read (vLLM's CPU build too).
@@ -90,21 +92,22 @@ def serving_format(data: dict) -> dict:
             name="DFlash", architecture=DFLASH, vllm_method="dflash",
             num_speculative_tokens=gamma, sglang_algorithm="DFLASH",
         )  # fmt: skip
-    warnings = []
     rank = int(data.get("markov_rank") or 0)
-    if rank > 0 and data.get("markov_head_type", "vanilla") != "vanilla":
-        warnings.append(
-            f"markov_head_type: vLLM's DSpark has the vanilla Markov head only, not "
-            f"{data['markov_head_type']!r}"
+    head = data.get("markov_head_type", "vanilla")
+    why = None
+    if rank == 0:  # vLLM's loader then misses markov_head.markov_w1 / markov_w2
+        why = "markov_rank: 0; vLLM's dspark method needs a Markov head, and " + (
+            "the engines' DFlash path the fill-in layout: train DFlash with sample_from_anchor "
+            "false to serve it"
+            if data.get("sample_from_anchor", True)
+            else f"their DFlash path the Qwen3 backbone, not {data['architectures'][0]}"
         )
-    if rank == 0:
-        warnings.append(
-            "markov_rank: 0 in the anchor layout (sample_from_anchor true): only vLLM's dspark "
-            "method reads this layout; the engines' DFlash path needs sample_from_anchor false"
-        )
+    elif head != "vanilla":  # vLLM's loader has no place for the gate / GRU weights
+        why = f"markov_head_type: vLLM's DSpark has the vanilla Markov head, not {head!r}"
     return dict(
-        name="DeepSpec DSpark", architecture=data["architectures"][0], vllm_method="dspark",
-        num_speculative_tokens=gamma, vllm_v2_runner=True, warnings=warnings,
+        name="DeepSpec DSpark", architecture=data["architectures"][0],
+        vllm_method=None if why else "dspark", num_speculative_tokens=gamma,
+        vllm_v2_runner=True, warnings=[why] if why else [],
     )  # fmt: skip
 
 

@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from dspark_ds.engine import ZeroSettings
+from dspark_ds.engine.config import ZeroSettings
 from dspark_ds.tune.cluster import Machine, engine_mode
 from dspark_ds.tune.inventory import Inventory, ModuleParams
 from dspark_ds.tune.workload import Workload

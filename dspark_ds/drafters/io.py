@@ -279,6 +279,21 @@ def load_draft_model(
     DFlash or vLLM Eagle3 checkpoint) into a drafter, in eval mode. A published checkpoint that
     leaves the embedding and lm_head to the target gets `shared_weights` (the target's
     (embedding, lm_head)); `target_config` fills the config fields it leaves to the target."""
+    model, state = _read_drafter(path, target_config, shared_ok=False, shared=shared_weights)
+    model.load_state_dict(state, strict=True)
+    model.freeze_shared()
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def read_init_state(path, target_config=None) -> dict[str, torch.Tensor]:
+    """The weights of a drafter directory (any format `load_draft_model` reads) under our
+    parameter names, checked against its config; the embedding and lm_head may be absent (a
+    run takes them from its target). What `model.init_from` starts a run from."""
+    return _read_drafter(path, target_config, shared_ok=True)[1]
+
+
+def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
+    """(the drafter built from the directory's config, its checked tensors)."""
     path = Path(path)
     cfg_file = path / "config.json"
     data = read_config_dict(path)
@@ -288,16 +303,19 @@ def load_draft_model(
         raise ConfigError(f"{cfg_file}: {err}") from None
     state = read_state_dict(path)
     own = model.state_dict()
-    shared = model.shared_parameter_names()
-    if shared_weights is not None:
-        for name, tensor in zip(shared, shared_weights):
+    names = model.shared_parameter_names()
+    if shared is not None:
+        for name, tensor in zip(names, shared):
             state.setdefault(name, tensor)
     missing = sorted(set(own) - set(state))
-    if missing and set(missing) <= set(shared) and shared_weights is None:
-        raise ConfigError(
-            f"{path}: has no {' / '.join(missing)} (a checkpoint that shares them with its "
-            "target); load it with the target's (shared_weights, or target.path)"
-        )
+    if missing and set(missing) <= set(names):
+        if shared_ok:
+            missing = []
+        else:
+            raise ConfigError(
+                f"{path}: has no {' / '.join(missing)} (a checkpoint that shares them with its "
+                "target); load it with the target's (shared_weights, or target.path)"
+            )
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         raise ConfigError(
@@ -308,9 +326,7 @@ def load_draft_model(
             raise ConfigError(
                 f"{path}: {name} has shape {tuple(tensor.shape)}, config expects {tuple(own[name].shape)}"
             )
-    model.load_state_dict(state, strict=True)
-    model.freeze_shared()
-    return model.to(device=device, dtype=dtype).eval()
+    return model, state
 
 
 def draft_config_dict(config) -> dict:

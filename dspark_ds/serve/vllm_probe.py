@@ -135,7 +135,7 @@ def generate(target: str, drafter: str, method: str, k: int, prompts: list, max_
     start_s = time.perf_counter() - t0
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False),
     )
     counters = {}
     for metric in llm.get_metrics():

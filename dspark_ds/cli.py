@@ -83,6 +83,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "dspark_ds.tracking.compare:run_compare",
         "MLflow runs side by side: differing params, final / best metrics, plots",
     ),
+    "sync-tracking": (
+        "dspark_ds.tracking.sync:SyncConfig",
+        "dspark_ds.tracking.sync:run_sync",
+        "send what a run could not deliver to MLflow (or replay its train_log.jsonl)",
+    ),
     "bench-decode": (
         "dspark_ds.eval.config:DecodeBenchConfig",
         "dspark_ds.eval.decode_bench:run_decode_bench",

@@ -295,6 +295,9 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
         for k, a in enumerate(r.accept_rate_by_position):
             if a is not None:
                 metrics[f"{r.benchmark}/accept_rate@{k}"] = a
+        for k, a in enumerate(r.conditional_accept_rate):
+            if a is not None:
+                metrics[f"{r.benchmark}/conditional_accept_rate@{k}"] = a
     for variant in ("raw", "sts"):
         if calib and variant in calib:
             for key in ("ece", "auroc", "brier"):

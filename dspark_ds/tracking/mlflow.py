@@ -107,9 +107,16 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _warn(line: str) -> None:
+_SAID: set[str] = set()
+
+
+def _warn(line: str, once: bool = False) -> None:
+    """A line on stderr with the time and rank; `once`: once per process."""
     from dspark_ds.distributed import log
 
+    if once and line in _SAID:
+        return
+    _SAID.add(line)
     log(line, file=sys.stderr)
 
 
@@ -204,7 +211,8 @@ class Delivery:
             if not where.startswith(artifact_location.removesuffix("mlartifacts")):
                 _warn(
                     f"[tracking] WARNING: experiment {name!r} keeps its artifacts in {where} "
-                    "(set when it was created), outside this run's output directory"
+                    "(set when it was created), outside this run's output directory",
+                    once=True,
                 )
         return experiment.experiment_id
 

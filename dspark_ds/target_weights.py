@@ -1,6 +1,6 @@
 """A target's checkpoint read tensor by tensor, under the names of the model transformers builds.
 
-What ZeRO-3 uses to load a target without any rank holding all of it (engine.py,
+What ZeRO-3 uses to load a target without any rank holding all of it (engine/target.py,
 `load_partitioned_target`): the model is built from its config inside `deepspeed.zero.Init`
 (each parameter partitioned as soon as its module exists) and each rank then reads, for every
 parameter, only the flat range of elements its partition holds.

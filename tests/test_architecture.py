@@ -161,7 +161,7 @@ def test_architecture_files_are_pure_torch(where):
 
 
 @pytest.mark.parametrize(
-    "lib,allowed", [("deepspeed", ("dspark_ds/engine.py",)), ("mlflow", ("dspark_ds/tracking/",))]
+    "lib,allowed", [("deepspeed", ("dspark_ds/engine/",)), ("mlflow", ("dspark_ds/tracking/",))]
 )
 def test_one_importer_per_backend(lib, allowed):
     users = sorted(
@@ -182,3 +182,57 @@ def test_ruff(args):
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def deepspeed_imports_before_the_guard(path: Path) -> list[str]:
+    """Where `path` imports deepspeed other than through `runtime.import_deepspeed()`: at the
+    module's own import, or in a function before that function calls `import_deepspeed()`."""
+
+    def imports_deepspeed(node) -> bool:
+        if isinstance(node, ast.Import):
+            return any(a.name.split(".")[0] == "deepspeed" for a in node.names)
+        return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == (
+            "deepspeed"
+        )
+
+    tree = ast.parse(path.read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    inside = {id(n) for f in functions for n in ast.walk(f)}
+    bad = [
+        f"line {n.lineno}" for n in ast.walk(tree) if imports_deepspeed(n) and id(n) not in inside
+    ]
+    for f in functions:
+        if f.name == "import_deepspeed":
+            continue
+        guards = [
+            n.lineno
+            for n in ast.walk(f)
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "import_deepspeed"
+        ]
+        bad += [
+            f"line {n.lineno} ({f.name})"
+            for n in ast.walk(f)
+            if imports_deepspeed(n) and not any(g < n.lineno for g in guards)
+        ]
+    return bad
+
+
+def test_the_engine_imports_deepspeed_on_first_use_through_its_guard():
+    # importing a part of the engine never imports deepspeed, and deepspeed's first import
+    # always keeps MLflow out (engine/runtime.py)
+    bad = {
+        str(p.relative_to(REPO)): found
+        for p in sorted((PACKAGE / "engine").glob("*.py"))
+        if (found := deepspeed_imports_before_the_guard(p))
+    }
+    assert bad == {}
+
+
+def test_an_unguarded_deepspeed_import_is_found(tmp_path):
+    path = tmp_path / "part.py"
+    path.write_text(
+        "import deepspeed\n\n"
+        "def ok():\n    import_deepspeed()\n    from deepspeed.utils import x\n\n"
+        "def unguarded():\n    from deepspeed.utils import y\n"
+    )
+    assert deepspeed_imports_before_the_guard(path) == ["line 1", "line 8 (unguarded)"]

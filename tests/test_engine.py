@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dspark_ds.config import DeepSpeedConfig, TrainConfig
-from dspark_ds.engine import SHIPPED_DS_CONFIGS, build_ds_config, zero_stage
+from dspark_ds.engine.config import SHIPPED_DS_CONFIGS, build_ds_config, zero_stage
 
 SHIPPED = ["zero0", "zero1", "zero2", "zero3", "zero3_offload_cpu", "zero3_offload_nvme"]
 

@@ -63,7 +63,7 @@ def error_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def trainable(tag: Path) -> dict[str, torch.Tensor]:
-    from dspark_ds.engine import checkpoint_trainable_fp32
+    from dspark_ds.engine.checkpoint import checkpoint_trainable_fp32
 
     return checkpoint_trainable_fp32(tag)
 

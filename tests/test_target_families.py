@@ -234,7 +234,7 @@ def test_train_names_the_target_option_for_a_refused_family(tmp_path, capsys):
 
 def test_zero3_refuses_a_quantized_checkpoint_before_building_anything(family_dirs, tmp_path):
     """Its weights need transformers' quantizer, which a partition-wise read bypasses."""
-    from dspark_ds.engine import load_partitioned_target
+    from dspark_ds.engine.target import load_partitioned_target
 
     cfg = AutoConfig.from_pretrained(family_dirs["gpt_oss"])
     cfg.quantization_config = {"quant_method": "mxfp4"}

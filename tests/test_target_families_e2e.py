@@ -2,8 +2,8 @@
 
 - every family of `helpers.tiny_models.FAMILIES`: an offline cache, then ONE torchrun launch
   (`train-many`) training each family online under ZeRO-3 (the target loaded partition by
-  partition, `engine.load_partitioned_target`) and offline under ZeRO-2, 3 steps each, with the
-  end-of-run export; then each export decodes losslessly (greedy) against its target;
+  partition, `engine.target.load_partitioned_target`) and offline under ZeRO-2, 3 steps each,
+  with the end-of-run export; then each export decodes losslessly (greedy) against its target;
 - T = 1: speculative sampling has each family's exact target distribution (chi-square, tiny
   vocabulary, random drafters of both kinds);
 - ZeRO-3 loading on 2 ranks gives the very features a whole `from_pretrained` gives (every
@@ -183,7 +183,7 @@ def _nvme_config(swap_dir: str) -> dict:
 def _partitioned_equals_whole(rank, world, paths: dict[str, str], bf16: list[str], swap: str):
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
-    from dspark_ds import engine
+    from dspark_ds.engine.target import load_partitioned_target, shard_target
     from dspark_ds.target import TargetConfig, load_target
 
     ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -193,14 +193,14 @@ def _partitioned_equals_whole(rank, world, paths: dict[str, str], bf16: list[str
             ds = {**DS_CONFIG, "bf16": {"enabled": dtype == "bfloat16"}}
             if name == "llama_nvme":  # the embedding's partitions go through the NVMe swapper
                 ds = _nvme_config(f"{swap}/{rank}")
-            target = engine.load_partitioned_target(cfg, ds)
+            target = load_partitioned_target(cfg, ds)
             params = list(target.parameters())
             assert all(p.data.numel() == 0 for p in params), name  # nothing gathered
             full = sum(p.ds_numel for p in params)
             assert sum(p.ds_tensor.numel() for p in params) <= full // 2 + len(params), name
             locations = [getattr(p.ds_tensor, "final_location", None) for p in params]
             assert (OffloadDeviceEnum.nvme in locations) == (name == "llama_nvme"), name
-            engine._shard_target(target, ds)
+            shard_target(target, ds)
             target.check_head()
             hidden, last = target(ids)
             whole_hidden, whole_last = load_target(cfg, "cpu")(ids)
@@ -248,17 +248,18 @@ def _rss() -> dict[str, int]:
 def _host_memory_of_a_load(rank, world, warmup: str, path: str, out_file: str):
     """Peak RSS growth of loading `path` partitioned (and its target engine), after loading
     `warmup` the same way (imports, DeepSpeed's first-use set-up)."""
-    from dspark_ds import engine
+    from dspark_ds.engine.runtime import join_deepspeed_comm
+    from dspark_ds.engine.target import load_partitioned_target, shard_target
     from dspark_ds.target import TargetConfig
 
-    engine.join_deepspeed_comm()
+    join_deepspeed_comm()
     growth = []
     for p in (warmup, path):
         cfg = TargetConfig(path=p, layer_ids=[1], dtype="float32", device="cpu")
         before = _rss()["VmRSS"]
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        target = engine.load_partitioned_target(cfg, DS_CONFIG)
-        engine._shard_target(target, DS_CONFIG)
+        target = load_partitioned_target(cfg, DS_CONFIG)
+        shard_target(target, DS_CONFIG)
         growth.append(_rss()["VmHWM"] - before)
     Path(f"{out_file}.{rank}").write_text(json.dumps(growth[-1]))
 

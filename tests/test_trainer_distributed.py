@@ -476,7 +476,7 @@ def test_online_target_shared_and_partitioned_under_zero3(runs):
 
 @pytest.mark.parametrize("name", ["b_z2", "b_z3"])
 def test_shared_weights_not_in_checkpoints_but_exported(runs, name):
-    from dspark_ds.engine import checkpoint_trainable_fp32
+    from dspark_ds.engine.checkpoint import checkpoint_trainable_fp32
     from dspark_ds.target import target_shared_weights
 
     trainable = checkpoint_trainable_fp32(runs["out"] / name / "checkpoints" / "step_00000008")

@@ -36,7 +36,7 @@ PRELOAD = (
     "mlflow",
     "mlflow.store.tracking.sqlalchemy_store",
     "transformers.models.qwen3.modeling_qwen3",
-    "dspark_ds.engine",
+    "dspark_ds.engine.drafter",
     "dspark_ds.train.trainer",
     "dspark_ds.tracking.mlflow",
     "dspark_ds.data.regeneration",
@@ -70,7 +70,7 @@ def preload(env: Mapping[str, str]) -> None:
     with environment(env), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if wanted and "deepspeed" in sys.modules:
-            from dspark_ds.engine import accelerator_name
+            from dspark_ds.engine.runtime import accelerator_name
 
             have = accelerator_name()
             if have != wanted:

@@ -21,6 +21,14 @@ from pathlib import Path
 from dspark_ds import distributed
 from dspark_ds.config import CheckpointConfig
 from dspark_ds.distributed import print0
+from dspark_ds.engine.checkpoint import (
+    convert_to_universal,
+    enable_universal_load,
+    load_tag,
+    optimizer_layout,
+    save_tag,
+)
+from dspark_ds.engine.config import zero_stage
 from dspark_ds.errors import ConfigError
 from dspark_ds.train import checkpoint_files as ckpt
 from dspark_ds.train.signals import TrainingStopped
@@ -176,13 +184,11 @@ class Checkpointer:
     def loadable(self, tag_dir: Path, ds_config: dict) -> tuple[Path, dict]:
         """Collective. Same world size (or ZeRO-0): the tag itself. Otherwise DeepSpeed's
         universal checkpoint, converted once by rank 0, and a ds config that loads it."""
-        from dspark_ds import engine as eng_lib
-
         meta = json.loads((tag_dir / "meta.json").read_text())
-        stage = eng_lib.zero_stage(ds_config)
-        saved = eng_lib.optimizer_layout(json.loads((tag_dir / "ds_config.json").read_text()))
+        stage = zero_stage(ds_config)
+        saved = optimizer_layout(json.loads((tag_dir / "ds_config.json").read_text()))
         saved["ZeRO stage"] = meta["zero_stage"]
-        now = eng_lib.optimizer_layout(ds_config)
+        now = optimizer_layout(ds_config)
         differs = {k: (saved[k], now[k]) for k in saved if saved[k] != now[k]}
         if differs:
             shown = ", ".join(f"{k} {a} (now {b})" for k, (a, b) in differs.items())
@@ -199,14 +205,14 @@ class Checkpointer:
                 f"[train] world size {meta['world_size']} -> {self.world}: converting "
                 f"{tag_dir} to a universal checkpoint"
             )
-            eng_lib.convert_to_universal(tag_dir, universal)
+            convert_to_universal(tag_dir, universal)
             (universal / ckpt.COMPLETE).write_text("ok\n")
         distributed.barrier()
-        return universal, eng_lib.enable_universal_load(ds_config)
+        return universal, enable_universal_load(ds_config)
 
     def load(self, tag_dir: Path, engine, step_of_tag: int) -> dict:
         """Collective. Restores the engine; returns the client state."""
-        state = engine.load(tag_dir.parent, tag_dir.name)
+        state = load_tag(engine.ds, tag_dir.parent, tag_dir.name)
         self.saved_step = step_of_tag
         return state
 
@@ -234,7 +240,7 @@ class Checkpointer:
         self._agree(error, tag_dir)
         own: dict[str, dict] = {}
         try:
-            engine.save(self.dir, tag, client_state)
+            save_tag(engine.ds, self.dir, tag, client_state)
             names = [
                 n
                 for n in ckpt.payload_files(tag_dir)

@@ -59,7 +59,7 @@ def export_checkpoint(
 
     from dspark_ds.drafters import build_draft_model, save_draft_model
     from dspark_ds.drafters.io import config_from_dict
-    from dspark_ds.engine import checkpoint_trainable_fp32
+    from dspark_ds.engine.checkpoint import checkpoint_trainable_fp32
 
     draft_cfg = config_from_dict(json.loads((tag_dir / "draft_config.json").read_text()))
     if target_path is None:

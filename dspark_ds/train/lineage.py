@@ -134,8 +134,8 @@ def start_tracking(trainer):
             "derived.warmup_steps": trainer.schedule.warmup_steps,
             "derived.zero_stage": trainer.engine.zero_stage,
             "derived.loss_impl": trainer.loss_impl,
-            "derived.loss_chunk_anchors": cfg.perf.chunk_anchors(trainer.engine.device),
-            "derived.compile": cfg.perf.compile_mode(trainer.engine.device),
+            "derived.loss_chunk_anchors": cfg.perf.chunk_anchors(trainer.device),
+            "derived.compile": cfg.perf.compile_mode(trainer.device),
         }
     )
     tracker.log_params(params)  # params are immutable: a resume adds only new ones

@@ -7,7 +7,7 @@ mean the same thing or be refused. Three kinds of options:
   `output_dir`, `train.log_every`, `train.progress_bar`, `train.max_nonfinite_in_row`,
   `tracking.*`, `checkpoint.*`, `validation.*`, `perf.*` (same results, another cost),
   `deepspeed.*` as long as the resolved DeepSpeed config keeps the ZeRO stage, the offload and
-  the optimizer implementation (`engine.optimizer_layout`, checked where the checkpoint is
+  the optimizer implementation (`engine.checkpoint.optimizer_layout`, checked where the checkpoint is
   loaded: offloading the optimizer swaps torch's AdamW for DeepSpeed's CPU Adam, whose state
   does not load from the other's);
   `data.batch_size` (the micro-batch; `train.global_batch_size` is what the optimizer sees),

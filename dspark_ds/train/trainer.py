@@ -47,7 +47,12 @@ from dspark_ds.drafters.io import draft_config_dict
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext, StepOutput
 from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.drafters.registry import get_kind
+from dspark_ds.engine.checkpoint import full_fp32_state_dict
+from dspark_ds.engine.config import build_ds_config
+from dspark_ds.engine.drafter import DrafterEngine
+from dspark_ds.engine.target import check_target_dtype, load_target_in_job
 from dspark_ds.errors import ConfigError
+from dspark_ds.target import target_shared_weights
 from dspark_ds.train import checkpoint_files as ckpt
 from dspark_ds.train import resume as resume_rules
 from dspark_ds.train import rundir, signals
@@ -148,17 +153,15 @@ class _Resume:
 
 class Trainer:
     def __init__(self, cfg: TrainRunConfig):
-        from dspark_ds import engine as eng_lib
-
         self.cfg = cfg.validate().check_paths()
         self.kind = get_kind(cfg.model.kind)
         # config-level failures (exit 2) come before any process group exists
         self.draft_config = make_draft_config(cfg)
         # the target runs in the job (features online, synthetic data) and then lends the
-        # drafter its embedding and lm_head (engine.py: "the target inside the job")
+        # drafter its embedding and lm_head (engine/target.py)
         self.needs_target = cfg.data.mode != "offline" or cfg.train.synthetic_samples > 0
         if self.needs_target:
-            eng_lib.check_target_dtype(cfg.target.torch_dtype, cfg.train.precision)
+            check_target_dtype(cfg.target.torch_dtype, cfg.train.precision)
         self.rank, self.world, _ = distributed.init(cfg.deepspeed.backend, settings=cfg.distributed)
         self.device = distributed.local_device()
         self.run_dir = Path(cfg.run_dir)
@@ -175,21 +178,19 @@ class Trainer:
             self.lock.release()
 
     def _build(self, cfg: TrainRunConfig) -> None:
-        from dspark_ds import engine as eng_lib
-
         rundir.check_shared(self.run_dir, self.rank)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.rank, self.world)
         tag_dir = self.checkpointer.find_resume()
         self.resume = self._check_resume(tag_dir) if tag_dir is not None else None
         ckpt.seed_everything(cfg.train.seed)
-        self.ds_config = eng_lib.build_ds_config(
+        self.ds_config = build_ds_config(
             cfg.deepspeed,
             cfg.train,
             micro_batch_size=cfg.data.batch_size,
             world_size=self.world,
             use_gpu=self.device.type == "cuda",
         )
-        self._build_data(eng_lib)
+        self._build_data()
         self.grad_accum = int(self.ds_config["gradient_accumulation_steps"])
         self.steps_per_epoch = len(self.source) // self.grad_accum
         if self.steps_per_epoch == 0:
@@ -202,9 +203,9 @@ class Trainer:
         load_dir = None
         if self.resume is not None:
             load_dir, self.ds_config = self.checkpointer.loadable(tag_dir, self.ds_config)
-        self.engine = self._build_engine(eng_lib)
+        self.engine = self._build_engine()
         # the kind's attention / compile / loss-path choice for this run (the perf section)
-        self.loss_impl = self.kind.prepare(self.engine.model, cfg.perf, self.engine.device)
+        self.loss_impl = self.kind.prepare(self.engine.module, cfg.perf, self.device)
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
             f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "
@@ -237,13 +238,11 @@ class Trainer:
         self.signals = Signals()
 
     # ---- building ---------------------------------------------------------------------------
-    def _build_data(self, eng_lib) -> None:
-        from dspark_ds.target import target_shared_weights
-
+    def _build_data(self) -> None:
         cfg = self.cfg
-        # under ZeRO-3 no rank loads the whole target (engine.load_partitioned_target)
+        # under ZeRO-3 no rank loads the whole target (engine/target.py)
         self.target = (
-            eng_lib.load_target_in_job(cfg.target, self.ds_config, self.device)
+            load_target_in_job(cfg.target, self.ds_config, self.device)
             if self.needs_target
             else None
         )
@@ -255,13 +254,13 @@ class Trainer:
         self.source = build_batch_source(cfg, **kwargs)
         self.val_source = build_batch_source(cfg, **kwargs, split="val")
 
-    def _build_engine(self, eng_lib):
+    def _build_engine(self) -> DrafterEngine:
         init_state = None
         if self.cfg.model.init_from and self.resume is None:
             from dspark_ds.drafters import load_draft_model
 
             init_state = load_draft_model(self.cfg.model.init_from).state_dict()
-        return eng_lib.DrafterEngine.build(
+        return DrafterEngine.build(
             lambda: build_draft_model(self.draft_config),
             ds_config=self.ds_config,
             seed=self.cfg.train.seed,
@@ -384,17 +383,17 @@ class Trainer:
         """Collective: the live weights (fp32 master copies) as an interchange directory."""
         from dspark_ds.drafters import save_draft_model
 
-        state = self.engine.full_fp32_state_dict()
+        state = full_fp32_state_dict(self.engine.module)
         out = self.run_dir / "export"
         error = None
         if self.rank == 0:
             # online, `state` already holds the target's own (shared) weights
-            names = self.engine.model.shared_parameter_names()
+            names = self.engine.module.shared_parameter_names()
             for name, weight in zip(names, self.shared or ()):
                 if name in state:
                     state[name] = weight.detach().float().cpu().clone()
             try:
-                save_draft_model(self.engine.model, out, state_dict=state)
+                save_draft_model(self.engine.module, out, state_dict=state)
             except (OSError, RuntimeError) as err:
                 error = f"{type(err).__name__}: {err}"
         errors = [e for e in distributed.all_gather_object(error) if e]
@@ -436,8 +435,8 @@ class Trainer:
                     next(self._iter)
                 self.engine.skip_step()
                 return StepResult(None, clean=i == 0, stop=stop)
-            self.engine.backward(out.loss)
-            self.engine.step()
+            self.engine.ds.backward(out.loss)
+            self.engine.ds.step()
             outputs.append(out)
             self.metrics.add_micro_batch(batch)
         return StepResult(outputs, clean=True, stop=stop)
@@ -449,7 +448,7 @@ class Trainer:
 
     def on_device(self, batch: dict) -> dict:
         """The tensors a step reads on the engine's device (`sample_ids` stay on the host)."""
-        moved = {k: batch[k].to(self.engine.device, non_blocking=True) for k in TRAIN_KEYS}
+        moved = {k: batch[k].to(self.device, non_blocking=True) for k in TRAIN_KEYS}
         return {**moved, "sample_ids": batch["sample_ids"]}
 
     def to_metrics(self, sums: dict[str, float]) -> dict[str, float]:
@@ -492,7 +491,7 @@ class Trainer:
         reduced and logged with the step's)."""
         ctx = self.step_context(training=False)
         return self.validator.validate(
-            self.engine,
+            self.engine.ds,
             lambda batch: self.kind.training_step(self.engine, self.on_device(batch), ctx),
         )
 
@@ -504,7 +503,7 @@ class Trainer:
         self._iter = iter(self.source)
         self.metrics.start(self.step)
         self.signals.install()
-        self.engine.train()
+        self.engine.ds.train()
         self._t0, self._first_step = time.perf_counter(), self.step
         try:
             while self.step < self.total_steps:

@@ -29,8 +29,8 @@ from dspark_ds.tune.config import OPTION_NAMES, OPTIONS, TunerConfig, ZeroOption
 from dspark_ds.tune.estimate import Estimate, estimate, option_zero, recommend
 from dspark_ds.tune.inventory import KNOWN_TARGETS, Inventory, inventory, load_recipe
 from dspark_ds.tune.report import report
-from dspark_ds.tune.steptime import StepTime, step_time
-from dspark_ds.tune.workload import host_work, workload
+from dspark_ds.tune.steptime import Step, StepTime, accumulation, step_time
+from dspark_ds.tune.workload import host_work, target_in_job, workload
 
 __all__ = ["KNOWN_TARGETS", "OPTIONS", "OPTION_NAMES", "ClusterConfig", "Estimate", "Inventory",
            "Machine", "StepTime", "TunerConfig", "ZeroOption", "estimate", "inventory",
@@ -189,9 +189,13 @@ def predict_one(
     persistent = inv.persistent_numels(
         zero.param_persistence_threshold, zero.model_persistence_threshold // world
     )
-    est.step = step_time(
-        option.name, zero, b, inv, run_cfg, machine, nodes, wl, persistent
-    ).as_dict()
+    accum, sequences, note = accumulation(run_cfg, world)
+    step = Step(
+        option=option.name, zero=zero, dtype_bytes=b, inv=inv, machine=machine, nodes=nodes,
+        workload=wl, persistent_numels=tuple(persistent), accum=accum, sequences=sequences,
+        tokens_per_sequence=run_cfg.data.max_length, in_job=target_in_job(run_cfg), note=note,
+    )  # fmt: skip
+    est.step = step_time(step).as_dict()
     return est
 
 

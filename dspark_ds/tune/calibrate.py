@@ -303,7 +303,7 @@ def nvme_rates(directory: str | Path, aio: dict | None, ranks_per_node: int) -> 
     """A node's NVMe write and read bytes/s through DeepSpeed's asynchronous I/O under
     `directory`, every rank at once (the node's drives serve its ranks): the median of three
     write + read pairs per rank, the slowest rank's, times the ranks."""
-    from dspark_ds.engine import aio_bandwidth
+    from dspark_ds.engine.probes import aio_bandwidth
 
     Path(directory).mkdir(parents=True, exist_ok=True)
     pairs = []
@@ -325,7 +325,7 @@ class Optimizers:
     NUMEL, TENSORS, SMALL = 4 * 2**20, 200, 256
 
     def __init__(self, device: torch.device):
-        from dspark_ds.engine import cpu_adam
+        from dspark_ds.engine.probes import cpu_adam
 
         self.device = device
 
@@ -413,7 +413,8 @@ class EngineWindow:
     the plain one. The engines live until `close`."""
 
     def __init__(self, run_cfg, host: HostWork, mode: int, target_in_job: bool):
-        from dspark_ds.engine import build_ds_config, frozen_engine, plain_engine
+        from dspark_ds.engine.config import build_ds_config
+        from dspark_ds.engine.probes import frozen_engine, plain_engine
         from dspark_ds.tune.estimate import option_overrides
 
         self.mode, self.host = mode, host
@@ -497,7 +498,7 @@ class EngineWindow:
         return out
 
     def close(self) -> None:
-        from dspark_ds.engine import release_engine
+        from dspark_ds.engine.probes import release_engine
 
         release_engine(self.engine)
         if self.target_engine is not None:

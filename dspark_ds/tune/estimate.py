@@ -2,9 +2,9 @@
 
 Bytes per GPU; b = 2 under bf16, 4 under fp32; N = the data-parallel world size. Every ZeRO
 value (stage, offload devices, bucket sizes, overlap_comm, the ZeRO-3 persistence thresholds)
-is read from the DeepSpeed config training would use for the option: `engine.build_ds_config`
+is read from the DeepSpeed config training would use for the option: `engine.config.build_ds_config`
 of the shipped JSON + the recipe's and the option's deepspeed.overrides, parsed by DeepSpeed's
-own config class (`engine.zero_settings`).
+own config class (`engine.config.zero_settings`).
 
 - trainable drafter params P (exact counts from the drafter built on the meta device): params
   b, grads b, fp32 master 4 and fp32 grads 4 (bf16 only; ZeRO-1/2 keep an fp32 copy of their
@@ -32,13 +32,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from dspark_ds.engine import (
-    ZeroSettings,
-    build_ds_config,
-    deepspeed_model_states_estimate,
-    merge_config,
-    zero_settings,
-)
+from dspark_ds.engine.config import ZeroSettings, build_ds_config, merge_config, zero_settings
+from dspark_ds.engine.probes import deepspeed_model_states_estimate
 from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import OPTION_NAMES, TunerConfig, ZeroOption
 from dspark_ds.tune.inventory import DTYPE_BYTES, Inventory
@@ -63,7 +58,7 @@ class Estimate:
     fits: bool = False
     why: str = ""
     zero: dict = field(default_factory=dict)
-    """The ZeRO settings the estimate read (engine.ZeroSettings as a dict)."""
+    """The ZeRO settings the estimate read (engine.config.ZeroSettings as a dict)."""
 
     @property
     def device_total(self) -> float:

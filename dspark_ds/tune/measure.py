@@ -168,10 +168,10 @@ def _one_step(trainer, batches, phases: list[float] | None = None) -> None:
         out = trainer.kind.training_step(trainer.engine, batch, ctx)
         sync()
         t.append(time.perf_counter())
-        trainer.engine.backward(out.loss)
+        trainer.engine.ds.backward(out.loss)
         sync()
         t.append(time.perf_counter())
-        trainer.engine.step()
+        trainer.engine.ds.step()
         sync()
         t.append(time.perf_counter())
         if phases is not None:

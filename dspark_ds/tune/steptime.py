@@ -38,23 +38,24 @@ reduce-scatter (N-1)/N of the whole); across nodes the slower of NVLink and the 
   with parameters on NVMe, reads the partition of every parameter DeepSpeed swaps (1 MiB or
   more) at each gather and writes the updated ones after the step; a node's drives serve its
   ranks.
+
+Each term is one function of the option's `Step` (`TERM_FUNCTIONS`); `step_time` adds them up.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from dspark_ds.engine import ZeroSettings
+from dspark_ds.engine.config import ZeroSettings
 from dspark_ds.tune.cluster import Machine, engine_mode
 from dspark_ds.tune.inventory import Inventory, ModuleParams
-from dspark_ds.tune.workload import Workload, target_in_job
+from dspark_ds.tune.workload import Workload
 
 SWAP_MIN_BYTES = 2**20
 """DeepSpeed swaps a parameter partition to NVMe only from this size (its MIN_AIO_BYTES, the
 default aio block size)."""
-TERMS = ("compute", "host_ops", "step_collectives", "engine", "zero3_hooks", "grad_reduce",
-         "param_gather", "offload_copy", "optimizer", "nvme")  # fmt: skip
 
 
 @dataclass
@@ -152,138 +153,243 @@ def zero3_gathers(
     return calls, elements
 
 
-def step_time(
-    option: str,
-    zero: ZeroSettings,
-    b: int,
-    inv: Inventory,
-    run_cfg,
-    machine: Machine,
-    nodes: int,
-    wl: Workload,
-    persistent: list[int],
-) -> StepTime:
-    """The option's step on `nodes` nodes of `machine` (see the module docstring)."""
-    world = nodes * machine.gpus_per_node
-    accum, sequences, note = accumulation(run_cfg, world)
-    stage, m = zero.stage, machine
-    P, tensors = inv.trainable, len(inv.trainable_numels)
-    in_job = target_in_job(run_cfg)
-    mode = engine_mode(stage, zero.offload_optimizer, zero.offload_param)
-    latency = m.collective("all_reduce", nodes)[0] if world > 1 else 0.0
-    t: dict[str, float] = dict.fromkeys(TERMS, 0.0)
+@dataclass(frozen=True)
+class Step:
+    """One option's optimizer step on a cluster: what every term reads."""
 
-    compute_micro = sum(wl.drafter_flops.values()) / (m.peak_flops * m.sustained_fraction)
-    compute_micro += wl.target_flops / (m.peak_flops * m.target_sustained_fraction)
-    t["compute"] = accum * compute_micro
-    # host time of a micro-batch: the ops' dispatch, DeepSpeed's own, ZeRO-3's module hooks
-    host = {
-        "host_ops": (wl.drafter_ops + wl.target_ops) * m.op_overhead_s,
-        "engine": m.engine_micro_s[mode],
-        "zero3_hooks": 0.0,
-    }
-    if stage == 3:
+    option: str
+    zero: ZeroSettings
+    dtype_bytes: int
+    """Bytes of the compute dtype (2 under bf16, 4 under fp32)."""
+    inv: Inventory
+    machine: Machine
+    nodes: int
+    workload: Workload
+    """One micro-batch of one rank."""
+    persistent_numels: tuple[int, ...]
+    """The trainable parameters ZeRO-3 keeps whole (each re-gathered after the step)."""
+    accum: int
+    """Micro-batches per rank and step."""
+    sequences: int
+    """Sequences per optimizer step (the global batch, or what the cluster must take)."""
+    tokens_per_sequence: int
+    in_job: bool
+    """The target runs in the job (its forward, its modules)."""
+    note: str = ""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.machine.gpus_per_node
+
+    @property
+    def mode(self) -> int:
+        z = self.zero
+        return engine_mode(z.stage, z.offload_optimizer, z.offload_param)
+
+    def latency(self, op: str) -> float:
+        """One call of collective `op` (0 on one rank)."""
+        return self.machine.collective(op, self.nodes)[0] if self.world > 1 else 0.0
+
+    def bus(self, op: str, nbytes: float) -> float:
+        return bus_seconds(self.machine, op, nbytes, self.world, self.nodes)
+
+    @property
+    def compute_per_micro_s(self) -> float:
+        """A micro-batch's matmul FLOPs over the sustained rates."""
+        m, wl = self.machine, self.workload
+        drafter = sum(wl.drafter_flops.values()) / (m.peak_flops * m.sustained_fraction)
+        return drafter + wl.target_flops / (m.peak_flops * m.target_sustained_fraction)
+
+    @property
+    def own_elements(self) -> float:
+        """Trainable elements this rank's optimizer updates (all of them at ZeRO-0)."""
+        return self.inv.trainable / self.world if self.zero.stage >= 1 else self.inv.trainable
+
+
+class Term(NamedTuple):
+    seconds: float
+    """Per optimizer step."""
+    in_step: float = 0.0
+    """Of which in DeepSpeed's optimizer step (after the last backward)."""
+
+
+# ---- compute and host time ------------------------------------------------------------------
+def compute(s: Step) -> Term:
+    return Term(s.accum * s.compute_per_micro_s)
+
+
+def host_per_micro(s: Step) -> dict[str, float]:
+    """Host seconds of a micro-batch: the ops' dispatch, DeepSpeed's own, ZeRO-3's module
+    hooks."""
+    m, wl, mode = s.machine, s.workload, s.mode
+    hooks = 0.0
+    if s.zero.stage == 3:
         fwd_calls, bwd_calls = wl.drafter_calls
-        host["zero3_hooks"] = (
+        hooks = (
             fwd_calls * m.engine_module_fwd_s[mode]
             + bwd_calls * m.engine_module_bwd_s[mode]
             + wl.target_calls * m.engine_target_module_s[mode]
         )
-    # NOTE: on a GPU the host runs ahead of the device: only what exceeds its compute shows
-    total_host = sum(host.values())
-    shown = 1.0
-    if m.dispatch_overlaps_compute and total_host > 0:
-        shown = max(0.0, total_host - compute_micro) / total_host
-    for key, value in host.items():
-        t[key] = accum * value * shown
-    t["engine"] += m.engine_step_s[mode]
-    in_step = {"engine": m.engine_step_s[mode]}
-    if not wl.collectives_timed:
-        t["step_collectives"] = accum * 2 * latency
+    return {
+        "host_ops": (wl.drafter_ops + wl.target_ops) * m.op_overhead_s,
+        "engine": m.engine_micro_s[mode],
+        "zero3_hooks": hooks,
+    }
 
-    # NOTE: communication hides behind a micro-batch's compute at most once in all (the
-    # prefetched gathers first, the reduction during the backward with what is left), and
-    # then only `comm_overlap` of it
-    budget = compute_micro
 
-    # gradients: ZeRO-1 reduces its fp32 accumulator, the others the compute dtype
-    grad_bytes = P * (4 if stage == 1 else b)
-    buckets = max(1, math.ceil(P / max(zero.reduce_bucket_size, 1)))
-    extra = (buckets - 1) * latency
-    # parameters
-    ag_latency = m.collective("all_gather", nodes)[0] if world > 1 else 0.0
-    gather_elements = 0.0
-    if stage in (1, 2):
-        gathers = max(1, math.ceil(P / max(zero.allgather_bucket_size, 1)))
-        t["param_gather"] = bus_seconds(m, "all_gather", P * b, world, nodes)
-        t["param_gather"] += (gathers - 1) * ag_latency
-        in_step["param_gather"] = t["param_gather"]
-    elif stage == 3:
-        calls, gather_elements = zero3_gathers(inv, zero, in_job)
-        gather = 0.0
-        if world > 1:
-            gather = calls * ag_latency + bus_seconds(
-                m, "all_gather", gather_elements * b, world, nodes
-            )
-        if zero.prefetch_bucket_size > 0 and zero.overlap_comm:
-            under = min(gather, budget)
-            gather, budget = gather - m.comm_overlap * under, budget - under
-        # the updated persistent parameters, one all-gather each
-        after = len(persistent) * ag_latency if world > 1 else 0.0
-        after += bus_seconds(m, "all_gather", sum(persistent) * b, world, nodes)
-        t["param_gather"] = accum * gather + after
-        in_step["param_gather"] = after
+def host_shown(s: Step) -> float:
+    """The share of the host time that adds to the step. NOTE: on a GPU the host runs ahead of
+    the device: only what exceeds its compute shows."""
+    total = sum(host_per_micro(s).values())
+    if not s.machine.dispatch_overlaps_compute or total <= 0:
+        return 1.0
+    return max(0.0, total - s.compute_per_micro_s) / total
 
-    if stage in (0, 1):
-        t["grad_reduce"] = bus_seconds(m, "all_reduce", grad_bytes, world, nodes) + extra
+
+def host_ops(s: Step) -> Term:
+    return Term(s.accum * host_per_micro(s)["host_ops"] * host_shown(s))
+
+
+def zero3_hooks(s: Step) -> Term:
+    return Term(s.accum * host_per_micro(s)["zero3_hooks"] * host_shown(s))
+
+
+def engine(s: Step) -> Term:
+    micro = s.accum * host_per_micro(s)["engine"] * host_shown(s)
+    step = s.machine.engine_step_s[s.mode]
+    return Term(micro + step, step)
+
+
+def step_collectives(s: Step) -> Term:
+    """The loss's two small all-reduces per micro-batch, unless the timed host work holds
+    them."""
+    if s.workload.collectives_timed:
+        return Term(0.0)
+    return Term(s.accum * 2 * s.latency("all_reduce"))
+
+
+# ---- communication --------------------------------------------------------------------------
+# NOTE: communication hides behind a micro-batch's compute at most once in all (the prefetched
+# gathers first, the reduction during the backward with what is left), and then only
+# `comm_overlap` of it
+def zero3_gather_per_micro_s(s: Step) -> float:
+    """Latency and bandwidth of one micro-batch's ZeRO-3 all-gathers."""
+    if s.world < 2:
+        return 0.0
+    calls, elements = zero3_gathers(s.inv, s.zero, s.in_job)
+    return calls * s.latency("all_gather") + s.bus("all_gather", elements * s.dtype_bytes)
+
+
+def prefetched_s(s: Step) -> float:
+    """The part of a micro-batch's compute ZeRO-3's prefetched gathers run under."""
+    z = s.zero
+    if z.stage != 3 or not (z.prefetch_bucket_size > 0 and z.overlap_comm):
+        return 0.0
+    return min(zero3_gather_per_micro_s(s), s.compute_per_micro_s)
+
+
+def param_gather(s: Step) -> Term:
+    z, b, P = s.zero, s.dtype_bytes, s.inv.trainable
+    if z.stage in (1, 2):  # the updated parameters, after the step
+        gathers = max(1, math.ceil(P / max(z.allgather_bucket_size, 1)))
+        after = s.bus("all_gather", P * b) + (gathers - 1) * s.latency("all_gather")
+        return Term(after, after)
+    if z.stage != 3:
+        return Term(0.0)
+    per_micro = zero3_gather_per_micro_s(s) - s.machine.comm_overlap * prefetched_s(s)
+    # the updated persistent parameters, one all-gather each
+    after = len(s.persistent_numels) * s.latency("all_gather")
+    after += s.bus("all_gather", sum(s.persistent_numels) * b)
+    return Term(s.accum * per_micro + after, after)
+
+
+def grad_reduce(s: Step) -> Term:
+    """In reduce_bucket_size buckets (one latency each beyond the first, which `engine`
+    holds)."""
+    z, P = s.zero, s.inv.trainable
+    grad_bytes = P * (4 if z.stage == 1 else s.dtype_bytes)  # ZeRO-1: its fp32 accumulator
+    buckets = max(1, math.ceil(P / max(z.reduce_bucket_size, 1)))
+    extra = (buckets - 1) * s.latency("all_reduce")
+    if z.stage in (0, 1):
+        return Term(s.bus("all_reduce", grad_bytes) + extra)
+    op = "all_reduce" if z.stage == 2 else "reduce_scatter"
+    one = s.bus(op, grad_bytes) + extra
+    if z.overlap_comm:  # reduced bucket by bucket while the backward goes on
+        budget = s.compute_per_micro_s - prefetched_s(s)
+        one -= s.machine.comm_overlap * min(one, budget, 2 / 3 * s.compute_per_micro_s)
+    return Term(s.accum * one)
+
+
+# ---- offload, the optimizer, NVMe -------------------------------------------------------------
+def offload_copy(s: Step) -> Term:
+    z, b, h2d = s.zero, s.dtype_bytes, s.machine.host_device_bytes_per_s
+    seconds = in_step = 0.0
+    if z.offload_optimizer:  # each micro-batch's fp32 gradient out, the updated partition back
+        own = s.own_elements
+        seconds = (s.accum * own * 4 + own * b) / h2d
+        in_step = own * b / h2d
+    if z.offload_param:  # a partition to the device at every gather
+        elements = zero3_gathers(s.inv, z, s.in_job)[1] if z.stage == 3 else 0.0
+        seconds += s.accum * (elements / s.world * b) / h2d
+    return Term(seconds, in_step)
+
+
+def optimizer(s: Step) -> Term:
+    m = s.machine
+    if s.zero.offload_optimizer:
+        seconds = s.own_elements / m.cpu_adam_params_per_s
     else:
-        op = "all_reduce" if stage == 2 else "reduce_scatter"
-        one = bus_seconds(m, op, grad_bytes, world, nodes) + extra
-        if zero.overlap_comm:  # reduced bucket by bucket while the backward goes on
-            one -= m.comm_overlap * min(one, budget, 2 / 3 * compute_micro)
-        t["grad_reduce"] = accum * one
+        seconds = s.own_elements / m.device_adam_params_per_s
+        if s.zero.stage == 0:
+            seconds += len(s.inv.trainable_numels) * m.device_adam_tensor_s
+    return Term(seconds, seconds)
 
-    # offload traffic (host <-> device) and the optimizer
-    own = P / world if stage >= 1 else P
-    if zero.offload_optimizer:
-        t["offload_copy"] = (accum * own * 4 + own * b) / m.host_device_bytes_per_s
-        in_step["offload_copy"] = own * b / m.host_device_bytes_per_s
-        t["optimizer"] = own / m.cpu_adam_params_per_s
-    else:
-        t["optimizer"] = own / m.device_adam_params_per_s
-        if stage == 0:
-            t["optimizer"] += tensors * m.device_adam_tensor_s
-    # a node's drives serve its ranks
+
+def nvme(s: Step) -> Term:
+    """A node's drives serve its ranks."""
+    z, b, m, world = s.zero, s.dtype_bytes, s.machine, s.world
     read_s = m.gpus_per_node / m.nvme_read_bytes_per_s
     write_s = m.gpus_per_node / m.nvme_write_bytes_per_s
-    in_step["nvme"] = 0.0
-    if zero.offload_param:
-        per_micro = gather_elements / world * b
-        if zero.offload_param == "nvme":
-            swapped = zero3_gathers(inv, zero, in_job, min_numel=SWAP_MIN_BYTES * world // b)
-            t["nvme"] += accum * swapped[1] / world * b * read_s
-            updated = sum(
-                partitioned_elements(mod, max(zero.param_persistence_threshold,
-                                              SWAP_MIN_BYTES * world // b))
-                for mod in inv.drafter_param_modules if mod.trainable
-            )  # fmt: skip
-            in_step["nvme"] += updated / world * b * write_s
-            t["nvme"] += updated / world * b * write_s
-        t["offload_copy"] += accum * per_micro / m.host_device_bytes_per_s
-    if zero.offload_optimizer == "nvme":
-        states = own * 12  # fp32 master, Adam m and v
-        grads = own * 4 * accum  # each micro-batch's fp32 partition
-        in_step["nvme"] += states * (read_s + write_s) + grads * read_s
-        t["nvme"] += states * (read_s + write_s) + grads * (read_s + write_s)
-    in_step["optimizer"] = t["optimizer"]
+    seconds = in_step = 0.0
+    if z.offload_param == "nvme":
+        swapped_min = SWAP_MIN_BYTES * world // b
+        swapped = zero3_gathers(s.inv, z, s.in_job, min_numel=swapped_min)[1]
+        seconds += s.accum * swapped / world * b * read_s
+        updated = sum(
+            partitioned_elements(mod, max(z.param_persistence_threshold, swapped_min))
+            for mod in s.inv.drafter_param_modules if mod.trainable
+        )  # fmt: skip
+        in_step += updated / world * b * write_s
+        seconds += updated / world * b * write_s
+    if z.offload_optimizer == "nvme":
+        states = s.own_elements * 12  # fp32 master, Adam m and v
+        grads = s.own_elements * 4 * s.accum  # each micro-batch's fp32 partition
+        in_step += states * (read_s + write_s) + grads * read_s
+        seconds += states * (read_s + write_s) + grads * (read_s + write_s)
+    return Term(seconds, in_step)
+
+
+TERM_FUNCTIONS = {
+    "compute": compute,
+    "host_ops": host_ops,
+    "step_collectives": step_collectives,
+    "engine": engine,
+    "zero3_hooks": zero3_hooks,
+    "grad_reduce": grad_reduce,
+    "param_gather": param_gather,
+    "offload_copy": offload_copy,
+    "optimizer": optimizer,
+    "nvme": nvme,
+}
+TERMS = tuple(TERM_FUNCTIONS)
+
+
+def step_time(s: Step) -> StepTime:
+    """The option's step (see the module docstring): the sum of its terms."""
+    terms = {name: term(s) for name, term in TERM_FUNCTIONS.items()}
     return StepTime(
-        option=option,
-        nodes=nodes,
-        world=world,
-        accum=accum,
-        sequences=sequences,
-        tokens_per_sequence=run_cfg.data.max_length,
-        terms=t,
-        in_step=in_step,
-        note=note,
-    )
+        option=s.option, nodes=s.nodes, world=s.world, accum=s.accum, sequences=s.sequences,
+        tokens_per_sequence=s.tokens_per_sequence,
+        terms={name: t.seconds for name, t in terms.items()},
+        in_step={name: t.in_step for name, t in terms.items()}, note=s.note,
+    )  # fmt: skip

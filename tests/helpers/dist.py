@@ -148,7 +148,7 @@ def target_facts(trainer) -> dict | None:
     target = trainer.target
     if target is None:
         return None
-    drafter, params = trainer.engine.model, list(target.parameters())
+    drafter, params = trainer.engine.module, list(target.parameters())
     return {
         "shares": drafter.embed_tokens.weight is target.embed_weight
         and drafter.lm_head.weight is target.lm_head_weight,

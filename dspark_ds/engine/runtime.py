@@ -1,0 +1,58 @@
+"""DeepSpeed itself, for the engine's parts: `import_deepspeed()` (the one way they import it),
+the process group it shares with the job, and the accelerator it picked.
+
+No part of the engine imports deepspeed when it is itself imported: the trainer and the tuner
+import the parts they need at their top, and DeepSpeed (seconds of import) is loaded by the
+first function that uses it.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import torch.distributed as dist
+
+
+def import_deepspeed() -> ModuleType:
+    """The deepspeed module, imported on first use.
+
+    NOTE: DeepSpeed's autotuner (a feature not used here) imports MLflow when it can: 1.7 s of
+    CPU in every rank that starts, although only rank 0 tracks (dspark_ds.tracking imports
+    MLflow itself). While DeepSpeed is imported, `import mlflow` fails for it, unless MLflow is
+    loaded already. A part that imports from `deepspeed.<submodule>` calls this first.
+    """
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    blocked = "mlflow" not in sys.modules
+    if blocked:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed
+    finally:
+        if blocked and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
+def join_deepspeed_comm() -> None:
+    """Hands the process group `dspark_ds.distributed.init` made to deepspeed.comm.
+
+    NOTE: zero.Init reads the world size from deepspeed.comm, which reports 1 until it knows
+    the group (the batch-size check then fails); wrapping the existing torch group makes no
+    new rendezvous and keeps its backend and device.
+    """
+    import_deepspeed()
+    import deepspeed.comm
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+
+def accelerator_name() -> str:
+    """The accelerator DeepSpeed uses in this process ("cpu", "cuda", ...): chosen once, from
+    DS_ACCELERATOR or the hardware, when DeepSpeed was first imported."""
+    import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()

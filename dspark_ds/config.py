@@ -441,10 +441,10 @@ def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
     parser = build_parser(config_cls, prog)
     argv, print_flags = _split_argv(argv)
     raw = parser.parse_args(argv)
+    _tag_recipe(raw)
     ns = parser.instantiate(raw)
     values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
     cfg = config_cls(**values)
-    _tag_recipe(cfg, raw.get("config"))
     if hasattr(cfg, "validate"):
         cfg.validate()
     if print_flags is not None:
@@ -454,13 +454,15 @@ def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
     return cfg
 
 
-def _tag_recipe(cfg, config_files) -> None:
-    """A run started from a recipe file carries its name as the MLflow tag `recipe` (unless
-    tracking.tags sets one)."""
-    tracking = getattr(cfg, "tracking", None)
-    paths = [str(p) for p in config_files or [] if p is not None]
-    if isinstance(tracking, TrackingConfig) and paths and Path(paths[-1]).suffix == ".yaml":
-        tracking.tags.setdefault("recipe", Path(paths[-1]).stem)
+def _tag_recipe(raw) -> None:
+    """A run started from a recipe file carries the file's name as the tag `recipe` (unless
+    tracking.tags sets one); `--print_config` prints it, so the printed recipe keeps it."""
+    paths = [str(p) for p in raw.get("config") or [] if p is not None]
+    if "tracking.tags" not in raw or not paths or Path(paths[-1]).suffix != ".yaml":
+        return
+    tags = dict(raw["tracking.tags"] or {})
+    tags.setdefault("recipe", Path(paths[-1]).stem)
+    raw["tracking.tags"] = tags
 
 
 def _print_flags(flags: str) -> dict:

@@ -201,7 +201,9 @@ class Delivery:
             from mlflow.exceptions import MlflowException
 
             try:
-                return client.create_experiment(name, artifact_location=artifact_location)
+                # NOTE: the experimentKind tag opens the UI on its training runs, not GenAI's view
+                return client.create_experiment(name, artifact_location=artifact_location,
+                                                tags={"mlflow.experimentKind": "custom_model_development"})  # fmt: skip
             except MlflowException:
                 experiment = client.get_experiment_by_name(name)  # another run created it
                 if experiment is None:

@@ -138,14 +138,14 @@ EXPANDER = "button[data-component-id$='runnamecellrenderer.tsx_46']"
 """The nested runs' expander of MLflow 3's runs table (a plus icon while collapsed)."""
 EXPAND_ALL = """(async () => {
   for (let round = 0; round < 8; round++) {
-    const closed = [...document.querySelectorAll("%s")]
+    const closed = [...document.querySelectorAll("SELECTOR")]
       .filter(b => b.innerHTML.includes('V4.5'));
     if (!closed.length) break;
     closed[0].click();
     await new Promise(r => setTimeout(r, 1000));
   }
-  return document.querySelectorAll("%s").length;
-})()""" % (EXPANDER, EXPANDER)
+  return document.querySelectorAll("SELECTOR").length;
+})()""".replace("SELECTOR", EXPANDER)
 CLOSE_PANELS = """(() => {
   const close = [...document.querySelectorAll('button[aria-label="Close"]')];
   close.forEach(b => b.click());
@@ -176,16 +176,20 @@ async def photograph(ui: str, uri: str, out: Path, profile: Path) -> None:
                 page = Page(ws)
                 await page.call("Page.enable")
                 await page.call("Runtime.enable")
-                await page.open(f"{ui}/#/experiments/{demo.experiment_id}/runs",
-                                "document.body.innerText.includes('matching runs')")
+                await page.open(
+                    f"{ui}/#/experiments/{demo.experiment_id}/runs",
+                    "document.body.innerText.includes('matching runs')",
+                )
                 await page.js(CLOSE_PANELS)
                 print("expanders:", await page.js(EXPAND_ALL))
                 await asyncio.sleep(2)
                 await page.shot(out / "mlflow-demo-nested.png")
                 compare = (f"{ui}/#/compare-runs?runs={json.dumps(options)}"
                            f"&experiments={json.dumps([sweep_exp.experiment_id])}")  # fmt: skip
-                await page.open(compare.replace(" ", ""),
-                                "document.body.innerText.includes('zero3+offload_opt')")
+                await page.open(
+                    compare.replace(" ", ""),
+                    "document.body.innerText.includes('zero3+offload_opt')",
+                )
                 await page.shot(out / "mlflow-tune-compare.png")
 
 

@@ -163,3 +163,69 @@ def test_artifacts_stay_under_the_output_directory(tmp_path, monkeypatch):
     stored = sorted(p.relative_to(out).parts[0] for p in out.rglob("model.safetensors"))
     assert stored == ["mlartifacts"]
     assert "export" in list_artifacts(default_uri(str(out)), t.run_id)
+
+
+def test_node_layout_and_monitor():
+    """Ranks of one host and node id are one node, in the order of their lowest rank; the
+    node's lowest rank monitors it. On this machine (no GPU) the monitor's window has the CPU
+    and host memory figures, no GPU ones."""
+    import torch
+
+    from dspark_ds.tracking.system import FIELDS, NodeLayout, NodeMetrics
+
+    keys = [("b", "1"), ("a", "0"), ("b", "1"), ("a", "0")]  # a cyclic placement of 4 ranks
+    layout = NodeLayout.from_keys(keys)
+    assert layout.node_of_rank == [0, 1, 0, 1] and layout.hosts == ["b", "a"]
+    assert [layout.leader(r) for r in range(4)] == [True, True, False, False]
+    assert layout.local_ranks(3) == 2
+    one = NodeLayout.from_keys([("vm", "0")])
+    nodes = NodeMetrics(one, 0, torch.device("cpu"), interval_s=0.05)
+    try:
+        part = nodes.part()
+        assert part.shape == (1, len(FIELDS)) and part.dtype == torch.float64
+        metrics = nodes.metrics(part.view(-1).tolist())
+    finally:
+        nodes.close()
+    assert set(metrics) == {f"system/node0/{f}" for f in
+                            ("cpu_percent", "host_memory_used_gb", "host_memory_percent")}  # fmt: skip
+    assert 0 <= metrics["system/node0/cpu_percent"] <= 100
+    assert 0 < metrics["system/node0/host_memory_used_gb"]
+    # a rank that is not its node's leader contributes zeros
+    other = NodeMetrics(NodeLayout.from_keys(keys), 2, torch.device("cpu"), interval_s=0.05)
+    assert other.monitor is None and float(other.part().abs().sum()) == 0.0
+
+
+def test_dataset_digests_tell_regenerations_apart(tmp_path):
+    """The same path holding two regenerations (other tokens) gives two digests; the same
+    tokens give the same one."""
+    from types import SimpleNamespace
+
+    from dspark_ds.data.config import DataConfig
+    from dspark_ds.data.tokens import TokenStore
+    from dspark_ds.train.lineage import data_inputs
+
+    path = tmp_path / "prepared"
+    cfg = DataConfig(paths=[str(path)])
+
+    def digest_of(samples):
+        TokenStore.from_samples(samples, {"pad_token_id": 0}).save(path)
+        return data_inputs(SimpleNamespace(samples=TokenStore.load(path)), cfg)[0]
+
+    first = digest_of([([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1])])
+    again = digest_of([([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1])])
+    other = digest_of([([1, 2, 7], [0, 1, 1]), ([4, 5], [0, 1])])
+    assert first["digest"] == again["digest"] != other["digest"]
+    assert first["source"] == str(path.resolve()) and first["profile"]["num_samples"] == 2
+    assert len(first["digest"]) <= 36  # MLflow's column
+
+
+def test_zero_option_names_are_the_tuners():
+    from dspark_ds.cli import parse_config
+    from dspark_ds.train.lineage import zero_option
+    from dspark_ds.tune.config import OPTIONS
+    from dspark_ds.tune.estimate import resolved_ds_config
+
+    run_cfg = parse_config("train", ["--config", "tiny_cpu", "--target.path", "x"])
+    for option in OPTIONS:
+        ds = resolved_ds_config(option, run_cfg, 1, use_gpu=False)
+        assert zero_option(ds) == option.name, option

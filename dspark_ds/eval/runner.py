@@ -338,13 +338,16 @@ def log_to_tracking(
         git_sha,
         read_export_record,
         resolve_uri,
+        run_exists,
     )
 
     t = cfg.tracking
     uri = resolve_uri(t.uri, cfg.output_dir)
     record = read_export_record(cfg.drafter) or {}
     trained_by = record.get("run_id")
-    same_store = trained_by is not None and record.get("tracking_uri") in (None, uri)
+    same_store = trained_by is not None and record.get("tracking_uri") == uri
+    if trained_by and record.get("tracking_uri") is None and t.enabled:  # `dspark-ds export`'s
+        same_store = run_exists(uri, trained_by)
     kind = kind_of(drafter)
     name = t.run_name or cfg.name
     tracker = Tracker(

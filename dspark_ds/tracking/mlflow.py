@@ -120,6 +120,24 @@ def _warn(line: str, once: bool = False) -> None:
     log(line, file=sys.stderr)
 
 
+def write_export_record(export_dir: str | Path, run_id: str, tracking_uri: str | None) -> None:
+    """Names the training run in an export directory (`dspark-ds export` of its checkpoint:
+    the store is not known there, None)."""
+    record = {"run_id": run_id, "experiment_id": None, "tracking_uri": tracking_uri}
+    (Path(export_dir) / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def run_exists(uri: str, run_id: str) -> bool:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(tracking_uri=uri).get_run(run_id)
+        return True
+    except MlflowException:
+        return False
+
+
 def read_export_record(export_dir: str | Path) -> dict | None:
     """The MLflow run an export directory names (`EXPORT_RECORD`), or None."""
     path = Path(export_dir) / EXPORT_RECORD
@@ -393,9 +411,13 @@ class Delivery:
         self.model_version = str(version.version)
 
     def _model_of(self, run_id: str) -> str | None:
-        """The MLflow model a training run logged (its export), or None."""
+        """The MLflow model a training run logged (its export), or None (no such run here)."""
         if run_id not in self._models_of_runs:
-            experiment = self.client.get_run(run_id).info.experiment_id
+            run = self._get(run_id)
+            if run is None:
+                self._models_of_runs[run_id] = None
+                return None
+            experiment = run.info.experiment_id
             found = self.client.search_logged_models(
                 [experiment], filter_string=f"source_run_id = '{run_id}'"
             )

@@ -92,12 +92,14 @@ def run_sync(cfg: SyncConfig) -> dict:
     for why in sender.dropped:
         print(f"[sync-tracking] WARNING: refused, not kept: {why}")
     if left:
-        if path.is_file() or header:
+        kept = "run it again once the server answers"
+        if header:
             write_undelivered(path, {**header, "tracking_uri": delivery.uri,
                                      "run_id": delivery.run_id}, left)  # fmt: skip
+            kept = f"kept in {path}"
         raise NetworkError(
             f"sync-tracking: {summarize(left)} still not delivered to {delivery.uri} after "
-            f"{cfg.timeout_s:.0f} s ({sender.last_error or 'no answer'}); kept in {path}"
+            f"{cfg.timeout_s:.0f} s ({sender.last_error or 'no answer'}); {kept}"
         )
     if path.is_file():
         path.unlink()

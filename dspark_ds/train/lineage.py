@@ -19,7 +19,9 @@ import json
 import os
 from pathlib import Path
 
+from dspark_ds import distributed
 from dspark_ds.config import flatten
+from dspark_ds.errors import ConfigError
 
 
 def zero_option(ds_config: dict) -> str:
@@ -82,9 +84,10 @@ def data_inputs(source, data_cfg, synthetic_seed: int | None = None) -> list[dic
 
 
 def start_tracking(trainer):
-    """The training run's tracker (rank 0 logs; a no-op elsewhere), with its tags, params, the
-    DeepSpeed config and the data inputs queued."""
-    from dspark_ds.tracking.mlflow import Tracker, default_artifact_location, git_sha, resolve_uri
+    """Collective: the training run's tracker (rank 0 logs; a no-op elsewhere), with its tags,
+    params, the DeepSpeed config and the data inputs queued. A refused MLFLOW_RUN_ID is a
+    ConfigError on every rank."""
+    from dspark_ds.tracking.mlflow import git_sha
 
     cfg, t = trainer.cfg, trainer.cfg.tracking
     tags = {
@@ -107,7 +110,26 @@ def start_tracking(trainer):
         # MLflow keeps the first value of a param; what a resume changed is said here
         for key, (before, after) in trainer.resume.changes.items():
             tags[f"changed_on_resume.{key}"] = f"{before} -> {after} at step {trainer.step}"
-    tracker = Tracker.for_rank(
+    refused = None
+    try:
+        tracker = _tracker(trainer, tags)
+    except ConfigError as err:  # a refused MLFLOW_RUN_ID: every rank leaves with the line
+        refused, tracker = str(err), None
+    if distributed.has_group():
+        refused = next((e for e in distributed.all_gather_object(refused) if e), None)
+    if refused:
+        raise ConfigError(refused)
+    if trainer.rank != 0:
+        return tracker
+    _log_run(trainer, tracker)
+    return tracker
+
+
+def _tracker(trainer, tags: dict):
+    from dspark_ds.tracking.mlflow import Tracker, default_artifact_location, resolve_uri
+
+    cfg, t = trainer.cfg, trainer.cfg.tracking
+    return Tracker.for_rank(
         trainer.rank,
         enabled=t.enabled,
         uri=resolve_uri(t.uri, cfg.output_dir),
@@ -123,8 +145,11 @@ def start_tracking(trainer):
         flush_timeout_s=t.flush_timeout_s,
         max_queued_values=t.max_queued_values,
     )
-    if trainer.rank != 0:
-        return tracker
+
+
+def _log_run(trainer, tracker) -> None:
+    """Rank 0: the params, the DeepSpeed config and recipe, the data inputs."""
+    cfg = trainer.cfg
     params = flatten(cfg)
     params.update(
         {
@@ -150,7 +175,6 @@ def start_tracking(trainer):
             data_cfg = replace(cfg.data, paths=list(cfg.validation.paths))
         for spec in data_inputs(source, data_cfg, seed):
             tracker.log_dataset(context=context, **spec)
-    return tracker
 
 
 def log_export(trainer, export_dir: Path) -> None:

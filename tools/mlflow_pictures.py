@@ -114,11 +114,15 @@ class Page:
     async def js(self, expression: str):
         out = await self.call("Runtime.evaluate", expression=expression, awaitPromise=True,
                               returnByValue=True)  # fmt: skip
+        if "exceptionDetails" in out:
+            raise RuntimeError(f"script failed: {out['exceptionDetails']}")
         return out.get("result", {}).get("value")
 
     async def wait_for(self, expression: str, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
-        while not await self.js(expression):
+        while not await self.js(
+            f"(() => {{ try {{ return {expression}; }} catch (e) {{ return false; }} }})()"
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the page never had {expression}")
             await asyncio.sleep(0.5)
@@ -133,6 +137,12 @@ class Page:
         path.write_bytes(base64.b64decode(data["data"]))
         print(f"wrote {path}")
 
+    async def key(self, name: str) -> None:
+        code = {"Escape": 27}[name]
+        for kind in ("rawKeyDown", "keyUp"):
+            await self.call("Input.dispatchKeyEvent", type=kind, key=name, code=name,
+                            windowsVirtualKeyCode=code)  # fmt: skip
+
 
 EXPANDER = "button[data-component-id$='runnamecellrenderer.tsx_46']"
 """The nested runs' expander of MLflow 3's runs table (a plus icon while collapsed)."""
@@ -146,6 +156,20 @@ EXPAND_ALL = """(async () => {
   }
   return document.querySelectorAll("SELECTOR").length;
 })()""".replace("SELECTOR", EXPANDER)
+SELECT = """(label => [...document.querySelectorAll('div')]
+  .find(d => d.childElementCount === 0 && d.innerText.trim() === label)
+  .parentElement.querySelector('.du-bois-light-select'))"""
+"""The select box of the compare view's plot under the label `label`."""
+DROP_PARAMS = """(async () => {
+  const params = %s('Parameters:');
+  for (const name of ['deepspeed.config', 'deepspeed.overrides']) {
+    const chip = [...params.querySelectorAll('.du-bois-light-select-selection-item')]
+      .find(c => c.innerText.trim() === name);
+    if (chip) chip.querySelector('.du-bois-light-select-selection-item-remove').click();
+    await new Promise(r => setTimeout(r, 500));
+  }
+  return true;
+})()""".replace("%s", SELECT)
 CLOSE_PANELS = """(() => {
   const close = [...document.querySelectorAll('button[aria-label="Close"]')];
   close.forEach(b => b.click());
@@ -181,15 +205,27 @@ async def photograph(ui: str, uri: str, out: Path, profile: Path) -> None:
                     "document.body.innerText.includes('matching runs')",
                 )
                 await page.js(CLOSE_PANELS)
+                await page.wait_for(f'!!document.querySelector("{EXPANDER}")')
                 print("expanders:", await page.js(EXPAND_ALL))
                 await asyncio.sleep(2)
                 await page.shot(out / "mlflow-demo-nested.png")
+                # NOTE: the compare view scrolls inside its own pane: a tall window shows it all
+                await page.call("Emulation.setDeviceMetricsOverride", width=1500, height=1250,
+                                deviceScaleFactor=1, mobile=False)  # fmt: skip
                 compare = (f"{ui}/#/compare-runs?runs={json.dumps(options)}"
                            f"&experiments={json.dumps([sweep_exp.experiment_id])}")  # fmt: skip
                 await page.open(
                     compare.replace(" ", ""),
                     "document.body.innerText.includes('zero3+offload_opt')",
                 )
+                plot = "!!document.querySelector('.js-plotly-plot')"
+                await page.wait_for(plot)
+                # the plot's axes: the option and its predicted memory per GPU
+                await page.js(DROP_PARAMS)
+                await page.key("Escape")
+                await asyncio.sleep(1)
+                await page.wait_for(plot)
+                await asyncio.sleep(2)
                 await page.shot(out / "mlflow-tune-compare.png")
 
 

@@ -52,49 +52,41 @@ def log_sweep(cfg, run_cfg, estimates, scaling: dict, measured: dict, at_measure
     """Rank 0: the sweep's parent and children; returns the parent's run id."""
     from dspark_ds.config import flatten
     from dspark_ds.drafters.registry import get_kind
-    from dspark_ds.tracking.mlflow import Tracker, default_artifact_location, resolve_uri
+    from dspark_ds.tracking.mlflow import default_artifact_location, resolve_uri
+    from dspark_ds.tracking.sweeps import Point
+    from dspark_ds.tracking.sweeps import log_sweep as log_points
     from dspark_ds.tune.config import OPTIONS
 
     t = cfg.tracking
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    root = Path(run_cfg.output_dir) / "tune" / f"{run_cfg.name}-{stamp}"
-    common = dict(
-        enabled=True, uri=resolve_uri(t.uri, run_cfg.output_dir), experiment=t.experiment,
-        artifact_location=default_artifact_location(run_cfg.output_dir), timeout_s=t.timeout_s,
-        kind="tune", resume=False, flush_timeout_s=t.flush_timeout_s,
-    )  # fmt: skip
     recipe = Path(cfg.recipe).stem
-    kind = get_kind(run_cfg.model.kind)
-    tags = {**t.tags, "recipe": recipe, "drafter_kind": kind.name, "target": run_cfg.target.path,
-            "cluster": cfg.cluster.preset, "measured": cfg.measure}  # fmt: skip
-    parent = Tracker(
-        **common, run_name=t.run_name or f"tune-{recipe}", run_dir=str(root),
-        parent_run_id=t.parent_run_id, tags={**tags, "recommended": recommended},
-    )  # fmt: skip
-    parent.log_params(
-        {f"tune.{k}": v for k, v in flatten(cfg).items() if not k.startswith("tracking.")}
-    )
-    parent.log_text(text, "tune.txt")
-    if parent.run_id is None:  # the server did not answer: children cannot be nested
-        parent.finish()
-        return None
     by_name = {o.name: o for o in OPTIONS}
+    points = []
     for est in estimates:
         option = by_name[est.option]
-        child = Tracker(
-            **common, run_name=est.option, run_dir=str(root / est.option),
-            parent_run_id=parent.run_id,
-            tags={**tags, "zero": est.option, "fits": est.fits, "why": est.why or None},
-        )  # fmt: skip
-        child.log_params({"option": est.option, "deepspeed.config": option.config,
-                          "deepspeed.overrides": option.overrides or {},
-                          **{f"zero.{k}": v for k, v in est.zero.items()}})  # fmt: skip
         figures = _option_metrics(est, measured.get(est.option), at_measurement.get(est.option))
-        child.log_metrics({**figures, **_step_metrics(est.step)}, step=0)
+        series = {}
         for nodes, ests in scaling.items():
             step = next(e for e in ests if e.option == est.option).step
-            child.log_metrics({"scaling/step_s": step["predicted_step_s"],
-                               "scaling/tokens_per_s": step["tokens_per_s"]}, step=int(nodes))  # fmt: skip
-        child.finish()
-    parent.finish()
-    return parent.run_id
+            series[int(nodes)] = {"scaling/step_s": step["predicted_step_s"],
+                                  "scaling/tokens_per_s": step["tokens_per_s"]}  # fmt: skip
+        points.append(Point(
+            name=est.option,
+            params={"option": est.option, "deepspeed.config": option.config,
+                    "deepspeed.overrides": option.overrides or {},
+                    **{f"zero.{k}": v for k, v in est.zero.items()}},
+            tags={"zero": est.option, "fits": est.fits, "why": est.why or None},
+            metrics={**figures, **_step_metrics(est.step)}, series=series,
+        ))  # fmt: skip
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return log_points(
+        kind="tune", name=t.run_name or f"tune-{recipe}",
+        uri=resolve_uri(t.uri, run_cfg.output_dir), experiment=t.experiment,
+        run_dir=Path(run_cfg.output_dir) / "tune" / f"{run_cfg.name}-{stamp}",
+        artifact_location=default_artifact_location(run_cfg.output_dir),
+        tags={**t.tags, "recipe": recipe, "drafter_kind": get_kind(run_cfg.model.kind).name,
+              "target": run_cfg.target.path, "cluster": cfg.cluster.preset,
+              "measured": cfg.measure, "recommended": recommended},
+        params={f"tune.{k}": v for k, v in flatten(cfg).items() if not k.startswith("tracking.")},
+        text={"tune.txt": text}, points=points, timeout_s=t.timeout_s,
+        flush_timeout_s=t.flush_timeout_s, parent_run_id=t.parent_run_id,
+    )  # fmt: skip

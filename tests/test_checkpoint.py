@@ -6,6 +6,7 @@ import pytest
 
 from dspark_ds.errors import ConfigError
 from dspark_ds.train import checkpoint_files as ckpt
+from dspark_ds.train import rng
 from dspark_ds.train.export import export_checkpoint
 
 
@@ -51,17 +52,17 @@ def test_rng_state_roundtrip():
 
     import torch
 
-    ckpt.seed_everything(3)
-    state = ckpt.rng_state()
+    rng.seed_everything(3)
+    state = rng.rng_state()
     a = (random.random(), torch.rand(2))
-    ckpt.set_rng_state(state)
+    rng.set_rng_state(state)
     b = (random.random(), torch.rand(2))
     assert a[0] == b[0] and torch.equal(a[1], b[1])
 
 
 # ---- integrity: the manifest every save records -------------------------------------------------
 def saved_tag(root, step=10, files=None):
-    """A tag as Checkpointer.save leaves it: files, MANIFEST.json (sizes + sha256), COMPLETE."""
+    """A tag as CheckpointManager.save leaves it: files, MANIFEST.json (sizes + sha256), COMPLETE."""
     tag = root / ckpt.tag_for_step(step)
     tag.mkdir(parents=True)
     files = files or {

@@ -1,6 +1,6 @@
-"""Training checkpoints on disk: layout, crash-safe publication, integrity, retention, RNG
-state. No process group here (`checkpointer.py` is the collective side, `export.py` turns a
-checkpoint into an interchange directory).
+"""Training checkpoints on disk: layout, crash-safe publication, integrity, retention. No process
+group here (`checkpoint.py`'s manager is the collective side, `export.py` turns a checkpoint into
+an interchange directory).
 
     <run>/checkpoints/
       latest                  the newest complete tag (replaced atomically, written last)
@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 from pathlib import Path
-
-import numpy as np
-import torch
 
 from dspark_ds.errors import ConfigError
 
@@ -192,29 +188,3 @@ def resolve_tag_dir(path: str | Path) -> Path:
             if tag is not None:
                 return root / tag
     raise ConfigError(f"{path}: no complete checkpoint (looked for {COMPLETE} / {LATEST})")
-
-
-# ---- RNG ------------------------------------------------------------------------------------
-def rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)

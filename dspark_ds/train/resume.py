@@ -1,4 +1,6 @@
-"""Which options a resumed run may change, compared with the checkpoint's `run_config.yaml`.
+"""Which options a resumed run may change, compared with the checkpoint's `run_config.yaml`;
+`check(tag_dir, run_config, draft_config, ds_config)` applies the rules to a checkpoint (the
+checkpoint manager calls it before anything is built).
 
 A checkpoint is the state of one training run; continuing it under other settings must either
 mean the same thing or be refused. Three kinds of options:
@@ -7,9 +9,8 @@ mean the same thing or be refused. Three kinds of options:
   `output_dir`, `train.log_every`, `train.progress_bar`, `train.max_nonfinite_in_row`,
   `tracking.*`, `checkpoint.*`, `validation.*`, `perf.*` (same results, another cost),
   `deepspeed.*` as long as the resolved DeepSpeed config keeps the ZeRO stage, the offload and
-  the optimizer implementation (`engine.checkpoint.optimizer_layout`, checked where the checkpoint is
-  loaded: offloading the optimizer swaps torch's AdamW for DeepSpeed's CPU Adam, whose state
-  does not load from the other's);
+  the optimizer implementation (`engine.checkpoint.optimizer_layout`: offloading the optimizer
+  swaps torch's AdamW for DeepSpeed's CPU Adam, whose state does not load from the other's);
   `data.batch_size` (the micro-batch; `train.global_batch_size` is what the optimizer sees),
   `data.num_workers`, `data.cache_verify`, `model.init_from` (a resume never reads it);
 - **the schedule length** — `train.max_steps`, `train.num_epochs`: allowed, the learning rate
@@ -26,7 +27,14 @@ compared.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from dspark_ds.engine.checkpoint import optimizer_layout
+from dspark_ds.errors import ConfigError
 
 FREE = (
     "name",
@@ -116,3 +124,42 @@ def _same(a, b) -> bool:
 def describe(changes: dict[str, tuple]) -> str:
     """`model.block_size (saved 1, now 4), ...`"""
     return ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in changes.items())
+
+
+def check(tag_dir: Path, run_config: dict, draft_config: dict, ds_config: dict) -> ConfigChanges:
+    """The changes this run (`run_config` as plain data, the record of the drafter it builds,
+    its DeepSpeed config) makes to the checkpoint `tag_dir`; ConfigError (exit 2) naming every
+    option when a resume cannot make them."""
+    saved = yaml.safe_load((tag_dir / "run_config.yaml").read_text()) or {}
+    changes = compare(saved, run_config)
+    if changes.refused:
+        raise ConfigError(
+            f"checkpoint.resume: {tag_dir} was trained with other settings, which a resume "
+            f"cannot change: {describe(changes.refused)}; resume with the saved values, or "
+            "start a new run from its weights (dspark-ds export, then --model.init_from)"
+        )
+    saved_draft = json.loads((tag_dir / "draft_config.json").read_text())
+    new_draft = json.loads(json.dumps(draft_config, sort_keys=True))
+    differs = {
+        k: (saved_draft[k], new_draft[k])
+        for k in sorted(set(saved_draft) & set(new_draft))
+        if k != "transformers_version" and saved_draft[k] != new_draft[k]
+    }
+    if differs:
+        raise ConfigError(
+            f"target.path: the drafter built from {run_config['target']['path']} is not the one "
+            f"{tag_dir} holds: {describe(differs)}; resume with the target it was trained with"
+        )
+    meta = json.loads((tag_dir / "meta.json").read_text())
+    layout = optimizer_layout(json.loads((tag_dir / "ds_config.json").read_text()))
+    layout["ZeRO stage"] = meta["zero_stage"]
+    now = optimizer_layout(ds_config)
+    moved = {k: (layout[k], now[k]) for k in layout if layout[k] != now[k]}
+    if moved:
+        shown = ", ".join(f"{k} {a} (now {b})" for k, (a, b) in moved.items())
+        raise ConfigError(
+            f"deepspeed.config: {tag_dir} was written with {shown}; its optimizer state loads "
+            "only into the same layout: resume with the same ZeRO stage, offload and optimizer "
+            "(deepspeed.torch_adam)"
+        )
+    return changes

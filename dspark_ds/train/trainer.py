@@ -1,12 +1,15 @@
 """The training loop. `train(cfg)` is the whole of `dspark-ds train`; `Trainer.run` is the loop,
 and each concern it calls on is a component with a small interface:
 
-    Checkpointer   train/checkpointer.py   which checkpoint to resume from (verified), save(step)
-    Validator      train/validator.py      should_validate(step), validate()
-    MetricsLogger  train/metrics.py        train_log.jsonl, MLflow, progress, the summary
-    Signals        train/signals.py        SIGTERM / SIGUSR1 → exit 75 (requeue), Ctrl-C → 130
-    Schedule       train/schedule.py       warmup + cosine, and what a changed length does
-    resume rules   train/resume.py         which options may change when a run is resumed
+    CheckpointManager  train/checkpoint.py  the resume (chosen, verified, its rules checked),
+                                           load(), save(step) over engine, data, RNG, run state
+    Validator          train/validator.py   should_validate(step), validate()
+    MetricsLogger      train/metrics.py     train_log.jsonl, MLflow, progress, the summary
+    Signals            train/signals.py     SIGTERM / SIGUSR1 → exit 75 (requeue), Ctrl-C → 130
+    Schedule           train/schedule.py    warmup + cosine, and what a changed length does
+
+The trainer is itself one of the parts a checkpoint holds (`state_dict` / `load_state_dict`: step,
+epoch, schedule, the non-finite counters).
 
 One optimizer step = `grad_accum` micro-batches per rank, each one call of the drafter kind's
 `training_step` (drafters/kind.py): the forward and the loss, with the loss's denominators summed
@@ -36,7 +39,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-import yaml
 
 from dspark_ds import distributed
 from dspark_ds.config import TrainRunConfig, dump_config, to_plain
@@ -53,13 +55,12 @@ from dspark_ds.engine.drafter import DrafterEngine
 from dspark_ds.engine.target import check_target_dtype, load_target_in_job
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import target_shared_weights
-from dspark_ds.train import checkpoint_files as ckpt
-from dspark_ds.train import resume as resume_rules
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source
-from dspark_ds.train.checkpointer import Checkpointer
+from dspark_ds.train.checkpoint import CheckpointManager
 from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
+from dspark_ds.train.rng import seed_everything
 from dspark_ds.train.schedule import Schedule
 from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, TrainingStopped, exit_code_for
 from dspark_ds.train.validator import Validator
@@ -141,16 +142,6 @@ class StepResult:
     """The exit code every rank leaves with after this step (a signal), or None."""
 
 
-@dataclass
-class _Resume:
-    """What the checkpoint a run resumes from says about the run that wrote it."""
-
-    tag_dir: Path
-    meta: dict
-    run_config: dict
-    changes: dict[str, tuple]
-
-
 class Trainer:
     def __init__(self, cfg: TrainRunConfig):
         self.cfg = cfg.validate().check_paths()
@@ -179,17 +170,21 @@ class Trainer:
 
     def _build(self, cfg: TrainRunConfig) -> None:
         rundir.check_shared(self.run_dir, self.rank)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, self.rank, self.world)
-        tag_dir = self.checkpointer.find_resume()
-        self.resume = self._check_resume(tag_dir) if tag_dir is not None else None
-        ckpt.seed_everything(cfg.train.seed)
-        self.ds_config = build_ds_config(
+        seed_everything(cfg.train.seed)
+        ds_config = build_ds_config(
             cfg.deepspeed,
             cfg.train,
             micro_batch_size=cfg.data.batch_size,
             world_size=self.world,
             use_gpu=self.device.type == "cuda",
         )
+        draft_record = draft_config_dict(self.draft_config) | {
+            "architectures": self.draft_config.architectures
+        }
+        self.checkpoints = CheckpointManager(cfg.checkpoint, self.run_dir, self.rank, self.world)
+        self.resume = self.checkpoints.find_resume(to_plain(cfg), draft_record, ds_config)
+        # on another world size the engine loads DeepSpeed's universal form of the checkpoint
+        self.ds_config = ds_config if self.resume is None else self.resume.ds_config
         self._build_data()
         self.grad_accum = int(self.ds_config["gradient_accumulation_steps"])
         self.steps_per_epoch = len(self.source) // self.grad_accum
@@ -200,9 +195,6 @@ class Trainer:
             )
         self.total_steps = cfg.train.max_steps or cfg.train.num_epochs * self.steps_per_epoch
         self.schedule = self._schedule()
-        load_dir = None
-        if self.resume is not None:
-            load_dir, self.ds_config = self.checkpointer.loadable(tag_dir, self.ds_config)
         self.engine = self._build_engine()
         # the kind's attention / compile / loss-path choice for this run (the perf section)
         self.loss_impl = self.kind.prepare(self.engine.module, cfg.perf, self.device)
@@ -213,9 +205,12 @@ class Trainer:
         )
         self.step, self.epoch = 0, 0
         self.nonfinite_total, self.nonfinite_in_row = 0, 0
-        self.resumed_from = None
-        if load_dir is not None:
-            self._load(load_dir)
+        self.checkpoints.attach(self.engine, data=self.source, run=self, files={
+            "draft_config.json": json.dumps(draft_record, indent=2, sort_keys=True),
+            "run_config.yaml": self.config_yaml(),
+            "ds_config.json": json.dumps(self.ds_config, indent=2),
+        })  # fmt: skip
+        self.checkpoints.load()
         self.nodes = None
         if cfg.tracking.system_metrics:  # collective: which node each rank is on
             from dspark_ds.tracking.system import NodeMetrics, discover_layout
@@ -274,37 +269,9 @@ class Trainer:
     def config_yaml(self) -> str:
         return dump_config(self.cfg)
 
-    # ---- resume -----------------------------------------------------------------------------
-    def _check_resume(self, tag_dir: Path) -> _Resume:
-        """Refuses (ConfigError naming every option, exit 2) a resume whose settings would change
-        what the checkpoint means (train/resume.py); returns what the checkpoint says."""
-        meta = json.loads((tag_dir / "meta.json").read_text())
-        saved = yaml.safe_load((tag_dir / "run_config.yaml").read_text()) or {}
-        changes = resume_rules.compare(saved, to_plain(self.cfg))
-        if changes.refused:
-            raise ConfigError(
-                f"checkpoint.resume: {tag_dir} was trained with other settings, which a resume "
-                f"cannot change: {resume_rules.describe(changes.refused)}; resume with the saved "
-                "values, or start a new run from its weights (dspark-ds export, then "
-                "--model.init_from)"
-            )
-        saved_draft = json.loads((tag_dir / "draft_config.json").read_text())
-        new_draft = json.loads(json.dumps(self._draft_config_record(), sort_keys=True))
-        differs = {
-            k: (saved_draft[k], new_draft[k])
-            for k in sorted(set(saved_draft) & set(new_draft))
-            if k != "transformers_version" and saved_draft[k] != new_draft[k]
-        }
-        if differs:
-            raise ConfigError(
-                f"target.path: the drafter built from {self.cfg.target.path} is not the one "
-                f"{tag_dir} holds: {resume_rules.describe(differs)}; resume with the target "
-                "it was trained with"
-            )
-        allowed = {k: v for k, v in changes.allowed().items() if k != "checkpoint.resume"}
-        if allowed:
-            print0(f"[train] resuming with changed options: {resume_rules.describe(allowed)}")
-        return _Resume(tag_dir, meta, saved, allowed)
+    @property
+    def resumed_from(self) -> str | None:
+        return None if self.resume is None else str(self.resume.tag_dir)
 
     def _schedule(self) -> Schedule:
         t = self.cfg.train
@@ -323,61 +290,27 @@ class Trainer:
             )
         return schedule
 
-    def _load(self, load_dir: Path) -> None:
-        state = self.checkpointer.load(load_dir, self.engine, int(self.resume.meta["step"]))
+    # ---- checkpoints and export ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The run state a checkpoint holds: step, epoch, schedule, the non-finite counters."""
+        nonfinite = {"total": self.nonfinite_total, "in_row": self.nonfinite_in_row}
+        schedule = self.schedule.to_dict()
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "schedule": schedule,
+            "nonfinite": nonfinite,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        self._restore_data(state)
-        if state["world_size"] == self.world:
-            ckpt.set_rng_state(state["rng"])
         nonfinite = state.get("nonfinite", {})
         self.nonfinite_total = int(nonfinite.get("total", 0))
         self.nonfinite_in_row = int(nonfinite.get("in_row", 0))
-        self.resumed_from = str(self.resume.tag_dir)
-        print0(f"[train] resumed from {load_dir} at step {self.step} (epoch {self.epoch})")
-
-    def _restore_data(self, state: dict) -> None:
-        data = dict(state["data"])
-        saved_batch = int(self.resume.run_config["data"]["batch_size"])
-        per_step_before = saved_batch * state["world_size"]
-        per_step_now = self.cfg.data.batch_size * self.world
-        if "samples_consumed" not in data and per_step_before != per_step_now:
-            # NOTE: the data package's loader counts batches and its order depends on the world
-            # size and micro-batch; continue at the same fraction of the epoch (no sample is
-            # repeated twice in a row, the order differs).
-            data["position"] = data["position"] * per_step_before // per_step_now
-            data["world_size"] = self.world
-            print0(
-                "[train] WARNING: world size x data.batch_size changed; the data order within "
-                "the epoch differs"
-            )
-        self.source.load_state_dict(data)
-
-    # ---- checkpoints and export ---------------------------------------------------------------
-    def _draft_config_record(self) -> dict:
-        return draft_config_dict(self.draft_config) | {
-            "architectures": self.draft_config.architectures
-        }
 
     def save(self) -> Path:
         self.metrics.sync()  # the log's rows of these steps reach the disk first
-        meta = {"step": self.step, "world_size": self.world,
-                "zero_stage": self.engine.zero_stage, "schedule": self.schedule.to_dict()}  # fmt: skip
-        files = {
-            "draft_config.json": json.dumps(self._draft_config_record(), indent=2, sort_keys=True),
-            "run_config.yaml": self.config_yaml(),
-            "ds_config.json": json.dumps(self.ds_config, indent=2),
-            "meta.json": json.dumps(meta),
-        }
-        state = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "data": self.source.state_dict(),
-            "rng": ckpt.rng_state(),
-            "world_size": self.world,
-            "schedule": self.schedule.to_dict(),
-            "nonfinite": {"total": self.nonfinite_total, "in_row": self.nonfinite_in_row},
-        }
-        return self.checkpointer.save(self.step, self.engine, state, files)
+        return self.checkpoints.save(self.step)
 
     def export(self) -> Path:
         """Collective: the live weights (fp32 master copies) as an interchange directory."""
@@ -522,7 +455,7 @@ class Trainer:
                 stop, clean = done.stop, done.clean
                 diverged = self.nonfinite_in_row >= self.cfg.train.max_nonfinite_in_row
                 must_save = stop or diverged or not clean
-                if must_save or self.checkpointer.should_save(self.step, last_step=last):
+                if must_save or self.checkpoints.should_save(self.step, last_step=last):
                     self.save()
                 if diverged:
                     self._stop_diverged()
@@ -572,7 +505,7 @@ class Trainer:
         raise TrainingStopped(
             f"the loss was non-finite in {n} steps in a row (steps {self.step - n + 1}-"
             f"{self.step}; train.max_nonfinite_in_row {self.cfg.train.max_nonfinite_in_row}): "
-            f"stopped; {self.checkpointer.dir / ckpt.tag_for_step(self.step)} holds the last "
+            f"stopped; {self.checkpoints.latest()} holds the last "
             f"finite weights (those of step {self.step - n})"
         )
 
@@ -587,12 +520,12 @@ class Trainer:
         status. Safe to call twice (the tracker finishes once)."""
         undelivered = self.tracker.finish(status, flush_timeout_s) if self.tracker.enabled else None
         if outcome is not None:
+            latest = self.checkpoints.latest()
             lines = [
                 f"{outcome}: steps {self._first_step + 1}-{self.step} of {self.total_steps} in "
                 f"{time.perf_counter() - self._t0:.0f} s",
                 f"log: {self.run_dir / LOG_FILE}",
-                f"checkpoints: {self.checkpointer.dir} (latest "
-                f"{ckpt.latest_tag(self.checkpointer.dir)})",
+                f"checkpoints: {self.checkpoints.dir} (latest {latest and latest.name})",
             ]
             if self.resumed_from:
                 lines.insert(1, f"resumed from {self.resumed_from}")

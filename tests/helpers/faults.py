@@ -102,15 +102,15 @@ def install(faults: list[dict]) -> None:
         elif kind == "sleep_in_save":
             import time
 
-            from dspark_ds.train.checkpointer import Checkpointer
+            from dspark_ds.train.checkpoint import CheckpointManager
 
-            real_ckpt_save = Checkpointer.save
+            real_ckpt_save = CheckpointManager.save
 
             def slow_save(self, *args, _real=real_ckpt_save, _fault=fault, **kwargs):
                 time.sleep(_fault["seconds"])
                 return _real(self, *args, **kwargs)
 
-            Checkpointer.save = slow_save
+            CheckpointManager.save = slow_save
         elif kind == "corrupt_at_epoch":
             real_set_epoch = TrainLoader.set_epoch
 

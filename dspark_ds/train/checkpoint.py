@@ -1,13 +1,29 @@
-"""The trainer's checkpoints, collectively: which one a run resumes from (verified, with a
-fall-back that says which and why), and `save(step, ...)` that either publishes a complete,
-checksummed tag or raises `TrainingStopped` on every rank with the previous one intact.
+"""The run's checkpoints: one manager over every part of the run a checkpoint holds.
 
-    checkpointer.should_save(step, last_step=...)   the cadence (checkpoint.every_steps, save_final)
-    checkpointer.find_resume()                      -> a verified tag directory or None
-    checkpointer.save(step, engine, state, files)   collective; every rank hashes its own files,
-                                                    rank 0 writes MANIFEST.json, then COMPLETE
+    the engine      the drafter's trainable weights, the optimizer, the learning-rate scheduler
+                    (DeepSpeed's own files, `engine/checkpoint.py`)
+    the data        the batch source's position (its `state_dict` / `load_state_dict`)
+    the RNG         Python's, NumPy's, torch's and CUDA's generators (`train/rng.py`)
+    the run         step, epoch, schedule, non-finite counters (the trainer's `state_dict` /
+                    `load_state_dict`)
 
-The on-disk layout is `dspark_ds.train.checkpoint_files`'s.
+What the trainer asks of it:
+
+    checkpoints.find_resume(run_config, draft_config, ds_config)
+        collective, before the run is built: the checkpoint to continue (`Resume`) or None.
+        The newest complete tag that passes verification (a damaged one is named and the next
+        older one tried; newer tags are set aside); a resume that would change what the
+        checkpoint means is refused (`train/resume.py`'s rules, exit 2); on another world size
+        DeepSpeed's universal checkpoint, converted once, and a DeepSpeed config that loads it.
+    checkpoints.attach(engine, data=..., run=..., files=...)   the parts, once they are built
+    checkpoints.load()           collective: every part as the resumed checkpoint left it
+    checkpoints.should_save(step, last_step=...)   the cadence (checkpoint.every_steps, save_final)
+    checkpoints.save(step)       collective: every rank hashes its own files, rank 0 writes
+                                 MANIFEST.json, then COMPLETE and `latest`, and prunes older tags
+                                 beyond checkpoint.keep_last; or TrainingStopped on every rank
+                                 with the previous checkpoint intact
+
+The on-disk layout is `train/checkpoint_files.py`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +32,10 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from dspark_ds import distributed
 from dspark_ds.config import CheckpointConfig
@@ -25,12 +44,13 @@ from dspark_ds.engine.checkpoint import (
     convert_to_universal,
     enable_universal_load,
     load_tag,
-    optimizer_layout,
     save_tag,
 )
 from dspark_ds.engine.config import zero_stage
 from dspark_ds.errors import ConfigError
 from dspark_ds.train import checkpoint_files as ckpt
+from dspark_ds.train import resume as resume_rules
+from dspark_ds.train.rng import rng_state, set_rng_state
 from dspark_ds.train.signals import TrainingStopped
 
 HASH_ON_RESUME_BYTES_PER_RANK = 4 * 2**30
@@ -55,14 +75,54 @@ def slurm_kill_wait_s() -> int | None:
     return None
 
 
-class Checkpointer:
+@dataclass
+class Resume:
+    """The checkpoint a run continues from, and what it says about the run that wrote it."""
+
+    tag_dir: Path
+    """The verified tag."""
+    load_dir: Path
+    """What DeepSpeed loads: the tag, or its universal form (another world size)."""
+    ds_config: dict
+    """The DeepSpeed config the engine is built with to load `load_dir`."""
+    meta: dict
+    """The tag's meta.json: step, world size, ZeRO stage, the learning-rate schedule."""
+    saved_config: dict
+    """The run config that wrote it (its run_config.yaml, as plain data)."""
+    run_config: dict
+    """This run's config, as plain data."""
+    changes: dict[str, tuple]
+    """The options this run changes, as the resume rules allow: {option: (saved, now)}."""
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+class CheckpointManager:
+    """The run's checkpoints under <run_dir>/checkpoints (see the module docstring)."""
+
     def __init__(self, cfg: CheckpointConfig, run_dir: str | Path, rank: int, world: int):
         self.cfg = cfg
         self.dir = Path(run_dir) / "checkpoints"
         self.rank, self.world = rank, world
+        self.resume: Resume | None = None
         self.saved_step: int | None = None
         """The step of the checkpoint this process saved or resumed from last."""
+        self._engine = self._data = self._run = None
+        self._files: dict[str, str] = {}
         self._kill_wait_checked = False
+
+    def attach(self, engine, *, data, run, files: dict[str, str]) -> None:
+        """The run's parts, once built: `engine` (a DrafterEngine), `data` (the batch source)
+        and `run` (the trainer), each with `state_dict` / `load_state_dict` but the engine;
+        `files`: {name: text} rank 0 writes into every tag (the configs)."""
+        self._engine, self._data, self._run, self._files = engine, data, run, dict(files)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (the one `latest` names), or None."""
+        tag = ckpt.latest_tag(self.dir)
+        return None if tag is None else self.dir / tag
 
     # ---- cadence -------------------------------------------------------------------------------
     def should_save(self, step: int, *, last_step: bool) -> bool:
@@ -71,8 +131,25 @@ class Checkpointer:
         return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
     # ---- resume --------------------------------------------------------------------------------
-    def find_resume(self) -> Path | None:
-        """Collective. The tag directory to resume from, or None to start fresh.
+    def find_resume(self, run_config: dict, draft_config: dict, ds_config: dict) -> Resume | None:
+        """Collective. The checkpoint to resume from (see the module docstring), or None to
+        start fresh. `run_config`: this run's config as plain data; `draft_config`: the record
+        of the drafter it builds (draft_config.json); `ds_config`: its DeepSpeed config."""
+        tag_dir = self._choose()
+        if tag_dir is None:
+            return None
+        changes = resume_rules.check(tag_dir, run_config, draft_config, ds_config)
+        allowed = {k: v for k, v in changes.allowed().items() if k != "checkpoint.resume"}
+        if allowed:
+            print0(f"[train] resuming with changed options: {resume_rules.describe(allowed)}")
+        meta = json.loads((tag_dir / "meta.json").read_text())
+        saved = yaml.safe_load((tag_dir / "run_config.yaml").read_text()) or {}
+        load_dir, ds_config = self._loadable(tag_dir, meta, ds_config)
+        self.resume = Resume(tag_dir, load_dir, ds_config, meta, saved, run_config, allowed)
+        return self.resume
+
+    def _choose(self) -> Path | None:
+        """Collective. The verified tag directory to resume from, or None.
 
         checkpoint.resume null refuses a run directory that already holds checkpoints; "auto"
         and a run / checkpoints directory take the newest complete tag that passes verification
@@ -181,23 +258,10 @@ class Checkpointer:
         found = distributed.all_gather_object(ckpt.check_files(tag_dir, manifest, mine))
         return list(dict.fromkeys(p for rank_problems in found for p in rank_problems))
 
-    def loadable(self, tag_dir: Path, ds_config: dict) -> tuple[Path, dict]:
+    def _loadable(self, tag_dir: Path, meta: dict, ds_config: dict) -> tuple[Path, dict]:
         """Collective. Same world size (or ZeRO-0): the tag itself. Otherwise DeepSpeed's
         universal checkpoint, converted once by rank 0, and a ds config that loads it."""
-        meta = json.loads((tag_dir / "meta.json").read_text())
-        stage = zero_stage(ds_config)
-        saved = optimizer_layout(json.loads((tag_dir / "ds_config.json").read_text()))
-        saved["ZeRO stage"] = meta["zero_stage"]
-        now = optimizer_layout(ds_config)
-        differs = {k: (saved[k], now[k]) for k in saved if saved[k] != now[k]}
-        if differs:
-            shown = ", ".join(f"{k} {a} (now {b})" for k, (a, b) in differs.items())
-            raise ConfigError(
-                f"deepspeed.config: {tag_dir} was written with {shown}; its optimizer state "
-                "loads only into the same layout: resume with the same ZeRO stage, offload and "
-                "optimizer (deepspeed.torch_adam)"
-            )
-        if meta["world_size"] == self.world or stage == 0:
+        if meta["world_size"] == self.world or zero_stage(ds_config) == 0:
             return tag_dir, ds_config
         universal = Path(f"{tag_dir}_universal")
         if self.rank == 0 and not (universal / ckpt.COMPLETE).exists():
@@ -210,18 +274,56 @@ class Checkpointer:
         distributed.barrier()
         return universal, enable_universal_load(ds_config)
 
-    def load(self, tag_dir: Path, engine, step_of_tag: int) -> dict:
-        """Collective. Restores the engine; returns the client state."""
-        state = load_tag(engine.ds, tag_dir.parent, tag_dir.name)
-        self.saved_step = step_of_tag
-        return state
+    def load(self) -> None:
+        """Collective. Every attached part as the resumed checkpoint left it (nothing when the
+        run starts fresh): the engine, the run state, the data position (at the same fraction
+        of the epoch when world size x data.batch_size changed), the RNG (same world size)."""
+        resume = self.resume
+        if resume is None:
+            return
+        state = load_tag(self._engine.ds, resume.load_dir.parent, resume.load_dir.name)
+        self.saved_step = resume.step
+        self._run.load_state_dict(state)
+        self._data.load_state_dict(self._data_state(state))
+        if state["world_size"] == self.world:
+            set_rng_state(state["rng"])
+        print0(
+            f"[train] resumed from {resume.load_dir} at step {state['step']} "
+            f"(epoch {state['epoch']})"
+        )
+
+    def _data_state(self, state: dict) -> dict:
+        data = dict(state["data"])
+        per_step_before = int(self.resume.saved_config["data"]["batch_size"]) * state["world_size"]
+        per_step_now = int(self.resume.run_config["data"]["batch_size"]) * self.world
+        if "samples_consumed" not in data and per_step_before != per_step_now:
+            # NOTE: the data package's loader counts batches and its order depends on the world
+            # size and micro-batch; continue at the same fraction of the epoch (no sample is
+            # repeated twice in a row, the order differs).
+            data["position"] = data["position"] * per_step_before // per_step_now
+            data["world_size"] = self.world
+            print0(
+                "[train] WARNING: world size x data.batch_size changed; the data order within "
+                "the epoch differs"
+            )
+        return data
 
     # ---- save ----------------------------------------------------------------------------------
-    def save(self, step: int, engine, client_state: dict, files: dict[str, str]) -> Path:
-        """Collective. Writes tag `step` (rank 0: `files`, {name: text}; every rank: its
-        DeepSpeed files), records size and sha256 of every file in MANIFEST.json, then COMPLETE
-        and `latest`. A failure on any rank (disk full, I/O error) removes the partial tag and
+    def save(self, step: int) -> Path:
+        """Collective. Writes tag `step`: rank 0 the attached `files` and meta.json, every rank
+        its DeepSpeed files with the run state, the data position and the RNG as DeepSpeed's
+        client state; records size and sha256 of every file in MANIFEST.json, then COMPLETE and
+        `latest`. A failure on any rank (disk full, I/O error) removes the partial tag and
         raises TrainingStopped on every rank; the previous checkpoint stays intact."""
+        run = self._run.state_dict()
+        meta = {"step": step, "world_size": self.world, "zero_stage": self._engine.zero_stage,
+                "schedule": run["schedule"]}  # fmt: skip
+        files = {**self._files, "meta.json": json.dumps(meta)}
+        client_state = {**run, "data": self._data.state_dict(), "rng": rng_state(),
+                        "world_size": self.world}  # fmt: skip
+        return self._write(step, files, client_state)
+
+    def _write(self, step: int, files: dict[str, str], client_state: dict) -> Path:
         tag = ckpt.tag_for_step(step)
         tag_dir = self.dir / tag
         if self.saved_step == step and (tag_dir / ckpt.COMPLETE).exists():
@@ -240,7 +342,7 @@ class Checkpointer:
         self._agree(error, tag_dir)
         own: dict[str, dict] = {}
         try:
-            save_tag(engine.ds, self.dir, tag, client_state)
+            save_tag(self._engine.ds, self.dir, tag, client_state)
             names = [
                 n
                 for n in ckpt.payload_files(tag_dir)

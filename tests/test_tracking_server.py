@@ -27,7 +27,7 @@ STEPS = 48
 SLOW_FROM, DOWN_AT = 14, 30
 """Rows of train_log.jsonl at which the proxy starts delaying, and the server is killed."""
 DELAY_S = 1.0
-TIMEOUT_S = 1.0
+TIMEOUT_S = 2.0
 DOWN_S = 3 * TIMEOUT_S
 
 

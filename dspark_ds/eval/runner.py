@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,6 +360,8 @@ def log_to_tracking(
         flush_timeout_s=t.flush_timeout_s,
         tags={**t.tags, "git_sha": git_sha(), "drafter_kind": kind.name, "drafter": kind.label,
               "target": cfg.target.path, "seed": cfg.seed, "temperature": cfg.temperature,
+              "world_size": distributed.world_size(),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
               "drafter_architecture": drafter.config.architectures[0],
               "markov_rank": getattr(drafter.config, "markov_rank", None),  # None: Eagle3
               "trained_by": trained_by,

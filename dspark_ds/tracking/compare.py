@@ -25,7 +25,7 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from dspark_ds.errors import ConfigError
-from dspark_ds.tracking.mlflow import KIND_TAG, PARENT_TAG
+from dspark_ds.tracking.mlflow import KIND_TAG, PARENT_TAG, resolve_experiment
 
 DEFAULT_METRICS = [
     "train/tau_probabilistic",
@@ -48,14 +48,25 @@ IGNORED_PARAMS = ("name", "tracking.run_name", "output_dir")
 class CompareConfig:
     """Select MLflow runs and compare them."""
 
-    tracking_uri: str = "sqlite:///runs/mlflow.db"
-    """MLflow tracking URI (the trainer's default store is sqlite:///<output_dir>/mlflow.db)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db (the
+    trainer's default store is sqlite:///<output_dir>/mlflow.db)."""
     run_ids: list[str | int] = field(default_factory=list)
     """Runs to compare, by id (a unique prefix of at least 6 characters is enough). An
     all-digit prefix reads as a number on the command line and is used as its digits (quote it,
     `['00123456']`, when it starts with 0)."""
-    experiment: list[str] = field(default_factory=lambda: ["dspark-ds"])
-    """Experiment names to search when run_ids is empty."""
+    experiment: list[str] = field(default_factory=list)
+    """Experiment names to search when run_ids is empty; empty = $MLFLOW_EXPERIMENT_NAME, else
+    dspark-ds."""
+
+    def __post_init__(self) -> None:
+        import os
+
+        self.tracking_uri = (
+            self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///runs/mlflow.db"
+        )
+        self.experiment = list(self.experiment) or [resolve_experiment(None)]
+
     filter: str = ""
     """MLflow search filter, e.g. "params.`train.lr` = '0.003'" or "attributes.status = 'FINISHED'"."""
     max_runs: int = 10

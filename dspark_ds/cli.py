@@ -88,6 +88,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "dspark_ds.serve.check:run_serve_check",
         "vLLM's own config validation and weight loader on a drafter directory (docs/serving.md)",
     ),
+    "sync-tracking": (
+        "dspark_ds.tracking.sync:SyncConfig",
+        "dspark_ds.tracking.sync:run_sync",
+        "send what a run could not deliver to MLflow (or replay its train_log.jsonl)",
+    ),
     "bench-decode": (
         "dspark_ds.eval.config:DecodeBenchConfig",
         "dspark_ds.eval.decode_bench:run_decode_bench",

@@ -108,20 +108,47 @@ class DeepSpeedConfig:
 
 @dataclass
 class TrackingConfig:
-    """MLflow tracking (rank 0 only)."""
+    """MLflow tracking (rank 0 sends; docs/tracking.md)."""
 
     enabled: bool = True
     """Log to MLflow."""
     uri: str | None = None
-    """Tracking URI (http://server:5000, databricks, ...); None = sqlite:///<output_dir>/mlflow.db."""
-    experiment: str = "dspark-ds"
-    """MLflow experiment name."""
+    """Tracking URI (http://server:5000, databricks, ...); None = $MLFLOW_TRACKING_URI, else
+    sqlite:///<output_dir>/mlflow.db."""
+    experiment: str | None = None
+    """MLflow experiment name; None = $MLFLOW_EXPERIMENT_NAME, else dspark-ds."""
     run_name: str | None = None
     """MLflow run name; None = the run's `name`."""
     tags: dict[str, str] = field(default_factory=dict)
     """Extra tags for the run."""
+    parent_run_id: str | None = None
+    """Nest this run under that MLflow run (the demo sets it for its stages); a nested run never
+    reads $MLFLOW_RUN_ID."""
+    register_as: str | None = None
+    """Register the exported drafter as a new version of this MLflow registered model."""
     timeout_s: float = 10.0
-    """How long to wait for an unreachable server before training on without tracking."""
+    """One request's timeout; a request that fails is retried in the background, never by the
+    training step."""
+    flush_timeout_s: float = 60.0
+    """How long the end of a run waits for MLflow to take what is still queued; the rest is
+    kept in <run_dir>/mlflow_undelivered.json for `dspark-ds sync-tracking`."""
+    max_queued_values: int = 200_000
+    """Metric values kept in memory while the server does not answer; past it the oldest log
+    steps are dropped from memory and read back from train_log.jsonl when it answers."""
+    system_metrics: bool = True
+    """Per node (one monitor on each node's local rank 0): CPU, host memory and, with a GPU,
+    utilisation, memory and power (nvidia-ml-py), as system/node<k>/* on log steps."""
+    system_interval_s: float = 1.0
+    """Seconds between two samples of the node monitor (each log step logs their mean)."""
+
+    def validate(self, prefix: str = "tracking") -> None:
+        if self.timeout_s <= 0 or self.flush_timeout_s < 0 or self.system_interval_s <= 0:
+            raise ConfigError(
+                f"{prefix}.timeout_s and {prefix}.system_interval_s must be > 0 and "
+                f"{prefix}.flush_timeout_s >= 0"
+            )
+        if self.max_queued_values < 1000:
+            raise ConfigError(f"{prefix}.max_queued_values must be >= 1000 (one batch)")
 
 
 @dataclass
@@ -209,6 +236,7 @@ class TrainRunConfig:
         get_kind(self.model.kind).check_perf(self.perf)  # a perf option the kind cannot honour
         self.train.validate()
         self.validation.validate()
+        self.tracking.validate()
         _require(self.checkpoint.every_steps >= 0, "checkpoint.every_steps", "must be >= 0", self)
         _require(self.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1", self)
         if self.train.synthetic_samples == 0 and self.data.mode != "offline":
@@ -413,6 +441,7 @@ def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
     parser = build_parser(config_cls, prog)
     argv, print_flags = _split_argv(argv)
     raw = parser.parse_args(argv)
+    _tag_recipe(raw)
     ns = parser.instantiate(raw)
     values = {f.name: ns[f.name] for f in dataclasses.fields(config_cls) if f.name in ns}
     cfg = config_cls(**values)
@@ -423,6 +452,17 @@ def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
         print(parser.dump(raw, **_print_flags(print_flags)), end="")
         raise SystemExit(0)
     return cfg
+
+
+def _tag_recipe(raw) -> None:
+    """A run started from a recipe file carries the file's name as the tag `recipe` (unless
+    tracking.tags sets one); `--print_config` prints it, so the printed recipe keeps it."""
+    paths = [str(p) for p in raw.get("config") or [] if p is not None]
+    if "tracking.tags" not in raw or not paths or Path(paths[-1]).suffix != ".yaml":
+        return
+    tags = dict(raw["tracking.tags"] or {})
+    tags.setdefault("recipe", Path(paths[-1]).stem)
+    raw["tracking.tags"] = tags
 
 
 def _print_flags(flags: str) -> dict:

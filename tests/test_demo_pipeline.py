@@ -46,7 +46,7 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     from dspark_ds.drafters import load_draft_model
     from dspark_ds.eval.benchmarks import encode_prompt, load_benchmark
     from dspark_ds.eval.decoding import speculative_generate, target_generate
-    from dspark_ds.tracking.mlflow import read_run
+    from dspark_ds.tracking.mlflow import child_runs, read_run
 
     monkeypatch.setenv("DSPARK_DS_CACHE", str(tmp_path / "cache"))
     cwd = tmp_path / "cwd"
@@ -106,11 +106,25 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     # the training runs used 2 ranks (the machine has >= 2 cores) or 1
     assert summary["ranks"] in (1, 2)
 
-    # MLflow: a summary run with the comparison metrics
-    run_id = (out / "runs" / "summary" / "mlflow_run_id").read_text().strip()
-    run = read_run(summary["mlflow"]["uri"], run_id)
+    # MLflow: one demo run with the comparison metrics, the trainings nested under it, each
+    # evaluation under the training of its drafter (whose run also holds its headline τ)
+    uri = summary["mlflow"]["uri"]
+    run_id = (out / "runs" / "demo" / "mlflow_run_id").read_text().strip()
+    run = read_run(uri, run_id)
+    assert run.data.tags["kind"] == "demo" and run.info.status == "FINISHED"
     assert "dspark/T1/tau" in run.data.metrics and "s0/eagle3/T1/speedup" in run.data.metrics
     assert "seconds/train-eagle3-s0" in run.data.metrics
+    trainings = {r.info.run_name: r for r in child_runs(uri, run_id)}
+    assert set(trainings) == {f"demo-train-{k}-s0" for k in ("dspark", "dflash", "eagle3")}
+    assert all(r.data.tags["kind"] == "train" for r in trainings.values())
+    train = trainings["demo-train-eagle3-s0"]
+    assert train.data.tags["drafter_kind"] == "eagle3" and train.data.tags["recipe"] == "demo"
+    evals = child_runs(uri, train.info.run_id)
+    assert sorted(r.info.run_name for r in evals) == ["eval-eagle3-T0-s0", "eval-eagle3-T1-s0"]
+    assert all(r.data.tags["trained_by"] == train.info.run_id for r in evals)
+    assert train.data.metrics["eval/eval-eagle3-T1-s0/average/tau"] == pytest.approx(
+        runs["eagle3"]["T1"]["tau"]
+    )
 
     # lossless: greedy speculative decoding == greedy target decoding, for every drafter
     target_dir = summary["target"]["path"]

@@ -95,8 +95,8 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3_4b", "qwen3_8b", "qwen3_14b", "gemma4_12b"])
 def test_eagle3_recipes_are_the_dspark_recipes_with_the_eagle3_model(family):
-    """Same data, target taps, schedule and budget as DSpark: only the name and model differ,
-    and the model is the Eagle3 preset."""
+    """Same data, target taps, schedule and budget as DSpark: only the name, the model and the
+    recipe tag differ, and the model is the Eagle3 preset."""
     from dataclasses import asdict, replace
 
     from dspark_ds.cli import parse_config
@@ -104,7 +104,9 @@ def test_eagle3_recipes_are_the_dspark_recipes_with_the_eagle3_model(family):
 
     base = parse_config("train", ["--config", f"dspark_ds/recipes/dspark_{family}.yaml"])
     recipe = parse_config("train", ["--config", f"dspark_ds/recipes/eagle3_{family}.yaml"])
-    derived = asdict(replace(base, model=preset("eagle3"), name=recipe.name))
+    assert recipe.tracking.tags == {"recipe": f"eagle3_{family}"}
+    tracking = replace(base.tracking, tags=recipe.tracking.tags)
+    derived = asdict(replace(base, model=preset("eagle3"), name=recipe.name, tracking=tracking))
     assert asdict(recipe) == derived
     assert recipe.model.ttt_length == 7 and recipe.model.num_draft_layers == 1
     assert recipe.train.lr == 6e-4 and recipe.model.step_loss_decay == 0.8

@@ -358,6 +358,12 @@ def test_mpirun_across_hosts(multihost_cluster, tiny_target, reference, tmp_path
     assert_same_losses(losses(out / "mpi"), reference)
     tag = out / "mpi" / "checkpoints" / f"step_{STEPS:08d}"
     assert len(list(tag.glob("*optim_states.pt"))) == 4
+    # each host's monitor (ranks 0 and 2) reached rank 0's log through the log step's reduction
+    rows = [json.loads(line) for line in (out / "mpi" / "train_log.jsonl").read_text().splitlines()]
+    for node in (0, 1):
+        assert all(0 <= r[f"system/node{node}/cpu_percent"] <= 100 for r in rows), node
+        assert all(r[f"system/node{node}/host_memory_used_gb"] > 0 for r in rows), node
+    assert not any("system/node2/cpu_percent" in r for r in rows)
 
 
 # ---- every ZeRO option across hosts -----------------------------------------------------------

@@ -18,7 +18,7 @@ def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
         "--intermediate_size=64", "--num_target_layers=2", "--vocab_size=128", "--seq_len=48",
         "--num_anchors=6", "--block_size=4", "--markov_rank=8", "--repeats=1",
         "--variants=[dense/reference, blockwise/chunked]", "--loss_chunk_anchors=2",
-        f"--json={out}",
+        f"--json={out}", f"--tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
     ]  # fmt: skip
     assert main(["bench", *argv]) == 0
     results = json.loads(out.read_text())
@@ -40,6 +40,19 @@ def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
     assert "work/ref" in capsys.readouterr().out
     # Same weights, batch and anchors: both paths report the same first-step loss.
     assert results[0]["loss_first_step"] == pytest.approx(results[1]["loss_first_step"], rel=1e-5)
+    # in MLflow: a bench run with a child per variant, holding that variant's figures
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("dspark-ds").experiment_id])
+    assert {r.data.tags["kind"] for r in runs} == {"bench"}
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = {r.data.tags["variant"]: r for r in runs if r is not parent}
+    assert set(children) == {"dense/reference", "blockwise/chunked"}
+    for r in results:
+        child = children[r["variant"]]
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.metrics["step_time_s"] == pytest.approx(r["step_time_s"])
 
 
 def test_flop_count_scales_with_visible_pairs_only():

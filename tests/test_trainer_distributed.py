@@ -128,6 +128,8 @@ def runs(tmp_path_factory):
             "zero0",
             "--tracking.uri",
             f"http://127.0.0.1:{free_port()}",
+            "--tracking.flush_timeout_s",
+            "1",
             "--train.max_steps",
             "2",
             "--checkpoint.save_final",
@@ -275,13 +277,21 @@ def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
     ):
         assert client.get_metric_history(run.info.run_id, key), key
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"ds_config.json", "config.yaml", "export"} <= artifacts
+    assert {"ds_config.json", "config.yaml"} <= artifacts
     assert run.info.status == "FINISHED"
+    # the export is the run's MLflow model, with its files
+    model = client.get_logged_model(run.data.tags["model_id"])
+    assert model.source_run_id == run.info.run_id
+    files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    assert {"config.json", "model.safetensors", "mlflow_run.json"} <= files
 
 
 def test_unreachable_mlflow_does_not_stop_training(runs):
     res = runs["res"]["a_nomlflow"]
     assert res["mlflow_run_id"] is None and sorted(res["losses"]) == [1, 2]
+    kept = json.loads((runs["out"] / "a_nomlflow" / "mlflow_undelivered.json").read_text())
+    assert kept["run_id"] is None and [op["kind"] for op in kept["ops"]][:1] == ["start"]
+    assert kept["ops"][-1] == {"kind": "end", "args": kept["ops"][-1]["args"], "in_log": False}
 
 
 @pytest.mark.parametrize("name", ["a_z0", "b_z2", "b_z3", "a_z3off"])
@@ -444,7 +454,12 @@ def test_export_cli(runs):
     export_checkpoint(runs["out"] / "b_z3", other, overwrite=True)
     got = load_file(other / "model.safetensors")
     assert all(torch.equal(live[k], got[k]) for k in live)
-    assert sorted(p.name for p in other.iterdir()) == ["config.json", "model.safetensors"]
+    # the export names the run that trained it (the checkpoint's run directory holds its id)
+    assert sorted(p.name for p in other.iterdir()) == [
+        "config.json", "mlflow_run.json", "model.safetensors"
+    ]  # fmt: skip
+    record = json.loads((other / "mlflow_run.json").read_text())
+    assert record["run_id"] == runs["res"]["b_z3"]["mlflow_run_id"]
 
 
 def test_online_target_shared_and_partitioned_under_zero3(runs):

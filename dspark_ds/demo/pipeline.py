@@ -41,7 +41,14 @@ from pathlib import Path
 from dspark_ds.config import TrainRunConfig, dump_config
 from dspark_ds.demo import launcher
 from dspark_ds.demo.config import DemoConfig
-from dspark_ds.demo.summary import LABELS, build_summary, format_summary, log_summary, temp_key
+from dspark_ds.demo.summary import (
+    LABELS,
+    build_summary,
+    format_summary,
+    log_summary,
+    start_demo_run,
+    temp_key,
+)
 from dspark_ds.distributed import print0
 from dspark_ds.drafters.presets import DrafterConfig, preset
 from dspark_ds.drafters.registry import get_kind
@@ -107,7 +114,11 @@ class DemoPipeline:
         self.runs_dir = self.out / "runs"
         self.conf_dir = self.out / "configs"
         self.log_dir = self.out / "logs"
-        self.uri = cfg.tracking_uri or f"sqlite:///{self.out / 'mlflow.db'}"
+        from dspark_ds.tracking.mlflow import resolve_uri
+
+        self.uri = resolve_uri(cfg.tracking_uri, str(self.out))
+        self.tracker = None
+        """The demo's MLflow run (`run`): its stages' runs are nested under it."""
         self.nproc = cfg.budget.world_size
         self.stages = _Stages()
         self.target = None
@@ -154,6 +165,8 @@ class DemoPipeline:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{stage}.log"
         argv = [subcommand, "--config", str(config)]
+        if self.tracker is not None:  # NOTE: its sender thread idle (holding no lock) at fork
+            self.tracker.flush(timeout_s=30)
         if self.cfg.launcher == "fork":
             rc = launcher.run_forked(argv, nproc, self._stage_env(), log_path,
                                      self.cfg.num_threads)  # fmt: skip
@@ -318,7 +331,8 @@ class DemoPipeline:
             deepspeed=DeepSpeedConfig(config=b.zero),
             tracking=TrackingConfig(uri=self.uri, experiment=c.experiment,
                                     run_name=f"demo-train-{kind}-s{seed}",
-                                    tags={"demo": "true", "seed": str(seed)}),
+                                    parent_run_id=self._parent_run_id(),
+                                    tags={"demo": "true", "recipe": "demo"}),
             # NOTE: the demo needs the exported weights, not resumable checkpoints
             checkpoint=CheckpointConfig(every_steps=0, keep_last=1, resume=None,
                                         save_final=False, export_final=True),
@@ -358,9 +372,9 @@ class DemoPipeline:
             max_new_tokens=e.max_new_tokens, temperature=temperature, seed=seed,
             batch_size=e.batch_size, measure_baseline=True, dtype="float32", device="cpu",
             name=name, output_dir=str(self.runs_dir), calibration=CalibrationConfig(),
+            # nested under the training of its drafter (the export names that run)
             tracking=TrackingConfig(uri=self.uri, experiment=self.cfg.experiment,
-                                    tags={"demo": "true", "drafter_kind": kind,
-                                          "seed": str(seed)}),
+                                    tags={"demo": "true", "recipe": "demo"}),
         )  # fmt: skip
         self._write_config(name, cfg)
         payload = run_eval(cfg)
@@ -388,16 +402,35 @@ class DemoPipeline:
         self.results.setdefault(seed, {}).setdefault(kind, {})[temp_key(temperature)] = row
         return row
 
+    def _parent_run_id(self) -> str | None:
+        return self.tracker.run_id if self.tracker is not None else None
+
     # ---- the whole thing -------------------------------------------------------------------
     def run(self) -> dict:
-        import torch
-
-        cfg, s = self.cfg, self.stages
-        torch.set_num_threads(cfg.num_threads)
+        """Every stage, inside the demo's MLflow run (FAILED if a stage fails)."""
         self.out.mkdir(parents=True, exist_ok=True)
         # a rerun into the same directory redoes every stage (the target stays cached)
         for sub in ("data", "runs", "configs", "logs"):
             shutil.rmtree(self.out / sub, ignore_errors=True)
+        self.tracker = start_demo_run(self.cfg, self.uri, self.runs_dir)
+        # NOTE: the stages' runs are nested under the demo's run; none may adopt MLFLOW_RUN_ID
+        adopted = os.environ.pop("MLFLOW_RUN_ID", None)
+        try:
+            summary = self._run()
+        except BaseException:
+            self.tracker.finish("FAILED")
+            raise
+        finally:
+            if adopted is not None:
+                os.environ["MLFLOW_RUN_ID"] = adopted
+        self.tracker.finish()
+        return summary
+
+    def _run(self) -> dict:
+        import torch
+
+        cfg, s = self.cfg, self.stages
+        torch.set_num_threads(cfg.num_threads)
         print0(
             f"[demo] output {self.out}; {self.nproc} rank(s); seeds {cfg.seeds}; MLflow "
             f"{self.uri} (experiment {cfg.experiment!r})"
@@ -425,7 +458,7 @@ class DemoPipeline:
         print("\n" + text, flush=True)
         (self.out / "summary.txt").write_text(text + "\n")
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log_summary(summary, text, self.runs_dir)
+        log_summary(summary, text, self.tracker)
         print0(f"[demo] done in {s.total:.0f} s: {self.out / 'summary.json'}")
         return summary
 

@@ -349,38 +349,41 @@ def summary_metrics(summary: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
 
 
-def log_summary(summary: dict, text: str, runs_dir: Path) -> None:
-    """One MLflow run with the comparison: `summary_metrics`, the table and summary.json as
-    artifacts."""
+def start_demo_run(cfg, uri: str, runs_dir: Path):
+    """The demo's MLflow run (kind demo): every training is nested under it, every evaluation
+    under the training of its drafter; the summary is logged into it at the end."""
+    from dspark_ds.config import flatten
     from dspark_ds.tracking.mlflow import Tracker, default_artifact_location
 
-    run_dir = runs_dir / "summary"
+    run_dir = runs_dir / "demo"
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = summary["config"]
     tracker = Tracker(
         enabled=True,
-        uri=summary["mlflow"]["uri"],
-        experiment=summary["mlflow"]["experiment"],
-        run_name="demo-summary",
+        uri=uri,
+        experiment=cfg.experiment,
+        run_name="demo",
         run_dir=str(run_dir),
         # the same place as the training and evaluation runs (all under runs/)
         artifact_location=default_artifact_location(str(runs_dir)),
+        kind="demo",
+        resume=False,
+        tags={
+            "demo": "true",
+            "recipe": "demo",
+            "seeds": ",".join(map(str, cfg.seeds)),
+            "drafters": ",".join(cfg.drafters),
+            "zero": cfg.budget.zero,
+            "world_size": cfg.budget.world_size,
+        },  # fmt: skip
     )
-    try:
-        tracker.log_params(
-            {
-                "drafters": ",".join(cfg["drafters"]),
-                "seeds": ",".join(map(str, summary["seeds"])),
-                "ranks": summary["ranks"],
-                "zero": cfg["budget"]["zero"],
-                "max_steps": cfg["budget"]["max_steps"],
-                "eval_batch_size": cfg["eval"]["batch_size"],
-                "target_from_cache": summary["target"]["from_cache"],
-            }
-        )
-        tracker.set_tags({"kind": "demo-summary", "demo": "true"})
-        tracker.log_metrics(summary_metrics(summary), step=0)
-        tracker.log_text(text, "summary.txt")
-        tracker.log_dict(summary, "summary.json")
-    finally:
-        tracker.finish()
+    tracker.log_params(flatten(cfg))
+    return tracker
+
+
+def log_summary(summary: dict, text: str, tracker) -> None:
+    """The comparison into the demo's run: `summary_metrics`, the table and summary.json as
+    artifacts."""
+    tracker.log_params({"target_from_cache": summary["target"]["from_cache"]})
+    tracker.log_metrics(summary_metrics(summary), step=0)
+    tracker.log_text(text, "summary.txt")
+    tracker.log_dict(summary, "summary.json")

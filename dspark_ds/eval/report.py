@@ -24,7 +24,8 @@ class BenchmarkResult:
     mean_proposal_length: float
     """Draft tokens sent to verification per round (after truncation / budget / stop token)."""
     accept_rate_by_position: list[float | None]
-    """P(draft k accepted | it was proposed): accepted-at-k over proposed-at-k, k = 0..γ-1."""
+    """Of the rounds that proposed a draft at position k, the share whose drafts 0..k were all
+    accepted (k = 0..γ-1): the chance that a proposed draft k is kept."""
     draft_time_s: float
     verify_time_s: float
     prefill_time_s: float
@@ -33,6 +34,9 @@ class BenchmarkResult:
     baseline_tokens_per_s: float | None = None
     """Plain target decoding on the same prompts, when measured."""
     extra: dict = field(default_factory=dict)
+    conditional_accept_rate: list[float | None] = field(default_factory=list)
+    """P(accept k | drafts 0..k-1 accepted): of the rounds that proposed a draft at position k
+    and accepted every draft before it, the share that accepted draft k too."""
 
     @property
     def speedup(self) -> float | None:
@@ -54,12 +58,16 @@ def summarize_benchmark(
     None = as many as speculative decoding, which holds at T = 0)."""
     proposed_at = [0] * block_size
     accepted_at = [0] * block_size
+    reached_at = [0] * block_size
+    """Rounds that proposed a draft at k and accepted drafts 0..k-1."""
     for s in stats:
         for proposed, accepted in zip(s.proposed_per_round, s.accepted_per_round):
             for k in range(proposed):
                 proposed_at[k] += 1
             for k in range(accepted):
                 accepted_at[k] += 1
+            for k in range(min(accepted + 1, proposed)):
+                reached_at[k] += 1
     rounds = sum(s.rounds for s in stats)
     committed = sum(sum(s.committed_per_round) for s in stats)
     new_tokens = sum(s.new_tokens for s in stats)
@@ -77,6 +85,7 @@ def summarize_benchmark(
         if rounds
         else math.nan,
         accept_rate_by_position=[a / p if p else None for a, p in zip(accepted_at, proposed_at)],
+        conditional_accept_rate=[a / r if r else None for a, r in zip(accepted_at, reached_at)],
         draft_time_s=draft_s,
         verify_time_s=verify_s,
         prefill_time_s=prefill_s,
@@ -200,17 +209,26 @@ def _pyplot():
 
 
 def plot_acceptance_by_position(path: Path, results: list[BenchmarkResult]) -> Path:
+    """Per benchmark, solid: of the rounds that proposed draft k, the share that kept drafts
+    0..k (`accept_rate_by_position`); dashed: P(accept k | drafts 0..k-1 accepted)
+    (`conditional_accept_rate`)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in results:
-        xs = [k for k, a in enumerate(r.accept_rate_by_position) if a is not None]
-        ax.plot(xs, [r.accept_rate_by_position[k] for k in xs], "o-", label=r.benchmark)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, r in enumerate(results):
+        color = f"C{i % 10}"
+        for rates, style, what in (
+            (r.accept_rate_by_position, "o-", "P(drafts 0..k accepted | k proposed)"),
+            (r.conditional_accept_rate, "s--", "P(accept k | 0..k-1 accepted)"),
+        ):
+            xs = [k for k, a in enumerate(rates) if a is not None]
+            ax.plot(xs, [rates[k] for k in xs], style, color=color, label=f"{r.benchmark}: {what}")
     ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(accept k | accepted < k)")
+    ax.set_ylabel("acceptance rate")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Acceptance rate by draft position")
+    ax.legend(fontsize=7)
+    ax.set_title("Acceptance by draft position")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

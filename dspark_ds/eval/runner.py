@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,6 +309,9 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
         for k, a in enumerate(r.accept_rate_by_position):
             if a is not None:
                 metrics[f"{r.benchmark}/accept_rate@{k}"] = a
+        for k, a in enumerate(r.conditional_accept_rate):
+            if a is not None:
+                metrics[f"{r.benchmark}/conditional_accept_rate@{k}"] = a
     for variant in ("raw", "sts"):
         if calib and variant in calib:
             for key in ("ece", "auroc", "brier"):
@@ -320,38 +324,71 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
     return {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
 
 
+HEADLINE = ("average/tau", "tau", "speedup", "tokens_per_s", "confidence_raw/auroc",
+            "confidence_raw/ece", "confidence_sts/ece")  # fmt: skip
+"""The figures an evaluation also logs into the training run of its drafter, as
+eval/<eval name>/<figure>: "average/tau", each benchmark's τ, speedup and tokens/s, and the
+confidence head's calibration."""
+
+
+def headline(metrics: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in metrics.items()
+            if k in HEADLINE or k.split("/")[-1] in HEADLINE[1:4] and k.count("/") == 1}  # fmt: skip
+
+
 def log_to_tracking(
     cfg: EvalConfig, drafter, metrics: dict[str, float], run_dir: Path
 ) -> str | None:
     """One MLflow run per evaluation (rank 0): params, metrics, tags, the run dir as artifacts.
-    Returns the MLflow run id (None when tracking is off or unreachable)."""
+    When the drafter's export names the run that trained it (`mlflow_run.json`) in the same
+    store, the evaluation is nested under that run, its metrics are attached to that run's
+    model, and its headline figures are logged into the training run too. Returns the MLflow
+    run id (None when tracking is off, or the run could not be made yet)."""
     from dspark_ds.config import flatten
+    from dspark_ds.drafters.registry import kind_of
     from dspark_ds.tracking.mlflow import (
-        RUN_ID_FILE,
         Tracker,
         default_artifact_location,
-        default_uri,
         git_sha,
+        read_export_record,
+        resolve_uri,
+        run_exists,
     )
 
-    # NOTE: the Tracker resumes the run named in <run_dir>/mlflow_run_id (right for training);
-    # an evaluation is never resumed, and a rerun must not land in (or skip params of) the old run.
-    (run_dir / RUN_ID_FILE).unlink(missing_ok=True)
     t = cfg.tracking
+    uri = resolve_uri(t.uri, cfg.output_dir)
+    record = read_export_record(cfg.drafter) or {}
+    trained_by = record.get("run_id")
+    same_store = trained_by is not None and record.get("tracking_uri") == uri
+    if trained_by and record.get("tracking_uri") is None and t.enabled:  # `dspark-ds export`'s
+        same_store = run_exists(uri, trained_by)
+    kind = kind_of(drafter)
+    name = t.run_name or cfg.name
     tracker = Tracker(
-        enabled=t.enabled, uri=t.uri or default_uri(cfg.output_dir), experiment=t.experiment,
-        run_name=t.run_name or cfg.name, run_dir=str(run_dir), timeout_s=t.timeout_s,
+        enabled=t.enabled, uri=uri, experiment=t.experiment, run_name=name,
+        run_dir=str(run_dir), timeout_s=t.timeout_s, kind="eval",
         artifact_location=default_artifact_location(cfg.output_dir),
+        # NOTE: an evaluation is never resumed: a rerun is a new run
+        resume=False, parent_run_id=t.parent_run_id or (trained_by if same_store else None),
+        flush_timeout_s=t.flush_timeout_s,
+        tags={**t.tags, "git_sha": git_sha(), "drafter_kind": kind.name, "drafter": kind.label,
+              "target": cfg.target.path, "seed": cfg.seed, "temperature": cfg.temperature,
+              "world_size": distributed.world_size(),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+              "drafter_architecture": drafter.config.architectures[0],
+              "markov_rank": getattr(drafter.config, "markov_rank", None),  # None: Eagle3
+              "trained_by": trained_by,
+              "trained_by_uri": None if same_store else record.get("tracking_uri")},
     )  # fmt: skip
     try:
         tracker.log_params(flatten(cfg))
-        tracker.set_tags({
-            **t.tags, "kind": "eval", "git_sha": git_sha(), "drafter": cfg.drafter,
-            "target": cfg.target.path, "drafter_architecture": drafter.config.architectures[0],
-            "markov_rank": getattr(drafter.config, "markov_rank", None),  # None: Eagle3
-        })  # fmt: skip
-        tracker.log_metrics(metrics, step=0)
+        tracker.log_metrics(metrics, step=0, model_of_run=trained_by if same_store else None)
         tracker.log_artifacts(str(run_dir))
+        if same_store:
+            top = {f"eval/{name}/{k}": v for k, v in headline(metrics).items()}
+            tracker.log_metrics(top, step=0, run_id=trained_by)
+            if tracker.run_id:
+                tracker.set_tags({f"eval.{name}": tracker.run_id}, run_id=trained_by)
         return tracker.run_id if tracker.enabled else None
     finally:
         tracker.finish()

@@ -117,6 +117,11 @@ class TrainBenchConfig:
     """Write one JSON object per variant to this file (a JSON list)."""
     seed: int = 0
     """Seed of the weights, the batch and the anchors (the same for every variant)."""
+    tracking_uri: str | None = None
+    """Log the bench to MLflow (a parent run of kind bench, a child run per variant) at this
+    URI; None = $MLFLOW_TRACKING_URI when set, else not logged."""
+    tracking_experiment: str | None = None
+    """MLflow experiment; None = $MLFLOW_EXPERIMENT_NAME, else dspark-ds."""
 
     def __post_init__(self) -> None:
         for v in self.variants:
@@ -452,10 +457,43 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             continue
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     add_reference_ratios(results)
-    print(format_table(cfg, results))
+    text = format_table(cfg, results)
+    print(text)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(results, indent=2) + "\n")
+    if cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        log_bench(cfg, results, text)
     return results
+
+
+def log_bench(cfg: TrainBenchConfig, results: list[dict], text: str) -> str | None:
+    """The bench as MLflow runs: a parent (kind bench, the shape as params, the table) and a
+    child per variant (its numbers as metrics, a failed variant's error as a tag)."""
+    import tempfile
+
+    from dspark_ds.tracking.mlflow import resolve_uri
+    from dspark_ds.tracking.sweeps import Point, log_sweep
+
+    shape = {k: v for k, v in dataclasses.asdict(cfg).items()
+             if k not in ("variants", "json", "tracking_uri", "tracking_experiment")}  # fmt: skip
+    points = [
+        Point(name=r["variant"], params={"variant": r["variant"]},
+              tags={"variant": r["variant"], "error": r.get("error")},
+              metrics={k: float(v) for k, v in r.items()
+                       if isinstance(v, int | float) and not isinstance(v, bool)})
+        for r in results
+    ]  # fmt: skip
+    uri = resolve_uri(cfg.tracking_uri, ".")
+    # a local store's folder keeps the runs' files and artifacts; a server keeps its own
+    store = Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else None
+    where = store / "bench" if store else Path(tempfile.mkdtemp(prefix="dspark_bench_"))
+    return log_sweep(
+        kind="bench", name=f"bench-{cfg.device}-{cfg.dtype}", uri=uri,
+        experiment=cfg.tracking_experiment, run_dir=where / time.strftime("%Y%m%d-%H%M%S"),
+        artifact_location=((store or where) / "mlartifacts").resolve().as_uri(),
+        tags={"device": cfg.device, "dtype": cfg.dtype}, params=shape,
+        text={"bench.txt": text}, points=points,
+    )  # fmt: skip
 
 
 def add_reference_ratios(results: list[dict]) -> None:

@@ -1,26 +1,31 @@
-"""Compare MLflow runs side by side: the params that differ, final and best metrics, and overlay
-plots of loss and τ against the step.
+"""Compare MLflow runs, one table per kind: training runs side by side (the params that differ,
+final and best metrics, overlay plots of loss and τ against the step), evaluations (τ, speedup,
+calibration, the training run each drafter came from), tuning sweeps (one table per sweep, a row
+per ZeRO option), demos.
 
-    dspark-ds compare --tracking_uri sqlite:///runs/mlflow.db --experiment dspark-ds
+    dspark-ds compare --tracking_uri sqlite:///runs/mlflow.db --experiment [dspark-ds]
     dspark-ds compare --tracking_uri http://mlflow:5000 --run_ids [a1b2, c3d4]
-    dspark-ds compare --tracking_uri sqlite:///runs/mlflow.db \
-        --filter "params.\\`model.markov_rank\\` = '0'" --out_dir compare/
+    dspark-ds compare --tracking_uri sqlite:///runs/demo/mlflow.db --experiment [dspark-ds-demo] \
+        --parent 3f2a1b              # the runs nested under a demo (its trainings and evals)
+    dspark-ds compare --tracking_uri sqlite:///runs/mlflow.db --kind [tune]
 
-Runs are chosen by id, or by experiment(s) plus an MLflow search filter (newest first, at most
---max_runs). "Best" is the minimum for losses / errors / memory and the maximum for τ, accept
+Runs are chosen by id, by parent (every run nested under it, at any depth), or by experiment(s)
+plus an MLflow search filter (newest first, at most --max_runs; a sweep's options come with
+their sweep). "Best" is the minimum for losses / errors / memory and the maximum for τ, accept
 rates and throughput. The plots are PNG files in --out_dir (loss.png, tau.png).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlflow
 from mlflow.tracking import MlflowClient
 
 from dspark_ds.errors import ConfigError
+from dspark_ds.tracking.mlflow import KIND_TAG, PARENT_TAG, resolve_experiment
 
 DEFAULT_METRICS = [
     "train/tau_probabilistic",
@@ -43,14 +48,25 @@ IGNORED_PARAMS = ("name", "tracking.run_name", "output_dir")
 class CompareConfig:
     """Select MLflow runs and compare them."""
 
-    tracking_uri: str = "sqlite:///runs/mlflow.db"
-    """MLflow tracking URI (the trainer's default store is sqlite:///<output_dir>/mlflow.db)."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db (the
+    trainer's default store is sqlite:///<output_dir>/mlflow.db)."""
     run_ids: list[str | int] = field(default_factory=list)
     """Runs to compare, by id (a unique prefix of at least 6 characters is enough). An
     all-digit prefix reads as a number on the command line and is used as its digits (quote it,
     `['00123456']`, when it starts with 0)."""
-    experiment: list[str] = field(default_factory=lambda: ["dspark-ds"])
-    """Experiment names to search when run_ids is empty."""
+    experiment: list[str] = field(default_factory=list)
+    """Experiment names to search when run_ids is empty; empty = $MLFLOW_EXPERIMENT_NAME, else
+    dspark-ds."""
+
+    def __post_init__(self) -> None:
+        import os
+
+        self.tracking_uri = (
+            self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///runs/mlflow.db"
+        )
+        self.experiment = list(self.experiment) or [resolve_experiment(None)]
+
     filter: str = ""
     """MLflow search filter, e.g. "params.`train.lr` = '0.003'" or "attributes.status = 'FINISHED'"."""
     max_runs: int = 10
@@ -61,20 +77,30 @@ class CompareConfig:
     """Where to write loss.png and tau.png; None = no plots."""
     show_all_params: bool = False
     """Print every param, not only those that differ."""
+    parent: str | None = None
+    """Compare the runs nested under this run (id or a unique prefix of 6+ characters), at any
+    depth: a demo's trainings and evaluations, a sweep's options."""
+    kind: list[str] = field(default_factory=list)
+    """Only runs of these kinds (train, eval, tune, demo, bench); empty = all."""
+    runs_per_table: int = 3
+    """Training runs per params / metrics table (more runs: more tables, each narrow enough to
+    read)."""
 
 
 def select_runs(client: MlflowClient, cfg: CompareConfig) -> list:
+    runs = _select(client, cfg)
+    if cfg.kind:
+        runs = [r for r in runs if kind_of(r) in cfg.kind]
+        if not runs:
+            raise ConfigError(f"kind: none of the selected runs is of kind {cfg.kind}")
+    return runs
+
+
+def _select(client: MlflowClient, cfg: CompareConfig) -> list:
+    if cfg.parent:
+        return _descendants(client, _by_id(client, cfg, str(cfg.parent), "parent"))
     if cfg.run_ids:
-        runs = []
-        for rid in map(str, cfg.run_ids):
-            try:
-                runs.append(client.get_run(rid))
-            except Exception:  # noqa: BLE001 - try it as a prefix
-                matches = [r for r in _search(client, cfg, "") if r.info.run_id.startswith(rid)]
-                if len(rid) < 6 or len(matches) != 1:
-                    raise ConfigError(f"run_ids: {rid!r} matches {len(matches)} runs") from None
-                runs.append(matches[0])
-        return runs
+        return [_by_id(client, cfg, str(rid), "run_ids") for rid in cfg.run_ids]
     runs = _search(client, cfg, cfg.filter)
     if not runs:
         raise ConfigError(
@@ -82,6 +108,47 @@ def select_runs(client: MlflowClient, cfg: CompareConfig) -> list:
             + (f" matching filter {cfg.filter!r}" if cfg.filter else "")
         )
     return runs
+
+
+def _by_id(client: MlflowClient, cfg: CompareConfig, rid: str, option: str):
+    try:
+        return client.get_run(rid)
+    except Exception:  # noqa: BLE001 - try it as a prefix
+        everything = replace(cfg, max_runs=50_000)
+        matches = [r for r in _search(client, everything, "") if r.info.run_id.startswith(rid)]
+        if len(rid) < 6 or len(matches) != 1:
+            raise ConfigError(f"{option}: {rid!r} matches {len(matches)} runs") from None
+        return matches[0]
+
+
+def _children(client: MlflowClient, run) -> list:
+    return client.search_runs(
+        [run.info.experiment_id],
+        filter_string=f"tags.`{PARENT_TAG}` = '{run.info.run_id}'",
+        order_by=["attributes.start_time ASC"],
+    )
+
+
+def _descendants(client: MlflowClient, parent) -> list:
+    out, todo = [], [parent]
+    while todo:
+        for child in _children(client, todo.pop(0)):
+            out.append(child)
+            todo.append(child)
+    if not out:
+        raise ConfigError(f"parent: run {parent.info.run_id} has no nested runs")
+    return out
+
+
+def kind_of(run) -> str:
+    """The run's `kind` tag; runs logged before there was one: train when they have a
+    training param."""
+    kind = run.data.tags.get(KIND_TAG)
+    if kind:
+        return kind
+    if run.data.tags.get("mlflow.runName") == "demo-summary":
+        return "demo"
+    return "train" if "train.lr" in run.data.params else "other"
 
 
 def _search(client: MlflowClient, cfg: CompareConfig, filter_string: str) -> list:
@@ -217,49 +284,150 @@ def plot(client: MlflowClient, runs: list, out_dir: Path) -> list[Path]:
     return written
 
 
-def compare(cfg: CompareConfig) -> str:
-    """The report as text (also printed by main); writes the plots."""
-    client = MlflowClient(tracking_uri=cfg.tracking_uri)
-    runs = select_runs(client, cfg)
-    labels = [run_label(r) for r in runs]
-    parts = [f"{len(runs)} run(s) at {cfg.tracking_uri}"]
-    parts.append(
+def _short(run_id: str | None) -> str:
+    return run_id[:8] if run_id else "-"
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), max(size, 1))] or [[]]
+
+
+def training_section(client: MlflowClient, runs: list, cfg: CompareConfig) -> list[str]:
+    """The training runs: who they are, then params and metrics, `runs_per_table` runs a table."""
+    parts = [
         _table(
-            ["run", "status", "zero", "world"],
+            ["run", "status", "drafter", "zero", "world", "seed", "parent"],
             [
                 [
-                    labels[i],
+                    run_label(r),
                     r.info.status,
-                    r.data.params.get("derived.zero_stage", "-"),
-                    r.data.params.get("derived.world_size", "-"),
+                    r.data.tags.get("drafter_kind", "-"),
+                    r.data.tags.get("zero", r.data.params.get("derived.zero_stage", "-")),
+                    r.data.params.get("derived.world_size", r.data.tags.get("world_size", "-")),
+                    r.data.params.get("train.seed", "-"),
+                    _short(r.data.tags.get(PARENT_TAG)),
                 ]
-                for i, r in enumerate(runs)
-            ],
+                for r in runs
+            ],  # fmt: skip
         )
-    )
+    ]
     params = differing_params(runs, cfg.show_all_params)
     title = "params" if cfg.show_all_params else "params that differ"
-    if params:
-        parts.append(
-            f"\n{title}:\n" + _table(["param", *labels], [[k, *v] for k, v in params.items()])
-        )
-    else:
-        parts.append(f"\n{title}: none")
     metrics = metric_summary(client, runs, cfg.metrics)
-    if metrics:
-        rows = []
-        for key, row in metrics.items():
-            rows.append([key, "final", *[_fmt(x[0] if x else None) for x in row]])
-            rows.append(
-                [
-                    "",
-                    f"best ({_better(key)})",
-                    *[f"{_fmt(x[1])} @{x[2]}" if x else "-" for x in row],
-                ]
-            )
-        parts.append("\nmetrics:\n" + _table(["metric", "", *labels], rows))
-    if cfg.out_dir:
-        written = plot(client, runs, Path(cfg.out_dir))
+    if not params:
+        parts.append(f"\n{title}: none")
+    for cols in _chunks(list(range(len(runs))), cfg.runs_per_table):
+        labels = [run_label(runs[i]) for i in cols]
+        if params:
+            rows = [[k, *[v[i] for i in cols]] for k, v in params.items()]
+            parts.append(f"\n{title}:\n" + _table(["param", *labels], rows))
+        if metrics:
+            rows = []
+            for key, row in metrics.items():
+                mine = [row[i] for i in cols]
+                rows.append([key, "final", *[_fmt(x[0] if x else None) for x in mine]])
+                rows.append(["", f"best ({_better(key)})",
+                             *[f"{_fmt(x[1])} @{x[2]}" if x else "-" for x in mine]])  # fmt: skip
+            parts.append("\nmetrics:\n" + _table(["metric", "", *labels], rows))
+    return parts
+
+
+def _mean_of(run, suffix: str) -> float | None:
+    """The mean over a run's benchmarks of `<benchmark>/<suffix>` (average/ excluded)."""
+    values = [v for k, v in run.data.metrics.items()
+              if k.endswith("/" + suffix) and k.count("/") == 1 and not k.startswith("average/")]  # fmt: skip
+    return sum(values) / len(values) if values else None
+
+
+def evaluation_section(runs: list) -> list[str]:
+    rows = []
+    for r in runs:
+        m, tags = r.data.metrics, r.data.tags
+        rows.append([
+            run_label(r), tags.get("drafter_kind", "-"),
+            tags.get("temperature", r.data.params.get("temperature", "-")),
+            _short(tags.get("trained_by")), _fmt(m.get("average/tau")),
+            _fmt(_mean_of(r, "speedup")), _fmt(_mean_of(r, "tokens_per_s")),
+            _fmt(m.get("confidence_raw/auroc")), _fmt(m.get("confidence_raw/ece")),
+        ])  # fmt: skip
+    header = ["run", "drafter", "T", "trained by", "tau", "speedup", "tok/s", "AUROC", "ECE"]
+    return [_table(header, rows)]
+
+
+def sweep_section(client: MlflowClient, parent, children: list) -> list[str]:
+    """One sweep: its options as one table (predicted memory and step; measured with
+    --measure)."""
+    tags = parent.data.tags
+    head = (f"sweep {run_label(parent)}: recipe {tags.get('recipe', '-')}, recommended "
+            f"{tags.get('recommended', '-')}")  # fmt: skip
+    rows = []
+    for c in children:
+        m = c.data.metrics
+        rows.append([
+            c.data.tags.get("zero", c.info.run_name), "yes" if m.get("fits") else "no",
+            _fmt(m.get("memory/device_gib")), _fmt(m.get("memory/host_per_rank_gib")),
+            _fmt(m.get("predicted/step_s")), _fmt(m.get("predicted/tokens_per_s")),
+            _fmt(m.get("measured/step_s")), _fmt(m.get("measured/peak_gib")),
+        ])  # fmt: skip
+    header = ["option", "fits", "GPU GiB", "host GiB", "step s", "tok/s", "measured s",
+              "measured GiB"]  # fmt: skip
+    return [head, _table(header, rows)]
+
+
+def tuning_section(client: MlflowClient, runs: list) -> list[str]:
+    """Every sweep among `runs` (a parent, or options whose parent it is), one table each."""
+    parents: dict[str, object] = {}
+    for r in runs:
+        parent_id = r.data.tags.get(PARENT_TAG)
+        if parent_id and kind_of(client.get_run(parent_id)) == "tune":
+            parents.setdefault(parent_id, client.get_run(parent_id))
+        else:
+            parents.setdefault(r.info.run_id, r)
+    parts = []
+    for parent in parents.values():
+        parts += sweep_section(client, parent, _children(client, parent)) + [""]
+    return parts[:-1]
+
+
+def demo_section(client: MlflowClient, runs: list) -> list[str]:
+    rows = []
+    for r in runs:
+        nested = _children(client, r)
+        rows.append([run_label(r), r.info.status, r.data.tags.get("seeds", "-"),
+                     r.data.tags.get("drafters", "-"), str(len(nested))])  # fmt: skip
+    return [_table(["run", "status", "seeds", "drafters", "trainings"], rows)]
+
+
+SECTIONS = (("train", "training runs"), ("eval", "evaluations"), ("tune", "tuning sweeps"),
+            ("demo", "demos"), ("bench", "benchmarks"), ("other", "other runs"))  # fmt: skip
+
+
+def compare(cfg: CompareConfig) -> str:
+    """The report as text (also printed by main); writes the plots of the training runs."""
+    client = MlflowClient(tracking_uri=cfg.tracking_uri)
+    runs = select_runs(client, cfg)
+    parts = [f"{len(runs)} run(s) at {cfg.tracking_uri}"]
+    by_kind: dict[str, list] = {}
+    for r in runs:
+        kind = kind_of(r)
+        by_kind.setdefault(kind if kind in dict(SECTIONS) else "other", []).append(r)
+    for kind, title in SECTIONS:
+        mine = by_kind.get(kind)
+        if not mine:
+            continue
+        parts.append(f"\n== {title} ({len(mine)}) ==")
+        if kind == "train":
+            parts += training_section(client, mine, cfg)
+        elif kind == "eval":
+            parts += evaluation_section(mine)
+        elif kind == "tune":
+            parts += tuning_section(client, mine)
+        elif kind == "demo":
+            parts += demo_section(client, mine)
+        else:
+            parts.append(_table(["run", "status"], [[run_label(r), r.info.status] for r in mine]))
+    if cfg.out_dir and by_kind.get("train"):
+        written = plot(client, by_kind["train"], Path(cfg.out_dir))
         parts.append("\nplots: " + ", ".join(str(p) for p in written))
     return "\n".join(parts)
 

@@ -69,7 +69,13 @@ def export_checkpoint(
     model = build_draft_model(draft_cfg)
     embed, head = target_shared_weights(target_path)
     state = assemble_state_dict(model, trainable, embed, head)
-    return save_draft_model(model, output_dir, {k: v.to(dtype) for k, v in state.items()})
+    out = save_draft_model(model, output_dir, {k: v.to(dtype) for k, v in state.items()})
+    run_id_file = tag_dir.parent.parent / "mlflow_run_id"  # <run>/checkpoints/<tag>
+    if run_id_file.is_file():  # the export names the run that trained it (tracking.md)
+        from dspark_ds.tracking.mlflow import write_export_record
+
+        write_export_record(out, run_id_file.read_text().strip(), None)
+    return out
 
 
 def assemble_state_dict(

@@ -2,11 +2,14 @@
 
     <run>/train_log.jsonl   rank 0, one row per step: {"step", "time", "loss", "lr"}; on the
                             log steps (every train.log_every) also every metric sent to MLflow
-                            ("train/*", "system/*"), and "val/*" on validation steps; a skipped
+                            ("train/*", "system/*" with every node's system/node<k>/*), and
+                            "val/*" on validation steps; a skipped
                             step has "loss": null and "skipped": "nonfinite". After a resume the
                             file holds exactly the rows up to the resumed step (rewritten
                             atomically), so it always follows the checkpointed state.
-    MLflow                  the same log-step metrics (window means over train.log_every steps)
+    MLflow                  the same log-step metrics (window means over train.log_every steps),
+                            queued to the tracker's background sender (tracking/sender.py),
+                            which reads them back from train_log.jsonl if it had to drop them
     progress                a tqdm bar on a terminal; otherwise a plain line per log step
     summary                 steps, final and best loss / τ, where checkpoints and export went
 
@@ -152,14 +155,17 @@ class MetricsLogger:
         progress_bar: bool,
         device: torch.device,
         to_metrics: Callable[[dict[str, float]], dict[str, float]],
+        nodes=None,
     ):
         """`to_metrics`: a micro-batch's metric sums (over the ranks) -> its metrics (the
-        drafter kind's `metrics`)."""
+        drafter kind's `metrics`). `nodes`: every node's monitor figures (tracking/system.py
+        `NodeMetrics`), reduced with the log step's counts."""
         self.path = Path(run_dir) / LOG_FILE
         self.tracker = tracker
         self.rank, self.log_every, self.total_steps = rank, log_every, total_steps
         self.device = device
         self.to_metrics = to_metrics
+        self.nodes = nodes
         # NOTE: a tqdm bar in a Slurm log is one line rewritten with \r thousands of times
         self.use_bar = rank == 0 and progress_bar and sys.stdout.isatty()
         self.bests = [_Best("loss", False), _Best(TAU, True),
@@ -215,6 +221,9 @@ class MetricsLogger:
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
+        if self.nodes is not None:
+            self.nodes.close()
+            self.nodes = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -272,9 +281,14 @@ class MetricsLogger:
         if with_window:
             samples = torch.full((1,), float(self.samples), dtype=torch.float64, device=self.device)
             counts = [self.tokens.view(1), samples, self.sampler_sums]
+            if self.nodes is not None:
+                counts.append(self.nodes.part().view(-1))
         if not stats and not counts:
             return
         summed = sum_over_ranks([*stats, *counts])
+        node_values = {}
+        if with_window and self.nodes is not None:
+            node_values = self.nodes.metrics(summed.pop().tolist())
         counts = torch.cat(summed[len(stats) :]).tolist() if with_window else []
         summed = iter(summed[: len(stats)])
         for p in pending:
@@ -289,7 +303,9 @@ class MetricsLogger:
             if p.validation is not None:
                 sums = [next(summed) for _ in p.validation]
                 val = self.val_metrics = validation_metrics(p.validation, sums, self.to_metrics)
-            logged = self._window_metrics(counts, *p.window) if p.window is not None else {}
+            logged = {}
+            if p.window is not None:
+                logged = {**self._window_metrics(counts, *p.window), **node_values}
             self._write(p.row, logged, val)
 
     def _write(self, row: dict, logged: dict[str, float], val: dict[str, float]) -> None:
@@ -301,10 +317,9 @@ class MetricsLogger:
         self._file.flush()
         for best in self.bests:
             best.add(row["step"], row)
-        if logged:
-            self.tracker.log_metrics(logged, step=row["step"])
-        if val:
-            self.tracker.log_metrics(val, step=row["step"])
+        if logged or val:  # stamped with the row's time: a replay from this file is the same
+            self.tracker.log_metrics({**logged, **val}, step=row["step"], timestamp=row["time"],
+                                     in_log=True)  # fmt: skip
         self._progress(row["step"], row)
 
     def _window_metrics(self, counts, lr, epoch, grad_norm, counters) -> dict[str, float]:

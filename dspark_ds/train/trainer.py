@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 import torch
 
 from dspark_ds import distributed
-from dspark_ds.config import TrainRunConfig, dump_config, flatten, to_plain
+from dspark_ds.config import TrainRunConfig, dump_config, to_plain
 from dspark_ds.data.cache import CacheError
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model
@@ -59,6 +58,7 @@ from dspark_ds.target import target_shared_weights
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source
 from dspark_ds.train.checkpoint import CheckpointManager
+from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.rng import seed_everything
 from dspark_ds.train.schedule import Schedule
@@ -211,7 +211,13 @@ class Trainer:
             "ds_config.json": json.dumps(self.ds_config, indent=2),
         })  # fmt: skip
         self.checkpoints.load()
-        self.tracker = self._start_tracking()
+        self.nodes = None
+        if cfg.tracking.system_metrics:  # collective: which node each rank is on
+            from dspark_ds.tracking.system import NodeMetrics, discover_layout
+
+            layout = discover_layout(self.rank, distributed.discover().local_rank)
+            self.nodes = NodeMetrics(layout, self.rank, self.device, cfg.tracking.system_interval_s)
+        self.tracker = start_tracking(self)
         self.metrics = MetricsLogger(
             self.run_dir,
             self.tracker,
@@ -221,6 +227,7 @@ class Trainer:
             progress_bar=cfg.train.progress_bar,
             device=self.device,
             to_metrics=self.to_metrics,
+            nodes=self.nodes,
         )
         self.validator = Validator(cfg.validation, self.val_source)
         self.signals = Signals()
@@ -265,61 +272,6 @@ class Trainer:
             init_state=init_state,
             zero_init=self.cfg.deepspeed.zero_init,
         )
-
-    def _start_tracking(self):
-        from dspark_ds.tracking.mlflow import (
-            Tracker,
-            default_artifact_location,
-            default_uri,
-            git_sha,
-        )
-
-        cfg = self.cfg
-        tracker = Tracker.for_rank(
-            self.rank,
-            enabled=cfg.tracking.enabled,
-            uri=cfg.tracking.uri or default_uri(cfg.output_dir),
-            experiment=cfg.tracking.experiment,
-            run_name=cfg.tracking.run_name or cfg.name,
-            run_dir=str(self.run_dir),
-            artifact_location=default_artifact_location(cfg.output_dir),
-            timeout_s=cfg.tracking.timeout_s,
-        )
-        if self.rank != 0:
-            return tracker
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        params = flatten(cfg)
-        params.update(
-            {
-                "derived.world_size": self.world,
-                "derived.grad_accum": self.grad_accum,
-                "derived.total_steps": self.total_steps,
-                "derived.warmup_steps": self.schedule.warmup_steps,
-                "derived.zero_stage": self.engine.zero_stage,
-                "derived.loss_impl": self.loss_impl,
-                "derived.loss_chunk_anchors": cfg.perf.chunk_anchors(self.device),
-                "derived.compile": cfg.perf.compile_mode(self.device),
-            }
-        )
-        tracker.log_params(params)  # params are immutable: a resume adds only new ones
-        tracker.log_dict(self.ds_config, "ds_config.json")
-        tracker.log_text(self.config_yaml(), "config.yaml")
-        tags = {
-            **cfg.tracking.tags,
-            "git_sha": git_sha(),
-            "world_size": self.world,
-            "zero_stage": self.engine.zero_stage,
-            "ds_config": cfg.deepspeed.config,
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            "resumed_from": self.resumed_from,
-            "total_steps": self.total_steps,
-        }
-        if self.resume is not None:
-            # MLflow keeps the first value of a param; what a resume changed is said here
-            for key, (before, after) in self.resume.changes.items():
-                tags[f"changed_on_resume.{key}"] = f"{before} -> {after} at step {self.step}"
-        tracker.set_tags(tags)
-        return tracker
 
     def config_yaml(self) -> str:
         return dump_config(self.cfg)
@@ -392,7 +344,7 @@ class Trainer:
             )
         print0(f"[train] exported the final weights to {out}")
         if self.rank == 0:
-            self.tracker.log_artifacts(str(out), "export")
+            log_export(self, out)
         return out
 
     # ---- one step -----------------------------------------------------------------------------
@@ -534,6 +486,7 @@ class Trainer:
             result.val_metrics = dict(self.metrics.val_metrics)
             self.release_run_dir()
         result.steps, result.nonfinite_steps = self.step, self.nonfinite_total
+        result.mlflow_run_id = self.tracker.run_id
         return result
 
     def _leave(self, code: int, clean: bool) -> None:
@@ -545,7 +498,10 @@ class Trainer:
             (self.run_dir / "REQUEUE").write_text(f"{self.step}\n")
         if self.rank == 0:
             signals.record_exit(code, why, self.step)
-        self._finish("KILLED", f"stopped at step {self.step} (exit {code}: {why})", None)
+        # NOTE: a pre-empted job has seconds before SIGKILL: what MLflow has not taken by then
+        # waits in <run_dir>/mlflow_undelivered.json, which the requeued run sends first
+        self._finish("KILLED", f"stopped at step {self.step} (exit {code}: {why})", None,
+                     flush_timeout_s=min(self.cfg.tracking.flush_timeout_s, 5.0))  # fmt: skip
         # NOTE: every rank leaves together, after rank 0 closed its MLflow run:
         # `srun --kill-on-bad-exit` stops the whole step at the first exit 75.
         distributed.barrier()
@@ -560,9 +516,16 @@ class Trainer:
             f"finite weights (those of step {self.step - n})"
         )
 
-    def _finish(self, status: str, outcome: str | None, export_dir: str | None) -> None:
+    def _finish(
+        self,
+        status: str,
+        outcome: str | None,
+        export_dir: str | None,
+        flush_timeout_s: float | None = None,
+    ) -> None:
         """Rank 0: the end-of-run summary (when the run ended in good order) and the MLflow run's
         status. Safe to call twice (the tracker finishes once)."""
+        undelivered = self.tracker.finish(status, flush_timeout_s) if self.tracker.enabled else None
         if outcome is not None:
             latest = self.checkpoints.latest()
             lines = [
@@ -579,8 +542,12 @@ class Trainer:
                 lines.append(f"export: {export_dir}")
             if self.tracker.run_id:
                 lines.append(f"MLflow run {self.tracker.run_id} ({self.tracker.uri})")
+            if undelivered:
+                lines.append(
+                    f"MLflow: not all delivered, kept for `dspark-ds sync-tracking --run_dir "
+                    f"{self.run_dir}`"
+                )
             self.metrics.summary(lines)
-        self.tracker.finish(status)
 
 
 def train(cfg: TrainRunConfig) -> TrainResult:

@@ -199,6 +199,13 @@ def predict_one(
     return est
 
 
+def tracking_on(cfg: TunerConfig) -> bool:
+    import os
+
+    t = cfg.tracking
+    return t.enabled or t.uri is not None or bool(os.environ.get("MLFLOW_TRACKING_URI"))
+
+
 def run(cfg: TunerConfig) -> dict:
     """Estimate, predict (and measure); prints the tables on rank 0 and returns them."""
     from dspark_ds.distributed import is_rank0
@@ -262,6 +269,13 @@ def run(cfg: TunerConfig) -> dict:
     }
     if is_rank0():
         print(text, flush=True)
+        if tracking_on(cfg):
+            from dspark_ds.tune.sweep_runs import log_sweep
+
+            result["mlflow_run_id"] = log_sweep(
+                cfg, run_cfg, estimates, scaling, measured, at_measurement,
+                result["recommended"], text,
+            )  # fmt: skip
         if cfg.output_json:
             Path(cfg.output_json).write_text(json.dumps(result, indent=1, default=float))
     return result

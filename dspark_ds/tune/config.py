@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from dspark_ds.config import TrackingConfig
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetPathConfig
 from dspark_ds.tune.cluster import ClusterConfig
@@ -74,6 +75,10 @@ class TunerConfig:
     profiler, which takes a while); false = step times only."""
     output_json: str | None = None
     """Also write the table as JSON here."""
+    tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(enabled=False))
+    """The sweep as MLflow runs (a parent, one child per option): logged when
+    --tracking.enabled true, --tracking.uri or $MLFLOW_TRACKING_URI is set (default store:
+    sqlite:///<the recipe's output_dir>/mlflow.db)."""
 
     def validate(self) -> TunerConfig:
         if self.measure_steps < 1:
@@ -81,6 +86,7 @@ class TunerConfig:
         if self.reserve_gb < 0:
             raise ConfigError(f"reserve_gb: must be >= 0, got {self.reserve_gb}")
         self.cluster.validate()
+        self.tracking.validate()
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device: expected cuda or cpu, got {self.device!r}")
         bad = [o for o in self.options if o not in OPTION_NAMES]

@@ -50,6 +50,7 @@ def option_run_config(option: ZeroOption, run_cfg, steps: int, workdir: str):
     cfg.name = "tuner_" + option.name.replace("+", "_")
     cfg.output_dir = workdir
     cfg.tracking.enabled = False
+    cfg.tracking.system_metrics = False  # no monitor thread beside the timed steps
     cfg.checkpoint.every_steps, cfg.checkpoint.resume = 0, None
     cfg.checkpoint.save_final = cfg.checkpoint.export_final = False
     cfg.train.progress_bar = False

@@ -169,7 +169,10 @@ def test_demo_trains_each_drafter_from_its_preset(tmp_path):
     runs = {kind: demo.train_config(kind, 0) for kind in cfg.drafters}
     sized = dict(num_draft_layers=1, block_size=4)
     assert runs["dspark"].model == preset("dspark", markov_rank=8, num_anchors=37, **sized)
-    assert runs["dflash"].model == preset("dflash", num_anchors=37, **sized)
+    # the demo's DFlash keeps DSpark's block layout: its comparison isolates the heads
+    assert runs["dflash"].model == preset(
+        "dflash", num_anchors=37, sample_from_anchor=True, **sized
+    )
     assert runs["eagle3"].model == preset("eagle3", num_draft_layers=1, ttt_length=4)
     plain = {k: asdict(r) for k, r in runs.items()}
     for kind, run in plain.items():

@@ -55,9 +55,9 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
     ]
     assert len(losses) == 4 and all(math.isfinite(x) and x > 0 for x in losses)
 
-    # The live export is a reference-format Qwen3Eagle3Model directory.
+    # The live export is vLLM's Eagle3 format with the reference's fields (docs/serving.md).
     data = json.loads((run / "export" / "config.json").read_text())
-    assert data["architectures"] == ["Qwen3Eagle3Model"]
+    assert data["architectures"] == ["Eagle3Qwen3ForCausalLM"]
     assert data["ttt_length"] == 4 and data["step_loss_decay"] == 0.8
     assert data["target_layer_ids"] == [0, 1, 2] and data["num_hidden_layers"] == 1
     live = load_draft_model(run / "export")

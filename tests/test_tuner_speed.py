@@ -228,19 +228,22 @@ def test_faster_links_shrink_only_the_communication(qwen3_8b):
 
 def test_scaling_over_node_counts(tmp_path, capsys):
     """`--cluster.nodes 1,2,8,64`: a row per option and a column per size; the global batch is
-    held (fewer micro-batches per rank as the cluster grows) and tokens/s grows with it."""
+    held at every size and point (micro-batch × accumulation × GPUs = 512: fewer micro-batches
+    per rank as the cluster grows) and tokens/s grows with it."""
     out = tmp_path / "scaling.json"
     argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"),
             "--cluster.nodes", "1,2,8,64", "--output_json", str(out)]  # fmt: skip
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
-    assert "64 node(s): s / tokens/s" in text and "scaling (weak" in text
+    assert "64 node(s): s / tokens/s @micro-batch" in text and "scaling (the global batch" in text
     result = json.loads(out.read_text())
     assert list(result["scaling"]) == ["1", "2", "8", "64"]
-    for rows in result["scaling"].values():
+    for n, rows in result["scaling"].items():
         assert [r["option"] for r in rows] == tune.OPTION_NAMES
-    accum = [result["scaling"][n][0]["accum"] for n in ("1", "2", "8", "64")]
-    assert accum == [64, 32, 8, 1]
+        for r in rows:
+            assert r["micro_batch"] * r["accum"] * r["world"] == 512 == r["sequences"], (n, r)
+    # 64 nodes: one sequence per GPU, whatever the option
+    assert {(r["micro_batch"], r["accum"]) for r in result["scaling"]["64"]} == {(1, 1)}
     for i, option in enumerate(tune.OPTION_NAMES):
         rates = [result["scaling"][n][i]["tokens_per_s"] for n in ("1", "2", "8", "64")]
         assert rates == sorted(rates), option

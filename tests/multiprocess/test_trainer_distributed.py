@@ -101,9 +101,9 @@ def train_many(out: Path, runs: list[list[str]], nproc: int):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("train")
-    target = Path(build_tiny_target(root / "target"))
+    target = Path(tiny_target)
     out = root / "runs"
     # a_z3 also compiles its draft layers (perf.compile layers: inductor under ZeRO-3's hooks);
     # test_stages_agree holds it to the eager ZeRO-0 losses
@@ -513,11 +513,11 @@ def test_tied_target_export_under_zero3(runs):
     assert torch.equal(live["lm_head.weight"], embed.float())
 
 
-def test_target_dtype_must_match_precision_online(tmp_path):
+def test_target_dtype_must_match_precision_online(tmp_path, tiny_target):
     from dspark_ds.cli import parse_config
     from dspark_ds.train.trainer import Trainer
 
-    target = build_tiny_target(tmp_path / "target")
+    target = tiny_target
     cfg = parse_config(
         "train", base_args(Path(target), tmp_path, "dtype", "--train.precision", "bf16")
     )
@@ -528,7 +528,7 @@ def test_target_dtype_must_match_precision_online(tmp_path):
         Trainer(cfg)
 
 
-def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path):
+def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path, tiny_target):
     """Hybrid mode, ZeRO-3, 2 ranks, real (prepared) data: epoch 0 runs the partitioned target,
     whose every forward all-gathers weights (a collective), so the samples left out of epoch 0
     must cost both ranks the same number of forwards; epoch 1 reads the completed cache."""
@@ -536,7 +536,7 @@ def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path):
     from dspark_ds.data.config import DataConfig, PrepareConfig
     from dspark_ds.data.tokens import prepare
 
-    target = Path(build_tiny_target(tmp_path / "target"))
+    target = Path(tiny_target)
     jsonl = write_chat_jsonl(tmp_path / "chat.jsonl", 17, seed=2)
     prep = tmp_path / "prep"
     prepare(

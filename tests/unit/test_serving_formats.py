@@ -1,5 +1,5 @@
 """The engine formats of the exports, read back (import), and what serving checks: fast, no
-engine (tests/test_serving_vllm.py serves them in a real vLLM).
+engine (tests/e2e/test_serving_vllm.py serves them in a real vLLM).
 
 - DFlash in the fill-in layout is written as `DFlashDraftModel` (block = anchor + γ masks,
   `dflash_config`), Eagle3 as vLLM's `Eagle3Qwen3ForCausalLM` (aux ids + 1), DSpark as DeepSpec's

@@ -22,15 +22,15 @@ from dspark_ds.data.loader import build_train_loader
 from dspark_ds.data.tokens import TokenStore, prepare
 from dspark_ds.target import TargetConfig, load_target
 
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import write_chat_jsonl
 
 LAYERS = [-1, 1, 2]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("cache")
-    target = build_tiny_target(root / "target")
+    target = tiny_target
     jsonl = write_chat_jsonl(root / "chat.jsonl", 14, seed=1)
     prepare(
         PrepareConfig(

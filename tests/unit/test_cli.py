@@ -10,7 +10,7 @@ import pytest
 
 from dspark_ds.cli import main, parse_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = "dspark_ds/recipes/tiny_cpu.yaml"
 
 

@@ -444,7 +444,7 @@ def test_gemma4_12b_recipes_build_a_drafter_config(algo):
 
     from dspark_ds.cli import parse_config
 
-    recipe = Path(__file__).resolve().parents[1] / "dspark_ds" / "recipes"
+    recipe = Path(__file__).resolve().parents[2] / "dspark_ds" / "recipes"
     cfg = parse_config("train", ["--config", str(recipe / f"{algo}_gemma4_12b.yaml")])
     assert cfg.target.layer_ids == [5, 17, 29, 41, 46] and cfg.model.mask_token_id == 4
     assert "gemma-4" in cfg.target.path

@@ -17,7 +17,7 @@ from dspark_ds.errors import ConfigError
 from helpers.dist import GUARDED, check, guard_stats, guarded_env, python, torchrun
 from helpers.tiny_models import build_tiny_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "dspark_ds" / "recipes"
 GIB = 1024**3
 
@@ -350,11 +350,11 @@ def test_tiny_eagle3_estimate_within_30_percent_of_measurement(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_rank_measure_under_the_device_guard(tmp_path):
+def test_two_rank_measure_under_the_device_guard(tmp_path, tiny_target):
     """`--measure` on 2 gloo ranks (its barriers and the all-reduced peak / step time, the
     training steps' loss reductions) under the device guard: no host-made tensor reaches a
     collective, as NCCL would require."""
-    target = build_tiny_target(tmp_path / "tiny_target")
+    target = tiny_target
     out = tmp_path / "tuner.json"
     check(
         torchrun(

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from helpers.dist import REPO, check, torchrun
-from helpers.tiny_models import build_tiny_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -20,8 +19,8 @@ COUNTER = str(REPO / "tests" / "helpers" / "collectives.py")
 STEPS = 20
 
 
-def test_two_collectives_per_step_and_one_per_log_step(tmp_path):
-    target = build_tiny_target(tmp_path / "target")
+def test_two_collectives_per_step_and_one_per_log_step(tmp_path, tiny_target):
+    target = tiny_target
     result = tmp_path / "collectives.json"
     args = [
         COUNTER, str(result), "--config", "tiny_cpu", "--target.path", str(target),

@@ -12,7 +12,7 @@ import pytest
 from dspark_ds import network
 from dspark_ds.distributed import discover, prepare_env, rank_and_world, slurm_default_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # what `srun` sets in task 1 of a 2-node x 2-task step (seen with slurm 22.05)
 SRUN_TASK = {

@@ -23,8 +23,8 @@ LAYER_IDS = [0, 1, 2]
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    path = build_tiny_target(tmp_path_factory.mktemp("eagle3_target"))
+def target(tmp_path_factory, tiny_target):
+    path = tiny_target
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -103,8 +103,6 @@ def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
     from dspark_ds.eval.config import EvalConfig
     from dspark_ds.eval.runner import run_eval
     from dspark_ds.target import TargetPathConfig
-
-    from helpers.tiny_models import build_tiny_target
 
     target_dir = build_tiny_target(tmp_path / "target")  # same seed: the fixture's weights
     save_draft_model(make_drafter(target, seed=6), tmp_path / "eagle3")

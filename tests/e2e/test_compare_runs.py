@@ -12,9 +12,8 @@ import pytest
 from dspark_ds.cli import main as cli_main
 
 from helpers.dist import check, python
-from helpers.tiny_models import build_tiny_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TINY = str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")
 DFLASH = [
@@ -32,9 +31,9 @@ DFLASH = [
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
+def two_runs(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("compare")
-    target = build_tiny_target(root / "target")
+    target = tiny_target
     common = [
         "--config",
         TINY,

@@ -10,7 +10,7 @@ import pytest
 from dspark_ds.cli import parse_config
 from dspark_ds.drafters.presets import PRESET_NAMES, preset, preset_fields
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "dspark_ds" / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "dspark_ds" / "recipes").glob("*.yaml"))
 
 
 def test_recipes_exist():
@@ -48,7 +48,7 @@ def test_recipe_parses(path):
     ids = [1, 10, 19, 28, 37] if "14b" in path.stem else [1, 9, 17, 25, 33]
     if "32b" in path.stem:  # Qwen3-32B, 64 layers: default_layer_ids(64)
         ids = [1, 16, 31, 46, 61]
-    if "gemma4" in path.stem:  # Gemma4-12B, 48 layers; see tests/test_gemma4.py
+    if "gemma4" in path.stem:  # Gemma4-12B, 48 layers; see tests/unit/test_gemma4.py
         ids = [5, 17, 29, 41, 46]
     assert cfg.target.layer_ids == ids
 

@@ -1,7 +1,7 @@
 """Fault injection into real training runs (tiny recipe, CPU, gloo): each fault either lets the
 run go on or stops it with a one-line reason, and nothing finished is lost. The faults are
 installed by tests/helpers/faults.py in the training process itself; docs/training.md's
-reliability table points here. (SIGUSR1 / requeue under Slurm: tests/test_slurm.py.)
+reliability table points here. (SIGUSR1 / requeue under Slurm: tests/cluster/test_slurm.py.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers.dist import REPO, _env, check, python, torchrun
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import write_chat_jsonl
 
 pytestmark = [pytest.mark.slow]
 
@@ -30,8 +30,8 @@ STAMP = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d rank \d+\] ")
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    return Path(build_tiny_target(tmp_path_factory.mktemp("faults") / "target"))
+def target(tmp_path_factory, tiny_target) -> Path:
+    return Path(tiny_target)
 
 
 def train_args(target: Path, out: Path, name: str, *extra: str) -> list[str]:

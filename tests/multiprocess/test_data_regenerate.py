@@ -18,15 +18,15 @@ from dspark_ds.data.formats import read_conversations
 from dspark_ds.data.regeneration import merge_parts, read_part, regenerate
 from dspark_ds.target import TargetConfig
 
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import write_chat_jsonl
 
 NUM_ROWS = 9
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("regen")
-    target = build_tiny_target(root / "target")
+    target = tiny_target
     src = write_chat_jsonl(root / "chat.jsonl", NUM_ROWS - 1, seed=4)
     with open(src, "a") as f:  # a prompts-only row in the benchmark layout
         f.write(json.dumps({"turns": ["Say hello.", "Count to five."]}) + "\n")

@@ -14,12 +14,10 @@ from dspark_ds.target import (
     share_embeddings_and_head,
 )
 
-from helpers.tiny_models import build_tiny_target
-
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    return build_tiny_target(tmp_path_factory.mktemp("target"))
+def target_dir(tmp_path_factory, tiny_target):
+    return tiny_target
 
 
 def test_taps_match_hf_hidden_states(target_dir):

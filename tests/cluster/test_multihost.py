@@ -22,9 +22,9 @@ import pytest
 
 from helpers.dist import check, torchrun
 from helpers.slurm_cluster import job_env
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import write_chat_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"
 FAULTS_SITE = REPO / "tests" / "helpers" / "faults_site"
 STEPS = 12
@@ -117,11 +117,6 @@ def logged_steps(run_dir: Path) -> list[int]:
 
 
 # ---- fixtures ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> str:
-    return build_tiny_target(tmp_path_factory.mktemp("target") / "tiny_target")
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_target, tmp_path_factory) -> dict[int, float]:
     """Per-step losses of the same run on one host: torchrun, 4 ranks."""

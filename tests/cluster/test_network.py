@@ -1,6 +1,6 @@
 """The job's network and devices as a site presents them: the device of a task that sees one GPU,
 rendezvous ports, the interface rule, the bounded rendezvous. Rank discovery is in
-tests/test_slurm_launch.py, what needs several hosts in tests/test_multihost.py."""
+tests/cluster/test_slurm_launch.py, what needs several hosts in tests/cluster/test_multihost.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from dspark_ds import distributed, network
 from dspark_ds.distributed import DistributedConfig, configure_network
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---- the device of a task --------------------------------------------------------------------
@@ -71,7 +71,7 @@ def test_a_taken_port_moves_to_the_next_free_one():
     assert network.free_job_port(4242) == first
 
 
-# ---- the interface rule (one host: loopback; hosts of their own: tests/test_multihost.py) ------
+# ---- the interface rule (one host: loopback; hosts of their own: tests/cluster/test_multihost.py) ------
 def test_interfaces_see_loopback():
     here = network.interfaces()
     assert "127.0.0.1" in here["lo"].addresses and here["lo"].loopback
@@ -149,7 +149,7 @@ def test_unreachable_rendezvous_fails_in_bounded_time(monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_names_the_rendezvous_it_cannot_reach(tmp_path):
+def test_cli_names_the_rendezvous_it_cannot_reach(tmp_path, tiny_target):
     """What a user sees: one line, exit 1, within the timeout (not a hang)."""
     port = network.free_job_port(778)
     env = {
@@ -159,9 +159,8 @@ def test_cli_names_the_rendezvous_it_cannot_reach(tmp_path):
         **second_rank_env(port),
         "HF_HUB_OFFLINE": "1",
     }
-    from helpers.tiny_models import build_tiny_target
 
-    target = build_tiny_target(tmp_path / "target")
+    target = tiny_target
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "dspark_ds.cli", "train", "--config", "tiny_cpu",

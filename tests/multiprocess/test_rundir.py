@@ -17,7 +17,7 @@ from dspark_ds.train.rundir import RunDirBusy, RunDirNotShared, RunLock
 
 from helpers.dist import run_distributed
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 HOLD = """
 import sys, time
@@ -124,18 +124,18 @@ def _shared_check(rank, world, base):
     rundir.check_shared(Path(base) / "shared", rank)  # one directory: passes
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_node_local_run_directories_are_refused(tmp_path):
     run_distributed(_shared_check, world_size=2, args=(str(tmp_path),))
 
 
 @pytest.mark.slow
-def test_train_into_a_busy_run_directory_is_refused(tmp_path, monkeypatch):
+def test_train_into_a_busy_run_directory_is_refused(tmp_path, monkeypatch, tiny_target):
     """What a re-submitted job sees while the first still trains: one line naming the holder,
     exit 2, nothing written into the run directory."""
-    from helpers.tiny_models import build_tiny_target
 
-    target = build_tiny_target(tmp_path / "target")
+    target = tiny_target
     run_dir = tmp_path / "runs" / "busy"
     env = {"SLURM_JOB_ID": "4711"}
     holder = _holder(run_dir, env)

@@ -16,18 +16,12 @@ from pathlib import Path
 import pytest
 
 from helpers.slurm_cluster import job_env, slurm_cluster  # noqa: F401 - the fixture
-from helpers.tiny_models import build_tiny_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"
 MAX_STEPS = 60  # NOTE: enough for both signals to land mid-run on an idle machine
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory) -> str:
-    return build_tiny_target(tmp_path_factory.mktemp("target") / "tiny_target")
 
 
 def steps_logged(run_dir: Path) -> list[int]:

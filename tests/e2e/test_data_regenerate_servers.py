@@ -32,17 +32,17 @@ from dspark_ds.target import TargetConfig
 from dspark_ds.train.signals import TrainingStopped
 
 from helpers.openai_servers import MisbehavingServer, TransformersServe, free_port
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import write_chat_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NUM_ROWS = 24  # the equality check's rows
 LONG_ROWS = 48  # rows of the runs that are interrupted mid-way
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("regen_servers")
-    target = build_tiny_target(root / "target")
+    target = tiny_target
     src = write_chat_jsonl(root / "chat.jsonl", NUM_ROWS - 1, seed=4)
     with open(src, "a") as f:  # a prompts-only row in the benchmark layout, two turns
         f.write(json.dumps({"turns": ["Say hello.", "Count to five."]}) + "\n")

@@ -26,7 +26,6 @@ from dspark_ds.eval.runner import stop_token_ids
 from dspark_ds.target import TargetPathConfig
 
 from helpers.evaluation import random_drafter
-from helpers.tiny_models import build_tiny_target
 
 # ---- benchmarks -----------------------------------------------------------------------------
 
@@ -97,10 +96,10 @@ def test_paper_protocol_is_the_default():
         EvalConfig(target=TargetPathConfig("t"), drafter="d", budget_accounting="paper").validate()
 
 
-def test_prompts_are_chat_templated(tmp_path):
+def test_prompts_are_chat_templated(tmp_path, tiny_target):
     from transformers import AutoTokenizer
 
-    path = build_tiny_target(tmp_path / "t")
+    path = tiny_target
     tok = AutoTokenizer.from_pretrained(path)
     ids = encode_prompt(tok, ["What is 2 + 3?", "and then?"], {"enable_thinking": False})
     text = tok.decode(ids[0])
@@ -115,11 +114,11 @@ def test_prompts_are_chat_templated(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_target):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("eval_run")
-    target_dir = build_tiny_target(root / "target", num_layers=4)
+    target_dir = tiny_target
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     drafter = random_drafter(target, layer_ids=(0, 2), block_size=4, markov_std=0.3)
     save_draft_model(drafter, root / "draft")

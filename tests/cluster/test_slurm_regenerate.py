@@ -16,18 +16,18 @@ import pytest
 
 from helpers.openai_servers import MisbehavingServer
 from helpers.slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import write_chat_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NUM_ROWS = 12
 
 pytestmark = [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
+def inputs(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("slurm_regen")
-    return build_tiny_target(root / "target"), write_chat_jsonl(root / "chat.jsonl", NUM_ROWS)
+    return tiny_target, write_chat_jsonl(root / "chat.jsonl", NUM_ROWS)
 
 
 def job_env(workdir: Path, **extra: str) -> dict[str, str]:

@@ -18,7 +18,6 @@ from dspark_ds.cli import main as cli_main
 
 from helpers.dist import REPO, _env
 from helpers.mlflow_server import DelayProxy, MlflowServer
-from helpers.tiny_models import build_tiny_target
 
 pytestmark = [pytest.mark.slow]
 
@@ -65,11 +64,11 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(served):
+def trained(served, tiny_target):
     """The training run: steps 1-13 at full speed, 14-29 with each request delayed 1 s, then the
     server SIGKILLed for 3x the request timeout and started again (same port and store)."""
     root, server, proxy = served
-    target = build_tiny_target(root / "target")
+    target = tiny_target
     out = root / "runs"
     args = [
         "--config", RECIPE, "--target.path", target, "--output_dir", str(out), "--name", "tr",

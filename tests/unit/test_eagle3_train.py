@@ -13,7 +13,6 @@ from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
 from dspark_ds.drafters.presets import DrafterConfig
 
 from helpers.dist import check, python
-from helpers.tiny_models import build_tiny_target
 
 
 def test_eagle3_config_section_checks_its_own_fields():
@@ -38,8 +37,8 @@ def test_eagle3_run_refuses_a_perf_option_it_cannot_honour(tmp_path, capsys, opt
 
 
 @pytest.mark.slow
-def test_tiny_eagle3_trains_exports_and_logs(tmp_path):
-    target = build_tiny_target(tmp_path / "target")
+def test_tiny_eagle3_trains_exports_and_logs(tmp_path, tiny_target):
+    target = tiny_target
     out = tmp_path / "runs"
     argv = [
         "-m", "dspark_ds.cli", "train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml",

@@ -32,10 +32,10 @@ def rows(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, tiny_target):
     """A 6-step run (checkpoints at 3 and 6) to resume; each test resumes a copy of it."""
     root = tmp_path_factory.mktemp("resume")
-    target = Path(build_tiny_target(root / "target"))
+    target = Path(tiny_target)
     check(python(args(target, root / "runs", "--train.max_steps", "6")))
     return root, target
 

@@ -5,7 +5,7 @@ is refused by name.
 Every family of `helpers.tiny_models.FAMILIES` (Llama, Qwen2, Mistral with tied embeddings,
 Qwen3-MoE, gpt-oss, DeepSeek-V3) as a tiny random checkpoint saved with `save_pretrained` (built
 once for the module). The multi-process parts (ZeRO-3 loading, training, host memory) are in
-`tests/test_target_families_e2e.py`.
+`tests/e2e/test_target_families_e2e.py`.
 """
 
 from __future__ import annotations

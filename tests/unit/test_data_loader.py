@@ -13,7 +13,7 @@ from dspark_ds.data.loader import build_train_loader, epoch_batches
 from dspark_ds.data.tokens import prepare
 from dspark_ds.target import TargetConfig, load_target, share_embeddings_and_head
 
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import write_chat_jsonl
 
 LAYERS = [-1, 1, 2]
 N = 16  # samples after prepare (max_length 72 keeps >= 2 assistant tokens in each)
@@ -42,9 +42,9 @@ def test_epoch_batches_deterministic_disjoint_and_balanced():
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("loader")
-    target_dir = build_tiny_target(root / "target")
+    target_dir = tiny_target
     jsonl = write_chat_jsonl(root / "chat.jsonl", 16, seed=2)
     prepare(
         PrepareConfig(
@@ -119,7 +119,7 @@ def step_loss(batch, target, seed=0):
     return loss.item()
 
 
-def test_offline_online_hybrid_give_identical_batches_and_loss(env, tmp_path):
+def test_offline_online_hybrid_give_identical_batches_and_loss(env, tmp_path, tiny_target):
     root, data, target = env
     offline = run_epochs(
         build_train_loader(data, 0, 1, None, hidden_size=32, layer_ids=LAYERS, vocab_size=384)
@@ -156,7 +156,7 @@ def test_offline_online_hybrid_give_identical_batches_and_loss(env, tmp_path):
     shard.write_bytes(bytes(blob))
     with pytest.raises(CacheError, match=f"{shard.name} fails its sha256.*--repair true"):
         TargetCache(tmp_path / "hyb")
-    tcfg = TargetConfig(path=str(root / "target"), layer_ids=LAYERS, dtype="float32")
+    tcfg = TargetConfig(path=tiny_target, layer_ids=LAYERS, dtype="float32")
     repair = BuildCacheConfig(data=dataclasses.replace(hybrid_cfg, mode="offline"), target=tcfg)
     build_cache(dataclasses.replace(repair, repair=True))
     b = TargetCache(tmp_path / "hyb")

@@ -1,6 +1,6 @@
 """The tuner's search over micro-batches, the DeepSpeed keys its model does not read,
-`--write_recipe`, and the docs' `dspark-ds tune` commands. Predictions only (no measured step),
-except the one tiny recipe written and trained as it is (slow)."""
+`--write_recipe`, and the docs' `dspark-ds tune` commands: predictions only, no measured step
+(tests/multiprocess/test_tuner_write.py trains a written recipe)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,7 @@ from dspark_ds import tune
 from dspark_ds.cli import main as cli_main
 from dspark_ds.errors import ConfigError
 
-from helpers.dist import check, python
-from helpers.tiny_models import build_tiny_target
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "dspark_ds" / "recipes"
 CLUSTER_32B = ["--cluster.gpus_per_node", "8", "--cluster.gpu_memory_gb", "80",
                "--cluster.host_memory_gb", "1024"]  # fmt: skip
@@ -180,25 +177,3 @@ def test_the_docs_tune_commands_parse(tmp_path, monkeypatch):
     for argv in commands:
         argv = [str(REPO / a) if a.startswith("dspark_ds/recipes/") else a for a in argv]
         load_recipe(parse_config("tune", argv))
-
-
-@pytest.mark.slow
-def test_a_written_tiny_recipe_trains_as_it_is(tmp_path):
-    """The tiny recipe's recommended point written for one CPU rank, then `dspark-ds train
-    --config PATH` with no other flag runs its two steps at that point."""
-    target = build_tiny_target(tmp_path / "tiny_target")
-    path = tmp_path / "tuned.yaml"
-    overrides = ["--train.max_steps", "2", "--tracking.enabled", "false",
-                 "--output_dir", str(tmp_path / "runs"), "--checkpoint.every_steps", "0",
-                 "--checkpoint.export_final", "false", "--validation.every_steps", "0"]  # fmt: skip
-    result = _tune(tmp_path, "tiny_cpu.yaml", "--target.path", target, "--device", "cpu",
-                   "--cluster.gpus_per_node", "1", "--overrides", json.dumps(overrides),
-                   "--write_recipe", str(path))  # fmt: skip
-    best = next(r for r in result["options"] if r["option"] == result["recommended"])
-    assert best["micro_batch"] == 4 and best["accum"] == 1  # the global batch on one rank
-    proc = check(python(["-m", "dspark_ds.cli", "train", "--config", str(path)],
-                        timeout_s=300, cwd=tmp_path))  # fmt: skip
-    log = [json.loads(line) for line in
-           (tmp_path / "runs" / "tiny_cpu" / "train_log.jsonl").read_text().splitlines()]  # fmt: skip
-    steps = [r for r in log if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2], proc.stdout[-2000:]

@@ -158,7 +158,8 @@ def _doc_commands() -> list[list[str]]:
                 start = words.index("tune")
                 if words[start - 1] not in ("dspark-ds", "dspark_ds.cli"):
                     continue
-                out.append(words[start + 1 :])
+                if words[start + 1 :] not in out:  # the same command in two docs: once
+                    out.append(words[start + 1 :])
     return out
 
 

@@ -1,7 +1,7 @@
 """The drafter section of a run (`model`) and the variants the paper trains, each written once.
 
 `DrafterConfig`'s defaults are the paper's DSpark; `preset("dflash")` and `preset("eagle3")` are
-the other two drafters of its Table 1. The shipped recipes (tests/test_recipes.py pins that they
+the other two drafters of its Table 1. The shipped recipes (tests/unit/test_recipes.py pins that they
 agree with the preset they name), the demo, the training bench and the tests build their drafters
 from here; the losses take their default weights from `DSPARK_LOSS`. docs/algorithm.md explains
 every field.

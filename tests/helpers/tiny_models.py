@@ -299,6 +299,8 @@ def hybrid_config(family: str, vocab_size: int, **overrides):
         tie_word_embeddings=False,
     )  # fmt: skip
     kw.update(HYBRID_FAMILIES[family])
+    if family == "qwen3_5_moe_text":  # every MLP is a MoE block: no dense width in its config
+        kw.pop("intermediate_size")
     kw.update(overrides)
     return AutoConfig.for_model(family, **kw)
 

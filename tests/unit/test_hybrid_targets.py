@@ -29,7 +29,7 @@ from dspark_ds.eval.target_step import TargetDecoder
 
 from helpers.evaluation import chi_square_pvalue, exact_continuation_probs, random_drafter
 from helpers.gemma4 import greedy_without_cache
-from helpers.tiny_models import HYBRID_FAMILIES, tiny_hybrid_model
+from helpers.tiny_models import HYBRID_FAMILIES, build_tiny_hybrid_target, tiny_hybrid_model
 
 VOCAB = 16
 FAMILIES = list(HYBRID_FAMILIES)
@@ -231,3 +231,62 @@ def test_decoding_with_the_stale_state_is_not_lossless(monkeypatch):
     batched = batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=16)
     assert one_row != want
     assert [r.output_ids.tolist() for r in batched] != want
+
+
+# ---- the drafter, the features, the checkpoint ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrids")
+    return {f: build_tiny_hybrid_target(root / f, f) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_drafter_is_sized_from_the_hybrids_config(family, hybrid_dirs):
+    """Head size and RoPE from the target's attention layers (Qwen3.5 / Qwen3-Next: head_dim of
+    their own, partial RoPE dropped: every draft head dimension rotates); Qwen3.5-MoE has no
+    dense MLP width: the drafter's is a token's routed experts plus the shared one."""
+    from dspark_ds.drafters.io import build_draft_config
+
+    target_cfg = AutoConfig.from_pretrained(hybrid_dirs[family])
+    cfg = build_draft_config(target_cfg, target_layer_ids=[-1, 0, 2], mask_token_id=3)
+    assert cfg.model_type == "qwen3" and cfg.architectures == ["Qwen3DSparkModel"]
+    assert cfg.target_text_model_type == family and cfg.num_target_layers == 4
+    assert cfg.hidden_size == 32 and cfg.vocab_size == target_cfg.vocab_size
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert cfg.head_dim == (getattr(target_cfg, "head_dim", None) or 8)
+    rope = dict(target_cfg.rope_parameters)
+    assert rope.pop("partial_rotary_factor", None) == (0.25 if "qwen3" in family else None)
+    assert cfg.rope_parameters == rope
+    if family == "qwen3_5_moe_text":
+        assert not hasattr(target_cfg, "intermediate_size")
+        assert cfg.intermediate_size == 32 * 2 + 32
+    else:
+        assert cfg.intermediate_size == target_cfg.intermediate_size
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_features_and_checkpoint_reads(family, hybrid_dirs):
+    """The hooks' features equal output_hidden_states (check_head passed on load), and every
+    parameter read tensor by tensor (what ZeRO-3 ranks read their partitions from; MoE experts
+    fused by transformers' converters) equals from_pretrained's."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ds.target import TargetConfig, load_target
+    from dspark_ds.target_weights import TargetWeights, fill_plan
+
+    path = hybrid_dirs[family]
+    target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    hidden, last = target(ids)
+    out = target.model(input_ids=ids, output_hidden_states=True)
+    want = torch.cat([out.hidden_states[i + 1] for i in (-1, 0, 2, 3)], dim=-1)
+    assert torch.equal(hidden, want) and torch.equal(last, out.hidden_states[4])
+    whole = target.model.state_dict()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    seen = set()
+    for name, tensor, source in fill_plan(model, TargetWeights(path)):
+        seen.add(name)
+        assert torch.equal(source.read().view(tensor.shape), whole[name]), name
+    assert {n for n, _ in model.named_parameters()} <= seen

@@ -290,3 +290,27 @@ def test_hybrid_features_and_checkpoint_reads(family, hybrid_dirs):
         seen.add(name)
         assert torch.equal(source.read().view(tensor.shape), whole[name]), name
     assert {n for n, _ in model.named_parameters()} <= seen
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
+def test_an_eagle3_chain_on_a_hybrid_is_lossless(family, models):
+    """The rollback is the target's: an Eagle3 drafter's chains verify the same way."""
+    from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+
+    target, _ = models[family]
+    torch.manual_seed(2)
+    drafter = build_draft_model(
+        build_eagle3_config(target.config, target_layer_ids=[0, 2], ttt_length=3)
+    )
+    drafter.initialize_embeddings_and_head(
+        target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    drafter.eval()
+    prompts = _prompts()
+    want = [greedy_without_cache(target, p, NEW, set()).tolist() for p in prompts]
+    got = [
+        speculative_generate(target, drafter, p, max_new_tokens=NEW)[0].tolist() for p in prompts
+    ]
+    assert got == want
+    results = batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
+    assert [r.output_ids.tolist() for r in results] == want

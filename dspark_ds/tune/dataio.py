@@ -132,7 +132,7 @@ def data_lines(best, run_cfg, inv, machine) -> list[str]:
     )
     read_s = tokens * per_token / have
     if need <= have:
-        if run_cfg.data.num_workers:
+        if run_cfg.data.num_workers or read_s < 0.05 * rest:  # NOTE: under 5 %: not worth a line
             return [line]
         return [
             line,

@@ -58,9 +58,9 @@ def test_offline_reads_are_a_term_and_an_io_bound_run_is_warned(tmp_path, capsys
     # bytes, on the step's path in full
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "manifest.json").write_text(json.dumps({"dtype": "fp8"}))
-    serial = _tune(tmp_path, ["--data.num_workers", "0"], "--cluster.cache_read_gb_per_s", "1000")
+    serial = _tune(tmp_path, ["--data.num_workers", "0"], "--cluster.cache_read_gb_per_s", "10")
     assert f"(fp8, {FP8_TOKEN} bytes per token)" in capsys.readouterr().out
-    assert _step(serial)["terms"]["data_read"] == pytest.approx(TOKENS_PER_NODE * FP8_TOKEN / 1e12)
+    assert _step(serial)["terms"]["data_read"] == pytest.approx(TOKENS_PER_NODE * FP8_TOKEN / 1e10)
     assert "data.num_workers 0" in serial["warnings"][0]
     # online: the target runs in the job, nothing is read
     out = tmp_path / "online.json"

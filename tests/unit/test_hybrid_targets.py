@@ -29,7 +29,12 @@ from dspark_ds.eval.target_step import TargetDecoder
 
 from helpers.evaluation import chi_square_pvalue, exact_continuation_probs, random_drafter
 from helpers.gemma4 import greedy_without_cache
-from helpers.tiny_models import HYBRID_FAMILIES, build_tiny_hybrid_target, tiny_hybrid_model
+from helpers.tiny_models import (
+    HYBRID_FAMILIES,
+    build_tiny_hybrid_target,
+    hybrid_config,
+    tiny_hybrid_model,
+)
 
 VOCAB = 16
 FAMILIES = list(HYBRID_FAMILIES)
@@ -314,3 +319,34 @@ def test_an_eagle3_chain_on_a_hybrid_is_lossless(family, models):
     assert got == want
     results = batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
     assert [r.output_ids.tolist() for r in results] == want
+
+
+def test_a_multimodal_qwen3_5_checkpoint_is_read_as_its_text_target(tmp_path):
+    """Published Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration` (a vision tower,
+    the text model under `model.language_model.`): the target is its text model, with the
+    whole model's logits, and the tensor-by-tensor reader (ZeRO-3) finds every parameter."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from dspark_ds.target import TargetConfig, load_target
+    from dspark_ds.target_weights import TargetWeights, fill_plan
+
+    text = hybrid_config("qwen3_5_text", 384).to_dict()
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  patch_size=2, temporal_patch_size=1, spatial_merge_size=1)  # fmt: skip
+    cfg = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision,
+                               tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    whole = Qwen3_5ForConditionalGeneration(cfg).eval()
+    whole.save_pretrained(tmp_path)
+    target = load_target(TargetConfig(path=str(tmp_path), layer_ids=[0, 2], dtype="float32"), "cpu")
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
+    ids = torch.randint(4, 300, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(target.model(ids).logits, whole(input_ids=ids).logits)
+    state = target.model.state_dict()
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    seen = set()
+    for name, tensor, source in fill_plan(model, TargetWeights(str(tmp_path))):
+        seen.add(name)
+        assert torch.equal(source.read().view(tensor.shape), state[name]), name
+    assert {n for n, _ in model.named_parameters()} <= seen

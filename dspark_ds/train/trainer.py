@@ -53,7 +53,7 @@ from dspark_ds.engine.checkpoint import full_fp32_state_dict
 from dspark_ds.engine.config import build_ds_config
 from dspark_ds.engine.drafter import DrafterEngine
 from dspark_ds.engine.target import check_target_dtype, load_target_in_job
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.target import target_shared_weights
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source
@@ -62,7 +62,7 @@ from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.rng import seed_everything
 from dspark_ds.train.schedule import Schedule
-from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, TrainingStopped, exit_code_for
+from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, exit_code_for
 from dspark_ds.train.validator import Validator
 
 

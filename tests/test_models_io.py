@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
-from dspark_ds.drafters import build_draft_config, load_draft_model, save_draft_model
+from dspark_ds.drafters import (
+    build_draft_config,
+    load_draft_model,
+    register_auto_classes,
+    save_draft_model,
+)
 from dspark_ds.errors import ConfigError
 
 from helpers.drafters import DFLASH, MASK_ID, random_batch, tiny_drafter, tiny_qwen3_config
@@ -157,14 +164,31 @@ def test_written_files_get_the_normal_mode(tmp_path):
     ]
 
 
+def test_importing_the_drafters_leaves_transformers_auto_classes_alone():
+    # registration is an explicit call: importing the drafters (their kinds, the io module)
+    # rewrites no transformers table; a fresh interpreter, since this one may have registered
+    code = (
+        "import dspark_ds.drafters, dspark_ds.drafters.registry\n"
+        "from transformers import AutoModel, AutoModelForCausalLM, Qwen3Config\n"
+        "from transformers import Qwen3ForCausalLM, Qwen3Model\n"
+        "assert AutoModelForCausalLM._model_mapping[Qwen3Config] is Qwen3ForCausalLM\n"
+        "assert AutoModel._model_mapping[Qwen3Config] is Qwen3Model\n"
+        "dspark_ds.drafters.register_auto_classes()\n"
+        "assert AutoModelForCausalLM._model_mapping[Qwen3Config] is not Qwen3ForCausalLM\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_auto_classes_still_build_and_load_plain_models(tmp_path):
-    # importing dspark_ds.drafters must not change what transformers does with anything but a
+    # registering the drafters must not change what transformers does with anything but a
     # drafter directory: from_config of a config built in code (no `architectures`), a Gemma4
     # wrapper building its text model through AutoModel, save / load of a plain target
     from transformers import AutoModel, AutoModelForCausalLM, Gemma4ForConditionalGeneration
 
     from helpers.gemma4 import tiny_gemma4_target_config
 
+    register_auto_classes()
     cfg = tiny_qwen3_config()
     assert cfg.architectures is None
     model = AutoModelForCausalLM.from_config(cfg)
@@ -184,6 +208,7 @@ def test_transformers_auto_classes_load_the_drafter(tmp_path, golden_dir, family
     # a plain causal LM from it and drop the drafter's heads as "unexpected"
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    register_auto_classes()
     src = golden_dir / family / "draft"
     want = load_draft_model(src)
     for auto in (AutoModelForCausalLM, AutoModel):

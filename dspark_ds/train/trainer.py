@@ -197,7 +197,9 @@ class Trainer:
         self.schedule = self._schedule()
         self.engine = self._build_engine()
         # the kind's attention / compile / loss-path choice for this run (the perf section)
-        self.loss_impl = self.kind.prepare(self.engine.module, cfg.perf, self.device)
+        self.loss_impl = self.kind.prepare(
+            self.engine.module, cfg.perf, self.device, zero_stage=self.engine.zero_stage
+        )
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
             f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "

@@ -174,7 +174,7 @@ class FrozenTarget(nn.Module):
     Taps are forward hooks: a pre-hook on decoder layer 0 takes its input (id -1, the embedding
     output as the layers see it, scaled where the family scales it) and a hook on layer i its
     output, so only the ``n`` tapped states are kept (``output_hidden_states=True`` would hold
-    all ``L + 1``; `tests/test_target_families.py` checks the taps equal them in every tested
+    all ``L + 1``; `tests/unit/test_target_families.py` checks the taps equal them in every tested
     family), and the lm_head never runs over the whole sequence. The wrapped model is a plain
     ``nn.Module``: an engine may partition it (DeepSpeed ZeRO-3) before or after wrapping;
     hooks still fire.

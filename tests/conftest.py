@@ -34,11 +34,75 @@ torch.set_num_threads(1)
 
 from helpers.multihost import multihost_cluster  # noqa: E402, F401 - the 2-host cluster fixture
 
+pytest_plugins = ["pytester"]  # tests/unit/test_layers.py runs the checks below on files of its own
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden"
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> str:
+    """The tiny random Qwen3 target and its tokenizer (`helpers.tiny_models.build_tiny_target`'s
+    defaults: hidden 32, 4 layers, vocabulary 384), built once for the session. Tests read it
+    and never write into it (a run never modifies what it reads); a test that needs other
+    widths or weights builds its own."""
+    from helpers.tiny_models import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("session") / "tiny_target")
 
 
 @pytest.fixture
 def golden_dir() -> Path:
     """The reference implementation's golden folders (tests/golden, see its README)."""
     return GOLDEN
+
+
+# ---- markers that match what a test does ---------------------------------------------------------
+# A test that launches several processes (helpers.dist.run_distributed / torchrun) must be marked
+# `distributed` and `slow` (the fast lane is in-process), and none under tests/unit/ may launch.
+# Fast-lane tests that took long are listed at the end of the run.
+import helpers.dist as _dist  # noqa: E402
+
+_LAUNCHED_BEFORE = pytest.StashKey[int]()
+FAST_LANE_LIMIT_S = 5.0
+_slow_fast_lane: list[tuple[float, str]] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_LAUNCHED_BEFORE] = len(_dist.LAUNCHES)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call":
+        return
+    if item.get_closest_marker("slow") is None and report.duration > FAST_LANE_LIMIT_S:
+        _slow_fast_lane.append((report.duration, item.nodeid))
+    if not report.passed:
+        return
+    launched = _dist.LAUNCHES[item.stash.get(_LAUNCHED_BEFORE, len(_dist.LAUNCHES)) :]
+    if not launched:
+        return
+    problems = [
+        f"not marked {m!r}" for m in ("distributed", "slow") if not item.get_closest_marker(m)
+    ]
+    if Path(item.fspath).parent.name == "unit":
+        problems.append("in tests/unit/, which is in-process only (move it to tests/multiprocess/)")
+    if problems:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} launched {len(launched)} multi-process run(s) (first: {launched[0]}) "
+            f"but is {'; '.join(problems)}"
+        )
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _slow_fast_lane:
+        terminalreporter.write_sep(
+            "-", f"fast-lane tests over {FAST_LANE_LIMIT_S:.0f} s (mark them slow?)"
+        )
+        for seconds, nodeid in sorted(_slow_fast_lane, reverse=True):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")

@@ -9,7 +9,7 @@ are the paper's DSpark.
 `PRESETS` are the paper's drafters of its Table 1 (DSpark, DFlash, Eagle3): each a `model`
 section, the name reports give it, how the demo sizes it to a small target (`sized`), and the
 claims the paper makes of it against the others (`Claim`; the demo checks them). The shipped
-recipes (tests/test_recipes.py pins that they agree with the preset they name), the demo, the
+recipes (tests/unit/test_recipes.py pins that they agree with the preset they name), the demo, the
 training bench and the tests build their drafters from here. docs/algorithm.md explains every
 field.
 

@@ -122,7 +122,7 @@ def load_partitioned_target(target_cfg, ds_config: dict):
             ):
                 # NOTE: DeepSpeed's layout (partition_parameters._partition_param): rank r
                 # holds flat elements [r * size, (r + 1) * size) of the parameter, padded at
-                # the end; tests/test_target_families_e2e.py pins it against a whole load.
+                # the end; tests/e2e/test_target_families_e2e.py pins it against a whole load.
                 size = part.ds_numel
                 start = size * dist.get_rank(group=tensor.ds_process_group)
                 end = min(start + size, tensor.ds_numel)

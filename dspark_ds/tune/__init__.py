@@ -1,7 +1,9 @@
 """ZeRO stage / offload tuner (`dspark-ds tune`): per-GPU memory and predicted step time of a
-recipe on a cluster, for every ZeRO stage × offload option; which fit, which is fastest;
-`--measure` runs real steps of each option here and prints measured peak memory and step time
-beside the estimate and the prediction.
+recipe on a cluster, for every ZeRO stage × offload option at each micro-batch that keeps the
+global batch; each option's fastest point that fits, the fastest of them recommended (and
+written as a train recipe with --write_recipe); `--measure` runs real steps of each option's
+point here and prints measured peak memory and step time beside the estimate and the
+prediction.
 
     dspark-ds tune --recipe dspark_ds/recipes/dspark_qwen3_8b.yaml --cluster.nodes 1,2,8,64
     torchrun --nproc_per_node 2 -m dspark_ds.cli tune --recipe dspark_ds/recipes/tiny_cpu.yaml \\
@@ -10,8 +12,9 @@ beside the estimate and the prediction.
 config.py (the options), cluster.py (presets, profiles, `--cluster.*`), calibrate.py (the
 rates measured here), inventory.py (what the run holds, built by the drafter's kind),
 workload.py (a micro-batch's FLOPs and host work), estimate.py (per-option memory, from the
-DeepSpeed config training would use), steptime.py (per-option step time), measure.py (real
-steps), report.py (the tables).
+DeepSpeed config training would use), steptime.py (per-option step time), search.py (each
+option's micro-batch point), measure.py (real steps), report.py (the tables), write.py (the
+recipe of --write_recipe).
 """
 
 from __future__ import annotations
@@ -26,9 +29,16 @@ import torch
 
 from dspark_ds.tune.cluster import ClusterConfig, Machine, resolve, save_profile, with_values
 from dspark_ds.tune.config import OPTION_NAMES, OPTIONS, TunerConfig, ZeroOption
-from dspark_ds.tune.estimate import Estimate, estimate, option_zero, recommend
+from dspark_ds.tune.estimate import (
+    Estimate,
+    ds_config_warnings,
+    estimate,
+    option_zero,
+    recommend,
+)
 from dspark_ds.tune.inventory import KNOWN_TARGETS, Inventory, inventory, load_recipe
 from dspark_ds.tune.report import report
+from dspark_ds.tune.search import point_config, search
 from dspark_ds.tune.steptime import Step, StepTime, accumulation, step_time
 from dspark_ds.tune.workload import host_work, target_in_job, workload
 
@@ -80,10 +90,13 @@ def _nvme_option(run_cfg, device: str):
     return resolved_ds_config(option, run_cfg, 1, use_gpu=device == "cuda")
 
 
-def _calibrate_and_measure(cfg: TunerConfig, run_cfg, options, device) -> Calibrated:
+def _calibrate_and_measure(
+    cfg: TunerConfig, run_cfg, options, device, points: dict[str, dict] | None = None
+) -> Calibrated:
     """The cluster's figures (calibrated here, and saved; or the preset / profile), the
-    recipe's host work when calibrated, and the measurements of `--measure`, each option's
-    timed steps interleaved with calibration samples in its engine mode."""
+    recipe's host work when calibrated, and the measurements of `--measure` (each option at its
+    point of `points`), each option's timed steps interleaved with calibration samples in its
+    engine mode."""
     from dspark_ds import distributed
     from dspark_ds.tune.calibrate import Calibration, engine_values
     from dspark_ds.tune.cluster import engine_mode
@@ -116,8 +129,9 @@ def _calibrate_and_measure(cfg: TunerConfig, run_cfg, options, device) -> Calibr
             for option in options:
                 window = cal.window(mode_of(option)) if cal is not None else None
                 first = len(cal.samples) if cal is not None else 0
+                at = point_config(run_cfg, **_batch(points[option.name]))
                 out.measured[option.name] = measure(
-                    option, run_cfg, cfg.measure_steps, tmp, memory=cfg.measure_memory,
+                    option, at, cfg.measure_steps, tmp, memory=cfg.measure_memory,
                     between=(lambda w=window: cal.sample(w)) if window else None,
                     blocks=cfg.cluster.samples,
                 )  # fmt: skip
@@ -168,6 +182,53 @@ def _host_work(run_cfg, options: list[ZeroOption], device: str, machine: Machine
         torch.set_num_threads(threads)
 
 
+def _batch(point: dict) -> dict:
+    return {"micro_batch": point["micro_batch"], "global_batch": point["global_batch"]}
+
+
+def _measure_points(cfg: TunerConfig, run_cfg, inv: Inventory, options) -> dict[str, dict]:
+    """The point `--measure` runs each option at: the search on this machine (one node of the
+    launcher's ranks, its own memory when calibrating) before anything is timed, so with the
+    preset's or profile's rates and no host work: in practice the largest micro-batch that
+    fits."""
+    from dspark_ds import distributed
+    from dspark_ds.tune.calibrate import host_memory_bytes
+
+    machine = resolve(cfg.cluster)
+    here = {"gpus_per_node": distributed.world_size()}
+    calibrating = cfg.cluster.calibrate
+    if calibrating is None:
+        calibrating = not cfg.cluster.profile
+    if calibrating:  # the figures the calibration will give the machine (machine_values)
+        cuda = (cfg.device or "cuda") == "cuda" and torch.cuda.is_available()
+        here["host_memory_bytes"] = host_memory_bytes()
+        here["gpu_memory_bytes"] = (
+            float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+            if cuda
+            else here["host_memory_bytes"]
+        )
+    flags = cfg.cluster.flag_values()
+    machine = with_values(
+        machine, {k: v for k, v in here.items() if k not in flags}, "the launcher's ranks"
+    )
+    return {e.option: e.point for e in search(cfg, run_cfg, inv, machine, options, 1, None)}
+
+
+def at_points(
+    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, options, points: dict,
+    ops: dict,
+) -> list[Estimate]:  # fmt: skip
+    """Each option predicted at its given point on one node (what `--measure` ran)."""
+    out = []
+    for option in options:
+        point = points[option.name]
+        est = predict_one(cfg, point_config(run_cfg, **_batch(point)), inv, machine, option, 1,
+                          ops)  # fmt: skip
+        est.point = dict(point, accum=est.step["accum"])
+        out.append(est)
+    return out
+
+
 def predict(
     cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, options: list[ZeroOption],
     nodes: int, ops: dict,
@@ -216,29 +277,39 @@ def run(cfg: TunerConfig) -> dict:
     device = None
     if cfg.measure or cfg.cluster.calibrate:  # the launcher's ranks and device
         cfg, device = _here(cfg, run_cfg)
-    found = _calibrate_and_measure(cfg, run_cfg, options, device)
+    inv = inventory(run_cfg)
+    points = _measure_points(cfg, run_cfg, inv, options) if cfg.measure else None
+    found = _calibrate_and_measure(cfg, run_cfg, options, device, points)
     machine, work, measured = found.machine, found.work, found.measured
     node_counts = [1] if cfg.measure else cfg.cluster.node_counts
-    inv = inventory(run_cfg)
     if work is None:
         work = _host_work(run_cfg, options, cfg.device or "cuda", machine)
-    scaling = {n: predict(cfg, run_cfg, inv, machine, options, n, work) for n in node_counts}
+    if points is not None:  # the points measured
+        scaling = {1: at_points(cfg, run_cfg, inv, machine, options, points, work)}
+    else:
+        scaling = {n: search(cfg, run_cfg, inv, machine, options, n, work) for n in node_counts}
     estimates = scaling[node_counts[0]]
+    as_given = predict(cfg, run_cfg, inv, machine, options, node_counts[0], work)
     # each option measured between calibration samples: its prediction from those samples
     at_measurement = {}
     for option in options:
         if option.name in found.own:
             own_machine, own_work = found.own[option.name]
-            est = predict_one(cfg, run_cfg, inv, own_machine, option, 1, own_work)
+            at = point_config(run_cfg, **_batch(points[option.name]))
+            est = predict_one(cfg, at, inv, own_machine, option, 1, own_work)
             at_measurement[option.name] = est.step["predicted_step_s"]
+    warnings = ds_config_warnings(run_cfg)
     text = report(estimates, cfg, inv, run_cfg, machine, measured, scaling, found.meta,
-                  at_measurement)  # fmt: skip
+                  at_measurement, warnings, as_given)  # fmt: skip
     rows = []
     for e in estimates:
         m = measured.get(e.option, {})
         rows.append(
             {
                 "option": e.option,
+                "micro_batch": e.point["micro_batch"],
+                "accum": e.step["accum"],
+                "global_batch": e.point["global_batch"],
                 "predicted_step_s": e.step["predicted_step_s"],
                 "predicted_at_measurement_s": at_measurement.get(e.option),
                 "measured_step_s": m.get("step_s"),
@@ -257,16 +328,35 @@ def run(cfg: TunerConfig) -> dict:
             | {"device_total": e.device_total, "host_total_per_rank": e.host_total_per_rank}
             for e in estimates
         ],
+        "as_given": [
+            asdict(e)
+            | {"device_total": e.device_total, "host_total_per_rank": e.host_total_per_rank}
+            for e in as_given
+        ],
         "scaling": {
-            str(n): [dict(e.step, fits=e.fits) for e in ests] for n, ests in scaling.items()
+            str(n): [dict(e.step, fits=e.fits, micro_batch=e.point["micro_batch"]) for e in ests]
+            for n, ests in scaling.items()
         },
         "measured": measured,
         "machine": {k: v for k, v in asdict(machine).items() if k != "sources"},
         "machine_sources": dict(machine.sources),
         "calibration": found.meta,
+        "warnings": warnings,
         "recommended": (recommend(estimates) or Estimate("none")).option,
         "text": text,
     }
+    best = recommend(estimates)
+    if cfg.write_recipe and is_rank0():
+        if best is None:
+            line = f"--write_recipe {cfg.write_recipe}: nothing fits, no recipe written"
+        else:
+            from dspark_ds.tune.write import write_recipe
+
+            line = write_recipe(cfg.write_recipe, best, run_cfg,
+                                node_counts[0] * machine.gpus_per_node, node_counts[0],
+                                cfg.device or "cuda")  # fmt: skip
+        text += "\n" + line
+        result["text"] = text
     if is_rank0():
         print(text, flush=True)
         if tracking_on(cfg):

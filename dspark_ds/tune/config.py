@@ -75,6 +75,10 @@ class TunerConfig:
     profiler, which takes a while); false = step times only."""
     output_json: str | None = None
     """Also write the table as JSON here."""
+    write_recipe: str | None = None
+    """Write the recommended point (its ZeRO option, micro-batch and accumulation on the first
+    --cluster.nodes count) here as a `dspark-ds train` recipe, its whole DeepSpeed config
+    explicit: `dspark-ds train --config PATH` runs it as it is."""
     tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(enabled=False))
     """The sweep as MLflow runs (a parent, one child per option): logged when
     --tracking.enabled true, --tracking.uri or $MLFLOW_TRACKING_URI is set (default store:

@@ -25,7 +25,8 @@ own config class (`engine.config.zero_settings`).
 
 Speed: `steptime.py` (one named term per cost: compute, host time, collectives, offload
 traffic, the optimizer, NVMe, DeepSpeed's own costs) for each option, from the cluster's rates
-(`cluster.py`); the fastest predicted option that fits is recommended.
+(`cluster.py`); search.py finds each option's micro-batch; the fastest predicted point that
+fits is recommended.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Estimate:
     why: str = ""
     zero: dict = field(default_factory=dict)
     """The ZeRO settings the estimate read (engine.config.ZeroSettings as a dict)."""
+    point: dict = field(default_factory=dict)
+    """The searched point (search.py): micro_batch, accum, global_batch,
+    largest_fitting_micro_batch, note, tried; {} for an estimate of the recipe as given."""
 
     @property
     def device_total(self) -> float:
@@ -112,6 +116,80 @@ def resolved_ds_config(option: ZeroOption, run_cfg, world_size: int, use_gpu: bo
         world_size=world_size,
         use_gpu=use_gpu,
     )
+
+
+# ---- the DeepSpeed keys the model reads --------------------------------------------------------
+READ_KEYS = frozenset({
+    # the batch shape (filled from the run; an explicit value must agree with it)
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "bf16.enabled",
+    # zero_settings (engine/config.py), under DeepSpeed's field names and their aliases
+    "zero_optimization.stage", "zero_optimization.overlap_comm",
+    "zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
+    "zero_optimization.allgather_bucket_size", "zero_optimization.prefetch_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.param_persistence_threshold",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.model_persistence_threshold",
+    "zero_optimization.stage3_model_persistence_threshold",
+    "zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer.buffer_count",
+    "zero_optimization.offload_param.device", "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size",
+    # where NVMe offload swaps and how (the calibration measures that directory with them)
+    "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path",
+    "aio.block_size", "aio.queue_depth", "aio.thread_count", "aio.single_submit",
+    "aio.overlap_events",
+})  # fmt: skip
+"""Dotted keys of a DeepSpeed config that the memory estimate or the step-time model reads."""
+
+NO_EFFECT_KEYS = frozenset({
+    "optimizer.type", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+    "optimizer.params.weight_decay", "gradient_clipping", "steps_per_print",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.gather_16bit_weights_on_model_save",
+})  # fmt: skip
+"""Keys that change neither a step's memory nor its time (the optimizer's hyperparameters, the
+clipping threshold, logging, what a checkpoint saves)."""
+
+
+def dotted_keys(config: dict, prefix: str = "") -> list[str]:
+    """The leaf keys of a nested dict, dotted (`zero_optimization.offload_param.device`)."""
+    out = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += dotted_keys(value, name + ".")
+        else:
+            out.append(name)
+    return out
+
+
+def unread_keys(run_cfg) -> list[str]:
+    """The recipe's (and the tuner's --overrides') deepspeed.overrides keys that neither the
+    estimate nor the step-time model reads: every option's prediction ignores them."""
+    keys = dotted_keys(run_cfg.deepspeed.overrides or {})
+    return [k for k in keys if k not in READ_KEYS and k not in NO_EFFECT_KEYS]
+
+
+def ds_config_warnings(run_cfg) -> list[str]:
+    """One line per thing of the recipe's DeepSpeed section the predictions do not follow."""
+    from dspark_ds.engine.config import SHIPPED_DS_CONFIGS
+
+    lines = []
+    unread = unread_keys(run_cfg)
+    if unread:
+        lines.append(
+            "deepspeed.overrides keys the tuner's memory and step-time model do not read (its "
+            f"figures ignore them; training would not): {', '.join(unread)}"
+        )
+    own = run_cfg.deepspeed.config
+    if not (SHIPPED_DS_CONFIGS / f"{own}.json").is_file():
+        lines.append(
+            f"deepspeed.config {own}: the tuner compares the shipped configs (ds_configs/) "
+            "with the recipe's deepspeed.overrides, not this file: pass the keys of it you "
+            "need as --deepspeed.overrides"
+        )
+    return lines
 
 
 # ---- the terms ------------------------------------------------------------------------------------

@@ -115,8 +115,11 @@ def measure(
     summary = [statistics.median(times), statistics.median(cpu_times), statistics.median(waited)]
     summary += [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
     peak, *summary = distributed.all_reduce_values([peak, *summary], op="max")
+    grad_accum = trainer.grad_accum
     _release(trainer)
     return {
+        "micro_batch": cfg.data.batch_size,
+        "grad_accum": grad_accum,
         "peak_bytes": peak if memory else None,
         "step_s": summary[0],
         "cpu_step_s": summary[1],

@@ -10,7 +10,7 @@ from dspark_ds.tune.estimate import GB, Estimate, batch_mismatch, recommend
 from dspark_ds.tune.inventory import Inventory
 
 MB = 1024**2
-HEADER = ["option", "per GPU", "host/node", "states", "DeepSpeed est.", "activations", "fits",
+HEADER = ["option", "micro-batch", "accum", "per GPU", "host/node", "states", "DeepSpeed est.", "activations", "fits",
           "step s", "tokens/s"]  # fmt: skip
 MEASURED_HEADER = ["measured peak", "est/meas", "measured step s", "pred/meas"]
 
@@ -57,6 +57,8 @@ def row(
 ) -> list[str]:
     out = [
         e.option,
+        str(e.point.get("micro_batch", "-")),
+        str(e.step["accum"]),
         fmt_bytes(e.device_total),
         fmt_bytes(e.host_total_per_rank * machine.gpus_per_node),
         fmt_bytes(e.states),
@@ -95,55 +97,84 @@ def terms_line(e: Estimate) -> str:
     total = e.step["predicted_step_s"]
     terms = sorted(e.step["terms"].items(), key=lambda kv: -kv[1])
     shown = [f"{k} {fmt_s(v)}" for k, v in terms if v >= 0.01 * total]
-    accum = e.step["accum"]
+    accum, micro = e.step["accum"], e.point.get("micro_batch")
+    where = [f"micro-batch {micro}"] if micro else []
+    where += [f"{accum} micro-batches per rank"] if accum > 1 else []
     return (
         f"  {e.option}: {fmt_s(total)} s = "
         + " + ".join(shown)
-        + (f"  ({accum} micro-batches per rank)" if accum > 1 else "")
+        + (f"  ({', '.join(where)})" if where else "")
     )
 
 
-def conclusion(estimates: list[Estimate]) -> str:
+def conclusion(
+    estimates: list[Estimate], as_given: list[Estimate] | None = None, given_micro: int = 0
+) -> list[str]:
     best = recommend(estimates)
     if best is None:
-        return (
+        return [
             "nothing fits: lower data.batch_size / data.max_length / the drafter's work per "
             "position (model.num_anchors, or model.ttt_length of an unrolled drafter), use the "
             "chunked loss, more GPUs, or data.mode offline"
-        )
+        ]
     option = next(o for o in OPTIONS if o.name == best.option)
-    return (
-        f"recommended: {best.option} ({option.cli}): the fastest predicted step among the "
-        f"options that fit, {fmt_s(best.step['predicted_step_s'])} s, "
-        f"{fmt_bytes(best.device_total)} per GPU"
-    )
+    point = best.point
+    flags = option.cli
+    if point:
+        flags += f" --data.batch_size {point['micro_batch']}"
+        if point.get("note"):
+            flags += f" --train.global_batch_size {point['global_batch']}"
+    lines = [
+        f"recommended: {best.option} at micro-batch {point.get('micro_batch', '?')} × "
+        f"{best.step['accum']} accumulation ({flags}): the fastest predicted point that "
+        f"fits, {fmt_s(best.step['predicted_step_s'])} s, {fmt_bytes(best.device_total)} per "
+        "GPU"
+    ]
+    given = recommend(as_given or [])
+    if given is not None and point:
+        s_best, s_given = best.step["predicted_step_s"], given.step["predicted_step_s"]
+        same_batch = given.step["sequences"] == best.step["sequences"]
+        if same_batch and s_best > 0:
+            lines.append(
+                f"  the recipe as given (micro-batch {given_micro}): fastest that fits "
+                f"{given.option}, {fmt_s(s_given)} s; the searched point is "
+                f"{s_given / s_best:.2f}× as fast"
+            )
+    return lines
 
 
 def scaling_table(scaling: dict[int, list[Estimate]]) -> list[str]:
     """Predicted step s and tokens/s per option at each node count (`*`: does not fit)."""
     counts = list(scaling)
     names = [e.option for e in scaling[counts[0]]]
-    header = ["option"] + [f"{n} node(s): s / tokens/s" for n in counts]
+    header = ["option"] + [f"{n} node(s): s / tokens/s @micro-batch" for n in counts]
     rows = []
     for i, name in enumerate(names):
         cells = [name]
         for n in counts:
             e = scaling[n][i]
             mark = "" if e.fits else " *"
+            micro = e.point.get("micro_batch", "-")
             cells.append(
-                f"{fmt_s(e.step['predicted_step_s'])} / {e.step['tokens_per_s']:.0f}{mark}"
+                f"{fmt_s(e.step['predicted_step_s'])} / {e.step['tokens_per_s']:.0f} @{micro}{mark}"
             )
         rows.append(cells)
-    lines = ["", "scaling (weak: the micro-batch per GPU held, the global batch held; "
+    lines = ["", "scaling (the global batch held; each option at its searched micro-batch; "
                  "* = does not fit):"]  # fmt: skip
     lines += table(rows, header)
     for n in counts:
         best = recommend(scaling[n])
-        first = scaling[n][0].step
-        note = f" ({first['note']})" if first.get("note") else ""
+        first = scaling[n][0]
+        note = first.point.get("note") or first.step.get("note")
+        note = f" ({note})" if note else ""
+        at = (
+            f"{best.option} at micro-batch {best.point.get('micro_batch')} × {best.step['accum']}"
+            if best
+            else "none"
+        )
         lines.append(
-            f"  {n} node(s), {first['world']} GPUs, {first['accum']} micro-batches per rank: "
-            f"fastest that fits: {best.option if best else 'none'}{note}"
+            f"  {n} node(s), {first.step['world']} GPUs, {first.point.get('global_batch')} "
+            f"sequences per step: fastest that fits: {at}{note}"
         )
     return lines
 
@@ -186,19 +217,24 @@ def report(
     scaling: dict[int, list[Estimate]] | None = None,
     calibration: dict | None = None,
     at_measurement: dict[str, float] | None = None,
+    warnings: list[str] | None = None,
+    as_given: list[Estimate] | None = None,
 ) -> str:
     nodes = estimates[0].step["nodes"] if estimates else 1
     header = HEADER + (MEASURED_HEADER if measured else [])
     at_measurement = at_measurement or {}
     rows = [row(e, machine, measured or None, at_measurement) for e in estimates]
-    lines = [*headline(cfg, inv, run_cfg, machine, nodes), "", *table(rows, header)]
+    lines = [*headline(cfg, inv, run_cfg, machine, nodes)]
+    lines += [f"warning: {w}" for w in warnings or []]
+    lines += ["", *table(rows, header)]
     lines += [f"  {e.option}: does not fit: {e.why}" for e in estimates if not e.fits]
     lines += ["", "predicted step, by term (seconds):"]
     lines += [terms_line(e) for e in estimates]
     if scaling and len(scaling) > 1:
         lines += scaling_table(scaling)
-    lines += ["", conclusion(estimates)]
-    note = batch_mismatch(run_cfg, nodes * machine.gpus_per_node)
+    lines += ["", *conclusion(estimates, as_given, run_cfg.data.batch_size)]
+    note = next((e.point["note"] for e in estimates if e.point.get("note")), None)
+    note = note or batch_mismatch(run_cfg, nodes * machine.gpus_per_node)
     if note:
         lines.append(f"note: {note}")
     lines.append(figures(machine)[0])

@@ -89,6 +89,7 @@ class StepTime:
             "nodes": self.nodes,
             "world": self.world,
             "accum": self.accum,
+            "sequences": self.sequences,
             "predicted_step_s": self.seconds,
             "tokens_per_s": self.tokens_per_s,
             "terms": dict(self.terms),

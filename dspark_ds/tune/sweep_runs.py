@@ -2,13 +2,14 @@
 recommendation) with one child run per ZeRO option, so that MLflow's compare view (select the
 children, Compare) shows the sweep side by side.
 
-    child params   option, deepspeed.config / overrides, the option's ZeRO settings
+    child params   option, its searched micro_batch and accum, deepspeed.config / overrides,
+                   the option's ZeRO settings
     child tags     kind=tune, zero=<option>, fits, recipe, drafter_kind, target
     child metrics  memory/device_gib, memory/host_per_rank_gib, memory/<component>_gib, fits,
                    predicted/step_s, predicted/tokens_per_s, predicted/<term>_s (each
-                   step-time term) on the first node count; scaling/step_s and
-                   scaling/tokens_per_s at step = the node count (one point per
-                   --cluster.nodes); with --measure: measured/step_s, measured/peak_gib,
+                   step-time term) on the first node count; scaling/step_s,
+                   scaling/tokens_per_s and scaling/micro_batch at step = the node count
+                   (one point per --cluster.nodes); with --measure: measured/step_s, measured/peak_gib,
                    predicted/at_measurement_s
 """
 
@@ -66,12 +67,14 @@ def log_sweep(cfg, run_cfg, estimates, scaling: dict, measured: dict, at_measure
         figures = _option_metrics(est, measured.get(est.option), at_measurement.get(est.option))
         series = {}
         for nodes, ests in scaling.items():
-            step = next(e for e in ests if e.option == est.option).step
-            series[int(nodes)] = {"scaling/step_s": step["predicted_step_s"],
-                                  "scaling/tokens_per_s": step["tokens_per_s"]}  # fmt: skip
+            at = next(e for e in ests if e.option == est.option)
+            series[int(nodes)] = {"scaling/step_s": at.step["predicted_step_s"],
+                                  "scaling/tokens_per_s": at.step["tokens_per_s"],
+                                  "scaling/micro_batch": at.point.get("micro_batch", 0)}  # fmt: skip
         points.append(Point(
             name=est.option,
-            params={"option": est.option, "deepspeed.config": option.config,
+            params={"option": est.option, "micro_batch": est.point.get("micro_batch"),
+                    "accum": est.step["accum"], "deepspeed.config": option.config,
                     "deepspeed.overrides": option.overrides or {},
                     **{f"zero.{k}": v for k, v in est.zero.items()}},
             tags={"zero": est.option, "fits": est.fits, "why": est.why or None},

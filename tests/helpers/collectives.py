@@ -1,4 +1,4 @@
-"""How many collectives `dspark-ds train` issues of its own (tests/test_hot_path.py).
+"""How many collectives `dspark-ds train` issues of its own (tests/multiprocess/test_hot_path.py).
 
     python tests/helpers/collectives.py <result.json> <dspark-ds train arguments...>
 

@@ -28,6 +28,10 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[2]
+LAUNCHES: list[str] = []
+"""Every multi-process launch of this process's tests, in order (`run_distributed`,
+`torchrun` with 2 or more ranks): tests/conftest.py checks that a test which launched one is
+marked `distributed` and `slow`."""
 GUARDED = [str(REPO / "tests" / "helpers" / "device_guard.py")]
 
 
@@ -81,6 +85,7 @@ def _worker(rank, world_size, backend, port, fn, args, errors):
 
 
 def run_distributed(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> None:
+    LAUNCHES.append(f"run_distributed({getattr(fn, '__name__', fn)}, world_size={world_size})")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
@@ -105,6 +110,8 @@ def torchrun(
     timeout_s: float = 600,
     cwd: str | Path | None = None,
 ) -> subprocess.CompletedProcess:
+    if nproc >= 2:
+        LAUNCHES.append(f"torchrun --nproc_per_node={nproc} {' '.join(map(str, argv[:3]))}")
     cmd = [
         sys.executable,
         "-m",

@@ -1,4 +1,4 @@
-"""Fault injection into a real `dspark-ds train` (tests/test_faults.py).
+"""Fault injection into a real `dspark-ds train` (tests/multiprocess/test_faults.py).
 
     python tests/helpers/faults.py '<faults json>' <dspark-ds train arguments...>
 

@@ -20,6 +20,7 @@ Stable API (other test files rely on it):
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -116,10 +117,10 @@ _ASSISTANT = [
 ]
 
 
-def build_tiny_tokenizer(out_dir: str | Path, template: str = "qwen3", vocab_size: int = 384):
-    """Train a byte-level BPE on ``_CORPUS`` and save it (with ``template``) to ``out_dir``."""
+@functools.cache
+def _trained_bpe(vocab_size: int) -> str:
+    """The byte-level BPE trained on ``_CORPUS`` (as JSON), once per process and size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -131,6 +132,15 @@ def build_tiny_tokenizer(out_dir: str | Path, template: str = "qwen3", vocab_siz
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def build_tiny_tokenizer(out_dir: str | Path, template: str = "qwen3", vocab_size: int = 384):
+    """Train a byte-level BPE on ``_CORPUS`` and save it (with ``template``) to ``out_dir``."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(_trained_bpe(vocab_size))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -1,4 +1,4 @@
-"""A real vLLM server on loopback, and tiny drafters trained for it (tests/test_serving_vllm.py).
+"""A real vLLM server on loopback, and tiny drafters trained for it (tests/e2e/test_serving_vllm.py).
 
 - ``require_vllm() -> str``: the Python of the vLLM environment ``tools/install.sh`` makes (or
   ``$DSPARK_DS_VLLM_PYTHON``); fails the test, naming the install command, when there is none.

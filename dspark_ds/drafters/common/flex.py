@@ -11,7 +11,7 @@ the largest and smallest visible context length decide which context tiles it to
 it sees whole, and a prefix sum of the kept blocks decides which draft tiles it touches:
 O(B x A*G) for the per-row lengths plus O(B x tiles) for the tile table, on the device, with no
 host sync. `BlockMask.from_kv_blocks` takes the table in the same order `create_block_mask`
-produces (tests/test_perf_flex.py compares the two).
+produces (tests/unit/test_perf_flex.py compares the two).
 
 The kernel. Called without torch.compile, flex_attention runs an unfused fallback that
 materialises the whole score matrix (3.5x slower than dense SDPA on an H200, docs/performance.md).
@@ -22,7 +22,7 @@ batch to batch while A*G stays fixed. The mask_mod reads S only through tensors 
 key length and key-tile counts are marked dynamic. The first call compiles for its shapes;
 the first call with another key length recompiles once with them symbolic, and no call after
 that recompiles: 2 graphs per grad mode (training; validation under no_grad), within dynamo's
-recompile limit (8). tests/test_perf_flex.py counts them on CPU. Bucketing S to a multiple of
+recompile limit (8). tests/unit/test_perf_flex.py counts them on CPU. Bucketing S to a multiple of
 the tile instead would still leave up to max_length / 128 static shapes, more than that limit.
 On CPU the eager fallback stays the default: flex_attention has no CPU backward (training
 there uses the blockwise kernel), and compiling its forward costs ~20 s of C++ builds.

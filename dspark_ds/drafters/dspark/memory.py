@@ -27,7 +27,7 @@ the compute dtype, fp32 where the code upcasts):
   fp32 copy, the softmaxes and the gradient; "recompute" saves nothing vocabulary-sized and
   holds, in backward, one chunk of the reference path's tensors.
 
-`tests/test_tuner_activations.py` checks `saved_bytes` against the bytes autograd actually
+`tests/unit/test_tuner_activations.py` checks `saved_bytes` against the bytes autograd actually
 saves (saved_tensors_hooks) and `activation_bytes` against the peak of live tensors measured by
 the profiler, on CPU, at several shapes, both dtypes, every attention and loss path.
 """
@@ -210,7 +210,7 @@ def _paths(perf: PerfConfig, device: str, stage: int) -> tuple[str, str]:
 # frozen lm_head 2x (input gradient only), the target's aligned logits 1x (no gradient); the
 # attention counts the (query, key) pairs the kernel computes. Elementwise work (softmaxes,
 # norms, the loss's vocabulary-sized terms) is not counted: it is inside the sustained rate the
-# tuner divides by. `tests/test_tuner_speed.py` checks the sum against torch's FLOP formulas.
+# tuner divides by. `tests/multiprocess/test_tuner_speed.py` checks the sum against torch's FLOP formulas.
 def attention_pairs(shape: StepShape, attn: str, chunk_blocks: int = 16) -> float:
     """(query, key) pairs one layer's attention computes per head.
 

@@ -1,0 +1,97 @@
+"""The search over micro-batches: for each ZeRO option, every micro-batch that keeps the
+recipe's global batch (gradient accumulation adjusted: micro-batch × accumulation × ranks =
+the global batch), predicted; the option's point is the fastest predicted one that fits (memory
+grows with the micro-batch, so that is, in practice, the largest that fits). A cluster that
+cannot split the global batch over its ranks holds the nearest one it can (`BatchPlan.note`
+says so), the same for every point, so that their step times compare.
+
+`point_config` is the recipe at a point: what the estimate, `--measure` and `--write_recipe`
+take.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+from dspark_ds.tune.config import ZeroOption
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The sequences per step every point of a cluster holds."""
+
+    global_batch: int
+    """Sequences per optimizer step: the recipe's, or the nearest multiple of the ranks."""
+    per_rank: int
+    """Sequences per rank and step (micro-batch × accumulation)."""
+    note: str = ""
+    """Why the recipe's global batch is not kept exactly (empty when it is)."""
+
+    @property
+    def micro_batches(self) -> list[int]:
+        """The micro-batches that divide a rank's sequences exactly, smallest first."""
+        return [m for m in range(1, self.per_rank + 1) if self.per_rank % m == 0]
+
+
+def batch_plan(run_cfg, world: int) -> BatchPlan:
+    """The global batch held on `world` ranks (see the module docstring)."""
+    wanted = run_cfg.train.global_batch_size
+    per_rank = max(1, int(wanted / world + 0.5))
+    held = per_rank * world
+    note = ""
+    if held != wanted:
+        note = (
+            f"train.global_batch_size {wanted} is not a multiple of data.batch_size × world "
+            f"size on {world} ranks: the search holds {held} sequences per step ({per_rank} per "
+            "rank) for every point, and --write_recipe writes that"
+        )
+    return BatchPlan(held, per_rank, note)
+
+
+def point_config(run_cfg, micro_batch: int, global_batch: int):
+    """The recipe at one point: data.batch_size and train.global_batch_size replaced."""
+    cfg = copy.copy(run_cfg)
+    cfg.data = replace(run_cfg.data, batch_size=micro_batch)
+    cfg.train = replace(run_cfg.train, global_batch_size=global_batch)
+    return cfg
+
+
+def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, ops):
+    """The option's point on `nodes` nodes: an `Estimate` (from `tune.predict_one`) at the
+    fastest predicted micro-batch that fits (among equal times, the larger), or at micro-batch
+    1 when none fits; its `point` holds the micro-batch, the accumulation, the global batch
+    held, the note and every micro-batch tried."""
+    from dspark_ds.tune import predict_one
+
+    plan = batch_plan(run_cfg, nodes * machine.gpus_per_node)
+    best = first = None
+    tried = []
+    for micro in plan.micro_batches:
+        est = predict_one(cfg, point_config(run_cfg, micro, plan.global_batch), inv, machine,
+                          option, nodes, ops)  # fmt: skip
+        tried.append({"micro_batch": micro, "accum": est.step["accum"], "fits": est.fits,
+                      "predicted_step_s": est.step["predicted_step_s"],
+                      "device_bytes": est.device_total})  # fmt: skip
+        first = first or (micro, est)
+        if est.fits and (
+            best is None or est.step["predicted_step_s"] <= best[1].step["predicted_step_s"]
+        ):
+            best = (micro, est)
+    micro, chosen = best or first
+    chosen.point = {
+        "micro_batch": micro,
+        "accum": chosen.step["accum"],
+        "global_batch": plan.global_batch,
+        "largest_fitting_micro_batch": max(
+            (t["micro_batch"] for t in tried if t["fits"]), default=None
+        ),
+        "note": plan.note,
+        "tried": tried,
+    }
+    return chosen
+
+
+def search(cfg, run_cfg, inv, machine, options: list[ZeroOption], nodes: int, ops) -> list:
+    """Each option's point on `nodes` nodes (`search_option`)."""
+    return [search_option(cfg, run_cfg, inv, machine, o, nodes, ops) for o in options]

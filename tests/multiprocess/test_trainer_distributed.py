@@ -1,0 +1,602 @@
+"""`dspark-ds train` for real on CPU: DeepSpeed (gloo), 1 and 2 ranks, ZeRO 0 / 2 / 3 / 3+offload.
+
+Launches are grouped to keep the suite short (each process imports deepspeed once):
+  A  1 process : ZeRO-0, 2, 3 (draft layers compiled), 3+CPU offload; the 1-step ZeRO-0
+                 reference; an unreachable MLflow
+  B  torchrun 2: ZeRO-0, 2, 3, 3+CPU offload; the 1-step ZeRO-3 twin of the reference
+  C  1 process : resume B's ZeRO-3 step-4 checkpoint on 1 rank (universal checkpoint)
+  D  1 process : SIGUSR1 mid-run (exit 75), then `--resume auto` (2 launches)
+  E  `dspark-ds export` from B's ZeRO-3 checkpoint
+Every run is online (synthetic sequences, features from the target in the job): the drafter
+shares the target's embedding / lm_head Parameters; B's ZeRO-3 runs partition the target.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers.dist import REPO, _env, check, free_port, python, torchrun
+from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+RECIPE = str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")
+STAGES = {"z0": "zero0", "z2": "zero2", "z3": "zero3", "z3off": "zero3_offload_cpu"}
+STEPS = 8
+
+
+def base_args(target: Path, out: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "--config",
+        RECIPE,
+        "--target.path",
+        str(target),
+        "--output_dir",
+        str(out),
+        "--name",
+        name,
+        "--train.max_steps",
+        str(STEPS),
+        "--train.progress_bar",
+        "false",
+        "--checkpoint.every_steps",
+        "4",
+        "--checkpoint.keep_last",
+        "2",
+        *extra,
+    ]
+
+
+# ZeRO-3 with nothing kept whole: every weight (the target's too) is released after its use
+NO_PERSIST = [
+    "--deepspeed.overrides",
+    json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}),
+]
+
+# the 1-rank vs 2-rank equality: same global batch (4), one step, a clip that never bites; a
+# large AdamW eps makes the update proportional to the gradient (Adam alone would hide a wrong
+# gradient scale)
+EQ = [
+    "--train.max_steps",
+    "1",
+    "--train.max_grad_norm",
+    "1e6",
+    "--train.eps",
+    "1.0",
+    "--train.lr",
+    "0.05",
+    "--checkpoint.save_final",
+    "false",
+]
+
+
+def train_many(out: Path, runs: list[list[str]], nproc: int):
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / f"spec_{nproc}.json"
+    result = out / f"result_{nproc}.json"
+    spec.write_text(json.dumps({"runs": runs, "result_file": str(result)}))
+    argv = [str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(spec)]
+    t0 = time.time()
+    proc = torchrun(argv, nproc=nproc) if nproc > 1 else python(argv)
+    check(proc)
+    print(f"[launch nproc={nproc}] {time.time() - t0:.0f}s")
+    data = json.loads(result.read_text())
+    for res in data.values():
+        res["losses"] = {int(k): v for k, v in res["losses"].items()}
+    # every run was under the device guard; with 2 ranks it saw dspark_ds's own collectives
+    # (loss terms, logged counts, signal check, validation, barriers) and none was made on the
+    # host (a world of one makes no collective of its own)
+    guard = json.loads(Path(f"{result}.device_guard.json").read_text())
+    assert guard["policed"] >= (len(runs) * STEPS if nproc > 1 else 0), guard
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_target):
+    root = tmp_path_factory.mktemp("train")
+    target = Path(tiny_target)
+    out = root / "runs"
+    # a_z3 also compiles its draft layers (perf.compile layers: inductor under ZeRO-3's hooks);
+    # test_stages_agree holds it to the eager ZeRO-0 losses
+    one = [
+        base_args(
+            target, out, f"a_{k}", "--deepspeed.config", v,
+            *(["--perf.compile", "layers"] if k == "z3" else []),
+        )
+        for k, v in STAGES.items()
+    ]  # fmt: skip
+    one.append(
+        base_args(
+            target, out, "eq_ref", "--deepspeed.config", "zero0", "--data.batch_size", "4", *EQ
+        )
+    )
+    one.append(
+        base_args(
+            target,
+            out,
+            "a_nomlflow",
+            "--deepspeed.config",
+            "zero0",
+            "--tracking.uri",
+            f"http://127.0.0.1:{free_port()}",
+            "--tracking.flush_timeout_s",
+            "1",
+            "--train.max_steps",
+            "2",
+            "--checkpoint.save_final",
+            "false",
+            "--checkpoint.export_final",
+            "false",
+        )
+    )
+    two = [
+        base_args(
+            target, out, f"b_{k}", "--deepspeed.config", v, *(NO_PERSIST if k == "z3" else [])
+        )
+        for k, v in STAGES.items()
+    ]
+    two.append(
+        base_args(
+            target, out, "eq_z3", "--deepspeed.config", "zero3", "--data.batch_size", "2", *EQ
+        )
+    )
+    # a tied target (one Parameter is embedding and lm_head) shared under ZeRO-3
+    tied = Path(build_tiny_target(root / "tied", tie_word_embeddings=True))
+    two.append(
+        base_args(
+            tied,
+            out,
+            "b_z3_tied",
+            "--deepspeed.config",
+            "zero3",
+            *NO_PERSIST,
+            "--train.max_steps",
+            "2",
+            "--checkpoint.save_final",
+            "false",
+        )
+    )
+    # perf.drop_empty_blocks under ZeRO-3: 64 blocks, 23-47 valid anchors per row, so each rank
+    # cuts a different count of dummy blocks; with chunks of 4 blocks the ranks must agree on
+    # one count, or their ZeRO-3 gathers part ways (a hang). Held to 64 blocks on one rank.
+    drop = ["--model.num_anchors", "64", "--perf.loss_chunk_anchors", "4", *EQ]
+    one.append(
+        base_args(target, out, "eq_ref_all_blocks", "--deepspeed.config", "zero0",
+                  "--data.batch_size", "4", "--perf.drop_empty_blocks", "off", *drop)
+    )  # fmt: skip
+    two.append(
+        base_args(target, out, "eq_z3_drop", "--deepspeed.config", "zero3", *NO_PERSIST,
+                  "--data.batch_size", "2", "--perf.drop_empty_blocks", "on", *drop)
+    )  # fmt: skip
+    res = train_many(out, one, nproc=1)
+    res.update(train_many(out, two, nproc=2))
+    return {"root": root, "target": target, "tied": tied, "out": out, "res": res}
+
+
+def mlflow_client(out: Path):
+    from mlflow.tracking import MlflowClient
+
+    from dspark_ds.tracking.mlflow import default_uri
+
+    return MlflowClient(tracking_uri=default_uri(str(out)))
+
+
+@pytest.mark.parametrize("prefix", ["a", "b"])
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_trains_and_loss_falls(runs, prefix, stage):
+    losses = runs["res"][f"{prefix}_{stage}"]["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    first, last = sum(losses[s] for s in (1, 2)) / 2, sum(losses[s] for s in (7, 8)) / 2
+    assert last < 0.97 * first, losses
+
+
+@pytest.mark.parametrize("prefix", ["a", "b"])
+def test_stages_agree(runs, prefix):
+    """Same data, same init, same world size: every ZeRO stage computes the same losses."""
+    ref = runs["res"][f"{prefix}_z0"]["losses"]
+    for stage in STAGES:
+        losses = runs["res"][f"{prefix}_{stage}"]["losses"]
+        for step in range(1, STEPS + 1):
+            assert losses[step] == pytest.approx(ref[step], rel=2e-4), (stage, step)
+
+
+def test_one_rank_equals_two_ranks(runs):
+    """A 2-rank ZeRO-3 step and a 1-rank ZeRO-0 step on the same global batch."""
+    ref = load_file(Path(runs["res"]["eq_ref"]["export_dir"]) / "model.safetensors")
+    two = load_file(Path(runs["res"]["eq_z3"]["export_dir"]) / "model.safetensors")
+    assert ref.keys() == two.keys()
+    for name in ref:
+        torch.testing.assert_close(two[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    one, two = runs["res"]["eq_ref"]["losses"][1], runs["res"]["eq_z3"]["losses"][1]
+    assert one == pytest.approx(two, rel=1e-6)
+    # The anchor sampler's statistics are means over the global batch, whatever the world size.
+    client = mlflow_client(runs["out"])
+    for key in ("valid_anchors_abs", "sampled_anchors_ratio", "block_supervised_tokens_abs"):
+        a, b = (
+            client.get_metric_history(runs["res"][name]["mlflow_run_id"], f"train/{key}")
+            for name in ("eq_ref", "eq_z3")
+        )
+        assert len(a) == len(b) == 1 and a[0].value == pytest.approx(b[0].value), key
+        assert a[0].value > 0, key
+
+
+def test_two_ranks_dropping_empty_blocks_equal_one_rank_with_every_block(runs):
+    """perf.drop_empty_blocks: the ranks agree on one block count (ZeRO-3 runs), and the step
+    equals a 1-rank step over all num_anchors blocks."""
+    ref = load_file(Path(runs["res"]["eq_ref_all_blocks"]["export_dir"]) / "model.safetensors")
+    two = load_file(Path(runs["res"]["eq_z3_drop"]["export_dir"]) / "model.safetensors")
+    for name in ref:
+        torch.testing.assert_close(two[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    one, two = (runs["res"][n]["losses"][1] for n in ("eq_ref_all_blocks", "eq_z3_drop"))
+    assert one == pytest.approx(two, rel=1e-6)
+
+
+def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
+    client = mlflow_client(runs["out"])
+    run = client.get_run(runs["res"]["b_z3"]["mlflow_run_id"])
+    params = run.data.params
+    assert params["train.lr"] == "0.003" and params["deepspeed.config"] == "zero3"
+    assert params["model.num_anchors"] == "8" and params["derived.world_size"] == "2"
+    # ZeRO-3: the chunked loss in its recompute form (partitioned head weights)
+    assert params["derived.loss_impl"] == "recompute"
+    assert (
+        client.get_run(runs["res"]["a_z0"]["mlflow_run_id"]).data.params["derived.loss_impl"]
+        == "chunked"
+    )
+    assert params["derived.compile"] == "off" and params["derived.loss_chunk_anchors"] == "32"
+    assert (
+        client.get_run(runs["res"]["a_z3"]["mlflow_run_id"]).data.params["derived.compile"]
+        == "layers"
+    )
+    assert run.data.tags["zero_stage"] == "3" and run.data.tags["world_size"] == "2"
+    assert "git_sha" in run.data.tags
+    hist = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in hist] == list(range(1, STEPS + 1))
+    assert hist[0].value == pytest.approx(runs["res"]["b_z3"]["losses"][1])
+    for key in (
+        "train/ce_loss",
+        "train/l1_loss",
+        "train/tau_probabilistic",
+        "train/lr",
+        "train/valid_anchors_abs",
+        "train/sampled_anchors_abs",
+        "train/block_supervised_tokens_ratio",
+        "system/tokens_per_s",
+        "system/peak_memory_mb",
+        "val/loss",
+        "val/tau_probabilistic",
+    ):
+        assert client.get_metric_history(run.info.run_id, key), key
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"ds_config.json", "config.yaml"} <= artifacts
+    assert run.info.status == "FINISHED"
+    # the export is the run's MLflow model, with its files
+    model = client.get_logged_model(run.data.tags["model_id"])
+    assert model.source_run_id == run.info.run_id
+    files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    assert {"config.json", "model.safetensors", "mlflow_run.json"} <= files
+
+
+def test_unreachable_mlflow_does_not_stop_training(runs):
+    res = runs["res"]["a_nomlflow"]
+    assert res["mlflow_run_id"] is None and sorted(res["losses"]) == [1, 2]
+    kept = json.loads((runs["out"] / "a_nomlflow" / "mlflow_undelivered.json").read_text())
+    assert kept["run_id"] is None and [op["kind"] for op in kept["ops"]][:1] == ["start"]
+    assert kept["ops"][-1] == {"kind": "end", "args": kept["ops"][-1]["args"], "in_log": False}
+
+
+@pytest.mark.parametrize("name", ["a_z0", "b_z2", "b_z3", "a_z3off"])
+def test_export_from_checkpoint_equals_live_weights(runs, name):
+    from dspark_ds.drafters import load_draft_model
+    from dspark_ds.train.export import export_checkpoint
+
+    out = runs["root"] / f"export_{name}"
+    export_checkpoint(runs["out"] / name, out)
+    live = load_file(Path(runs["res"][name]["export_dir"]) / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert live.keys() == got.keys()
+    for key in live:
+        assert torch.equal(live[key], got[key]), key
+    model = load_draft_model(out)
+    assert model.config.block_size == 4 and model.config.markov_rank == 16
+
+
+def test_resume_two_ranks_on_one(runs):
+    """B's ZeRO-3 2-rank checkpoint at step 4, continued on 1 rank: the same steps 5..8.
+
+    NOTE: the 1-rank run takes the whole global batch as one micro-batch; with gradient
+    accumulation instead, each micro-batch would be normalised on its own (not one global
+    weighted mean) and the losses would drift apart by ~1e-4."""
+    tag = runs["out"] / "b_z3" / "checkpoints" / "step_00000004"
+    assert (tag / "COMPLETE").exists()
+    res = train_many(
+        runs["root"],
+        [
+            base_args(
+                runs["target"],
+                runs["out"],
+                "c_resume",
+                "--deepspeed.config",
+                "zero3",
+                "--data.batch_size",
+                "4",
+                "--checkpoint.resume",
+                str(tag),
+                "--checkpoint.export_final",
+                "false",
+            )
+        ],
+        nproc=1,
+    )
+    losses, ref = res["c_resume"]["losses"], runs["res"]["b_z3"]["losses"]
+    assert sorted(losses) == [5, 6, 7, 8]
+    for step in losses:
+        assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
+    assert (runs["out"] / "b_z3" / "checkpoints" / "step_00000004_universal").is_dir()
+
+
+def read_log(run_dir: Path) -> dict[int, float]:
+    losses = {}
+    for line in (run_dir / "train_log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        losses[row["step"]] = row["loss"]  # a replayed step overwrites the earlier entry
+    return losses
+
+
+def test_preempt_then_resume_auto_continues_exactly(runs):
+    out, name = runs["out"], "sig"
+    argv = [
+        sys.executable,
+        "-m",
+        "dspark_ds.cli",
+        "train",
+        *base_args(
+            runs["target"],
+            out,
+            name,
+            "--deepspeed.config",
+            "zero0",
+            "--checkpoint.every_steps",
+            "0",
+        ),
+    ]
+    proc = subprocess.Popen(
+        argv, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log = out / name / "train_log.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        # NOTE: signal at the first logged step: on an idle machine the remaining steps take
+        # well under a second, and a signal after the last step rightly ends with exit 0
+        if log.exists() and len(log.read_text().splitlines()) >= 1:
+            proc.send_signal(signal.SIGUSR1)  # Slurm's pre-emption warning
+            break
+        time.sleep(0.2)
+    output = proc.communicate(timeout=400)[0]
+    assert proc.returncode == 75, output[-3000:]
+    assert (out / name / "REQUEUE").exists()
+    stopped_at = int((out / name / "REQUEUE").read_text())
+    assert 1 <= stopped_at < STEPS
+    run_id = (out / name / "mlflow_run_id").read_text().strip()
+
+    check(
+        subprocess.run(
+            [*argv, "--checkpoint.resume", "auto"],
+            env=_env(),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    )
+    assert not (out / name / "REQUEUE").exists()
+    # the log follows the resumed state: each step once, the replayed ones not twice
+    steps = [
+        json.loads(x)["step"] for x in (out / name / "train_log.jsonl").read_text().splitlines()
+    ]
+    assert steps == list(range(1, STEPS + 1))
+    got, ref = read_log(out / name), runs["res"]["a_z0"]["losses"]
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-7), step
+    # the resumed job continued the same MLflow run
+    assert (out / name / "mlflow_run_id").read_text().strip() == run_id
+    hist = mlflow_client(out).get_metric_history(run_id, "train/loss")
+    assert sorted({m.step for m in hist}) == list(range(1, STEPS + 1))
+
+
+def test_export_cli(runs):
+    out = runs["root"] / "export_cli"
+    proc = check(
+        python(
+            [
+                "-m",
+                "dspark_ds.cli",
+                "export",
+                "--checkpoint",
+                str(runs["out"] / "b_z3"),
+                "--output_dir",
+                str(out),
+            ]
+        )
+    )
+    assert "wrote" in proc.stdout
+    live = load_file(Path(runs["res"]["b_z3"]["export_dir"]) / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert all(torch.equal(live[k], got[k]) for k in live)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 4
+    # readable by a serving job of another user (safetensors alone writes 0600)
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044
+
+    # a non-empty directory is refused (one line, exit 2, nothing touched) unless asked
+    other = runs["root"] / "export_taken"
+    other.mkdir()
+    (other / "config.json").write_text('{"unrelated": true}')
+    argv = ["-m", "dspark_ds.cli", "export", "--checkpoint", str(runs["out"] / "b_z3")]
+    proc = python([*argv, "--output_dir", str(other)])
+    assert proc.returncode == 2, proc.stderr
+    assert "output_dir:" in proc.stderr and "--overwrite true" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (other / "config.json").read_text() == '{"unrelated": true}'
+    from dspark_ds.train.export import export_checkpoint
+
+    (other / "model-00001-of-00002.safetensors").write_bytes(b"stale shard")
+    export_checkpoint(runs["out"] / "b_z3", other, overwrite=True)
+    got = load_file(other / "model.safetensors")
+    assert all(torch.equal(live[k], got[k]) for k in live)
+    # the export names the run that trained it (the checkpoint's run directory holds its id)
+    assert sorted(p.name for p in other.iterdir()) == [
+        "config.json", "mlflow_run.json", "model.safetensors"
+    ]  # fmt: skip
+    record = json.loads((other / "mlflow_run.json").read_text())
+    assert record["run_id"] == runs["res"]["b_z3"]["mlflow_run_id"]
+
+
+def test_online_target_shared_and_partitioned_under_zero3(runs):
+    """The drafter's embedding / lm_head are the target's frozen Parameters at every stage;
+    under ZeRO-3 each rank stores only its partition of the target (nothing left gathered
+    after the run), and the losses equal the replicated (ZeRO-2) run's."""
+    res = runs["res"]
+    for name in ("b_z0", "b_z2", "b_z3", "b_z3off", "a_z0", "a_z3", "b_z3_tied"):
+        assert all(f["shares"] and f["frozen"] for f in res[name]["target"]), name
+    for rank_facts in res["b_z2"]["target"]:  # replicated
+        assert (
+            rank_facts["local_numel"]
+            == rank_facts["materialized_numel"]
+            == rank_facts["full_numel"]
+        )
+    for name in ("b_z3", "b_z3_tied"):
+        facts = res[name]["target"]
+        full = facts[0]["full_numel"]
+        assert len(facts) == 2 and full > 10_000
+        for rank_facts in facts:
+            assert rank_facts["local_numel"] <= full // 2 + 64, (name, rank_facts)
+            assert rank_facts["materialized_numel"] == 0, (name, rank_facts)
+        assert sum(f["local_numel"] for f in facts) >= full
+    for step in range(1, STEPS + 1):
+        assert res["b_z3"]["losses"][step] == pytest.approx(
+            res["b_z2"]["losses"][step], rel=2e-4
+        ), step
+
+
+@pytest.mark.parametrize("name", ["b_z2", "b_z3"])
+def test_shared_weights_not_in_checkpoints_but_exported(runs, name):
+    from dspark_ds.engine.checkpoint import checkpoint_trainable_fp32
+    from dspark_ds.target import target_shared_weights
+
+    trainable = checkpoint_trainable_fp32(runs["out"] / name / "checkpoints" / "step_00000008")
+    assert "fc.weight" in trainable
+    assert not {"embed_tokens.weight", "lm_head.weight"} & set(trainable)
+    live = load_file(Path(runs["res"][name]["export_dir"]) / "model.safetensors")
+    embed, head = target_shared_weights(str(runs["target"]))
+    assert torch.equal(live["embed_tokens.weight"], embed.float())
+    assert torch.equal(live["lm_head.weight"], head.float())
+
+
+def test_tied_target_export_under_zero3(runs):
+    from dspark_ds.target import target_shared_weights
+
+    live = load_file(Path(runs["res"]["b_z3_tied"]["export_dir"]) / "model.safetensors")
+    embed, head = target_shared_weights(str(runs["tied"]))
+    assert torch.equal(embed, head)
+    assert torch.equal(live["embed_tokens.weight"], embed.float())
+    assert torch.equal(live["lm_head.weight"], embed.float())
+
+
+def test_target_dtype_must_match_precision_online(tmp_path, tiny_target):
+    from dspark_ds.cli import parse_config
+    from dspark_ds.train.trainer import Trainer
+
+    target = tiny_target
+    cfg = parse_config(
+        "train", base_args(Path(target), tmp_path, "dtype", "--train.precision", "bf16")
+    )
+    with pytest.raises(
+        ValueError,
+        match="target.dtype: .*train.precision=bf16 needs target.dtype=bfloat16, got float32",
+    ):
+        Trainer(cfg)
+
+
+def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path, tiny_target):
+    """Hybrid mode, ZeRO-3, 2 ranks, real (prepared) data: epoch 0 runs the partitioned target,
+    whose every forward all-gathers weights (a collective), so the samples left out of epoch 0
+    must cost both ranks the same number of forwards; epoch 1 reads the completed cache."""
+    from dspark_ds.data.cache import TargetCache
+    from dspark_ds.data.config import DataConfig, PrepareConfig
+    from dspark_ds.data.tokens import prepare
+
+    target = Path(tiny_target)
+    jsonl = write_chat_jsonl(tmp_path / "chat.jsonl", 17, seed=2)
+    prep = tmp_path / "prep"
+    prepare(
+        PrepareConfig(
+            data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=72),
+            output_dir=str(prep),
+        )
+    )
+    res = train_many(
+        tmp_path / "runs",
+        [
+            base_args(
+                target,
+                tmp_path / "runs",
+                "hyb",
+                "--deepspeed.config",
+                "zero3",
+                *NO_PERSIST,
+                "--train.synthetic_samples",
+                "0",
+                "--data.mode",
+                "hybrid",
+                "--data.paths",
+                f"[{prep}]",
+                "--data.cache_dir",
+                str(tmp_path / "cache"),
+                "--data.max_length",
+                "72",
+                "--tracking.enabled",
+                "false",
+            )
+        ],
+        nproc=2,
+    )
+    cache = TargetCache(tmp_path / "cache")
+    assert len(cache) % 4, "the test needs samples left out of epoch 0 (global batch 4)"
+    losses = res["hyb"]["losses"]
+    assert sorted(losses) == list(range(1, STEPS + 1))  # epoch 1 (steps 5..8) from the cache
+    assert all(f["shares"] and f["materialized_numel"] == 0 for f in res["hyb"]["target"])
+
+
+def test_zero3_nvme_with_a_target_in_the_job(tmp_path):
+    """ZeRO-3 with parameters and optimizer on NVMe and the target in the job: the target's
+    parameters larger than DeepSpeed's smallest swap (1 MiB: its 32 000 × 64 embedding and
+    lm_head) are swapped to files of their own, which the drafter's parameter swapper (started
+    after it, emptying its own folder) leaves in place: the steps run and the loss is finite."""
+    target = Path(build_tiny_target(tmp_path / "target", hidden_size=64, vocab_size=32000))
+    nvme = tmp_path / "nvme"
+    overrides = {
+        "zero_optimization": {
+            "offload_param": {"nvme_path": str(nvme)},
+            "offload_optimizer": {"nvme_path": str(nvme)},
+        }
+    }
+    args = base_args(target, tmp_path / "runs", "nvme", "--deepspeed.config",
+                     "zero3_offload_nvme", "--deepspeed.overrides", json.dumps(overrides),
+                     "--train.max_steps", "2", "--checkpoint.every_steps", "0",
+                     "--tracking.enabled", "false")  # fmt: skip
+    check(python(["-m", "dspark_ds.cli", "train", *args], timeout_s=600))
+    assert list((nvme / "target").rglob("*_param.tensor.swp")), "no target parameter swapped"
+    log = [json.loads(line) for line in (tmp_path / "runs" / "nvme" / "train_log.jsonl").open()]
+    losses = [row["loss"] for row in log if "loss" in row]
+    assert len(losses) == 2 and all(loss == loss for loss in losses), log

@@ -1,0 +1,461 @@
+"""The package's shape: no import cycles, the boundaries of docs/architecture.md, formatting.
+
+The import graph counts every `import` statement of a module, the ones inside functions too
+(a lazy import still ties two modules together), resolved to modules of `dspark_ds`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "dspark_ds"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The dspark_ds modules `path` imports (a package import counts as its __init__)."""
+    tree = ast.parse(path.read_text())
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            subs = [f"{base}.{a.name}" for a in node.names]
+            # `from pkg import sub` imports the submodule; any other name needs pkg itself
+            candidates = [c for c in subs if c in modules]
+            if len(candidates) < len(subs):
+                candidates.append(base)
+        else:
+            continue
+        for cand in candidates:
+            # the longest known module that the dotted name starts with
+            while cand and cand not in modules:
+                cand = cand.rpartition(".")[0]
+            # a parent package is always imported before its modules: not an edge
+            if cand and cand != name and not name.startswith(cand + "."):
+                found.add(cand)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = sorted(PACKAGE.rglob("*.py"))
+    modules = {module_name(f) for f in files}
+    return {module_name(f): imports_of(f, modules) for f in files}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _external_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert cycles(graph) == []
+
+
+def test_a_cycle_is_found():
+    # the detector itself: a -> b -> c -> a is reported, d -> a is not part of it
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_cli_is_a_leaf():
+    graph = import_graph()
+    users = sorted(m for m, deps in graph.items() if "dspark_ds.cli" in deps)
+    # only launchers run the CLI in-process: the srun entry point and the demo's forked ranks
+    assert users == ["dspark_ds.demo.launcher", "dspark_ds.launch"]
+
+
+def test_drafters_do_not_depend_on_the_perf_tools():
+    graph = import_graph()
+    drafters = {m for m in graph if m.startswith("dspark_ds.drafters")}
+    assert "dspark_ds.drafters.perf" in drafters  # the `perf` section lives with the drafters
+    used = sorted({d for m in drafters for d in graph[m] if d.startswith("dspark_ds.perf")})
+    assert used == []
+
+
+ARCHITECTURE = (
+    "drafters/common",
+    "drafters/dspark/model.py",
+    "drafters/dspark/qwen3.py",
+    "drafters/dspark/gemma4.py",
+    "drafters/dspark/markov.py",
+    "drafters/eagle3/model.py",
+    "drafters/eagle3/qwen3.py",
+    "drafters/eagle3/gemma4.py",
+    "drafters/io.py",
+    "drafters/presets.py",
+)
+
+
+@pytest.mark.parametrize("where", ARCHITECTURE)
+def test_architecture_files_are_pure_torch(where):
+    paths = [PACKAGE / where] if where.endswith(".py") else sorted((PACKAGE / where).glob("*.py"))
+    for path in paths:
+        bad = {
+            n
+            for n in _external_imports(path)
+            if n.split(".")[0] in ("deepspeed", "mlflow")
+            or n.startswith("torch.distributed")
+            or n == "dspark_ds.distributed"
+        }
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize(
+    "lib,allowed", [("deepspeed", ("dspark_ds/engine/",)), ("mlflow", ("dspark_ds/tracking/",))]
+)
+def test_one_importer_per_backend(lib, allowed):
+    users = sorted(
+        str(p.relative_to(REPO))
+        for p in PACKAGE.rglob("*.py")
+        if any(n.split(".")[0] == lib for n in _external_imports(p))
+    )
+    assert users and all(u.startswith(allowed) for u in users), users
+
+
+@pytest.mark.parametrize("args", [["format", "--check"], ["check"]], ids=["format", "lint"])
+def test_ruff(args):
+    # ruff comes with the [dev] extra (tools/install.sh)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", *args, "dspark_ds", "tests"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def deepspeed_imports_before_the_guard(path: Path) -> list[str]:
+    """Where `path` imports deepspeed other than through `runtime.import_deepspeed()`: at the
+    module's own import, or in a function before that function calls `import_deepspeed()`."""
+
+    def imports_deepspeed(node) -> bool:
+        if isinstance(node, ast.Import):
+            return any(a.name.split(".")[0] == "deepspeed" for a in node.names)
+        return isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == (
+            "deepspeed"
+        )
+
+    tree = ast.parse(path.read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    inside = {id(n) for f in functions for n in ast.walk(f)}
+    bad = [
+        f"line {n.lineno}" for n in ast.walk(tree) if imports_deepspeed(n) and id(n) not in inside
+    ]
+    for f in functions:
+        if f.name == "import_deepspeed":
+            continue
+        guards = [
+            n.lineno
+            for n in ast.walk(f)
+            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "import_deepspeed"
+        ]
+        bad += [
+            f"line {n.lineno} ({f.name})"
+            for n in ast.walk(f)
+            if imports_deepspeed(n) and not any(g < n.lineno for g in guards)
+        ]
+    return bad
+
+
+def test_the_engine_imports_deepspeed_on_first_use_through_its_guard():
+    # importing a part of the engine never imports deepspeed, and deepspeed's first import
+    # always keeps MLflow out (engine/runtime.py)
+    bad = {
+        str(p.relative_to(REPO)): found
+        for p in sorted((PACKAGE / "engine").glob("*.py"))
+        if (found := deepspeed_imports_before_the_guard(p))
+    }
+    assert bad == {}
+
+
+def test_an_unguarded_deepspeed_import_is_found(tmp_path):
+    path = tmp_path / "part.py"
+    path.write_text(
+        "import deepspeed\n\n"
+        "def ok():\n    import_deepspeed()\n    from deepspeed.utils import x\n\n"
+        "def unguarded():\n    from deepspeed.utils import y\n"
+    )
+    assert deepspeed_imports_before_the_guard(path) == ["line 1", "line 8 (unguarded)"]
+
+
+def calls_at_import(path: Path, *names: str) -> list[int]:
+    """Lines where `path` calls one of `names` at its own import (outside any function)."""
+    tree = ast.parse(path.read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    inside = {id(n) for f in functions for n in ast.walk(f)}
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and id(n) not in inside
+        and (getattr(n.func, "id", None) in names or getattr(n.func, "attr", None) in names)
+    ]
+
+
+def test_importing_the_package_registers_nothing_with_transformers():
+    # transformers' Auto tables learn the drafters only from an explicit call
+    # (drafters.register_auto_classes), never as an import's side effect
+    found = {
+        str(p.relative_to(REPO)): lines
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (lines := calls_at_import(p, "register_auto_classes", "register"))
+    }
+    assert found == {}
+
+
+def test_a_call_at_import_is_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("register_auto_classes()\n\ndef f():\n    register_auto_classes()\n")
+    assert calls_at_import(path, "register_auto_classes") == [1]
+
+
+def test_data_does_not_import_the_trainer():
+    # the data pipeline sits below the trainer: it raises what it needs from errors.py
+    graph = import_graph()
+    up = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if m.startswith("dspark_ds.data")
+        for d in deps
+        if d.startswith("dspark_ds.train")
+    )
+    assert up == []
+
+
+# ---- the kind seam: no module outside drafters/ names a drafter kind -------------------------
+
+# Documented exceptions: (module, what it names) -> why.
+KIND_NAME_EXCEPTIONS = {
+    ("dspark_ds/config.py", "'dspark'"): "the default run name is the project's name",
+    # NOTE: `dspark-ds bench` times the DSpark family's step on blocks it samples itself and
+    # counts that step's FLOPs from them; a kind-generic bench (its drafter, batch and FLOP
+    # count from the kind) is still to be built (issue 32)
+    ("dspark_ds/perf/train_bench.py", "dspark"): "the DSpark step it times",
+    ("dspark_ds/perf/train_bench.py", "DSPARK_LOSS"): "DSpark's loss weights",
+    ("dspark_ds/perf/train_bench.py", "DFLASH_LOSS"): "DFlash's loss weights",
+}
+
+
+def _kind_words() -> set[str]:
+    from dspark_ds.drafters.presets import PRESET_NAMES
+    from dspark_ds.drafters.registry import KINDS
+
+    return set(KINDS) | set(PRESET_NAMES)
+
+
+def _names_a_kind(ident: str, words: set[str]) -> bool:
+    """An identifier with a kind's name in it, in any case (`eagle3_layers`, `DSPARK_LOSS`,
+    `DSparkDraftModel`); the package's own name, dspark_ds, is not a kind."""
+    ident = ident.lower().replace("dspark_ds", "")
+    return any(w in ident for w in words)
+
+
+def kind_names_in(path: Path, words: set[str]) -> list[str]:
+    """Where `path` names a kind: a string that is a kind's (or a preset's) name, an identifier
+    with one as a word (`eagle3_layers`, `DSPARK_LOSS`), or an import of a kind's own folder.
+    Docstrings, comments and messages' prose may name kinds; code may not."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(st.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        for st in node.body
+        if isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant):
+            if isinstance(node.value, str) and id(node) not in docstrings:
+                if node.value.lower() in words:
+                    found.append(repr(node.value))
+            continue
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword):
+            names = [node.arg or ""]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names = [node.name]
+        elif isinstance(node, ast.alias):
+            names = [*node.name.split("."), node.asname or ""]
+        elif isinstance(node, ast.ImportFrom):
+            names = (node.module or "").split(".")
+        else:
+            continue
+        found += [n for n in names if n and _names_a_kind(n, words)]
+    return found
+
+
+def test_no_module_outside_the_drafters_names_a_kind():
+    # what a kind contributes (config fields, step shape, demo sizes, eval tags, ...) comes from
+    # the kind (drafters/<kind>/kind.py, the registry) or its presets: adding a kind touches no
+    # module outside drafters/
+    words = _kind_words()
+    assert {"dspark", "eagle3", "dflash"} <= words  # read from the registry and the presets
+    found = {
+        (str(p.relative_to(REPO)), what)
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if "drafters" not in p.relative_to(PACKAGE).parts
+        for what in kind_names_in(p, words)
+    }
+    assert sorted(found - set(KIND_NAME_EXCEPTIONS)) == []
+    assert set(KIND_NAME_EXCEPTIONS) <= found  # an exception no longer needed is removed
+
+
+def test_a_kind_name_is_found(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        '"""dspark"""\n'
+        "import dspark_ds.drafters.eagle3.loss\n"
+        "from dspark_ds.drafters.dspark.step import forward_loss\n"
+        "from dspark_ds import drafters\n"
+        'x = {"dspark": 1}  # dspark in a comment is prose\n'
+        "eagle3_layers = DSparkThing(dflash=2)\n"
+        'y = "DSpark drafts blocks"\n'
+        'z = "dspark_ds/recipes/a.yaml"\n'
+    )
+    found = kind_names_in(path, {"dspark", "dflash", "eagle3"})
+    assert sorted(found) == sorted(
+        ["eagle3", "dspark", "'dspark'", "eagle3_layers", "DSparkThing", "dflash"]
+    )
+
+
+# ---- docs/architecture.md's layout is the package's ------------------------------------------
+
+NAME_COLUMN = 24  # a tree line's name starts before this column; its description after
+
+
+def layout_entries(text: str) -> list[tuple[Path, str, bool]]:
+    """(path in the repo, description, is a folder) of each entry of the first code block of
+    docs/architecture.md: the tree, two spaces per level."""
+    block = text.split("```\n", 2)[1]
+    entries: list[list] = []
+    folders: list[tuple[int, Path]] = []
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        first, _, rest = line.strip().partition(" ")
+        if indent < NAME_COLUMN and re.fullmatch(r"[\w.-]+/?", first):
+            while folders and folders[-1][0] >= indent:
+                folders.pop()
+            path = (folders[-1][1] if folders else Path()) / first.rstrip("/")
+            entries.append([path, rest.strip(), first.endswith("/")])
+            if first.endswith("/"):
+                folders.append((indent, path))
+        else:
+            entries[-1][1] += " " + line.strip()
+    return [tuple(e) for e in entries]
+
+
+def layout_problems(text: str, repo: Path) -> list[str]:
+    """What the layout claims that the package contradicts: an entry or a module it names
+    that does not exist, a package module or subpackage its folder's entry does not name."""
+    entries = layout_entries(text)
+    problems = [f"{p}: does not exist" for p, _, _ in entries if not (repo / p).exists()]
+    for path, description, is_folder in entries:
+        here = path if is_folder else path.parent
+        for named in re.findall(r"[\w/]+\.py\b", description):
+            if not any((repo / d / named).exists() for d in (here, *here.parents)):
+                problems.append(f"{path}: names {named}, which does not exist")
+    for path, _, is_folder in entries:
+        if not is_folder or not (repo / path / "__init__.py").exists():
+            continue
+        text_of = " ".join(
+            f"{p.name}{'/' if f else ''} {d}" for p, d, f in entries if path in (p, *p.parents)
+        )
+        named = {n.rpartition("/")[2] for n in re.findall(r"[\w/]+\.py\b", text_of)}
+        named |= {p.name for p, _, _ in entries if p.parent == path}
+        for module in sorted((repo / path).iterdir()):
+            if module.name in ("__init__.py", "__pycache__"):
+                continue
+            is_package = (module / "__init__.py").exists()
+            if (module.suffix == ".py" or is_package) and module.name not in named:
+                problems.append(f"{path}: does not list {module.name}")
+    return problems
+
+
+def test_the_architecture_doc_lists_the_package():
+    text = (REPO / "docs" / "architecture.md").read_text()
+    assert len(layout_entries(text)) > 40
+    assert layout_problems(text, REPO) == []
+
+
+def test_a_layout_problem_is_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "b.py", "sub/__init__.py", "sub/c.py"):
+        (pkg / f).write_text("")
+    text = (
+        "```\npkg/\n  a.py                    the a module, with gone.py\n"
+        "  sub/                    c.py\n  old.py                  removed\n```\n"
+    )
+    assert layout_problems(text, tmp_path) == [
+        "pkg/old.py: does not exist",
+        "pkg/a.py: names gone.py, which does not exist",
+        "pkg: does not list b.py",
+    ]

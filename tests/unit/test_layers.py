@@ -1,0 +1,76 @@
+"""The test suite's own shape (docs/testing.md): every test file sits in one of the four layers,
+and a test that launches several processes carries the markers that take it out of the fast lane
+(the check in tests/conftest.py, run here on small test files of its own)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import helpers.dist
+
+TESTS = Path(__file__).resolve().parents[1]
+LAYERS = ("unit", "multiprocess", "cluster", "e2e")
+
+
+def test_every_test_file_is_in_a_layer():
+    stray = [p.relative_to(TESTS) for p in TESTS.rglob("test_*.py")
+             if p.relative_to(TESTS).parts[0] not in LAYERS]  # fmt: skip
+    assert not stray, f"test files outside {LAYERS}: {stray}"
+    for layer in LAYERS:
+        assert list((TESTS / layer).glob("test_*.py")), layer
+
+
+LAUNCHING = """
+import pytest
+import helpers.dist
+
+
+def _launch():
+    helpers.dist.LAUNCHES.append("torchrun --nproc_per_node=2 fake")  # what torchrun() records
+
+
+def test_unmarked():
+    _launch()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_marked():
+    _launch()
+
+
+@pytest.mark.distributed
+def test_distributed_but_in_the_fast_lane():
+    _launch()
+
+
+def test_in_process():
+    pass
+"""
+
+
+def test_a_launching_test_without_its_markers_fails(pytester):
+    pytester.makeconftest((TESTS / "conftest.py").read_text())
+    pytester.mkdir("multiprocess")
+    pytester.mkdir("unit")
+    (pytester.path / "multiprocess" / "test_launching.py").write_text(LAUNCHING)
+    (pytester.path / "unit" / "test_launching_unit.py").write_text(LAUNCHING)
+    before = len(helpers.dist.LAUNCHES)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    del helpers.dist.LAUNCHES[before:]  # the small files' pretend launches are not this test's
+    outcomes = {r.nodeid: r.outcome for r in result.reprec.getreports("pytest_runtest_logreport")
+                if r.when == "call"}  # fmt: skip
+    assert outcomes == {
+        "multiprocess/test_launching.py::test_unmarked": "failed",
+        "multiprocess/test_launching.py::test_marked": "passed",
+        "multiprocess/test_launching.py::test_distributed_but_in_the_fast_lane": "failed",
+        "multiprocess/test_launching.py::test_in_process": "passed",
+        "unit/test_launching_unit.py::test_unmarked": "failed",
+        "unit/test_launching_unit.py::test_marked": "failed",
+        "unit/test_launching_unit.py::test_distributed_but_in_the_fast_lane": "failed",
+        "unit/test_launching_unit.py::test_in_process": "passed",
+    }
+    text = result.stdout.str()
+    assert "test_unmarked launched 1 multi-process run(s) (first: torchrun --nproc_per_node=2 fake)" \
+        " but is not marked 'distributed'; not marked 'slow'" in text  # fmt: skip
+    assert "in tests/unit/, which is in-process only" in text

@@ -1,0 +1,112 @@
+"""Every shipped recipe parses against `dspark-ds train`, carries the paper's defaults and agrees
+with the drafter preset it names (dspark_ds/drafters/presets.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dspark_ds.cli import parse_config
+from dspark_ds.drafters.presets import PRESET_NAMES, preset, preset_fields
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "dspark_ds" / "recipes").glob("*.yaml"))
+
+
+def test_recipes_exist():
+    names = {p.stem for p in RECIPES}
+    for algo in ("dspark", "dflash"):
+        for size in ("4b", "8b", "14b"):
+            assert f"{algo}_qwen3_{size}" in names
+    assert "tiny_cpu" in names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_recipe_parses(path):
+    cfg = parse_config("train", ["--config", str(path)])
+    if "tiny" in path.stem:
+        assert cfg.train.synthetic_samples > 0 and cfg.train.precision == "fp32"
+        # the quick-start recipes keep the safe default: a rerun never continues silently
+        assert cfg.checkpoint.resume is None
+        return
+    if not path.stem.startswith(("dspark", "dflash")):
+        return  # other drafter families (eagle3) own their recipe checks
+    # the paper's shared recipe (docs/algorithm.md#configurations)
+    assert cfg.train.lr == 6e-4 and cfg.train.warmup_ratio == 0.04
+    assert cfg.train.weight_decay == 0.0 and cfg.train.precision == "bf16"
+    assert cfg.train.global_batch_size == 512 and cfg.train.num_epochs == 10
+    assert cfg.train.max_grad_norm == 1.0 and cfg.data.max_length == 4096
+    assert (cfg.model.block_size, cfg.model.num_draft_layers, cfg.model.num_anchors) == (7, 5, 512)
+    assert cfg.model.loss_decay_gamma == 4.0
+    if path.stem.startswith("dspark"):
+        assert cfg.model.markov_rank == 256 and cfg.model.markov_head_type == "vanilla"
+        assert cfg.model.confidence_head_alpha == 1.0 and cfg.model.confidence_head_with_markov
+        assert (cfg.model.ce_loss_alpha, cfg.model.l1_loss_alpha) == (0.1, 0.9)
+    else:
+        assert cfg.model.markov_rank == 0 and cfg.model.confidence_head_alpha == 0.0
+        assert (cfg.model.ce_loss_alpha, cfg.model.l1_loss_alpha) == (1.0, 0.0)
+    ids = [1, 10, 19, 28, 37] if "14b" in path.stem else [1, 9, 17, 25, 33]
+    if "32b" in path.stem:  # Qwen3-32B, 64 layers: default_layer_ids(64)
+        ids = [1, 16, 31, 46, 61]
+    if "gemma4" in path.stem:  # Gemma4-12B, 48 layers; see tests/unit/test_gemma4.py
+        ids = [5, 17, 29, 41, 46]
+    assert cfg.target.layer_ids == ids
+
+
+PAPER_RECIPES = [p for p in RECIPES if "tiny" not in p.stem]
+# the tiny CPU recipes shrink the drafter; these fields say which variant it is, and must agree
+VARIANT_FIELDS = (
+    "kind",
+    "markov_head_type",
+    "confidence_head_alpha",
+    "confidence_head_with_markov",
+    "loss_decay_gamma",
+    "ce_loss_alpha",
+    "l1_loss_alpha",
+    "step_loss_decay",
+)
+
+
+def _preset_of(path: Path) -> str:
+    name = "eagle3" if "eagle3" in path.stem else path.stem.split("_")[0]
+    return "dspark" if name == "tiny" else name  # tiny_cpu.yaml is the tiny DSpark
+
+
+@pytest.mark.parametrize("path", PAPER_RECIPES, ids=lambda p: p.stem)
+def test_paper_recipe_is_its_preset(path):
+    name = _preset_of(path)
+    assert name in PRESET_NAMES
+    model = parse_config("train", ["--config", str(path)]).model
+    got = {k: getattr(model, k) for k in preset_fields(name)}
+    assert got == preset_fields(name)
+
+
+@pytest.mark.parametrize("path", [p for p in RECIPES if "tiny" in p.stem], ids=lambda p: p.stem)
+def test_tiny_recipe_is_a_smaller_preset(path):
+    model = parse_config("train", ["--config", str(path)]).model
+    want = preset(_preset_of(path))
+    fields = [f for f in VARIANT_FIELDS if f in preset_fields(_preset_of(path))]
+    assert fields and {f: getattr(model, f) for f in fields} == {
+        f: getattr(want, f) for f in fields
+    }
+
+
+def test_presets_differ_where_the_paper_says():
+    dspark, dflash, eagle3 = preset("dspark"), preset("dflash"), preset("eagle3")
+    assert (dspark.markov_rank, dflash.markov_rank) == (256, 0)
+    assert (dspark.ce_loss_alpha, dspark.l1_loss_alpha, dspark.confidence_head_alpha) == (
+        0.1,
+        0.9,
+        1.0,
+    )
+    assert (dflash.ce_loss_alpha, dflash.l1_loss_alpha, dflash.confidence_head_alpha) == (
+        1.0,
+        0.0,
+        0.0,
+    )
+    assert (eagle3.kind, eagle3.num_draft_layers, eagle3.ttt_length) == ("eagle3", 1, 7)
+    # presets are copies: changing one never changes the next
+    dspark.markov_rank = 3
+    assert preset("dspark").markov_rank == 256
+    for name in PRESET_NAMES:
+        preset(name).validate()

@@ -1,0 +1,180 @@
+"""The tuner's search over micro-batches, the DeepSpeed keys its model does not read,
+`--write_recipe`, and the docs' `dspark-ds tune` commands: predictions only, no measured step
+(tests/multiprocess/test_tuner_write.py trains a written recipe)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dspark_ds import tune
+from dspark_ds.cli import main as cli_main
+from dspark_ds.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = REPO / "dspark_ds" / "recipes"
+CLUSTER_32B = ["--cluster.gpus_per_node", "8", "--cluster.gpu_memory_gb", "80",
+               "--cluster.host_memory_gb", "1024"]  # fmt: skip
+
+
+def _tune(tmp_path: Path, recipe: str, *argv: str) -> dict:
+    out = tmp_path / "tune.json"
+    assert cli_main(["tune", "--recipe", str(RECIPES / recipe), *argv,
+                     "--output_json", str(out)]) == 0  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def test_search_takes_the_largest_micro_batch_that_fits(tmp_path, capsys):
+    """Qwen3-32B on 2 nodes of 8 × 80 GB (issue 35: at micro-batch 1 every micro-batch gathers
+    the target across the network): each option's micro-batches are the divisors of its 32
+    sequences per rank, its memory grows with them, its point is the fastest (= the largest)
+    that fits, the global batch held; ZeRO-0/1/2 fit at none and show micro-batch 1; the
+    recommendation is the fastest point over all options."""
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2,1", *CLUSTER_32B)
+    text = capsys.readouterr().out
+    rows = {r["option"]: r for r in result["options"]}
+    est = {e["option"]: e for e in result["estimates"]}
+    for name, e in est.items():
+        tried = e["point"]["tried"]
+        assert [t["micro_batch"] for t in tried] == [1, 2, 4, 8, 16, 32], name
+        memory = [t["device_bytes"] for t in tried]
+        assert memory == sorted(memory), name
+        fitting = [t for t in tried if t["fits"]]
+        r = rows[name]
+        assert r["micro_batch"] * r["accum"] * 16 == 512 == r["global_batch"], name
+        if fitting:
+            fastest = min(fitting, key=lambda t: t["predicted_step_s"])["micro_batch"]
+            assert r["micro_batch"] == fastest == e["point"]["largest_fitting_micro_batch"]
+            assert r["fits"]
+        else:
+            assert r["micro_batch"] == 1 and not r["fits"], name
+    assert not any(rows[n]["fits"] for n in ("zero0", "zero1", "zero2"))
+    # ZeRO-3 at 2 nodes: micro-batch 8 (4 micro-batches per rank), not 16 (over 80 GB)
+    assert (rows["zero3"]["micro_batch"], rows["zero3"]["accum"]) == (8, 4)
+    # one gather of the 32.8 B target per micro-batch instead of 32: the step nearly halves
+    at_one = est["zero3"]["point"]["tried"][0]["predicted_step_s"]
+    assert rows["zero3"]["predicted_step_s"] < 0.6 * at_one
+    fitting = [r for r in rows.values() if r["fits"]]
+    assert result["recommended"] == min(fitting, key=lambda r: r["predicted_step_s"])["option"]
+    assert result["recommended"] == "zero3"
+    assert "recommended: zero3 at micro-batch 8 × 4 accumulation" in text
+    assert "--data.batch_size 8" in text and "the recipe as given (micro-batch 1)" in text
+    # the table shows each option's point; the scaling table each size's
+    assert re.search(r"^zero3 +8 +4 ", text, re.M), text
+    one_node = {r["option"]: r for r in result["scaling"]["1"]}
+    assert one_node["zero3"]["micro_batch"] == 4  # 8 does not fit next to 1/8 of the target
+
+
+def test_a_global_batch_the_cluster_cannot_split_is_held_near(tmp_path, capsys):
+    """512 sequences over 3 × 8 ranks: every point holds 504 (21 per rank: micro-batches 1, 3,
+    7, 21), and says so."""
+    result = _tune(tmp_path, "dspark_qwen3_8b.yaml", "--cluster.nodes", "3")
+    text = capsys.readouterr().out
+    for e in result["estimates"]:
+        assert [t["micro_batch"] for t in e["point"]["tried"]] == [1, 3, 7, 21]
+        assert e["point"]["global_batch"] == 504
+    for r in result["options"]:
+        assert r["micro_batch"] * r["accum"] * 24 == 504
+    assert "the search holds 504 sequences per step (21 per rank)" in text
+
+
+def test_unread_deepspeed_keys_are_named_in_a_warning(tmp_path, capsys):
+    """ZeRO++ keys and partial optimizer offload change nothing in the model's figures: a
+    warning line names each; keys it reads (a bucket size) or that change neither memory nor
+    time (the clipping threshold) are not named; a recipe's own deepspeed.config file, which
+    the options replace by the shipped ones, is said too."""
+    unread = {"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
+              "zero_quantized_gradients": True, "offload_optimizer": {"ratio": 0.3}}  # fmt: skip
+    overrides = {"zero_optimization": {**unread, "reduce_bucket_size": 10**8},
+                 "gradient_clipping": 1.0}  # fmt: skip
+    argv = ["--options", "[zero3, zero3+offload_opt]", "--cluster.nodes", "2"]
+    plain = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv)
+    assert plain["warnings"] == [] and "warning:" not in capsys.readouterr().out
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--overrides",
+                   json.dumps(["--deepspeed.overrides", json.dumps(overrides)]))  # fmt: skip
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning:")]
+    assert len(lines) == 1 and lines == [f"warning: {w}" for w in result["warnings"]]
+    named = lines[0].split(": ")[-1].split(", ")
+    assert named == [
+        "zero_optimization.zero_hpz_partition_size", "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_quantized_gradients", "zero_optimization.offload_optimizer.ratio",
+    ]  # fmt: skip
+    custom = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--overrides",
+                   json.dumps(["--deepspeed.config", str(REPO / "ds_configs" / "zero2.json")]))  # fmt: skip
+    assert (
+        len(custom["warnings"]) == 1
+        and "the tuner compares the shipped configs" in (custom["warnings"][0])
+    )
+
+
+def test_written_recipe_is_the_config_training_builds(tmp_path, capsys):
+    """`--write_recipe`: the train CLI's parser reads it; it holds the point (micro-batch,
+    accumulation, the global batch held on 24 ranks); its deepspeed.overrides merged over its
+    shipped config is exactly the config training builds from it, nothing left "auto", the ZeRO
+    values the tuner read explicit; on another world size training refuses it by name."""
+    from dspark_ds.config import TrainRunConfig, parse
+    from dspark_ds.engine.config import build_ds_config, zero_settings
+
+    path = tmp_path / "tuned.yaml"
+    result = _tune(tmp_path, "dspark_qwen3_8b.yaml", "--cluster.nodes", "3",
+                   "--write_recipe", str(path))  # fmt: skip
+    assert f"wrote {path}: {result['recommended']}" in capsys.readouterr().out
+    best = next(r for r in result["options"] if r["option"] == result["recommended"])
+    cfg = parse(TrainRunConfig, ["--config", str(path)])
+    assert cfg.data.batch_size == best["micro_batch"]
+    assert cfg.train.global_batch_size == 504 == best["micro_batch"] * best["accum"] * 24
+    option = next(o for o in tune.OPTIONS if o.name == best["option"])
+    assert cfg.deepspeed.config == option.config
+    built = build_ds_config(cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size,
+                            world_size=24, use_gpu=True)  # fmt: skip
+    assert built == cfg.deepspeed.overrides
+    assert "auto" not in json.dumps(built)
+    assert built["gradient_accumulation_steps"] == best["accum"]
+    zero = zero_settings(built)
+    written = built["zero_optimization"]
+    assert (
+        written["stage"] == zero.stage and written["reduce_bucket_size"] == zero.reduce_bucket_size
+    )
+    assert written["overlap_comm"] == zero.overlap_comm
+    with pytest.raises(ConfigError, match="train_batch_size|global_batch_size"):
+        build_ds_config(cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size,
+                        world_size=8, use_gpu=True)  # fmt: skip
+
+
+def _doc_commands() -> list[list[str]]:
+    """Every `dspark-ds tune` command of the docs' bash blocks (continuations joined), as the
+    arguments after `tune`."""
+    out = []
+    for doc in (REPO / "docs" / "tuner.md", REPO / "README.md"):
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S):
+            for cmd in re.sub(r"\\\n\s*", " ", block).splitlines():
+                words = shlex.split(cmd, comments=True)
+                if "tune" not in words or "..." in words:
+                    continue
+                start = words.index("tune")
+                if words[start - 1] not in ("dspark-ds", "dspark_ds.cli"):
+                    continue
+                if words[start + 1 :] not in out:  # the same command in two docs: once
+                    out.append(words[start + 1 :])
+    return out
+
+
+def test_the_docs_tune_commands_parse(tmp_path, monkeypatch):
+    """Each `dspark-ds tune` command the docs show parses (the tuner's flags and the train flags
+    of its --overrides), so that a renamed flag fails here rather than for a reader."""
+    from dspark_ds.cli import parse_config
+    from dspark_ds.tune.cluster import preset_machine, save_profile
+    from dspark_ds.tune.inventory import load_recipe
+
+    commands = _doc_commands()
+    assert len(commands) >= 8
+    assert any("dspark_qwen3_32b.yaml" in " ".join(c) for c in commands)
+    monkeypatch.chdir(tmp_path)
+    save_profile(preset_machine("8xH100-80GB"), tmp_path / "node.json", {})  # node.json's place
+    for argv in commands:
+        argv = [str(REPO / a) if a.startswith("dspark_ds/recipes/") else a for a in argv]
+        load_recipe(parse_config("tune", argv))

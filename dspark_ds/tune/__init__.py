@@ -13,8 +13,8 @@ config.py (the options), cluster.py (presets, profiles, `--cluster.*`), calibrat
 rates measured here), inventory.py (what the run holds, built by the drafter's kind),
 workload.py (a micro-batch's FLOPs and host work), estimate.py (per-option memory, from the
 DeepSpeed config training would use), steptime.py (per-option step time), search.py (each
-option's micro-batch point), measure.py (real steps), report.py (the tables), write.py (the
-recipe of --write_recipe).
+option's micro-batch point), dataio.py (the data term), measure.py (real steps), report.py
+(the tables), write.py (the recipe of --write_recipe).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch
 
 from dspark_ds.tune.cluster import ClusterConfig, Machine, resolve, save_profile, with_values
 from dspark_ds.tune.config import OPTION_NAMES, OPTIONS, TunerConfig, ZeroOption
+from dspark_ds.tune.dataio import data_lines, measure_read, reads_cache, sequence_bytes
 from dspark_ds.tune.estimate import (
     Estimate,
     ds_config_warnings,
@@ -152,6 +153,12 @@ def _calibrate_and_measure(
         out.meta = cal.meta()
         source = f"calibrated {out.meta['date']}"
         values.update(cal.machine_values())
+        if reads_cache(run_cfg) and run_cfg.data.cache_dir:  # on the cache's own directory
+            read = measure_read(run_cfg.data.cache_dir)
+            if read is not None:
+                values["cache_read_bytes_per_s"] = read[0] / read[1]
+                out.meta["cache_read"] = {"dir": run_cfg.data.cache_dir, "bytes": read[0],
+                                          "seconds": read[1]}  # fmt: skip
         out.machine = resolve(cfg.cluster, measured=values, measured_source=source)
         if cfg.cluster.save_profile and distributed.is_rank0():
             save_profile(out.machine, cfg.cluster.save_profile, out.meta, only_from=source)
@@ -255,6 +262,8 @@ def predict_one(
         option=option.name, zero=zero, dtype_bytes=b, inv=inv, machine=machine, nodes=nodes,
         workload=wl, persistent_numels=tuple(persistent), accum=accum, sequences=sequences,
         tokens_per_sequence=run_cfg.data.max_length, in_job=target_in_job(run_cfg), note=note,
+        read_bytes_per_micro=run_cfg.data.batch_size * sequence_bytes(run_cfg, inv),
+        loader_workers=run_cfg.data.num_workers,
     )  # fmt: skip
     est.step = step_time(step).as_dict()
     return est
@@ -299,8 +308,10 @@ def run(cfg: TunerConfig) -> dict:
             est = predict_one(cfg, at, inv, own_machine, option, 1, own_work)
             at_measurement[option.name] = est.step["predicted_step_s"]
     warnings = ds_config_warnings(run_cfg)
+    data = data_lines(recommend(estimates), run_cfg, inv, machine)
+    data_warnings = [ln.removeprefix("warning: ") for ln in data if ln.startswith("warning: ")]
     text = report(estimates, cfg, inv, run_cfg, machine, measured, scaling, found.meta,
-                  at_measurement, warnings, as_given)  # fmt: skip
+                  at_measurement, warnings, as_given, data)  # fmt: skip
     rows = []
     for e in estimates:
         m = measured.get(e.option, {})
@@ -341,7 +352,7 @@ def run(cfg: TunerConfig) -> dict:
         "machine": {k: v for k, v in asdict(machine).items() if k != "sources"},
         "machine_sources": dict(machine.sources),
         "calibration": found.meta,
-        "warnings": warnings,
+        "warnings": warnings + data_warnings,
         "recommended": (recommend(estimates) or Estimate("none")).option,
         "text": text,
     }

@@ -83,6 +83,9 @@ class Machine:
     step's small collectives), beyond plain PyTorch's optimizer."""
     comm_overlap: float = 0.0
     """Share of ZeRO-3's prefetched all-gathers that runs while the device computes (0..1)."""
+    cache_read_bytes_per_s: float = 2 * GB
+    """Read bandwidth of an offline cache's directory for one node (all its ranks reading at
+    once): a shared file system's share, or local drives."""
     sources: dict = field(default_factory=dict, compare=False)
     """Field -> where its value came from (preset name, profile path, flag)."""
 
@@ -153,6 +156,7 @@ _HOPPER = dict(
     engine_micro_s=(1e-3,) * 7,
     engine_step_s=(5e-3,) * 7,
     comm_overlap=0.8,
+    cache_read_bytes_per_s=2 * GB,
 )
 _PUBLISHED = ("gpus_per_node", "host_memory_bytes", "peak_flops", "all_reduce_bytes_per_s",
               "all_gather_bytes_per_s", "reduce_scatter_bytes_per_s", "inter_node_bytes_per_s",
@@ -271,6 +275,9 @@ class ClusterConfig:
     """NVMe write bandwidth of a node (GB/s)."""
     collective_latency_us: float | None = None
     """Time of one small collective inside a node (microseconds)."""
+    cache_read_gb_per_s: float | None = None
+    """Read bandwidth of the offline cache's directory for one node (GB/s), all its ranks
+    reading at once (data.mode offline: the data term)."""
 
     @property
     def node_counts(self) -> list[int]:
@@ -302,7 +309,7 @@ class ClusterConfig:
             raise ConfigError(f"cluster.gpus_per_node: must be >= 1, got {self.gpus_per_node}")
         for name in ("gpu_memory_gb", "host_memory_gb", "peak_tflops", "intra_node_gb_per_s",
                      "inter_node_gb_per_s", "host_device_gb_per_s", "nvme_read_gb_per_s",
-                     "nvme_write_gb_per_s"):  # fmt: skip
+                     "nvme_write_gb_per_s", "cache_read_gb_per_s"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"cluster.{name}: must be > 0, got {value}")
@@ -338,7 +345,8 @@ class ClusterConfig:
         for name, key in (("inter_node_gb_per_s", "inter_node_bytes_per_s"),
                           ("host_device_gb_per_s", "host_device_bytes_per_s"),
                           ("nvme_read_gb_per_s", "nvme_read_bytes_per_s"),
-                          ("nvme_write_gb_per_s", "nvme_write_bytes_per_s")):  # fmt: skip
+                          ("nvme_write_gb_per_s", "nvme_write_bytes_per_s"),
+                          ("cache_read_gb_per_s", "cache_read_bytes_per_s")):  # fmt: skip
             if getattr(self, name) is not None:
                 out[key] = getattr(self, name) * GB
         if self.collective_latency_us is not None:

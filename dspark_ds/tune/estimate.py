@@ -363,9 +363,13 @@ def estimate(
 
 
 def recommend(estimates: list[Estimate]) -> Estimate | None:
-    """The fastest predicted option that fits (among equal times, the earlier option)."""
+    """The fastest predicted point that fits (among equal times, the earlier option)."""
     order = {name: i for i, name in enumerate(OPTION_NAMES)}
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         return None
-    return min(fitting, key=lambda e: (e.step.get("predicted_step_s", 0.0), order[e.option]))
+    # NOTE: times equal to 9 digits are equal (rounding must not pick between them)
+    return min(
+        fitting,
+        key=lambda e: (float(f"{e.step.get('predicted_step_s', 0.0):.9g}"), order[e.option]),
+    )

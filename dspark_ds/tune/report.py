@@ -203,7 +203,9 @@ def figures(machine: Machine) -> list[str]:
         f" / {machine.nvme_write_bytes_per_s / DECIMAL_GB:.3g} GB/s read / write "
         f"[{src('nvme_read_bytes_per_s')}], CPU Adam {machine.cpu_adam_params_per_s / 1e6:.3g} M "
         f"params/s per rank [{src('cpu_adam_params_per_s')}], host time per op "
-        f"{machine.op_overhead_s * 1e6:.3g} µs [{src('op_overhead_s')}]"
+        f"{machine.op_overhead_s * 1e6:.3g} µs [{src('op_overhead_s')}], cache read "
+        f"{machine.cache_read_bytes_per_s / DECIMAL_GB:.3g} GB/s per node "
+        f"[{src('cache_read_bytes_per_s')}]"
     ]
 
 
@@ -219,6 +221,7 @@ def report(
     at_measurement: dict[str, float] | None = None,
     warnings: list[str] | None = None,
     as_given: list[Estimate] | None = None,
+    data: list[str] | None = None,
 ) -> str:
     nodes = estimates[0].step["nodes"] if estimates else 1
     header = HEADER + (MEASURED_HEADER if measured else [])
@@ -233,6 +236,7 @@ def report(
     if scaling and len(scaling) > 1:
         lines += scaling_table(scaling)
     lines += ["", *conclusion(estimates, as_given, run_cfg.data.batch_size)]
+    lines += data or []
     note = next((e.point["note"] for e in estimates if e.point.get("note")), None)
     note = note or batch_mismatch(run_cfg, nodes * machine.gpus_per_node)
     if note:

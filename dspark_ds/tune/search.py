@@ -74,8 +74,11 @@ def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, op
                       "predicted_step_s": est.step["predicted_step_s"],
                       "device_bytes": est.device_total})  # fmt: skip
         first = first or (micro, est)
+        # NOTE: equal up to rounding (an I/O-bound step is the read time whatever the
+        # micro-batch) counts as equal: the larger micro-batch
         if est.fits and (
-            best is None or est.step["predicted_step_s"] <= best[1].step["predicted_step_s"]
+            best is None
+            or est.step["predicted_step_s"] <= best[1].step["predicted_step_s"] * (1 + 1e-9)
         ):
             best = (micro, est)
     micro, chosen = best or first

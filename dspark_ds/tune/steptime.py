@@ -33,6 +33,8 @@ reduce-scatter (N-1)/N of the whole); across nodes the slower of NVLink and the 
   at every gather.
 - optimizer: Adam over the rank's elements (all of them at ZeRO-0), on the device or, with
   optimizer offload, DeepSpeed's CPU Adam on the host.
+- data_read: an offline cache's features, read by a node's ranks at the node's read bandwidth
+  (dataio.py); with loader workers only what exceeds the rest of the step.
 - nvme: NVMe offload reads and writes the optimizer states (fp32 master + Adam m, v) every
   step, writes each micro-batch's fp32 gradient partition and reads it back for the step;
   with parameters on NVMe, reads the partition of every parameter DeepSpeed swaps (1 MiB or
@@ -177,6 +179,10 @@ class Step:
     in_job: bool
     """The target runs in the job (its forward, its modules)."""
     note: str = ""
+    read_bytes_per_micro: float = 0.0
+    """Bytes one rank's micro-batch reads from an offline cache (0: the run reads none)."""
+    loader_workers: int = 0
+    """data.num_workers: with workers the reads run ahead of the step."""
 
     @property
     def world(self) -> int:
@@ -370,6 +376,21 @@ def nvme(s: Step) -> Term:
     return Term(seconds, in_step)
 
 
+# ---- the data ---------------------------------------------------------------------------------
+def data_read(s: Step) -> Term:
+    """An offline cache's reads: the node's ranks read their micro-batches' features together
+    at the node's read bandwidth; with loader workers the reads run ahead, and only what
+    exceeds the rest of the step shows."""
+    if s.read_bytes_per_micro <= 0:
+        return Term(0.0)
+    m = s.machine
+    read = s.accum * s.read_bytes_per_micro * m.gpus_per_node / m.cache_read_bytes_per_s
+    if not s.loader_workers:
+        return Term(read)
+    rest = sum(f(s).seconds for name, f in TERM_FUNCTIONS.items() if name != "data_read")
+    return Term(max(0.0, read - rest))
+
+
 TERM_FUNCTIONS = {
     "compute": compute,
     "host_ops": host_ops,
@@ -381,6 +402,7 @@ TERM_FUNCTIONS = {
     "offload_copy": offload_copy,
     "optimizer": optimizer,
     "nvme": nvme,
+    "data_read": data_read,
 }
 TERMS = tuple(TERM_FUNCTIONS)
 

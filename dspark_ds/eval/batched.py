@@ -35,6 +35,7 @@ from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.padded import PaddedCaches, target_forward
 from dspark_ds.eval.policy import POLICIES, SPS, VerifyPolicy
+from dspark_ds.eval.recurrent import RecurrentState
 from dspark_ds.eval.rounds import Budget, DecodeStats, draft_budget, settle, sync
 from dspark_ds.eval.target_step import check_drafter_matches_target, new_target_cache
 
@@ -105,6 +106,8 @@ class BatchedDecoder:
         self.batch_size = batch_size
         self.temperature, self.generator = temperature, generator
         self.stops = {int(t) for t in (stop_token_ids or [])}
+        # the target alone keeps every column it verifies: nothing to roll back
+        self.states = RecurrentState.for_target(target) if drafter is not None else None
 
     def run(self, prompts: list[torch.Tensor]) -> list[BatchedResult]:
         """Decode every prompt [1, P]; results in prompt order."""
@@ -127,7 +130,7 @@ class BatchedDecoder:
     # -- rows entering and leaving the batch -----------------------------------------------------
     def _new_caches(self) -> PaddedCaches:
         draft = self.drafter.new_cache() if self.drafter is not None else None
-        return PaddedCaches(new_target_cache(self.target), draft)
+        return PaddedCaches(new_target_cache(self.target), draft, self.states)
 
     def _admit(self, queue: list[_Request], active, done, caches: PaddedCaches) -> None:
         """Prefill queued prompts into the free places of the batch."""

@@ -203,7 +203,7 @@ def target_generate(
     """Plain autoregressive decoding of the target (the baseline speculative decoding must match)."""
     _check_args(input_ids, max_new_tokens, temperature, 0.0)
     stops = set(int(t) for t in (stop_token_ids or []))
-    decoder = TargetDecoder(target, [])
+    decoder = TargetDecoder(target, [], rollback=False)
     step_ids = input_ids
     new_tokens: list[int] = []
     while len(new_tokens) < max_new_tokens and (not new_tokens or new_tokens[-1] not in stops):

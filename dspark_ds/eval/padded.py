@@ -11,6 +11,10 @@ columns are dropped by shifting the row right by (its drop - the smallest drop) 
 the smallest drop off every row, so the row stays right-aligned and its padding grows. Padding
 every row shares is cut off again.
 
+A hybrid target's recurrent layers have no columns: their per-row states are snapshotted
+before each forward and, after the verdict, replayed up to each row's kept columns
+(eval/recurrent.py); rows leaving or entering the batch take their states along.
+
 Shape legend: R rows, S cache columns, h heads, D head dim, L new tokens per row.
 """
 
@@ -22,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.eval.recurrent import RecurrentState, row_states
 from dspark_ds.eval.target_step import forward_target
 
 
@@ -134,15 +139,33 @@ class _TargetSlots(_Slots):
         # NOTE: crop(-n) also trims sliding-window layers back to their window (even n = 0).
         self.cache.crop(-n)
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        super().select_rows(index)
+        for states, s in row_states(self.cache):
+            states[s] = states[s].index_select(0, index)
+
+    def append_rows(self, other: _Slots) -> None:
+        super().append_rows(other)
+        theirs = list(row_states(other.cache))
+        for (states, s), (other_states, _) in zip(row_states(self.cache), theirs, strict=True):
+            states[s] = torch.cat([states[s], other_states[s]])
+
 
 class PaddedCaches:
     """The target and drafter caches of the rows in flight, left-padded to `length` columns."""
 
-    def __init__(self, target_cache: DynamicCache, draft_cache: DraftKVCache | None):
+    def __init__(
+        self,
+        target_cache: DynamicCache,
+        draft_cache: DraftKVCache | None,
+        states: RecurrentState | None = None,
+    ):
         self.slots: list[_Slots] = [_TargetSlots(target_cache)]
         if draft_cache is not None:
             self.slots.append(_DraftSlots(draft_cache))
         self.target_cache, self.draft_cache = target_cache, draft_cache
+        self.states = states
+        """A hybrid target's recurrent layers (None: a KV cache only, or not rolled back)."""
         self.length = 0
         self.pad: torch.Tensor | None = None  # [R] long
 
@@ -171,6 +194,8 @@ class PaddedCaches:
             slots.crop_end(common, total)
         self.length = total - common
         self.pad = self.pad + shift
+        if self.states is not None:
+            self.states.rollback(self.target_cache, keep_R.tolist(), appended)
         self._drop_common_padding()
 
     def _drop_common_padding(self) -> None:
@@ -236,7 +261,9 @@ def target_forward(
     rows, length = ids_RL.shape
     positions = caches.starts().unsqueeze(1) + torch.arange(length, device=ids_RL.device)
     mask = torch.cat([caches.key_mask(), caches.key_mask().new_ones(rows, length)], dim=1)
-    return forward_target(
-        target, caches.target_cache, ids_RL, positions, layer_ids,
-        attention_mask=mask.long(), logits_to_keep=logits_to_keep,
-    )  # fmt: skip
+    args = (target, caches.target_cache, ids_RL, positions, layer_ids)
+    kwargs = dict(attention_mask=mask.long(), logits_to_keep=logits_to_keep)
+    if caches.states is None:
+        return forward_target(*args, **kwargs)
+    with caches.states.recording(caches.target_cache):
+        return forward_target(*args, **kwargs)

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_ds.errors import ConfigError
+from dspark_ds.eval.recurrent import RecurrentState, check_recurrent_target
 from dspark_ds.target import text_config
 
 
@@ -25,6 +26,7 @@ def tap_layers(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) ->
 
 def check_drafter_matches_target(target, drafter) -> None:
     """Refuse a drafter that was not built for this target (clear message naming the field)."""
+    check_recurrent_target(target.config)
     t_cfg = text_config(target.config)
     d_cfg = drafter.config
     num_layers = int(t_cfg.num_hidden_layers)
@@ -117,13 +119,18 @@ class TargetStep:
 
 class TargetDecoder:
     """A target under incremental decoding of one row: one KV cache, rolled back after each
-    verification (the batched loop's padded rows: eval/padded.py)."""
+    verification (the batched loop's padded rows: eval/padded.py); a hybrid target's recurrent
+    layers are snapshotted before each forward and replayed up to the kept positions
+    (eval/recurrent.py)."""
 
-    def __init__(self, target, layer_ids: list[int]):
+    def __init__(self, target, layer_ids: list[int], *, rollback: bool = True):
         self.target = target
         self.layer_ids = [int(i) for i in layer_ids]
         self.cache = new_target_cache(target)
         self.num_cached = 0
+        # `rollback` False: plain decoding keeps every token (no snapshot taken)
+        self.states = RecurrentState.for_target(target) if rollback else None
+        self._forward_start = 0  # where the last forward's tokens begin
 
     def forward(self, input_ids_1L: torch.Tensor, *, logits_to_keep: int = 0) -> TargetStep:
         """Run the target on new tokens placed right after the cached ones."""
@@ -131,18 +138,30 @@ class TargetDecoder:
         position_ids = torch.arange(
             self.num_cached, self.num_cached + length, device=input_ids_1L.device
         ).unsqueeze(0)
-        logits, features = forward_target(
-            self.target, self.cache, input_ids_1L, position_ids, self.layer_ids,
-            logits_to_keep=logits_to_keep,
-        )  # fmt: skip
+        args = (self.target, self.cache, input_ids_1L, position_ids, self.layer_ids)
+        if self.states is None:
+            logits, features = forward_target(*args, logits_to_keep=logits_to_keep)
+        else:
+            with self.states.recording(self.cache):
+                logits, features = forward_target(*args, logits_to_keep=logits_to_keep)
+        self._forward_start = self.num_cached
         self.num_cached += length
         return TargetStep(logits_LV=logits[0], features_LnH=features)
 
     def keep(self, num_tokens: int) -> None:
-        """Roll the cache back to its first `num_tokens` positions (drop rejected drafts)."""
+        """Roll the cache back to its first `num_tokens` positions (drop rejected drafts); a
+        recurrent state can be rolled back into the last forward's tokens only."""
         if num_tokens > self.num_cached:
             raise ValueError(f"cannot keep {num_tokens} tokens of a {self.num_cached}-token cache")
+        if self.states is not None and num_tokens < self._forward_start:
+            raise ValueError(
+                f"cannot keep {num_tokens} tokens: the recurrent state can be rolled back to "
+                f"{self._forward_start} tokens at the earliest"
+            )
+        appended = self.num_cached - self._forward_start
         # NOTE: transformers 5 `crop` takes a negative count of tokens to remove (a positive
         # absolute length raises); crop(0) still trims sliding-window layers to their window.
         self.cache.crop(num_tokens - self.num_cached)
         self.num_cached = num_tokens
+        if self.states is not None:
+            self.states.rollback(self.cache, [num_tokens - self._forward_start], appended)

@@ -14,6 +14,11 @@ Stable API (other test files rely on it):
 - ``build_tiny_family_target(out_dir, family, seed=0) -> str``: the same for another family
   (``FAMILIES``: llama, qwen2, mistral (tied embeddings), qwen3_moe, gpt_oss, deepseek_v3), from
   ``family_config(family, vocab_size)``.
+- ``build_tiny_hybrid_target(out_dir, family, seed=0) -> str``: the same for a hybrid family
+  (``HYBRID_FAMILIES``: qwen3_5_text, qwen3_5_moe_text, qwen3_next, granitemoehybrid:
+  three linear-attention / Mamba layers then one full-attention layer; falcon_h1: Mamba and
+  attention side by side in every layer), from ``hybrid_config(family, vocab_size)``, with the
+  lm_head sharpened x8 so that greedy text varies.
 - ``write_chat_jsonl(path, n, layout="messages", seed=0)``: ``n`` small conversations.
 - ``QWEN3_TEMPLATE``, ``QWEN3_TEMPLATE_NO_MARKERS``, ``GEMMA_TEMPLATE``: the template strings.
 """
@@ -245,6 +250,81 @@ def build_tiny_family_target(out_dir: str | Path, family: str, *, seed: int = 0)
     )  # fmt: skip
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+# Tiny configs of the hybrid families: layers that keep a recurrent state and a convolution
+# state (Gated DeltaNet, Mamba2) beside full attention. Qwen3.5 / Qwen3-Next: partial RoPE
+# (transformers' default factor 0.25) and an attention head size of their own.
+_HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+_DELTANET = dict(
+    head_dim=8,
+    layer_types=_HYBRID_LAYERS,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+_MAMBA = dict(
+    mamba_n_heads=4, mamba_d_state=8, mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=16
+)
+_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+HYBRID_FAMILIES: dict[str, dict] = {
+    "qwen3_5_text": _DELTANET,
+    "qwen3_5_moe_text": {**_DELTANET, **_MOE},
+    "qwen3_next": {**_DELTANET, **_MOE},
+    "granitemoehybrid": dict(
+        layer_types=["mamba"] * 3 + ["attention"], num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=32, **_MAMBA,
+    ),
+    "falcon_h1": dict(head_dim=8, mamba_d_ssm=64, **_MAMBA),
+}  # fmt: skip
+HEAD_SHARPENING = 8.0
+
+
+def hybrid_config(family: str, vocab_size: int, **overrides):
+    """A tiny random config of the hybrid `family` (hidden 32, 4 layers, 4 heads)."""
+    from transformers import AutoConfig
+
+    kw = dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    kw.update(HYBRID_FAMILIES[family])
+    if family == "qwen3_5_moe_text":  # every MLP is a MoE block: no dense width in its config
+        kw.pop("intermediate_size")
+    kw.update(overrides)
+    return AutoConfig.for_model(family, **kw)
+
+
+def tiny_hybrid_model(family: str, vocab_size: int, *, seed: int = 0, **overrides):
+    """A random tiny hybrid causal LM (fp32, eval) with its lm_head sharpened x8."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = hybrid_config(family, vocab_size, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(HEAD_SHARPENING)
+    return model
+
+
+def build_tiny_hybrid_target(out_dir: str | Path, family: str, *, seed: int = 0) -> str:
+    """Save a random tiny hybrid causal LM of `family` and the tiny tokenizer to `out_dir`."""
+    out_dir = Path(out_dir)
+    tok = build_tiny_tokenizer(out_dir)
+    model = tiny_hybrid_model(
+        family, len(tok), seed=seed, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None,
+    )  # fmt: skip
     model.save_pretrained(out_dir)
     return str(out_dir)
 

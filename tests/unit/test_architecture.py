@@ -306,7 +306,8 @@ def _kind_words() -> set[str]:
 
 def _names_a_kind(ident: str, words: set[str]) -> bool:
     """An identifier with a kind's name in it, in any case (`eagle3_layers`, `DSPARK_LOSS`,
-    `DSparkDraftModel`); the package's own name, dspark_ds, is not a kind."""
+    `DSparkDraftModel`); the package's own name, dspark_ds, is not a kind (a private attribute
+    the package sets on another library's object is prefixed with it: `_dspark_ds_...`)."""
     ident = ident.lower().replace("dspark_ds", "")
     return any(w in ident for w in words)
 

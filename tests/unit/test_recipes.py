@@ -18,6 +18,7 @@ def test_recipes_exist():
     for algo in ("dspark", "dflash"):
         for size in ("4b", "8b", "14b"):
             assert f"{algo}_qwen3_{size}" in names
+        assert f"{algo}_qwen3_5_9b" in names
     assert "tiny_cpu" in names
 
 
@@ -50,7 +51,34 @@ def test_recipe_parses(path):
         ids = [1, 16, 31, 46, 61]
     if "gemma4" in path.stem:  # Gemma4-12B, 48 layers; see tests/unit/test_gemma4.py
         ids = [5, 17, 29, 41, 46]
+    if "qwen3_5_9b" in path.stem:  # Qwen3.5-9B, 32 layers (a hybrid): the same rule
+        ids = [1, 8, 15, 22, 29]
     assert cfg.target.layer_ids == ids
+
+
+@pytest.mark.parametrize("algo", ["dspark", "dflash"])
+def test_the_qwen3_5_recipe_builds_its_drafter_from_a_qwen3_5_9b_config(algo):
+    """transformers' Qwen3.5 defaults are the 9B's text config (32 layers, 24 Gated DeltaNet + 8
+    full attention, hidden 4096, head_dim 256, partial RoPE, vocabulary 248320): the recipe's
+    tapped ids follow default_layer_ids, its mask id lies in the vocabulary, and the drafter is
+    sized from that config (a Qwen3-style drafter, head size 256, every dimension rotated)."""
+    from transformers import AutoConfig
+
+    from dspark_ds.drafters.io import build_draft_config
+    from dspark_ds.target import default_layer_ids
+
+    cfg = parse_config("train", ["--config", str(RECIPES[0].parent / f"{algo}_qwen3_5_9b.yaml")])
+    assert cfg.target.path == "Qwen/Qwen3.5-9B"
+    target = AutoConfig.for_model("qwen3_5")
+    text = target.get_text_config()
+    assert (text.num_hidden_layers, text.hidden_size, text.head_dim) == (32, 4096, 256)
+    assert text.layer_types.count("linear_attention") == 24
+    assert cfg.target.layer_ids == default_layer_ids(text.num_hidden_layers)
+    drafter = build_draft_config(target, target_layer_ids=cfg.target.layer_ids,
+                                 mask_token_id=cfg.model.mask_token_id)  # fmt: skip
+    assert drafter.target_model_type == "qwen3_5" and drafter.model_type == "qwen3"
+    assert (drafter.hidden_size, drafter.head_dim, drafter.vocab_size) == (4096, 256, 248320)
+    assert "partial_rotary_factor" not in drafter.rope_parameters
 
 
 PAPER_RECIPES = [p for p in RECIPES if "tiny" not in p.stem]

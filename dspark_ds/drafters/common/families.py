@@ -117,11 +117,20 @@ def qwen3_style_config(text_config):
             "attention heads"
         )
     head_dim = int(_field(text_config, "head_dim") or hidden // heads)
+    intermediate = _field(text_config, "intermediate_size")
+    if intermediate is None and _field(text_config, "moe_intermediate_size") is not None:
+        # a MoE config without a dense width (Qwen3.5-MoE): the width a token's MLP runs at,
+        # its routed experts and the shared one
+        intermediate = int(_field(text_config, "moe_intermediate_size")) * int(
+            _field(text_config, "num_experts_per_tok") or 1
+        ) + int(_field(text_config, "shared_expert_intermediate_size") or 0)
+    if intermediate is None:
+        _require(text_config, "intermediate_size")
     eps = next((_field(text_config, f) for f in _EPS_FIELDS if _field(text_config, f)), 1e-6)
     out = Qwen3Config(
         vocab_size=_require(text_config, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=_require(text_config, "intermediate_size"),
+        intermediate_size=int(intermediate),
         num_hidden_layers=_require(text_config, "num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,

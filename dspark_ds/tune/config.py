@@ -64,6 +64,9 @@ class TunerConfig:
     options: list[str] = field(default_factory=lambda: list(OPTION_NAMES))
     """Options to estimate (and measure): any of zero0, zero1, zero2, zero2+offload_opt,
     zero3, zero3+offload_opt, zero3+offload_opt+param, zero3+nvme."""
+    micro_batches: list[int] = field(default_factory=list)
+    """The micro-batches the search may take (e.g. [1] for the recipe's shape at micro-batch 1);
+    empty = every one that keeps the global batch (the divisors of the sequences per rank)."""
     measure: bool = False
     """Run a few real steps of each option on this machine (the world size of the launcher,
     e.g. torchrun --nproc_per_node 2) and print measured peak memory and the median step time
@@ -93,6 +96,8 @@ class TunerConfig:
         self.tracking.validate()
         if self.device not in (None, "cuda", "cpu"):
             raise ConfigError(f"device: expected cuda or cpu, got {self.device!r}")
+        if any(m < 1 for m in self.micro_batches):
+            raise ConfigError(f"micro_batches: each must be >= 1, got {self.micro_batches}")
         bad = [o for o in self.options if o not in OPTION_NAMES]
         if bad:
             raise ConfigError(f"options: unknown {bad}; choose from {OPTION_NAMES}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, replace
 
+from dspark_ds.errors import ConfigError
 from dspark_ds.tune.config import ZeroOption
 
 
@@ -64,10 +65,20 @@ def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, op
     held, the note and every micro-batch tried."""
     from dspark_ds.tune import predict_one
 
-    plan = batch_plan(run_cfg, nodes * machine.gpus_per_node)
+    world = nodes * machine.gpus_per_node
+    plan = batch_plan(run_cfg, world)
+    micro_batches = [
+        m for m in plan.micro_batches if not cfg.micro_batches or m in cfg.micro_batches
+    ]
+    if not micro_batches:
+        raise ConfigError(
+            f"micro_batches: none of {cfg.micro_batches} divides the {plan.per_rank} sequences "
+            f"per rank on {world} ranks (global batch {plan.global_batch}); choose from "
+            f"{plan.micro_batches}"
+        )
     best = first = None
     tried = []
-    for micro in plan.micro_batches:
+    for micro in micro_batches:
         est = predict_one(cfg, point_config(run_cfg, micro, plan.global_batch), inv, machine,
                           option, nodes, ops)  # fmt: skip
         tried.append({"micro_batch": micro, "accum": est.step["accum"], "fits": est.fits,

@@ -178,3 +178,20 @@ def test_the_docs_tune_commands_parse(tmp_path, monkeypatch):
     for argv in commands:
         argv = [str(REPO / a) if a.startswith("dspark_ds/recipes/") else a for a in argv]
         load_recipe(parse_config("tune", argv))
+
+
+def test_micro_batches_restrict_the_search(tmp_path, capsys):
+    """`--micro_batches [1, 4]` searches those alone; one that divides nothing is refused by
+    name, with the ones that would."""
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2", "--options",
+                   "[zero3]", "--micro_batches", "[1, 4]")  # fmt: skip
+    (est,) = result["estimates"]
+    assert [t["micro_batch"] for t in est["point"]["tried"]] == [1, 4]
+    assert est["point"]["micro_batch"] == 4
+    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_32b.yaml"), "--cluster.nodes", "2",
+            "--options", "[zero3]", "--micro_batches", "[3]"]  # fmt: skip
+    capsys.readouterr()
+    assert cli_main(argv) == 2
+    assert "micro_batches: none of [3] divides the 32 sequences per rank on 16 ranks" in (
+        capsys.readouterr().err
+    )

@@ -12,7 +12,8 @@ keep:
 Printed per case: the verification forward without the rollback machinery, with it (the
 snapshot and the recorded mixer inputs), the rollback itself (restore + replay of the mixers),
 and, for comparison, a whole-target forward over the kept tokens (what replaying the full
-model would cost). Medians of `--repeats` after one warm-up.
+model would cost). The fastest of `--repeats` after one warm-up (the least disturbed by other
+load on a shared machine).
 
     python3 tools/bench_hybrid_rollback.py --hidden 1024 --layers 8 --rows 1 4
 """
@@ -20,7 +21,6 @@ model would cost). Medians of `--repeats` after one warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -43,14 +43,14 @@ def _model(args):
     return AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, args.dtype)).eval()
 
 
-def _median(fn, repeats: int) -> float:
+def _best(fn, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         fn()
         if i:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    return min(times) * 1000
 
 
 @torch.inference_mode()
@@ -87,7 +87,7 @@ def bench(target, rows: int, args) -> list[dict]:
             target_forward(target, plain, ids, [])
             plain.trim(torch.full((rows,), verify_len), verify_len)
 
-        forward_plain = _median(verify_plain, args.repeats)
+        forward_plain = _best(verify_plain, args.repeats)
         # the recorded forward and the rollback, timed apart on the same rounds
         fwd, rollback = [], []
         for i in range(args.repeats + 1):
@@ -108,12 +108,12 @@ def bench(target, rows: int, args) -> list[dict]:
                 target_forward(target, replay, ids[:, :k], [])
                 replay.trim(torch.full((rows,), k), k)
 
-        full = _median(full_replay, args.repeats) if lengths else 0.0
+        full = _best(full_replay, args.repeats) if lengths else 0.0
         out.append({
             "rows": rows, "case": name,
             "verify_ms": forward_plain,
-            "verify_recorded_ms": statistics.median(fwd) * 1000,
-            "rollback_ms": statistics.median(rollback) * 1000,
+            "verify_recorded_ms": min(fwd) * 1000,
+            "rollback_ms": min(rollback) * 1000,
             "full_replay_ms": full,
         })  # fmt: skip
     return out

@@ -138,6 +138,19 @@ def load_partitioned_target(target_cfg, ds_config: dict):
     return target
 
 
+def _register_direct_parameters(target: nn.Module, deepspeed) -> None:
+    """Parameters a module reads from a child without calling the child: ZeRO-3 gathers a
+    module's parameters around its own forward only, so they are registered with the module
+    that reads them. The hybrids' Gated DeltaNet and Mamba2 mixers (Qwen3.5, Qwen3-Next,
+    Granite-4.0-H, Falcon-H1) pass `self.conv1d.weight` / `.bias` to a convolution function."""
+    for module in target.modules():
+        conv = getattr(module, "conv1d", None)
+        if isinstance(conv, nn.Conv1d):
+            for param in conv.parameters():
+                if hasattr(param, "ds_id"):
+                    deepspeed.zero.register_external_parameter(module, param)
+
+
 def shard_target(target: nn.Module, ds_config: dict):
     """ZeRO-3: the optimizer-less engine of the frozen target (partitioned first if it was
     loaded whole); returns the engine."""
@@ -152,6 +165,7 @@ def shard_target(target: nn.Module, ds_config: dict):
     device = torch.device(get_accelerator().current_device_name())
     for buf in target.buffers():  # buffers are not partitioned
         buf.data = buf.data.to(device)
+    _register_direct_parameters(target, deepspeed)
     target_engine, _, _, _ = deepspeed.initialize(model=target, config=cfg)
     target_engine.eval()
     return target_engine

@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     except (argparse.ArgumentError, ConfigError) as err:
         return _fail(_parse_error_text(err))
     from dspark_ds.distributed import leave
+    from dspark_ds.errors import TrainingStopped
     from dspark_ds.network import NetworkError
-    from dspark_ds.train.signals import INTERRUPT_EXIT_CODE, TrainingStopped
+    from dspark_ds.train.signals import INTERRUPT_EXIT_CODE
 
     try:
         entry(cfg)

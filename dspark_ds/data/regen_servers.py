@@ -301,7 +301,7 @@ def _check_inputs(cfg: RegenerateConfig) -> None:
 
 def regenerate_with_servers(cfg: RegenerateConfig) -> dict:
     """Answer every row of ``cfg.data.paths`` through the servers of ``cfg.server``; merge."""
-    from dspark_ds.train.signals import TrainingStopped
+    from dspark_ds.errors import TrainingStopped
 
     _check_inputs(cfg)
     run = _ServerRun(cfg)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dspark_ds.demo.target import DemoTargetConfig
+from dspark_ds.drafters.presets import PRESET_NAMES
 from dspark_ds.errors import ConfigError
 
-DRAFTERS = ("dspark", "dflash", "eagle3")
 LAUNCHERS = ("fork", "torchrun")
 
 
@@ -106,10 +106,11 @@ class DemoBudgetConfig:
 
 @dataclass
 class DemoDrafterConfig:
-    """Drafter shapes (sized to the tiny target as the paper's are to Qwen3)."""
+    """Drafter shapes (sized to the tiny target as the paper's are to Qwen3); each preset reads
+    the ones it has (`Preset.sized`, drafters/presets.py)."""
 
     num_draft_layers: int = 2
-    """DSpark / DFlash backbone layers."""
+    """Backbone layers of a parallel drafter (DSpark / DFlash)."""
     block_size: int = 7
     """γ: tokens drafted per round (Eagle3: ttt_length); the paper's 7."""
     num_anchors: int | None = None
@@ -119,11 +120,12 @@ class DemoDrafterConfig:
     supervised at every position over its γ unrolled steps: equal supervision."""
     markov_rank: int = 64
     """DSpark's Markov head rank (DFlash: 0)."""
-    eagle3_layers: int = 1
-    """Eagle3 layers (the paper's baseline has one)."""
+    unrolled_layers: int = 1
+    """Layers of a drafter unrolled once per drafted token (Eagle3; the paper's baseline has
+    one)."""
 
     def validate(self) -> None:
-        for name in ("num_draft_layers", "block_size", "markov_rank", "eagle3_layers"):
+        for name in ("num_draft_layers", "block_size", "markov_rank", "unrolled_layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_anchors is not None and self.num_anchors < 1:
@@ -170,8 +172,9 @@ class DemoConfig:
     """The training budget every drafter gets."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
     """Speculative-decoding evaluation."""
-    drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))
-    """Which drafters to train and compare (dspark, dflash, eagle3)."""
+    drafters: list[str] = field(default_factory=lambda: list(PRESET_NAMES))
+    """Which drafters to train and compare: the paper's presets (drafters/presets.py: dspark,
+    dflash, eagle3)."""
     seeds: list[int] = field(default_factory=lambda: [0])
     """Each seed repeats everything after the target: regeneration sampling, the drafters'
     init, anchor sampling and data order, and evaluation sampling (the corpus, the target and
@@ -195,10 +198,10 @@ class DemoConfig:
     def validate(self) -> None:
         if not self.output_dir:
             raise ConfigError("output_dir: is required")
-        unknown = [d for d in self.drafters if d not in DRAFTERS]
+        unknown = [d for d in self.drafters if d not in PRESET_NAMES]
         if unknown or not self.drafters or len(set(self.drafters)) != len(self.drafters):
             raise ConfigError(
-                f"drafters: choose distinct names from {list(DRAFTERS)}, got {self.drafters}"
+                f"drafters: choose distinct names from {list(PRESET_NAMES)}, got {self.drafters}"
             )
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ConfigError(f"seeds: need >= 1 distinct seeds >= 0, got {self.seeds}")

@@ -36,13 +36,13 @@ import resource
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from dspark_ds.config import TrainRunConfig, dump_config
 from dspark_ds.demo import launcher
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.demo.summary import (
-    LABELS,
     build_summary,
     format_summary,
     log_summary,
@@ -50,7 +50,7 @@ from dspark_ds.demo.summary import (
     temp_key,
 )
 from dspark_ds.distributed import print0
-from dspark_ds.drafters.presets import DrafterConfig, preset
+from dspark_ds.drafters.presets import PRESETS, DrafterConfig, sized
 from dspark_ds.drafters.registry import get_kind
 
 
@@ -123,7 +123,8 @@ class DemoPipeline:
         self.stages = _Stages()
         self.target = None
         self.num_anchors: dict[int, int] = {}
-        """seed -> anchors per sequence of that seed's DSpark / DFlash training."""
+        """seed -> anchors per sequence of that seed's training of the drafters that train on
+        anchor blocks (`DrafterKind.anchor_blocks`)."""
         self.results: dict[int, dict[str, dict]] = {}
         """seed -> drafter -> {"train": ..., "T0": eval row, "T1": ...}."""
 
@@ -254,8 +255,10 @@ class DemoPipeline:
         counts = prepare(cfg)
         anchors = self.cfg.drafter.num_anchors
         self.num_anchors[seed] = anchors if anchors is not None else max_valid_anchors(prepared)
+        anchored = [PRESETS[d].label for d in self.cfg.drafters
+                    if get_kind(PRESETS[d].model.kind).anchor_blocks]  # fmt: skip
         print0(
-            f"[demo] DSpark / DFlash: {self.num_anchors[seed]} anchor blocks per sequence"
+            f"[demo] {' / '.join(anchored)}: {self.num_anchors[seed]} anchor blocks per sequence"
             + ("" if anchors is not None else " (every valid position of the longest answer)")
         )
         return counts
@@ -283,23 +286,9 @@ class DemoPipeline:
         return TargetConfig(path=str(self.target.path), dtype="float32", device="cpu")
 
     def drafter_model(self, name: str, num_anchors: int) -> DrafterConfig:
-        """The preset `name` (dspark | dflash | eagle3) sized to the tiny target."""
-        dr = self.cfg.drafter
-        blocks = dict(
-            num_draft_layers=dr.num_draft_layers,
-            block_size=dr.block_size,
-            num_anchors=num_anchors,
-        )
-        sizes = {
-            "dspark": {**blocks, "markov_rank": dr.markov_rank},
-            # NOTE: DSpark's block layout, not the DFlash preset's: the comparison isolates the
-            # heads (the README's figures were measured so); docs/serving.md#the-block-layout
-            "dflash": {**blocks, "sample_from_anchor": True},
-            # ttt_length = γ: every drafter proposes at most γ tokens a round, and is trained on
-            # the same γ next tokens of every position
-            "eagle3": {"num_draft_layers": dr.eagle3_layers, "ttt_length": dr.block_size},
-        }
-        return preset(name, **sizes[name])
+        """The preset `name` sized to the tiny target (`Preset.sized`), with this seed's
+        anchors."""
+        return sized(name, replace(self.cfg.drafter, num_anchors=num_anchors))
 
     def train_config(self, kind: str, seed: int) -> TrainRunConfig:
         """The `dspark-ds train` config of one drafter; only `model` (and names) differ between
@@ -482,7 +471,7 @@ class DemoPipeline:
         for kind in cfg.drafters:
             s.run(
                 f"train-{kind}-s{seed}",
-                f"{LABELS[kind]} with DeepSpeed {cfg.budget.zero}, {self.nproc} rank(s), "
+                f"{PRESETS[kind].label} with DeepSpeed {cfg.budget.zero}, {self.nproc} rank(s), "
                 f"{cfg.budget.max_steps} steps, seed {seed}",
                 self.train,
                 kind,
@@ -492,7 +481,7 @@ class DemoPipeline:
             for t in cfg.eval.temperatures:
                 s.run(
                     f"eval-{kind}-{temp_key(t)}-s{seed}",
-                    f"{LABELS[kind]} speculative decoding at T = {t:g}, batch "
+                    f"{PRESETS[kind].label} speculative decoding at T = {t:g}, batch "
                     f"{cfg.eval.batch_size}, and the target alone",
                     self.evaluate,
                     kind,

@@ -6,7 +6,8 @@ summary.json:
     per_seed[seed][kind]      "train" (steps, losses, anchors) and one eval row per temperature
                               ("T0", "T1": τ, speedup, tokens/s, acceptance by position, ...)
     spread[kind][T]           min / mean / max over the seeds of τ and speedup
-    ratios[name][T]           DSpark over DFlash and over Eagle3, τ and speedup: per seed, min, max
+    ratios[name][T]           a preset over another (the pairs its claims name, drafters/presets.py),
+                              τ and speedup: per seed, min, max
     supervision               what each drafter is trained on (the basis of the comparison)
     checks                    the demo's claims, and whether each holds in every seed
     stage_seconds             wall time per stage; stage_cpu_seconds: CPU time (every rank)
@@ -21,16 +22,22 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspark_ds.demo.config import DemoConfig
-from dspark_ds.drafters.presets import preset
+from dspark_ds.drafters.presets import PRESETS, preset
 from dspark_ds.drafters.registry import get_kind
 
-LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
 METRICS = ("tau", "speedup")
-# (numerator, denominator) of the ratios reported per seed
-PAIRS = (("dspark", "dflash"), ("dspark", "eagle3"))
-# The demo's claims: (ratio, temperature, at least), each required in every seed.
-CLAIMS = (("tau_dspark_over_dflash", 1.0, 1.10), ("tau_dspark_over_dflash", 0.0, 1.0),
-          ("speedup_dspark_over_eagle3", 1.0, 1.0))  # fmt: skip
+# The paper's claims (`Preset.claims`): (ratio, temperature, at least), each required in every
+# seed; and the (numerator, denominator) pairs of the ratios reported per seed.
+CLAIMS = tuple(
+    (f"{c.metric}_{name}_over_{c.over}", c.temperature, c.at_least)
+    for name, p in PRESETS.items()
+    for c in p.claims
+)
+PAIRS = tuple(dict.fromkeys((name, c.over) for name, p in PRESETS.items() for c in p.claims))
+
+
+def _label(name: str) -> str:
+    return PRESETS[name].label
 
 
 def temp_key(t: float) -> str:
@@ -50,7 +57,7 @@ def _ratio_name(metric: str, a: str, b: str) -> str:
 
 def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     """What every drafter is trained on: the basis of the comparison, with the measured share of
-    valid positions the DSpark / DFlash anchor sampler covered."""
+    valid positions the anchor sampler covered (the kinds that train on anchor blocks)."""
     b, g = cfg.budget, cfg.drafter.block_size
     out: dict = {
         "budget": f"{b.max_steps} steps x {b.global_batch_size} sequences, lr {b.lr:g}, "
@@ -58,7 +65,7 @@ def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     }
     for kind in cfg.drafters:
         trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]
-        if not get_kind(preset(kind).kind).anchor_blocks:  # Eagle3: the TTT unroll
+        if not get_kind(preset(kind).kind).anchor_blocks:  # every position, unrolled
             out[kind] = {"positions": "every supervised position", "depth": g}
             continue
         shares = [t["anchored_share_of_valid"] for t in trains if "anchored_share_of_valid" in t]
@@ -197,12 +204,12 @@ def _supervision_line(summary: dict) -> str:
         if kind == "budget":
             continue
         if "num_anchors" not in s:
-            parts.append(f"{LABELS[kind]}: {s['positions']} over {s['depth']} unrolled steps")
+            parts.append(f"{_label(kind)}: {s['positions']} over {s['depth']} unrolled steps")
             continue
         share = s.get("anchored_share_of_valid")
         anchors = sorted({a for a in s.get("num_anchors", []) if a is not None})
         parts.append(
-            f"{LABELS[kind]}: {s['positions']} anchors a block of {s['depth']} supervised "
+            f"{_label(kind)}: {s['positions']} anchors a block of {s['depth']} supervised "
             f"next tokens (A = {'/'.join(map(str, anchors)) or '-'} blocks per sequence; "
             f"anchored share of valid positions {_f(share, 2)})"
         )
@@ -227,7 +234,7 @@ def _seed_rows(summary: dict, temps: list[str]) -> list[str]:
                 acc = list(row["accept_rate_by_position"]) + [None] * width
                 cal = row.get("calibration", {})
                 train_s = summary["stage_seconds"].get(f"train-{kind}-s{s}")
-                rows.append([LABELS[kind], t[1:], s, _f(row["tau"]), _f(row.get("speedup"), 2)]
+                rows.append([_label(kind), t[1:], s, _f(row["tau"]), _f(row.get("speedup"), 2)]
                             + [_f(a) for a in acc[:width]]
                             + [_f(row.get("draft_ms_per_round"), 2),
                                _f(row.get("verify_ms_per_round"), 2),
@@ -249,26 +256,26 @@ def _spread_rows(summary: dict, temps: list[str]) -> list[str]:
                 "/".join(_f(v[k], 2) for k in ("min", "mean", "max")) if v else "-"
                 for v in (per_t.get(t, {}).get(m) for m in METRICS)
             ]
-            rows.append([LABELS[kind], t[1:], *cells])
+            rows.append([_label(kind), t[1:], *cells])
     title = f"spread over seeds {', '.join(map(str, seeds))} (min / mean / max):"
     return ["", title, *_columns(rows)]
 
 
 def _ratio_lines(summary: dict) -> list[str]:
-    """The DSpark ratios per seed with min / max, then whether each claim holds."""
+    """The claimed ratios per seed with min / max, then whether each claim holds."""
     lines = []
     for name, per_t in summary["ratios"].items():
         metric, a, _, b = name.split("_")
         for t, r in per_t.items():
             each = ", ".join(f"{v:.3f}" for v in r["per_seed"].values())
             lines.append(
-                f"{metric}({LABELS[a]}) / {metric}({LABELS[b]}) at T = {t[1:]}: {each} "
+                f"{metric}({_label(a)}) / {metric}({_label(b)}) at T = {t[1:]}: {each} "
                 f"(seed {', '.join(r['per_seed'])}); min {r['min']:.3f}, max {r['max']:.3f}"
             )
     for c in summary.get("checks", []):
         metric, a, _, b = c["ratio"].split("_")
         lines.append(
-            f"claim {metric}({LABELS[a]}) >= {c['at_least']:.2f} x {metric}({LABELS[b]}) at "
+            f"claim {metric}({_label(a)}) >= {c['at_least']:.2f} x {metric}({_label(b)}) at "
             f"T = {c['T'][1:]} in every seed ({c['seeds']}): "
             f"{'holds' if c['holds'] else 'does NOT hold'} (min {c['min']:.3f})"
         )

@@ -1,6 +1,10 @@
-"""The drafters (DSpark / DFlash, Eagle3): pure torch + transformers (no deepspeed, mlflow or
-distributed in the architecture files). `kind.py` is what every kind provides (`DrafterKind`),
-`registry.py` holds one of each, `presets.py` their settings, `perf.py` the `perf` section."""
+"""The drafters: pure torch + transformers (no deepspeed, mlflow or distributed in the
+architecture files). `kind.py` is what every kind provides (`DrafterKind`), `registry.py` holds
+one of each, `presets.py` their settings, `perf.py` the `perf` section.
+
+Importing this package changes nothing outside it: transformers' Auto classes learn the drafter
+architectures only when `register_auto_classes()` is called (drafters/io.py); the package itself
+loads drafters with `load_draft_model` and never needs it."""
 
 from dspark_ds.drafters.common.blocks import (
     DraftKVCache,
@@ -16,10 +20,6 @@ from dspark_ds.drafters.io import (
     save_draft_model,
 )
 
-DSparkDraftModel.from_config = staticmethod(build_draft_model)
-# AutoModelForCausalLM.from_pretrained(drafter_dir) -> the drafter (see drafters/io.py)
-register_auto_classes()
-
 __all__ = [
     "DSparkDraftModel",
     "DSparkForwardOutput",
@@ -27,6 +27,7 @@ __all__ = [
     "build_draft_config",
     "build_draft_model",
     "load_draft_model",
+    "register_auto_classes",
     "sample_anchor_positions",
     "save_draft_model",
 ]

@@ -11,9 +11,11 @@ Qwen3 backbone sized from the target (drafters/common/families.py); `target_mode
 `target_text_model_type` name the target's family. The reference implementation, SGLang and
 vLLM read `model_type` as the drafter's config class. transformers' Auto classes
 map that config class to the plain causal LM, and use `architectures` only to choose among the
-classes registered for it; `register_auto_classes` (run when `dspark_ds.drafters` is imported)
-adds the drafter architectures there, so `AutoModelForCausalLM.from_pretrained(drafter_dir)`
-returns the drafter instead of a Qwen3ForCausalLM that silently drops its heads.
+classes registered for it; `register_auto_classes()` (an explicit call: importing the package
+leaves transformers' tables alone) adds the drafter architectures there, so
+`AutoModelForCausalLM.from_pretrained(drafter_dir)` returns the drafter instead of a
+Qwen3ForCausalLM that silently drops its heads. The package loads drafters with
+`load_draft_model` and needs no registration.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ them into metrics with `kind.metrics`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -112,8 +113,10 @@ class DrafterKind(Protocol):
         drafter config's field."""
         ...
 
-    def resolve_loss_impl(self, drafter: nn.Module, loss_impl: str) -> str:
-        """perf.loss_impl -> the path a step takes (ZeRO-3 is read off the drafter)."""
+    def loss_impl_for(self, loss_impl: str, zero3: bool) -> str:
+        """perf.loss_impl -> the path a step takes, with or without ZeRO-3's partitioned
+        parameters (the tuner's memory and FLOP terms ask the same). ConfigError names
+        perf.loss_impl."""
         ...
 
     def training_step(
@@ -137,6 +140,11 @@ class DrafterKind(Protocol):
         """One drafting round of speculative decoding for every row in flight."""
         ...
 
+    def step_part(self, model: DrafterConfig) -> Any:
+        """The kind's part of a `StepShape` (`StepShape.drafter`) for a run's `model` section:
+        the sizes its activation and FLOP terms read besides the common ones."""
+        ...
+
     def activation_bytes(
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
     ) -> dict[str, float]:
@@ -155,6 +163,11 @@ class DrafterKind(Protocol):
         """A one-line summary of a `model` section (reports)."""
         ...
 
+    def tags(self, config: Any) -> dict[str, object]:
+        """What an evaluation run's MLflow tags say of a built drafter, from its transformers
+        config (its heads, its depth of drafting)."""
+        ...
+
     def check_perf(self, perf: PerfConfig) -> None:
         """Refuses, by name, a perf option this kind cannot honour."""
         for option, value, allowed in (
@@ -168,15 +181,25 @@ class DrafterKind(Protocol):
                 )
 
     def prepare(
-        self, drafter: nn.Module, perf: PerfConfig, device: torch.device | str | None = None
+        self,
+        drafter: nn.Module,
+        perf: PerfConfig,
+        device: torch.device | str | None = None,
+        *,
+        zero_stage: int = 0,
     ) -> str:
         """Sets the drafter's attention implementation and, given the run's device, compiles it
-        per `perf.compile`; returns the resolved loss path."""
+        per `perf.compile`; returns the loss path for the run's ZeRO stage (`loss_impl_for`)."""
         self.check_perf(perf)
         drafter.attn_implementation = perf.attn_implementation
         if device is not None and perf.compile_mode(device) != "off":
             compile_drafter(drafter, perf.compile_mode(device))
-        return self.resolve_loss_impl(drafter, perf.loss_impl)
+        return self.loss_impl_for(perf.loss_impl, zero3=zero_stage == 3)
+
+
+def ratio(num: float, den: float) -> float:
+    """A metric from its summed numerator and denominator; NaN when nothing was counted."""
+    return num / den if den > 0 else math.nan
 
 
 def bare(model: Any) -> nn.Module:

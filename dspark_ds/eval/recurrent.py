@@ -158,11 +158,11 @@ class RecurrentState:
             raise ConfigError(f"{family}: found no `{attr}` mixer in the target's decoder layers")
         # NOTE: one RecurrentState per target module: its hooks stay registered, so a second
         # decoder on the same target reuses them.
-        existing = getattr(target, "_dspark_recurrent_state", None)
+        existing = getattr(target, "_dspark_ds_recurrent_state", None)
         if existing is not None:
             return existing
         state = cls(target, mixers)
-        target._dspark_recurrent_state = state
+        target._dspark_ds_recurrent_state = state
         return state
 
     def _hook(self, layer_idx: int):

@@ -167,7 +167,7 @@ def _scheduler_sps(cfg: EvalConfig, target, drafter):
         return None
     if drafter.confidence_head is None:
         raise ConfigError(
-            "eval.scheduler needs a drafter with a confidence head (DSpark); this one "
+            "eval.scheduler needs a drafter with a confidence head; this one "
             f"({drafter.config.architectures[0]}) has none"
         )
     table = profile_sps(
@@ -376,7 +376,7 @@ def log_to_tracking(
               "world_size": distributed.world_size(),
               "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
               "drafter_architecture": drafter.config.architectures[0],
-              "markov_rank": getattr(drafter.config, "markov_rank", None),  # None: Eagle3
+              **kind.tags(drafter.config),
               "trained_by": trained_by,
               "trained_by_uri": None if same_store else record.get("tracking_uri")},
     )  # fmt: skip

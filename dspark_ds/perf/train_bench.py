@@ -175,7 +175,7 @@ def build_model(cfg: TrainBenchConfig):
         max_position_embeddings=max(4096, 2 * cfg.seq_len),
         tie_word_embeddings=False,
     )
-    dspark = cfg.markov_rank > 0
+    with_markov = cfg.markov_rank > 0
     draft_cfg = build_draft_config(
         target,
         target_layer_ids=list(range(cfg.num_target_layers)),
@@ -186,7 +186,7 @@ def build_model(cfg: TrainBenchConfig):
         markov_rank=cfg.markov_rank,
         markov_head_type=cfg.markov_head_type,
         confidence_head_alpha=loss_args_for(cfg)["confidence_head_alpha"],
-        confidence_head_with_markov=dspark,
+        confidence_head_with_markov=with_markov,
     )
     torch.manual_seed(cfg.seed)
     # NOTE: built on its device: a 2.3 B-parameter drafter built on the CPU and moved costs
@@ -227,7 +227,7 @@ def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
     """The paper's loss weights of the variant: DSpark with a Markov head, DFlash without."""
     from dataclasses import asdict
 
-    from dspark_ds.drafters.presets import DFLASH_LOSS, DSPARK_LOSS
+    from dspark_ds.drafters.dspark.config import DFLASH_LOSS, DSPARK_LOSS
 
     return asdict(DSPARK_LOSS if cfg.markov_rank > 0 else DFLASH_LOSS)
 

@@ -47,24 +47,26 @@ def vllm_python(explicit: str | None = None) -> str | None:
     return str(python) if python.exists() else None
 
 
-def vllm_env(cuda: bool, method: str | None = None) -> dict:
+def vllm_env(cuda: bool, v2_runner: bool = False) -> dict:
     """The environment of a vLLM process: the CPU build's settings off a GPU (1 GiB of KV
-    cache unless set), the V2 runner for the methods only it runs."""
+    cache unless set), the V2 runner for a format only it runs (`ServingFormat.vllm_v2_runner`)."""
     env = dict(os.environ)
     if not cuda:
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if method == "dspark" and cuda:
+    if v2_runner and cuda:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     return env
 
 
-def run_probe(python: str, args: list[str], *, cuda: bool, method: str, timeout_s: float) -> dict:
+def run_probe(
+    python: str, args: list[str], *, cuda: bool, v2_runner: bool, timeout_s: float
+) -> dict:
     """`vllm_probe.py <args>` in vLLM's Python; its result (ConfigError when it gave none)."""
     argv = [python, str(PROBE), *args]
     try:
         proc = subprocess.run(
-            argv, env=vllm_env(cuda, method), capture_output=True, text=True, timeout=timeout_s
+            argv, env=vllm_env(cuda, v2_runner), capture_output=True, text=True, timeout=timeout_s
         )
     except subprocess.TimeoutExpired:
         raise ConfigError(f"vllm_python {python}: the probe ran past {timeout_s:g} s") from None
@@ -161,7 +163,7 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
 
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     args = [cfg.target.path, cfg.drafter, fmt.vllm_method, str(fmt.num_speculative_tokens)]
-    loaded = run_probe(python, ["load", *args], cuda=cuda, method=fmt.vllm_method,
+    loaded = run_probe(python, ["load", *args], cuda=cuda, v2_runner=fmt.vllm_v2_runner,
                        timeout_s=cfg.timeout_s)  # fmt: skip
     version = loaded.get("vllm_version", "?")
     if not loaded.get("ok"):
@@ -185,7 +187,7 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
                    for _ in range(cfg.num_prompts)]  # fmt: skip
         ran = run_probe(
             python, ["generate", *args, json.dumps(prompts), str(cfg.max_new_tokens)],
-            cuda=cuda, method=fmt.vllm_method, timeout_s=cfg.timeout_s,
+            cuda=cuda, v2_runner=fmt.vllm_v2_runner, timeout_s=cfg.timeout_s,
         )  # fmt: skip
         if not ran.get("ok"):
             raise ConfigError(f"generate: vLLM {version} could not run it: {ran.get('error')}")

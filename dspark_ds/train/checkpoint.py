@@ -47,11 +47,10 @@ from dspark_ds.engine.checkpoint import (
     save_tag,
 )
 from dspark_ds.engine.config import zero_stage
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.train import checkpoint_files as ckpt
 from dspark_ds.train import resume as resume_rules
 from dspark_ds.train.rng import rng_state, set_rng_state
-from dspark_ds.train.signals import TrainingStopped
 
 HASH_ON_RESUME_BYTES_PER_RANK = 4 * 2**30
 """checkpoint.verify auto: sha256 up to this much per rank (a few seconds at disk speed)."""

@@ -26,16 +26,6 @@ from dspark_ds import distributed, logs
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"
 INTERRUPT_EXIT_CODE = 130  # 128 + SIGINT
-STOPPED_EXIT_CODE = 1
-
-
-class TrainingStopped(RuntimeError):
-    """The run cannot go on (a checkpoint that cannot be written, a loss that stays NaN); raised
-    on every rank together, after whatever could be saved was saved. The CLI prints the message
-    as one line and exits with `exit_code`."""
-
-    exit_code = STOPPED_EXIT_CODE
-
 
 _REQUEUE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -53,7 +53,7 @@ from dspark_ds.engine.checkpoint import full_fp32_state_dict
 from dspark_ds.engine.config import build_ds_config
 from dspark_ds.engine.drafter import DrafterEngine
 from dspark_ds.engine.target import check_target_dtype, load_target_in_job
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.target import target_shared_weights
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source
@@ -62,7 +62,7 @@ from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.rng import seed_everything
 from dspark_ds.train.schedule import Schedule
-from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, TrainingStopped, exit_code_for
+from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, exit_code_for
 from dspark_ds.train.validator import Validator
 
 
@@ -197,7 +197,9 @@ class Trainer:
         self.schedule = self._schedule()
         self.engine = self._build_engine()
         # the kind's attention / compile / loss-path choice for this run (the perf section)
-        self.loss_impl = self.kind.prepare(self.engine.module, cfg.perf, self.device)
+        self.loss_impl = self.kind.prepare(
+            self.engine.module, cfg.perf, self.device, zero_stage=self.engine.zero_stage
+        )
         print0(
             f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
             f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "

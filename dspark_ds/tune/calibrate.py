@@ -183,17 +183,15 @@ class Compute:
             )
             self.target.append(TargetForward(config, layer_ids, 1, r["seq_len"], device, dtype))
         text = text_config(_reference_config(run_cfg, r, False))
+        kind = get_kind(model.kind)
         shape = StepShape(
-            batch=1, seq_len=r["seq_len"], num_anchors=model.num_anchors,
-            block_size=model.block_size, hidden=r["hidden"], intermediate=r["intermediate"],
+            batch=1, seq_len=r["seq_len"], hidden=r["hidden"], intermediate=r["intermediate"],
             vocab=r["vocab"], heads=r["heads"], kv_heads=int(text.num_key_value_heads),
             head_dim=r["head_dim"], draft_layers=r["draft_layers"], taps=len(layer_ids),
-            markov_rank=model.markov_rank, markov_head_type=model.markov_head_type,
+            drafter=kind.step_part(model),
             compute_bytes=torch.tensor([], dtype=dtype).element_size(),
             feature_bytes=torch.tensor([], dtype=dtype).element_size(),
-            confidence_head=model.confidence_head_alpha > 0, ttt_length=model.ttt_length,
         )  # fmt: skip
-        kind = get_kind(model.kind)
         self.drafter_flops = sum(kind.step_flops(shape, perf, device.type, 0).values())
         layer_params = sum(p.numel() for p in self.target[0].target.decoder.layers.parameters())
         self.target_flops = forward_flops(

@@ -135,13 +135,13 @@ class Inventory:
         return out
 
     def step_shape(self, run_cfg) -> StepShape:
-        """One micro-batch of the run through these sizes (the kind's activation input)."""
-        m = run_cfg.model
+        """One micro-batch of the run through these sizes (the kind's activation input; its own
+        part from the kind, `DrafterKind.step_part`)."""
+        from dspark_ds.drafters.registry import get_kind
+
         return StepShape(
             batch=run_cfg.data.batch_size,
             seq_len=run_cfg.data.max_length,
-            num_anchors=m.num_anchors,
-            block_size=m.block_size,
             hidden=self.hidden,
             intermediate=self.intermediate,
             vocab=self.vocab,
@@ -150,12 +150,9 @@ class Inventory:
             head_dim=self.head_dim,
             draft_layers=self.draft_layers,
             taps=self.taps,
-            markov_rank=m.markov_rank,
-            markov_head_type=m.markov_head_type,
+            drafter=get_kind(run_cfg.model.kind).step_part(run_cfg.model),
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
-            confidence_head=m.confidence_head_alpha > 0,
-            ttt_length=m.ttt_length,
         )
 
 

@@ -113,8 +113,9 @@ def conclusion(
     best = recommend(estimates)
     if best is None:
         return [
-            "nothing fits: lower data.batch_size / data.max_length / model.num_anchors "
-            "(Eagle3: model.ttt_length), use the chunked loss, more GPUs, or data.mode offline"
+            "nothing fits: lower data.batch_size / data.max_length / the drafter's work per "
+            "position (model.num_anchors, or model.ttt_length of an unrolled drafter), use the "
+            "chunked loss, more GPUs, or data.mode offline"
         ]
     option = next(o for o in OPTIONS if o.name == best.option)
     point = best.point

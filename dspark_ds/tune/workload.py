@@ -199,14 +199,7 @@ class KindStep:
         )  # fmt: skip
         self.device, self.dtype, self.perf = device, dtype, perf
         self.model = self.make()
-        if zero3:
-            # NOTE: the loss path reads ZeRO-3 off the parameters (they carry `ds_id`)
-            for p in self.model.parameters():
-                p.ds_id = 0
-        path = kind.prepare(self.model, perf)
-        if zero3:
-            for p in self.model.parameters():
-                del p.ds_id
+        path = kind.prepare(self.model, perf, zero_stage=3 if zero3 else 0)
         # NOTE: as in training, the loss sums its denominators over the ranks of a process
         # group: every rank of the group runs the step together
         self.ctx = StepContext(model=model_section, perf=perf, loss_impl=path, training=True)

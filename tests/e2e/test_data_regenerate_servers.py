@@ -28,8 +28,8 @@ from dspark_ds.data.config import DataConfig, RegenerateConfig, ServerConfig
 from dspark_ds.data.formats import read_conversations
 from dspark_ds.data.regen_parts import read_part
 from dspark_ds.data.regeneration import regenerate
+from dspark_ds.errors import TrainingStopped
 from dspark_ds.target import TargetConfig
-from dspark_ds.train.signals import TrainingStopped
 
 from helpers.openai_servers import MisbehavingServer, TransformersServe, free_port
 from helpers.tiny_models import write_chat_jsonl

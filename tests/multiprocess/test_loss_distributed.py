@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.config import DSPARK_LOSS
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
-from dspark_ds.drafters.presets import DSPARK_LOSS
 
 from helpers.drafters import random_batch, tiny_drafter
 

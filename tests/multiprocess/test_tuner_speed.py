@@ -59,7 +59,8 @@ def test_dspark_flops_match_torch_counter(loss):
     FLOP formula in torch's counter, so the dense path is not checked here) within 3 % of the
     matmuls the step runs, for each loss path (the recompute form computes the chunk logits
     twice)."""
-    from dspark_ds.drafters.dspark.memory import StepShape, micro_batch_flops
+    from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
     from dspark_ds.perf.train_bench import TrainBenchConfig, build_batch, build_model, loss_args_for
 
@@ -75,7 +76,7 @@ def test_dspark_flops_match_torch_counter(loss):
     with MatmulFlops() as counted:
         out, _ = forward_and_loss(model, batch, loss_args_for(cfg), impl=loss, chunk_anchors=8)
         out.backward()
-    shape = StepShape(1, 256, 48, 5, 64, 160, 3000, 4, 2, 16, 2, 3, 16, "vanilla", 4, 4)
+    shape = StepShape(1, 256, 64, 160, 3000, 4, 2, 16, 2, 3, DSparkShape(48, 5, 16), 4, 4)
     model_flops = sum(micro_batch_flops(shape, "blockwise", loss).values())
     assert model_flops == pytest.approx(counted.total, rel=0.03)
 
@@ -86,6 +87,7 @@ def test_eagle3_flops_match_torch_counter(loss):
 
     from dspark_ds.drafters.common.memory import StepShape
     from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
+    from dspark_ds.drafters.eagle3.memory import Eagle3Shape
     from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
     from dspark_ds.drafters.perf import PerfConfig
     from dspark_ds.drafters.registry import get_kind
@@ -103,7 +105,7 @@ def test_eagle3_flops_match_torch_counter(loss):
     with MatmulFlops() as counted:
         out, _ = eagle3_forward_and_loss(model, batch, impl=loss, chunk_rows=64)
         out.backward()
-    shape = StepShape(B, S, 0, 0, 64, 160, 3000, 4, 2, 16, 1, 3, 0, ttt_length=4)
+    shape = StepShape(B, S, 64, 160, 3000, 4, 2, 16, 1, 3, Eagle3Shape(ttt_length=4))
     flops = get_kind("eagle3").step_flops(shape, PerfConfig(loss_impl=loss), "cpu", 0)
     assert sum(flops.values()) == pytest.approx(counted.total, rel=0.03)
 

@@ -91,8 +91,8 @@ def step_loss(batch, target, seed=0):
     """One DSpark training step (forward + loss + backward) on a drafter sharing the target's
     embedding and lm_head; returns the loss."""
     from dspark_ds.drafters import build_draft_config, build_draft_model
+    from dspark_ds.drafters.dspark.config import DSPARK_LOSS
     from dspark_ds.drafters.dspark.loss import compute_dspark_loss
-    from dspark_ds.drafters.presets import DSPARK_LOSS
 
     torch.manual_seed(seed)
     cfg = build_draft_config(

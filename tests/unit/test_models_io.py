@@ -9,7 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
-from dspark_ds.drafters import build_draft_config, load_draft_model, save_draft_model
+from dspark_ds.drafters import (
+    build_draft_config,
+    load_draft_model,
+    register_auto_classes,
+    save_draft_model,
+)
 from dspark_ds.errors import ConfigError
 
 from helpers.drafters import DFLASH, MASK_ID, random_batch, tiny_drafter, tiny_qwen3_config
@@ -158,13 +163,14 @@ def test_written_files_get_the_normal_mode(tmp_path):
 
 
 def test_auto_classes_still_build_and_load_plain_models(tmp_path):
-    # importing dspark_ds.drafters must not change what transformers does with anything but a
+    # registering the drafters must not change what transformers does with anything but a
     # drafter directory: from_config of a config built in code (no `architectures`), a Gemma4
     # wrapper building its text model through AutoModel, save / load of a plain target
     from transformers import AutoModel, AutoModelForCausalLM, Gemma4ForConditionalGeneration
 
     from helpers.gemma4 import tiny_gemma4_target_config
 
+    register_auto_classes()
     cfg = tiny_qwen3_config()
     assert cfg.architectures is None
     model = AutoModelForCausalLM.from_config(cfg)
@@ -184,6 +190,7 @@ def test_transformers_auto_classes_load_the_drafter(tmp_path, golden_dir, family
     # a plain causal LM from it and drop the drafter's heads as "unexpected"
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    register_auto_classes()
     src = golden_dir / family / "draft"
     want = load_draft_model(src)
     for auto in (AutoModelForCausalLM, AutoModel):

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.config import DFLASH_LOSS, DSPARK_LOSS
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
-from dspark_ds.drafters.dspark.step import forward_and_loss, resolve_loss_impl
+from dspark_ds.drafters.dspark.step import forward_and_loss
 from dspark_ds.drafters.perf import PerfConfig
-from dspark_ds.drafters.presets import DFLASH_LOSS, DSPARK_LOSS
+from dspark_ds.drafters.registry import get_kind
 
 from helpers.drafters import DFLASH, random_batch, tiny_drafter
 
@@ -110,14 +111,14 @@ def test_bad_options_name_the_field():
 
 
 def test_auto_is_chunked_and_recompute_under_zero3():
-    model = tiny_drafter()
-    assert resolve_loss_impl(model, "auto") == "chunked"
-    assert resolve_loss_impl(model, "reference") == "reference"
-    assert resolve_loss_impl(model, "recompute") == "recompute"
-    model.fc.weight.ds_id = 0  # what ZeRO-3 attaches to a partitioned parameter
-    assert resolve_loss_impl(model, "auto") == "recompute"
-    assert resolve_loss_impl(model, "chunked") == "recompute"
-    assert resolve_loss_impl(model, "reference") == "reference"
+    # the ZeRO stage is the run's, passed down (nothing is read off the parameters)
+    kind, model = get_kind("dspark"), tiny_drafter()
+    for stage, want in ((0, "chunked"), (2, "chunked"), (3, "recompute")):
+        assert kind.prepare(model, PerfConfig(), zero_stage=stage) == want
+        assert kind.prepare(model, PerfConfig(loss_impl="chunked"), zero_stage=stage) == want
+    for stage in (0, 3):
+        for impl in ("reference", "recompute"):
+            assert kind.prepare(model, PerfConfig(loss_impl=impl), zero_stage=stage) == impl
 
 
 def test_recompute_keeps_no_vocab_sized_tensor_for_backward():

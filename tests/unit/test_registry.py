@@ -3,19 +3,20 @@ section or refuses an option by name; the kind's training step equals the direct
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import sample_anchors
 from dspark_ds.drafters.eagle3 import loss as eagle3_loss
 from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
 from dspark_ds.drafters.kind import StepContext
 from dspark_ds.drafters.perf import PerfConfig
-from dspark_ds.drafters.presets import preset
+from dspark_ds.drafters.presets import PRESET_NAMES, preset
 from dspark_ds.drafters.registry import KINDS, get_kind, kind_of
 
 from helpers.drafters import random_batch, tiny_drafter, tiny_qwen3_config
@@ -81,6 +82,32 @@ def test_eagle3_honours_perf():
     assert eagle3_loss.loss_impl_for("auto", zero3=True) == "reference"
     with pytest.raises(ValueError, match="perf.loss_impl: chunked .* under ZeRO-3"):
         eagle3_loss.loss_impl_for("chunked", zero3=True)
+    # the run's ZeRO stage is passed down, not read off the parameters
+    assert kind.prepare(model, PerfConfig(), zero_stage=3) == "reference"
+    with pytest.raises(ValueError, match="under ZeRO-3"):
+        kind.prepare(model, PerfConfig(loss_impl="chunked"), zero_stage=3)
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_each_kind_gives_its_step_shape_part_and_its_tags(name):
+    # what the tuner and evaluation ask of a kind: its part of the StepShape from the run's
+    # `model` section (read by its activation and FLOP terms), its eval tags from a drafter
+    model = preset(name, num_draft_layers=1, num_anchors=8, block_size=4, ttt_length=3)
+    kind = get_kind(model.kind)
+    shape = StepShape(batch=1, seq_len=32, hidden=64, intermediate=160, vocab=1000, heads=4,
+                      kv_heads=2, head_dim=16, draft_layers=1, taps=3,
+                      drafter=kind.step_part(model))  # fmt: skip
+    for stage in (0, 3):
+        assert sum(kind.activation_bytes(shape, PerfConfig(), "cpu", stage).values()) > 0
+        assert sum(kind.step_flops(shape, PerfConfig(), "cpu", stage).values()) > 0
+    bigger = StepShape(**{**shape.__dict__, "drafter": kind.step_part(replace(
+        model, num_anchors=16, block_size=8, ttt_length=6))})  # fmt: skip
+    assert sum(kind.step_flops(bigger, PerfConfig(), "cpu", 0).values()) > sum(
+        kind.step_flops(shape, PerfConfig(), "cpu", 0).values()
+    )
+    drafter = tiny_eagle3(3) if model.kind == "eagle3" else tiny_drafter()
+    tags = kind.tags(drafter.config)
+    assert tags and all(v is not None for v in tags.values())
 
 
 def test_eagle3_chunk_size_comes_from_perf(monkeypatch):

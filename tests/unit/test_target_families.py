@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters import load_draft_model, register_auto_classes, save_draft_model
 from dspark_ds.drafters.io import build_draft_config, build_draft_model, build_eagle3_config
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.decoding import speculative_generate
@@ -85,6 +85,7 @@ def test_the_drafter_is_qwen3_style_and_sized_from_the_target(family, family_dir
     assert loaded.config.target_model_type == family
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    register_auto_classes()
     auto = AutoModelForCausalLM.from_pretrained(tmp_path / "d")  # registered architectures
     assert type(auto) is type(drafter)
 

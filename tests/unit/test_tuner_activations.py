@@ -6,6 +6,7 @@ dtypes, every attention implementation CPU can train with and every loss path.""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from transformers import Qwen3Config
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
-from dspark_ds.drafters.dspark.memory import StepShape, saved_bytes
+from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.dspark.memory import DSparkShape, saved_bytes
 from dspark_ds.drafters.dspark.memory import micro_batch_bytes as activation_bytes
 from dspark_ds.drafters.dspark.step import forward_and_loss
 
@@ -24,8 +26,8 @@ LOSS_ARGS = dict(
 )
 # (the vocabulary-sized loss dominates; the layers and the loss weigh alike)
 SHAPES = {
-    "vocab": StepShape(1, 256, 32, 4, 64, 160, 16000, 4, 2, 16, 2, 3, 16, 4, 4),
-    "mixed": StepShape(1, 384, 48, 6, 128, 320, 6000, 8, 2, 16, 2, 3, 32, 4, 4),
+    "vocab": StepShape(1, 256, 64, 160, 16000, 4, 2, 16, 2, 3, DSparkShape(32, 4, 16), 4, 4),
+    "mixed": StepShape(1, 384, 128, 320, 6000, 8, 2, 16, 2, 3, DSparkShape(48, 6, 32), 4, 4),
 }
 CHUNK_ANCHORS = 5
 
@@ -47,9 +49,9 @@ def measure(shape: StepShape, attn: str, loss: str, dtype: torch.dtype) -> dict[
         target_layer_ids=list(range(s.taps)),
         mask_token_id=s.vocab - 1,
         num_draft_layers=s.draft_layers,
-        block_size=s.block_size,
-        num_anchors=s.num_anchors,
-        markov_rank=s.markov_rank,
+        block_size=s.drafter.block_size,
+        num_anchors=s.drafter.num_anchors,
+        markov_rank=s.drafter.markov_rank,
         markov_head_type="vanilla",
         confidence_head_alpha=1.0,
         confidence_head_with_markov=True,
@@ -63,7 +65,7 @@ def measure(shape: StepShape, attn: str, loss: str, dtype: torch.dtype) -> dict[
     B, S, H = s.batch, s.seq_len, s.hidden
     loss_mask = torch.ones(B, S)
     loss_mask[:, :8] = 0
-    anchors, keep = sample_anchor_positions(loss_mask, s.num_anchors, generator=g)
+    anchors, keep = sample_anchor_positions(loss_mask, s.drafter.num_anchors, generator=g)
     batch = dict(
         input_ids=torch.randint(0, s.vocab - 1, (B, S), generator=g),
         loss_mask=loss_mask,
@@ -92,7 +94,7 @@ CASES = [
 def test_estimate_matches_saved_tensors_and_live_peak(shape_name, attn, loss):
     for dtype in (torch.float32, torch.bfloat16):
         b = 4 if dtype == torch.float32 else 2
-        shape = StepShape(**{**SHAPES[shape_name].__dict__, "compute_bytes": b, "feature_bytes": b})
+        shape = replace(SHAPES[shape_name], compute_bytes=b, feature_bytes=b)
         got = measure(shape, attn, loss, dtype)
         est = activation_bytes(shape, attn, loss, CHUNK_ANCHORS)
         # the batch is allocated before the measured micro-batch
@@ -106,7 +108,7 @@ def test_estimate_matches_saved_tensors_and_live_peak(shape_name, attn, loss):
 def test_qwen3_8b_shape_per_path():
     """The Qwen3-8B DSpark shape of issue 13 (B 1, S 4096, A 512, γ 7, bf16): the compiled-flex
     chunked path (chunk 256) needs well under the dense / reference path's working memory."""
-    shape = StepShape(1, 4096, 512, 7, 4096, 12288, 151936, 32, 8, 128, 5, 5, 256)
+    shape = StepShape(1, 4096, 4096, 12288, 151936, 32, 8, 128, 5, 5, DSparkShape(512, 7, 256))
     flex = sum(activation_bytes(shape, "flex", "chunked", 256).values())
     dense = sum(activation_bytes(shape, "dense", "reference", 256).values())
     assert 9 * 2**30 < flex < 10.5 * 2**30 and 14 * 2**30 < dense < 16 * 2**30

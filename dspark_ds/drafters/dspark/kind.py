@@ -18,7 +18,7 @@ from dspark_ds.drafters.dspark.model import DSparkDraftModel
 from dspark_ds.drafters.dspark.step import (
     drop_empty_blocks,
     forward_loss,
-    resolve_loss_impl,
+    loss_impl_for,
     sample_anchors,
 )
 from dspark_ds.drafters.kind import TRAIN_KEYS, DrafterKind, StepContext, StepOutput, bare
@@ -43,8 +43,8 @@ class DSpark(DrafterKind):
             target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
         )
 
-    def resolve_loss_impl(self, drafter: nn.Module, loss_impl: str) -> str:
-        return resolve_loss_impl(drafter, loss_impl)
+    def loss_impl_for(self, loss_impl: str, zero3: bool) -> str:
+        return loss_impl_for(loss_impl, zero3)
 
     def training_step(
         self, model, batch: Mapping[str, torch.Tensor], ctx: StepContext
@@ -89,6 +89,9 @@ class DSpark(DrafterKind):
     def propose(self, drafter: nn.Module, draft_round: DraftRound) -> Proposal:
         return drafter.propose_round(draft_round)
 
+    def step_part(self, model: DrafterConfig) -> memory.DSparkShape:
+        return memory.DSparkShape.of(model)
+
     def activation_bytes(
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
     ) -> dict[str, float]:
@@ -98,6 +101,9 @@ class DSpark(DrafterKind):
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
     ) -> dict[str, float]:
         return memory.step_flops(shape, perf, device, zero_stage)
+
+    def tags(self, config) -> dict[str, object]:
+        return {"markov_rank": int(config.markov_rank), "block_size": int(config.block_size)}
 
     def describe(self, model: DrafterConfig) -> str:
         heads = f"Markov rank {model.markov_rank}" if model.markov_rank else "no Markov head"

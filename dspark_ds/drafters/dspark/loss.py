@@ -13,7 +13,6 @@ ranks and read as floats (`dspark_metrics`): the straight-line reference.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,8 +20,8 @@ import torch.nn.functional as F
 
 from dspark_ds import distributed
 from dspark_ds.drafters.common.blocks import DSparkForwardOutput
-from dspark_ds.drafters.kind import StepOutput
-from dspark_ds.drafters.presets import DSPARK_LOSS, LossWeights
+from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
+from dspark_ds.drafters.kind import StepOutput, ratio
 
 EPS = 1e-6
 
@@ -270,33 +269,29 @@ def _local_stats(
     return s
 
 
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else math.nan
-
-
 def dspark_metrics(g: dict[str, float], weights: LossWeights) -> dict[str, float]:
     """The metrics (docs/metrics.md) of `dspark_loss`'s sums, summed over the ranks."""
     block_size = sum(1 for k in g if k.startswith("count@"))
     has_target = "tau_probabilistic" in g
     has_conf = "conf_abs" in g
     m = {
-        "ce_loss": _ratio(g["num_ce"], g["den_ce"]),
-        "tau_greedy": _ratio(g["tau_greedy"], g["blocks"]),
+        "ce_loss": ratio(g["num_ce"], g["den_ce"]),
+        "tau_greedy": ratio(g["tau_greedy"], g["blocks"]),
         "supervised_tokens": g["slots"],
     }
     for j in range(block_size):
-        m[f"greedy_accept@{j}"] = _ratio(g[f"greedy@{j}"], g[f"count@{j}"])
+        m[f"greedy_accept@{j}"] = ratio(g[f"greedy@{j}"], g[f"count@{j}"])
     if has_target:
-        m["tau_probabilistic"] = _ratio(g["tau_probabilistic"], g["blocks"])
+        m["tau_probabilistic"] = ratio(g["tau_probabilistic"], g["blocks"])
         for j in range(block_size):
-            m[f"accept_rate@{j}"] = _ratio(g[f"accept@{j}"], g[f"count@{j}"])
+            m[f"accept_rate@{j}"] = ratio(g[f"accept@{j}"], g[f"count@{j}"])
     if g["den_l1"] > 0:
-        m["l1_loss"] = _ratio(g["num_l1"], g["den_l1"])
+        m["l1_loss"] = ratio(g["num_l1"], g["den_l1"])
     if has_conf:
-        m["confidence_loss"] = _ratio(g["num_conf"], g["den_conf"])
-        m["confidence_abs_error"] = _ratio(g["conf_abs"], g["den_conf"])
-        m["confidence_bias"] = _ratio(g["conf_bias"], g["den_conf"])
-        m["confidence_cumprod_bias"] = _ratio(g["conf_cumprod_bias"], g["den_conf"])
+        m["confidence_loss"] = ratio(g["num_conf"], g["den_conf"])
+        m["confidence_abs_error"] = ratio(g["conf_abs"], g["den_conf"])
+        m["confidence_bias"] = ratio(g["conf_bias"], g["den_conf"])
+        m["confidence_cumprod_bias"] = ratio(g["conf_cumprod_bias"], g["den_conf"])
     m["loss"] = (
         weights.ce_loss_alpha * m["ce_loss"]
         + (weights.l1_loss_alpha * m["l1_loss"] if "l1_loss" in m else 0.0)

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from dspark_ds.drafters.dspark.config import DSPARK_LOSS
 from dspark_ds.drafters.dspark.loss import LossPlan, SlotTerms, finish_loss, l1_distance, plan_loss
 from dspark_ds.drafters.kind import StepOutput
 from dspark_ds.drafters.perf import CHUNK_ANCHORS_CPU
-from dspark_ds.drafters.presets import DSPARK_LOSS
 
 
 def draft_logits(model: nn.Module, hidden_cGH: torch.Tensor, prev_cG: torch.Tensor) -> torch.Tensor:

@@ -34,12 +34,46 @@ the profiler, on CPU, at several shapes, both dtypes, every attention and loss p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.dspark.step import loss_impl_for
 from dspark_ds.drafters.perf import PerfConfig
 
 ATTENTIONS = ("flex", "blockwise", "dense")
 LOSSES = ("reference", "chunked", "recompute")
+
+
+@dataclass(frozen=True)
+class DSparkShape:
+    """DSpark's part of a `StepShape` (`StepShape.drafter`): the blocks and the heads."""
+
+    num_anchors: int
+    """A: anchor blocks per sequence."""
+    block_size: int
+    """γ: tokens per block."""
+    markov_rank: int
+    """r of the Markov head; 0 = none (DFlash)."""
+    markov_head_type: str = "vanilla"
+    """The Markov head's form: vanilla | gated | rnn."""
+    confidence_head: bool = True
+    """The confidence head is trained."""
+
+    @classmethod
+    def of(cls, model) -> DSparkShape:
+        """From the run's `model` section."""
+        return cls(
+            num_anchors=model.num_anchors,
+            block_size=model.block_size,
+            markov_rank=model.markov_rank,
+            markov_head_type=model.markov_head_type,
+            confidence_head=model.confidence_head_alpha > 0,
+        )
+
+
+def draft_tokens(s: StepShape) -> int:
+    """T = B·A·γ draft slots of a step (at most one anchor per position)."""
+    return s.batch * min(s.drafter.num_anchors, s.seq_len) * s.drafter.block_size
 
 
 def _rms_norm(rows: float, width: int, b: int, feeds_linear: bool) -> float:
@@ -53,7 +87,7 @@ def saved_bytes(shape: StepShape, attn: str) -> dict[str, float]:
     if attn not in ATTENTIONS:
         raise ValueError(f"attn: expected one of {ATTENTIONS}, got {attn!r}")
     s, b = shape, shape.compute_bytes
-    T, C = s.draft_tokens, s.context_tokens
+    T, C = draft_tokens(s), s.context_tokens
     H, F, D = s.hidden, s.intermediate, s.head_dim
     q_width, kv_width = s.heads * D, s.kv_heads * D
     keys = C + T  # [context; drafts] per layer
@@ -91,17 +125,17 @@ def loss_bytes(shape: StepShape, loss: str, chunk_anchors: int) -> dict[str, flo
     if loss not in LOSSES:
         raise ValueError(f"loss: expected one of {LOSSES}, got {loss!r}")
     s, b = shape, shape.compute_bytes
-    T, V, H, r = s.draft_tokens, s.vocab, s.hidden, s.markov_rank
+    T, V, H, r = draft_tokens(s), s.vocab, s.hidden, s.drafter.markov_rank
     half = b < 4  # bf16: fp32 copies of the logits where the code upcasts
     out: dict[str, float] = {}
     # the confidence head's input (hidden and the Markov embedding of the previous token)
-    out["heads"] = b * T * (H + r) if s.confidence_head else 0.0
+    out["heads"] = b * T * (H + r) if s.drafter.confidence_head else 0.0
     if loss == "reference":
         # saved: log-softmax, p_d, p_d - p_t (fp32); live at the peak: p_t (fp32), draft and
         # target logits (compute dtype) and, under bf16, no extra copy (freed after softmax)
         out["logits"] = (12 + 4 + 2 * b) * T * V
         return out
-    rows = min(chunk_anchors * s.block_size, T)
+    rows = min(chunk_anchors * s.drafter.block_size, T)
     if loss == "chunked":
         # per chunk: logits, target logits (+ their fp32 copies under bf16), p, q; or, inside
         # autograd.grad, logits, target logits and the gradient (+ its cast), with the Markov
@@ -125,11 +159,11 @@ def attention_backward_bytes(shape: StepShape, attn: str, chunk_blocks: int = 16
     tensors under fp32, the equivalent of 2.5 under bf16: measured with the profiler on CPU);
     flex and dense: the gradients of q, k and v (dense: k and v repeated to every head)."""
     s, b = shape, shape.compute_bytes
-    T, keys = s.draft_tokens, s.context_tokens + s.draft_tokens
+    T, keys = draft_tokens(s), s.context_tokens + draft_tokens(s)
     q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
     if attn == "blockwise":
-        rows = s.batch * s.heads * min(chunk_blocks, s.num_anchors) * s.block_size
-        return (16 if b == 4 else 10) * rows * (s.seq_len + s.block_size)
+        rows = s.batch * s.heads * min(chunk_blocks, s.drafter.num_anchors) * s.drafter.block_size
+        return (16 if b == 4 else 10) * rows * (s.seq_len + s.drafter.block_size)
     width = q_width if attn == "dense" else kv_width
     return b * (T * q_width + 2 * keys * width) + 4 * T * s.heads
 
@@ -185,8 +219,8 @@ def attention_pairs(shape: StepShape, attn: str, chunk_blocks: int = 16) -> floa
     over the sequence put chunk j's last one near (j + 1)/n of it; flex: its visible
     pairs (about half the context on average); dense: every query against S + A·γ keys."""
     s = shape
-    T, G, S = s.draft_tokens, s.block_size, s.seq_len
-    A = min(s.num_anchors, S)
+    T, G, S = draft_tokens(s), s.drafter.block_size, s.seq_len
+    A = min(s.drafter.num_anchors, S)
     if attn == "dense":
         return float(T * (S + A * G))
     if attn == "blockwise":
@@ -198,8 +232,8 @@ def attention_pairs(shape: StepShape, attn: str, chunk_blocks: int = 16) -> floa
 def micro_batch_flops(shape: StepShape, attn: str, loss: str) -> dict[str, float]:
     """FLOPs of one micro-batch by component (see above)."""
     s = shape
-    T, C = s.draft_tokens, s.context_tokens
-    H, F, V, D, r = s.hidden, s.intermediate, s.vocab, s.head_dim, s.markov_rank
+    T, C = draft_tokens(s), s.context_tokens
+    H, F, V, D, r = s.hidden, s.intermediate, s.vocab, s.head_dim, s.drafter.markov_rank
     q_width, kv_width = s.heads * D, s.kv_heads * D
     out: dict[str, float] = {}
     # fc: the features are the batch (no input gradient)
@@ -218,11 +252,11 @@ def micro_batch_flops(shape: StepShape, attn: str, loss: str) -> dict[str, float
     out["target_logits"] = 2.0 * T * H * V if s.aligned else 0.0
     if r > 0:
         out["markov"] = 6.0 * T * r * V
-        if s.markov_head_type == "gated":
+        if s.drafter.markov_head_type == "gated":
             out["markov"] += 6.0 * T * (H + r) * r
-        elif s.markov_head_type == "rnn":
+        elif s.drafter.markov_head_type == "rnn":
             out["markov"] += 6.0 * T * (2 * r + H) * 3 * r
-    if s.confidence_head:
+    if s.drafter.confidence_head:
         out["confidence_head"] = 6.0 * T * (H + r)
     if loss == "recompute":
         # each chunk's forward (draft logits, Markov bias, target logits) runs again in backward

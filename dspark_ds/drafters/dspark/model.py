@@ -76,7 +76,7 @@ class DraftAttention:
 
 
 class DSparkDraftModel(TargetSharedWeights, nn.Module):
-    """Base class; see the module docstring. Construct through a backend or `from_config`."""
+    """Base class; see the module docstring. Construct through a backend or `build_draft_model`."""
 
     architecture: str = ""
     # config.json: what a drafter directory must carry, and what older ones may leave out

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.dspark.loss import dspark_loss, dspark_metrics
 from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss, recompute_dspark_loss
 from dspark_ds.drafters.kind import StepOutput, bare
 from dspark_ds.drafters.perf import CHUNK_ANCHORS_CPU, LOSS_IMPLEMENTATIONS
-from dspark_ds.drafters.presets import DSPARK_LOSS, LossWeights
 from dspark_ds.errors import ConfigError
 
 BATCH_KEYS = ("input_ids", "target_hidden_states", "loss_mask")
@@ -31,7 +31,7 @@ def loss_impl_for(impl: str, zero3: bool) -> str:
     under ZeRO-3 (partitioned parameters).
 
     NOTE: the fused chunked loss hands autograd full-shape gradients for the head parameters
-    it differentiates itself; ZeRO-3 partitions parameters (they carry `ds_id`) and gathers /
+    it differentiates itself; ZeRO-3 partitions parameters and gathers /
     reduce-scatters them only around module calls and their backward, which the recompute
     form (plain autograd under activation checkpointing) keeps to.
     """
@@ -40,11 +40,6 @@ def loss_impl_for(impl: str, zero3: bool) -> str:
     if impl == "auto":
         impl = "chunked"
     return "recompute" if impl == "chunked" and zero3 else impl
-
-
-def resolve_loss_impl(model: nn.Module, impl: str) -> str:
-    """`loss_impl_for` with ZeRO-3 read off the model (its parameters carry `ds_id`)."""
-    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in bare(model).parameters()))
 
 
 def sample_anchors(
@@ -128,19 +123,21 @@ def forward_and_loss(
     impl: str = "auto",
     chunk_anchors: int = CHUNK_ANCHORS_CPU,
     generator: torch.Generator | None = None,
+    zero_stage: int = 0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(loss to backpropagate, metrics) for one micro-batch, as `compute_dspark_loss(model(..))`.
 
     loss_args: the keyword arguments of `compute_dspark_loss` (loss_decay_gamma, ce_loss_alpha,
     l1_loss_alpha, confidence_head_alpha). impl: "reference" | "chunked" | "recompute" | "auto"
-    (see `resolve_loss_impl`). See `forward_loss` for the rest.
+    (`loss_impl_for` at `zero_stage`, the ZeRO stage `model` runs under). See `forward_loss` for
+    the rest.
     """
     weights = LossWeights(**{**asdict(DSPARK_LOSS), **loss_args})
     out = forward_loss(
         model,
         batch,
         weights,
-        impl=resolve_loss_impl(model, impl),
+        impl=loss_impl_for(impl, zero3=zero_stage == 3),
         chunk_anchors=chunk_anchors,
         generator=generator,
     )

@@ -37,8 +37,8 @@ class Eagle3(DrafterKind):
             target_model_name_or_path=target_path,
         )
 
-    def resolve_loss_impl(self, drafter: nn.Module, loss_impl: str) -> str:
-        return loss.resolve_loss_impl(drafter, loss_impl)
+    def loss_impl_for(self, loss_impl: str, zero3: bool) -> str:
+        return loss.loss_impl_for(loss_impl, zero3)
 
     def training_step(
         self, model, batch: Mapping[str, torch.Tensor], ctx: StepContext
@@ -65,6 +65,9 @@ class Eagle3(DrafterKind):
     def propose(self, drafter: nn.Module, draft_round: DraftRound) -> Proposal:
         return drafter.propose_round(draft_round)
 
+    def step_part(self, model: DrafterConfig) -> memory.Eagle3Shape:
+        return memory.Eagle3Shape.of(model)
+
     def activation_bytes(
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
     ) -> dict[str, float]:
@@ -74,6 +77,9 @@ class Eagle3(DrafterKind):
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
     ) -> dict[str, float]:
         return memory.step_flops(shape, perf, device, zero_stage)
+
+    def tags(self, config) -> dict[str, object]:
+        return {"ttt_length": getattr(config, "ttt_length", None)}
 
     def describe(self, model: DrafterConfig) -> str:
         return f"Eagle3 {model.num_draft_layers} layer(s), T={model.ttt_length}"

@@ -26,14 +26,12 @@ through the frozen lm_head at once, so only an [N, H] gradient survives the forw
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dspark_ds import distributed
+from dspark_ds.drafters.eagle3.config import STEP_LOSS_DECAY
 from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput, Eagle3Hidden
-from dspark_ds.drafters.kind import StepOutput, bare
-from dspark_ds.drafters.presets import STEP_LOSS_DECAY
+from dspark_ds.drafters.kind import StepOutput, bare, ratio
 from dspark_ds.errors import ConfigError
 
 EPS = 1e-6
@@ -60,11 +58,6 @@ def loss_impl_for(impl: str, zero3: bool) -> str:
             "lm_head calls run outside the engine's forward); use auto or reference"
         )
     return impl
-
-
-def resolve_loss_impl(model, impl: str) -> str:
-    """`loss_impl_for` with ZeRO-3 read off the model (its parameters carry `ds_id`)."""
-    return loss_impl_for(impl, zero3=any(hasattr(p, "ds_id") for p in bare(model).parameters()))
 
 
 def target_probs_for_step(target_probs: torch.Tensor, step: int) -> torch.Tensor:
@@ -293,27 +286,23 @@ def _local_stats(mask, ce, c_star, greedy, match) -> dict[str, torch.Tensor]:
     return s
 
 
-def _ratio(num: float, den: float) -> float:
-    return num / den if den > 0 else math.nan
-
-
 def eagle3_metrics(g: dict[str, float], step_loss_decay: float) -> dict[str, float]:
     """The metrics (module docstring) of `eagle3_loss`'s sums, summed over the ranks."""
     steps = sum(1 for k in g if k.startswith("den@"))
     decay = float(step_loss_decay)
     m: dict[str, float] = {
-        "tau_probabilistic": _ratio(g["tau_probabilistic"], g["anchors"]),
-        "tau_greedy": _ratio(g["tau_greedy"], g["anchors"]),
+        "tau_probabilistic": ratio(g["tau_probabilistic"], g["anchors"]),
+        "tau_greedy": ratio(g["tau_greedy"], g["anchors"]),
         "supervised_tokens": g["slots"],
     }
     total = 0.0
     for k in range(steps):
         den = g[f"den@{k}"]
-        ploss = _ratio(g[f"num@{k}"], den)
+        ploss = ratio(g[f"num@{k}"], den)
         m[f"ploss_{k}"] = ploss
-        m[f"accept_rate@{k}"] = _ratio(g[f"accept@{k}"], den)
-        m[f"greedy_accept@{k}"] = _ratio(g[f"greedy@{k}"], den)
-        m[f"accuracy@{k}"] = _ratio(g[f"match@{k}"], den)
+        m[f"accept_rate@{k}"] = ratio(g[f"accept@{k}"], den)
+        m[f"greedy_accept@{k}"] = ratio(g[f"greedy@{k}"], den)
+        m[f"accuracy@{k}"] = ratio(g[f"match@{k}"], den)
         if den > 0:
             total += decay**k * ploss
     m["loss"] = total

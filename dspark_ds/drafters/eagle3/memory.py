@@ -11,15 +11,30 @@ T·loss_chunk_anchors rows at a time (the chunked path), plus the target's own l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.eagle3.loss import loss_impl_for
 from dspark_ds.drafters.perf import PerfConfig
 
 
+@dataclass(frozen=True)
+class Eagle3Shape:
+    """Eagle3's part of a `StepShape` (`StepShape.drafter`)."""
+
+    ttt_length: int = 7
+    """T: training-time-test steps unrolled per position."""
+
+    @classmethod
+    def of(cls, model) -> Eagle3Shape:
+        """From the run's `model` section."""
+        return cls(ttt_length=model.ttt_length)
+
+
 def activation_bytes(s: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[str, float]:
     """Peak activation bytes of one micro-batch by component; `device` cuda | cpu, `stage` the
     ZeRO stage (it decides the loss path, as in training)."""
-    b, B, S, T = s.compute_bytes, s.batch, s.seq_len, s.ttt_length
+    b, B, S, T = s.compute_bytes, s.batch, s.seq_len, s.drafter.ttt_length
     H, F, V = s.hidden, s.intermediate, s.vocab
     kv = s.kv_heads * s.head_dim
     qd = s.heads * s.head_dim
@@ -68,7 +83,7 @@ def step_flops(s: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[
     the MLP and the attention (the dense kernel computes every S × S score, flex about the
     causal half and recomputes them in backward), and the lm_head over the B·S·T loss rows
     (input gradient only) with the target's logits beside them."""
-    B, S, T = s.batch, s.seq_len, s.ttt_length
+    B, S, T = s.batch, s.seq_len, s.drafter.ttt_length
     H, F, V, D = s.hidden, s.intermediate, s.vocab, s.head_dim
     q_width, kv_width = s.heads * D, s.kv_heads * D
     N = B * S

@@ -1,0 +1,99 @@
+"""DSpark's fields of the run's `model` section (`model.kind: dspark`, which covers DFlash) and
+the weights of its loss (docs/algorithm.md#the-loss).
+
+`DSparkFields` is one base of `DrafterConfig` (drafters/presets.py): the recipe stays one flat
+`model:` mapping, and these fields, their documentation and their checks live here, with the
+kind that reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
+
+from dspark_ds.drafters.common.checks import Checker
+from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    """The weights of the DSpark loss (docs/algorithm.md#the-loss)."""
+
+    loss_decay_gamma: float | None
+    ce_loss_alpha: float
+    l1_loss_alpha: float
+    confidence_head_alpha: float
+
+
+DSPARK_LOSS = LossWeights(
+    loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
+)
+# DFlash: cross-entropy only, no confidence head (and no Markov head).
+DFLASH_LOSS = replace(DSPARK_LOSS, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
+
+
+@dataclass
+class DSparkFields:
+    """DSpark / DFlash: parallel blocks of γ tokens drafted from sampled anchors. Defaults are
+    the paper's DSpark."""
+
+    KIND: ClassVar[str] = "dspark"
+
+    block_size: int = 7
+    """γ: tokens drafted per block."""
+    sample_from_anchor: bool = True
+    """The block layout (docs/serving.md#the-block-layout). true: a block is [anchor, MASK ×
+    (γ-1)] and every slot predicts the token after it, the anchor's slot the first draft
+    (DeepSpec's layout, which vLLM's `dspark` method reads). false: [anchor, MASK × γ], each MASK
+    predicting the token at its own position and the anchor's slot nothing (DFlash's layout, which
+    vLLM's and SGLang's `dflash` methods read)."""
+    num_anchors: int = 512
+    """Blocks (anchors) sampled per training sequence."""
+    markov_rank: int = 256
+    """Rank r of the Markov head; 0 = no Markov head (DFlash)."""
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    """Markov head variant."""
+    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha
+    """Weight of the confidence (BCE) loss; > 0 enables the confidence head."""
+    confidence_head_with_markov: bool = True
+    """Feed the Markov features to the confidence head (needs markov_rank > 0)."""
+    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma
+    """Position weight decay w_j = exp(-j/γ_decay); None or <= 0 disables it."""
+    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha
+    """Weight of the cross-entropy term (DFlash: 1.0)."""
+    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha
+    """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
+
+    @property
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(
+            loss_decay_gamma=self.loss_decay_gamma,
+            ce_loss_alpha=self.ce_loss_alpha,
+            l1_loss_alpha=self.l1_loss_alpha,
+            confidence_head_alpha=self.confidence_head_alpha,
+        )
+
+    def check_fields(self, check: Checker) -> None:
+        """These fields' checks (`DrafterConfig.validate`, when model.kind is dspark)."""
+        check.at_least_1("block_size", "num_anchors")
+        check("markov_rank", self.markov_rank >= 0, "must be >= 0")
+        if self.markov_rank > 0:
+            check(
+                "markov_head_type",
+                self.markov_head_type in MARKOV_HEAD_TYPES,
+                f"expected one of {MARKOV_HEAD_TYPES}",
+            )
+        for name in ("confidence_head_alpha", "ce_loss_alpha", "l1_loss_alpha"):
+            check(name, getattr(self, name) >= 0, "must be >= 0")
+        check(
+            "ce_loss_alpha",
+            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0,
+            "all loss weights are 0; nothing would be trained",
+        )
+        if self.confidence_head_alpha > 0 and self.confidence_head_with_markov:
+            check(
+                "confidence_head_with_markov",
+                self.markov_rank > 0,
+                f"needs {check.name('markov_rank')} > 0 (DFlash has no Markov head: set it "
+                "to false)",
+            )

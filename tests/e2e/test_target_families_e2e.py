@@ -1,7 +1,7 @@
 """Targets of other families through the whole pipeline, on 2 ranks, and ZeRO-3 loading.
 
-- every family of `helpers.tiny_models.FAMILIES` and the hybrid Qwen3.5 (Gated DeltaNet
-  layers): an offline cache, then ONE torchrun launch
+- every family of `helpers.tiny_models.FAMILIES` and of `HYBRID_FAMILIES` (Qwen3.5, Qwen3.5-MoE,
+  Qwen3-Next: Gated DeltaNet layers; Granite-4.0-H, Falcon-H1: Mamba2): an offline cache, then ONE torchrun launch
   (`train-many`) training each family online under ZeRO-3 (the target loaded partition by
   partition, `engine.target.load_partitioned_target`) and offline under ZeRO-2, 3 steps each,
   with the end-of-run export; then each export decodes losslessly (greedy) against its target;
@@ -39,9 +39,9 @@ from helpers.tiny_models import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-# the KV-cache families and one hybrid (Gated DeltaNet layers: its recurrent state rolled back
-# in the exports' decoding)
-TRAINED = [*FAMILIES, "qwen3_5_text"]
+# the KV-cache families and every hybrid (Gated DeltaNet or Mamba2 layers, MoE ones included:
+# their recurrent state rolled back in the exports' decoding)
+TRAINED = [*FAMILIES, *HYBRID_FAMILIES]
 LAYER_IDS = [-1, 0, 2]  # of 4 target layers (the last one is refused at evaluation)
 STEPS = 3
 RECIPE = str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")

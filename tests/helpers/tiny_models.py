@@ -224,15 +224,20 @@ FAMILIES: dict[str, dict] = {
 }  # fmt: skip
 
 
-def family_config(family: str, vocab_size: int, **overrides):
-    """A tiny random config of `family` (hidden 32, 4 layers, 4 heads)."""
-    from transformers import AutoConfig
-
-    kw = dict(
+def _tiny_widths(vocab_size: int) -> dict:
+    """The widths every tiny family and hybrid config starts from (hidden 32, 4 layers, 4 heads)."""
+    return dict(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=False,
     )  # fmt: skip
+
+
+def family_config(family: str, vocab_size: int, **overrides):
+    """A tiny random config of `family` (hidden 32, 4 layers, 4 heads)."""
+    from transformers import AutoConfig
+
+    kw = _tiny_widths(vocab_size)
     kw.update(FAMILIES[family])
     kw.update(overrides)
     return AutoConfig.for_model(family, **kw)
@@ -293,11 +298,7 @@ def hybrid_config(family: str, vocab_size: int, **overrides):
     """A tiny random config of the hybrid `family` (hidden 32, 4 layers, 4 heads)."""
     from transformers import AutoConfig
 
-    kw = dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )  # fmt: skip
+    kw = _tiny_widths(vocab_size)
     kw.update(HYBRID_FAMILIES[family])
     if family == "qwen3_5_moe_text":  # every MLP is a MoE block: no dense width in its config
         kw.pop("intermediate_size")

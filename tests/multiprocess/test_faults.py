@@ -79,6 +79,7 @@ def assert_same_losses(got: list[dict], ref: list[dict], steps) -> None:
             assert r["loss"] == pytest.approx(by_step[r["step"]], rel=1e-6, abs=1e-7), r["step"]
 
 
+@pytest.mark.distributed
 def test_kill9_of_one_rank_during_a_save(target, tmp_path):
     """2 ranks, ZeRO-2: rank 1 is SIGKILLed while writing checkpoint step 8. The resume skips
     the incomplete tag, continues from step 4, and recomputes steps 5-8 exactly."""

@@ -7,7 +7,8 @@ From the run directory:
   FLOP/s per GPU (`system/tflops_per_gpu`: the kind's count, train/flops.py), MFU when the run
   knew its peak (`system/mfu`), tokens and kept anchor blocks per sequence
   (`system/tokens_per_s` / `system/samples_per_s`, `train/sampled_anchors_abs`). The first log
-  window (the first step's warm-up) is left out; each figure is the median of the others.
+  window (the first step's warm-up) is left out; the step and its FLOPs are the medians of the
+  others, and the run's achieved FLOP/s and MFU their ratio.
 - the newest checkpoint: the run's config (`run_config.yaml`), DeepSpeed config and world size.
 
 The run's MFU charges the whole step to its matmuls; the model's `sustained_fraction` is the
@@ -47,9 +48,9 @@ class RunLog:
     windows: int
     """Log windows the medians are over."""
     step_s: float
-    tflops_per_gpu: float
     flops_per_step: float
-    """Model FLOPs of one optimizer step per GPU (tflops_per_gpu × step_s of each window)."""
+    """Model FLOPs of one optimizer step per GPU (the median of each window's tflops_per_gpu ×
+    step_s)."""
     peak_flops: float | None
     """The peak its MFU was against (None: it logged no MFU)."""
     tokens_per_sequence: float
@@ -106,12 +107,16 @@ def read_run(run_dir: str | Path) -> RunLog:
         world=int(meta["world_size"]),
         windows=len(used),
         step_s=_median(used, "system/step_s"),
-        tflops_per_gpu=_median(used, "system/tflops_per_gpu"),
         flops_per_step=statistics.median(per_window),
         peak_flops=statistics.median(peaks) if peaks else None,
         tokens_per_sequence=statistics.median(tokens) if tokens else run_cfg.data.max_length,
         anchors_per_sequence=_median(used, "train/sampled_anchors_abs"),
     )
+
+
+def achieved_flops(log: RunLog) -> float:
+    """FLOP/s per GPU of the run's median step: its FLOPs over its time (what MFU divides)."""
+    return log.flops_per_step / log.step_s
 
 
 def run_point(log: RunLog):
@@ -165,10 +170,10 @@ def summary(log: RunLog, point, option: str, accum: int, peak: float, fraction: 
         "anchors_per_sequence": log.anchors_per_sequence,
         "windows": log.windows,
         "measured_step_s": log.step_s,
-        "tflops_per_gpu": log.tflops_per_gpu,
+        "tflops_per_gpu": achieved_flops(log) / 1e12,
         "peak_flops": peak,
         "peak_from_log": log.peak_flops is not None,
-        "mfu": log.tflops_per_gpu * 1e12 / peak,
+        "mfu": achieved_flops(log) / peak,
         "sustained_fraction": fraction,
         "logged_flops_per_step": log.flops_per_step,
         "model_flops_per_step": pred.flops_per_step,

@@ -299,7 +299,7 @@ def _from_run(cfg: TunerConfig, machine: Machine) -> tuple[Machine, dict]:
         at = step_time(replace(step, machine=with_values(here, rates, source)))
         return fromrun.Prediction(at.seconds, at.terms["compute"], step.accum * step.workload.flops)
 
-    fraction = fromrun.fraction_for(log, peak, predict)
+    fraction = fromrun.fraction_for(log, predict)
     record = fromrun.summary(log, point, option.name, step.accum, peak, fraction, predict(fraction))
     values = {"peak_flops": peak, "sustained_fraction": fraction,
               "target_sustained_fraction": fraction}  # fmt: skip

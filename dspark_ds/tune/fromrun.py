@@ -139,7 +139,7 @@ class Prediction:
     """The model's FLOPs of one optimizer step per GPU (its compute term's)."""
 
 
-def fraction_for(log: RunLog, peak: float, predict: Callable[[float], Prediction]) -> float:
+def fraction_for(log: RunLog, predict: Callable[[float], Prediction]) -> float:
     """The sustained fraction at which the model's step of the run's point, its compute being
     the log's FLOPs, is the measured step (see the module docstring). `predict(fraction)`: the
     model at that fraction with its own FLOPs."""

@@ -359,15 +359,18 @@ dspark_finish
 
 
 def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp_path):
-    """`dspark-ds tune --measure true` on the 4 ranks: each option the tuner lists builds its
-    engine and runs 3 real optimizer steps (1 + --measure_steps 2) across the hosts."""
-    from dspark_ds.tune.config import OPTION_NAMES
+    """`dspark-ds tune --measure true` on the 4 ranks: each option the tuner lists, and hpZ,
+    builds its engine and runs 3 real optimizer steps (1 + --measure_steps 2) across the
+    hosts; hpZ (its node-local groups the 2 ranks of each host) trains with the losses of
+    plain ZeRO-3."""
+    from dspark_ds.tune.config import ALL_OPTION_NAMES
 
     script = tmp_path / "job.sbatch"
     script.write_text(GENERIC_JOB)
     result = tmp_path / "tune.json"
     args = ["tune", "--recipe", str(TINY), "--target.path", tiny_target, "--measure", "true",
             "--measure_steps", "2", "--output_json", str(result), "--cluster.calibrate", "false",
+            "--options", json.dumps(ALL_OPTION_NAMES),
             "--overrides", '["--data.batch_size", "1", "--train.global_batch_size", "4"]']  # fmt: skip
     env = job_env(tmp_path, DSPARK_SLURM_DIR=str(REPO / "slurm"))
     job = Job(multihost_cluster, tmp_path, "zero-options",
@@ -376,9 +379,12 @@ def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp
     info = job.finish()
     assert info["JobState"] == "COMPLETED", job.text()[-6000:]
     measured = json.loads(result.read_text())["measured"]
-    assert sorted(measured) == sorted(OPTION_NAMES), (sorted(measured), job.text()[-3000:])
+    assert sorted(measured) == sorted(ALL_OPTION_NAMES), (sorted(measured), job.text()[-3000:])
     for name, m in measured.items():
         assert m["step_s"] > 0 and m["peak_bytes"] > 0, (name, m)
+    assert measured["zero3+hpz"]["hpz_partition_size"] == 2  # "auto": a host's ranks
+    plain, hpz = measured["zero3"]["losses"], measured["zero3+hpz"]["losses"]
+    assert len(plain) == 3 and hpz == pytest.approx(plain, rel=1e-5), (plain, hpz)
 
 
 # ---- what a site's Slurm does: node-local disks, CPUs per task --------------------------------

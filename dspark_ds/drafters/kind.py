@@ -188,10 +188,12 @@ class DrafterKind(Protocol):
         *,
         zero_stage: int = 0,
     ) -> str:
-        """Sets the drafter's attention implementation and, given the run's device, compiles it
-        per `perf.compile`; returns the loss path for the run's ZeRO stage (`loss_impl_for`)."""
+        """Sets the drafter's attention implementation and activation checkpointing and, given
+        the run's device, compiles it per `perf.compile`; returns the loss path for the run's
+        ZeRO stage (`loss_impl_for`)."""
         self.check_perf(perf)
         drafter.attn_implementation = perf.attn_implementation
+        drafter.activation_checkpointing = perf.activation_checkpointing
         if device is not None and perf.compile_mode(device) != "off":
             compile_drafter(drafter, perf.compile_mode(device))
         return self.loss_impl_for(perf.loss_impl, zero3=zero_stage == 3)

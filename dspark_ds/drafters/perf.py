@@ -2,6 +2,9 @@
 whether the drafter is compiled. Every choice gives the same results at another cost; each kind
 honours the options it can (`DrafterKind.check_perf`) and refuses the others by name.
 
+`activation_checkpointing` recomputes each draft decoder layer in backward instead of keeping
+what it saved (drafters/common/layers.py `run_layer`; exact: the same ops run again).
+
 `compile_drafter` applies `perf.compile`: "layers" compiles each draft decoder layer
 (`nn.Module.compile`, which keeps the module and its parameter names: checkpoints, export and
 ZeRO's hooks see the same tree); "model" compiles the whole drafter's forward. Under ZeRO-3
@@ -67,6 +70,12 @@ class PerfConfig:
     "auto" = "off" on every device until a GPU measurement shows a gain (`dspark-ds
     gpu-check` benches "layers" beside the default). The flex kernel is compiled whatever
     this says."""
+
+    activation_checkpointing: bool = False
+    """Recompute each draft decoder layer in backward (torch.utils.checkpoint, non-reentrant)
+    instead of keeping its activations: memory keeps each layer's input (and, for Eagle3, each
+    unrolled step's keys and values) plus one layer's working set while it is recomputed; the
+    layers' forward runs twice. Loss and gradients are the same (the same ops run again)."""
 
     drop_empty_blocks: str = "auto"
     """DSpark / DFlash: "on" drops the trailing anchor blocks that no row of a micro-batch uses

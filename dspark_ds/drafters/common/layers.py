@@ -1,4 +1,5 @@
-"""Layers every drafter kind shares: rotary embedding helpers and the target's shared weights.
+"""Layers every drafter kind shares: rotary embedding helpers, a decoder layer's call (with
+activation checkpointing) and the target's shared weights.
 
 Shape legend: B batch, H heads, L positions, D head dim.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dspark_ds.errors import ConfigError
 
@@ -19,6 +21,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x_BHLD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     cos, sin = (t.unsqueeze(1) for t in rope)  # [B, 1, L, D]
     return x_BHLD * cos + rotate_half(x_BHLD) * sin
+
+
+def run_layer(layer: nn.Module, *args, recompute: bool = False):
+    """`layer(*args)`; with `recompute` (perf.activation_checkpointing) and autograd recording,
+    under torch's non-reentrant activation checkpointing: the layer's saved tensors are dropped
+    after its forward and recomputed by running it again in its backward (RNG state replayed),
+    so only its inputs stay. Works under ZeRO-3 (the recomputation's module calls gather their
+    parameters again through DeepSpeed's hooks) and inside torch.compile.
+
+    NOTE: the layer must compute the same thing when it runs again: no side effect whose
+    second run would change its result (drafters/eagle3/model.py `unroll_attend`)."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(layer, *args, use_reentrant=False)
+    return layer(*args)
 
 
 class TargetSharedWeights:

@@ -25,7 +25,7 @@ from dspark_ds.drafters.common.blocks import (
     gather_blocks,
     sample_anchor_positions,
 )
-from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
+from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.common.sampling import sample_from_logits
 from dspark_ds.drafters.dspark.markov import ConfidenceHead, build_markov_head
@@ -106,6 +106,9 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         # "auto": flex_attention on CUDA tensors; elsewhere (no flex backward on CPU) the exact
         # blockwise path, which skips the work the mask hides ("dense" stays the reference).
         self.attn_implementation = "auto"
+        # perf.activation_checkpointing (set by the kind's `prepare`): recompute each layer in
+        # backward
+        self.activation_checkpointing = False
 
         self.embed_tokens = self.make_embedding()
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_hidden_layers))
@@ -140,7 +143,10 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         rope_ctx = self.rotary_emb(h, ctx_pos)
         rope_draft = self.rotary_emb(h, draft_pos)
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, rope_ctx, rope_draft, mask, cache, i)
+            h = run_layer(
+                layer, h, ctx, rope_ctx, rope_draft, mask, cache, i,
+                recompute=self.activation_checkpointing and cache is None,
+            )  # fmt: skip
         return self.norm(h)
 
     def resolve_attn_implementation(self, device: torch.device) -> str:

@@ -32,7 +32,7 @@ from torch import nn
 
 from dspark_ds.drafters.common.attention import attend
 from dspark_ds.drafters.common.blocks import DraftKVCache
-from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope
+from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop
 from dspark_ds.drafters.common.sampling import sample_from_logits
 from dspark_ds.errors import ConfigError
@@ -140,6 +140,21 @@ def ttt_attention_flex(
     return flex_attend(q, k, v, block_mask, scaling=scaling)  # compiled on CUDA
 
 
+def unroll_attend(kernel, prior_k: tuple, prior_v: tuple, scaling: float, new: list) -> AttendFn:
+    """One layer's attention at step k = len(prior_k) of the unroll: over the keys / values of
+    steps 0..k-1 and its own, which it puts in `new` ([k, v]) for the later steps.
+
+    NOTE: under activation checkpointing the layer runs again in backward: both runs do the
+    same (a compiled layer must trace one graph for both), and the second run's `new` is read
+    by nobody."""
+
+    def attend_fn(q, k, v):
+        new[0], new[1] = k, v
+        return kernel(q, [*prior_k, k], [*prior_v, v], scaling)
+
+    return attend_fn
+
+
 def causal_cache_mask(q_len: int, cached: int, device: torch.device) -> torch.Tensor:
     """[1, 1, q_len, cached + q_len] bool: new position i sees the cache and new positions <= i."""
     kv = torch.arange(cached + q_len, device=device)
@@ -195,6 +210,9 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         config.block_size = self.ttt_length
         # "auto": flex_attention on CUDA tensors, the exact dense kernel elsewhere.
         self.attn_implementation = "auto"
+        # perf.activation_checkpointing (set by the kind's `prepare`): recompute each layer of
+        # each unrolled step in backward
+        self.activation_checkpointing = False
 
         self.embed_tokens = self.make_embedding()
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
@@ -248,10 +266,12 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
             )
         return self.fc(target_hidden_states.to(self.fc.weight.dtype))
 
-    def run_layers(self, embeds, h, positions, attend_fns: list[AttendFn]) -> torch.Tensor:
+    def run_layers(
+        self, embeds, h, positions, attend_fns: list[AttendFn], recompute: bool = False
+    ) -> torch.Tensor:
         rope = self.rotary_emb(h, positions)
         for layer, attend_fn in zip(self.layers, attend_fns):
-            h = layer(embeds, h, rope, attend_fn)
+            h = run_layer(layer, embeds, h, rope, attend_fn, recompute=recompute)
         return h
 
     # ---- training forward: the TTT unroll --------------------------------------------------
@@ -299,26 +319,22 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         kernel = ttt_attention_flex if impl == "flex" else ttt_attention_dense
         # The growing per-layer key/value lists of the unroll (one [B, Hkv, S, D] per step).
         kv = [([], []) for _ in self.layers]
-
-        def make_attend(layer_idx: int, scaling: float) -> AttendFn:
-            keys, values = kv[layer_idx]
-
-            def attend_fn(q, k, v):
-                keys.append(k)
-                values.append(v)
-                return kernel(q, keys, values, scaling)
-
-            return attend_fn
-
-        attend_fns = [
-            make_attend(i, layer.self_attn.scaling) for i, layer in enumerate(self.layers)
-        ]
         h = self.project_context(target_hidden_states)
         base_pos = torch.arange(seq_len, device=device).expand(bsz, -1)
         hiddens = []
         for k in range(steps):
+            new = [[None, None] for _ in self.layers]
+            attend_fns = [
+                unroll_attend(kernel, tuple(keys), tuple(values), layer.self_attn.scaling, slot)
+                for layer, (keys, values), slot in zip(self.layers, kv, new)
+            ]
             embeds = self.embed_tokens(shift_left(input_ids, k + 1))
-            h = self.run_layers(embeds, h, base_pos + k, attend_fns)
+            h = self.run_layers(
+                embeds, h, base_pos + k, attend_fns, recompute=self.activation_checkpointing
+            )
+            for (keys, values), (k_new, v_new) in zip(kv, new):
+                keys.append(k_new)
+                values.append(v_new)
             hiddens.append(h)
         return Eagle3Hidden(
             hidden=torch.stack(hiddens, dim=2),

@@ -63,6 +63,10 @@ class TrainConfig:
     progress_bar: bool = True
     """Show a tqdm bar on rank 0 when stdout is a terminal; otherwise (and with false) rank 0
     prints a plain progress line every log_every steps (Slurm logs)."""
+    peak_tflops: float | None = None
+    """One GPU's peak matmul TFLOP/s in the compute dtype, for `system/mfu` (achieved model
+    FLOP/s over it); None = the datasheet's dense bf16 figure of a known GPU (H100 / H200 SXM)
+    under bf16, else no MFU (`system/tflops_per_gpu` is logged either way)."""
     max_nonfinite_in_row: int = 3
     """A step whose loss is NaN or inf on any rank is skipped (no update; counted in
     train/nonfinite_steps); this many such steps in a row stop the run (exit 1) with a
@@ -79,6 +83,8 @@ class TrainConfig:
         if self.max_steps is not None:
             _require(self.max_steps >= 1, f"{prefix}.max_steps", "must be >= 1", self)
         _require(self.log_every >= 1, f"{prefix}.log_every", "must be >= 1", self)
+        if self.peak_tflops is not None:
+            _require(self.peak_tflops > 0, f"{prefix}.peak_tflops", "must be > 0", self)
         _require(self.synthetic_samples >= 0, f"{prefix}.synthetic_samples", "must be >= 0", self)
         _require(
             self.max_nonfinite_in_row >= 1, f"{prefix}.max_nonfinite_in_row", "must be >= 1", self

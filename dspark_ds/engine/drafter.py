@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dspark_ds.engine.config import zero_stage
-from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm
+from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm, zero_init
 from dspark_ds.engine.target import check_target_dtype, shard_target
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import share_embeddings_and_head
@@ -93,7 +93,7 @@ def _build_partitioned(
     """ZeRO-3: the drafter built inside zero.Init (no rank holds it whole), then initialised
     module by module, gathered, on rank 0."""
     deepspeed = import_deepspeed()
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
+    with zero_init(ds_config):
         model = make_model()
     rank = dist.get_rank()
     torch.manual_seed(seed)

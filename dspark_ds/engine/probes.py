@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dspark_ds.engine.config import zero_stage
-from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm
+from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm, zero_init
 from dspark_ds.engine.target import shard_target
 
 
@@ -67,7 +67,7 @@ def plain_engine(make_model: Callable[[], nn.Module], ds_config: dict):
     deepspeed = import_deepspeed()
     join_deepspeed_comm()
     if zero_stage(ds_config) == 3:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config):
+        with zero_init(ds_config):
             model = make_model()
     else:
         model = make_model()

@@ -49,6 +49,24 @@ def join_deepspeed_comm() -> None:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
+def zero_init(ds_config: dict, **kwargs):
+    """`deepspeed.zero.Init` under the run's DeepSpeed config (`kwargs`: its other arguments).
+
+    NOTE: with hpZ (`zero_hpz_partition_size` > 1) a zero.Init given no parameter group makes
+    DeepSpeed's node-local one, and a second one fails ("ZeRO parameter intra parallel group is
+    already initialized", deepspeed/utils/groups.py): the in-job target's, the drafter's and the
+    tuner's stand-in models all take the group the first one made.
+    """
+    deepspeed = import_deepspeed()
+    from deepspeed.utils import groups
+
+    return deepspeed.zero.Init(
+        config_dict_or_path=ds_config,
+        zero_param_parallel_group=groups._get_zero_param_intra_parallel_group(),
+        **kwargs,
+    )
+
+
 def accelerator_name() -> str:
     """The accelerator DeepSpeed uses in this process ("cpu", "cuda", ...): chosen once, from
     DS_ACCELERATOR or the hardware, when DeepSpeed was first imported."""

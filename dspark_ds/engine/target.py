@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dspark_ds.engine.config import zero_stage
-from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm
+from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm, zero_init
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import (
     FrozenTarget,
@@ -104,8 +104,8 @@ def load_partitioned_target(target_cfg, ds_config: dict):
     # the target's own dtype comes from target.dtype, and a buffer transformers computes in
     # fp32 (RoPE's inv_freq) must stay fp32 as from_pretrained leaves it, so only the device
     # is overridden.
-    with deepspeed.zero.Init(
-        config_dict_or_path=_target_ds_config(ds_config),
+    with zero_init(
+        _target_ds_config(ds_config),
         tensor_overrides=[deepspeed.zero.DeepSpeedTensorOverride.device],
     ):
         model = build_target_model(target_cfg, config)
@@ -120,14 +120,16 @@ def load_partitioned_target(target_cfg, ds_config: dict):
                 tensor.ds_status == ZeroParamStatus.NOT_AVAILABLE
                 and getattr(part, "final_location", None) != OffloadDeviceEnum.nvme
             ):
-                # NOTE: DeepSpeed's layout (partition_parameters._partition_param): rank r
-                # holds flat elements [r * size, (r + 1) * size) of the parameter, padded at
-                # the end; tests/e2e/test_target_families_e2e.py pins it against a whole load.
-                size = part.ds_numel
-                start = size * dist.get_rank(group=tensor.ds_process_group)
-                end = min(start + size, tensor.ds_numel)
-                if start < end:
-                    part.narrow(0, 0, end - start).copy_(source.read(start, end))
+                for part, group in _partitions(tensor):
+                    # NOTE: DeepSpeed's layout (partition_parameters._partition_param): rank r
+                    # of the partition's group holds flat elements [r * size, (r + 1) * size)
+                    # of the parameter, padded at the end; tests/e2e/test_target_families_e2e.py
+                    # pins it against a whole load.
+                    size = part.ds_numel
+                    start = size * dist.get_rank(group=group)
+                    end = min(start + size, tensor.ds_numel)
+                    if start < end:
+                        part.narrow(0, 0, end - start).copy_(source.read(start, end))
                 continue
             # swapped to NVMe, or kept whole: the public way, one whole tensor on rank 0
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=0):
@@ -136,6 +138,24 @@ def load_partitioned_target(target_cfg, ds_config: dict):
     target = FrozenTarget(model, target_cfg.layer_ids)
     target.name_or_path = target_cfg.path
     return target
+
+
+def _partitions(param) -> list[tuple[torch.Tensor, object]]:
+    """A ZeRO-3 parameter's partitions on this rank, each with the group it is split over: its
+    partition of the whole world and, under hpZ (`zero_hpz_partition_size` > 1), its secondary
+    partition of the node-local group, which the gathers after the first read instead.
+
+    NOTE: zero.Init makes the secondary partition from the freshly built (uninitialised)
+    parameter, and DeepSpeed refreshes it only after a gather or a `GatheredParameters` with a
+    modifier; a frozen target's is never invalidated (the optimizer drops only trainable ones
+    after its step), so writing the primary partition alone leaves hpZ's gathers reading
+    garbage: the first run's loss differed and then went non-finite."""
+    out = [(param.ds_tensor, param.ds_process_group)]
+    if getattr(param, "ds_secondary_tensor", None) is not None:
+        from deepspeed.utils import groups
+
+        out.append((param.ds_secondary_tensor, groups._get_zero_param_intra_parallel_group()))
+    return out
 
 
 def _register_direct_parameters(target: nn.Module, deepspeed) -> None:
@@ -161,7 +181,7 @@ def shard_target(target: nn.Module, ds_config: dict):
     if not any(hasattr(p, "ds_id") for p in target.parameters()):
         # NOTE: partition first, parameter by parameter onto the device (deepspeed.initialize
         # alone would move the whole module there before partitioning it).
-        deepspeed.zero.Init(module=target, config_dict_or_path=cfg)
+        zero_init(cfg, module=target)
     device = torch.device(get_accelerator().current_device_name())
     for buf in target.buffers():  # buffers are not partitioned
         buf.data = buf.data.to(device)

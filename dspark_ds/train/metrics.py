@@ -156,16 +156,23 @@ class MetricsLogger:
         device: torch.device,
         to_metrics: Callable[[dict[str, float]], dict[str, float]],
         nodes=None,
+        flops: Callable[[float, float, float | None], float] | None = None,
+        peak_flops: float | None = None,
+        world: int = 1,
     ):
         """`to_metrics`: a micro-batch's metric sums (over the ranks) -> its metrics (the
         drafter kind's `metrics`). `nodes`: every node's monitor figures (tracking/system.py
-        `NodeMetrics`), reduced with the log step's counts."""
+        `NodeMetrics`), reduced with the log step's counts. `flops(sequences, tokens,
+        anchors_per_sequence)`: the model FLOPs of a window over every rank (train/flops.py
+        `WindowFlops`), shared by the `world` ranks; `peak_flops`: one rank's peak, for MFU
+        (None: no MFU)."""
         self.path = Path(run_dir) / LOG_FILE
         self.tracker = tracker
         self.rank, self.log_every, self.total_steps = rank, log_every, total_steps
         self.device = device
         self.to_metrics = to_metrics
         self.nodes = nodes
+        self.flops, self.peak_flops, self.world = flops, peak_flops, world
         # NOTE: a tqdm bar in a Slurm log is one line rewritten with \r thousands of times
         self.use_bar = rank == 0 and progress_bar and sys.stdout.isatty()
         self.bests = [_Best("loss", False), _Best(TAU, True),
@@ -235,6 +242,7 @@ class MetricsLogger:
     def _reset_window(self) -> None:
         self.window: dict[str, float] = {}
         self.window_steps, self.samples = 0, 0
+        self.steps_in_window = 0  # optimizer steps in its wall time, skipped ones included
         self.tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.sampler_sums = torch.zeros(len(SAMPLER_STATS) + 1, dtype=torch.float64,
                                         device=self.device)  # fmt: skip
@@ -268,6 +276,7 @@ class MetricsLogger:
             row["skipped"] = "nonfinite"
         pending = _Pending(row, _sums_only(outputs), _sums_only(validation))
         self._pending.append(pending)
+        self.steps_in_window += 1
         if step % self.log_every == 0 or step == self.total_steps:
             pending.window = (lr, epoch, grad_norm(), counters)
             self._write_pending(with_window=True)
@@ -340,8 +349,23 @@ class MetricsLogger:
         })  # fmt: skip
         if grad_norm is not None and self.window_steps:
             logged["train/grad_norm"] = grad_norm
+        logged.update(self._throughput(elapsed, all_samples, all_tokens, sampler))
         self._reset_window()
         return logged
+
+    def _throughput(self, elapsed: float, samples: float, tokens: float, sampler: list[float]):
+        """The window's mean step time and its model FLOP/s per rank (and MFU against the
+        peak), from counts summed over the ranks: nothing more is read from the device."""
+        out = {"system/step_s": elapsed / max(self.steps_in_window, 1)}
+        if self.flops is None:
+            return out
+        at = SAMPLER_STATS.index("sampled_anchors_abs")
+        anchors = sampler[at] / sampler[-1] if sampler[-1] > 0 else None
+        achieved = self.flops(samples, tokens, anchors) / self.world / elapsed
+        out["system/tflops_per_gpu"] = achieved / 1e12
+        if self.peak_flops:
+            out["system/mfu"] = achieved / self.peak_flops
+        return out
 
     def _progress(self, step: int, row: dict) -> None:
         loss = "skipped (non-finite)" if row["loss"] is None else f"{row['loss']:.4f}"
@@ -362,9 +386,11 @@ class MetricsLogger:
             parts.append(f"tau {row[TAU]:.3f}")
         if "val/loss" in row:
             parts.append(f"val/loss {row['val/loss']:.4f}")
+        parts += [f"lr {row['lr']:.3g}", f"{row['system/tokens_per_s']:.0f} tok/s"]
+        if "system/tflops_per_gpu" in row:
+            mfu = f" (MFU {row['system/mfu']:.1%})" if "system/mfu" in row else ""
+            parts.append(f"{row['system/tflops_per_gpu']:.3g} TFLOP/s per GPU{mfu}")
         parts += [
-            f"lr {row['lr']:.3g}",
-            f"{row['system/tokens_per_s']:.0f} tok/s",
             f"{_clock(elapsed)} elapsed, {_clock(left)} left",
         ]
         print0(" | ".join(parts))

@@ -6,7 +6,7 @@ A checkpoint is the state of one training run; continuing it under other setting
 mean the same thing or be refused. Three kinds of options:
 
 - **free**: how the run is watched, saved and executed, not what it computes — `name`,
-  `output_dir`, `train.log_every`, `train.progress_bar`, `train.max_nonfinite_in_row`,
+  `output_dir`, `train.log_every`, `train.progress_bar`, `train.peak_tflops`, `train.max_nonfinite_in_row`,
   `tracking.*`, `checkpoint.*`, `validation.*`, `perf.*` (same results, another cost),
   `deepspeed.*` as long as the resolved DeepSpeed config keeps the ZeRO stage, the offload and
   the optimizer implementation (`engine.checkpoint.optimizer_layout`: offloading the optimizer
@@ -41,6 +41,7 @@ FREE = (
     "output_dir",
     "train.log_every",
     "train.progress_bar",
+    "train.peak_tflops",
     "train.max_nonfinite_in_row",
     "tracking.",
     "checkpoint.",

@@ -58,6 +58,7 @@ from dspark_ds.target import target_shared_weights
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source
 from dspark_ds.train.checkpoint import CheckpointManager
+from dspark_ds.train.flops import WindowFlops, peak_flops
 from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.rng import seed_everything
@@ -220,6 +221,13 @@ class Trainer:
             layout = discover_layout(self.rank, distributed.discover().local_rank)
             self.nodes = NodeMetrics(layout, self.rank, self.device, cfg.tracking.system_interval_s)
         self.tracker = start_tracking(self)
+        try:
+            flops = WindowFlops(cfg, self.device, self.engine.zero_stage)
+        except Exception as err:  # noqa: BLE001 - a throughput figure never stops a run
+            # NOTE: e.g. Gemma4's per-layer config attributes, which the count cannot read yet
+            flops = None
+            print0(f"[train] no model FLOP count for this run ({type(err).__name__}: {err}): "
+                   "system/tflops_per_gpu and system/mfu are not logged")  # fmt: skip
         self.metrics = MetricsLogger(
             self.run_dir,
             self.tracker,
@@ -230,6 +238,9 @@ class Trainer:
             device=self.device,
             to_metrics=self.to_metrics,
             nodes=self.nodes,
+            flops=flops,
+            peak_flops=peak_flops(cfg.train.peak_tflops, cfg.train.precision, self.device),
+            world=self.world,
         )
         self.validator = Validator(cfg.validation, self.val_source)
         self.signals = Signals()

@@ -249,8 +249,17 @@ def predict_one(
     nodes: int, ops: dict,
 ) -> Estimate:  # fmt: skip
     """Memory and step time of one option on `nodes` nodes."""
-    device = cfg.device or "cuda"
     est = estimate(option, inv, run_cfg, cfg, machine, nodes)
+    est.step = step_time(option_step(cfg, run_cfg, inv, machine, option, nodes, ops)).as_dict()
+    return est
+
+
+def option_step(
+    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, option: ZeroOption,
+    nodes: int, ops: dict,
+) -> Step:  # fmt: skip
+    """What the step-time model reads for one option on `nodes` nodes."""
+    device = cfg.device or "cuda"
     world = nodes * machine.gpus_per_node
     zero, b = option_zero(option, run_cfg, world, device)
     wl = workload(inv, run_cfg, device, zero.stage, ops)
@@ -258,15 +267,43 @@ def predict_one(
         zero.param_persistence_threshold, zero.model_persistence_threshold // world
     )
     accum, sequences, note = accumulation(run_cfg, world)
-    step = Step(
+    return Step(
         option=option.name, zero=zero, dtype_bytes=b, inv=inv, machine=machine, nodes=nodes,
         workload=wl, persistent_numels=tuple(persistent), accum=accum, sequences=sequences,
         tokens_per_sequence=run_cfg.data.max_length, in_job=target_in_job(run_cfg), note=note,
         read_bytes_per_micro=run_cfg.data.batch_size * sequence_bytes(run_cfg, inv),
         loader_workers=run_cfg.data.num_workers,
     )  # fmt: skip
-    est.step = step_time(step).as_dict()
-    return est
+
+
+def _from_run(cfg: TunerConfig, machine: Machine) -> tuple[Machine, dict]:
+    """`--cluster.from_run`: the machine with the sustained fraction (and peak) for which the
+    model predicts the run's measured step (tune/fromrun.py), and the record of it."""
+    from dspark_ds.train.lineage import zero_option
+    from dspark_ds.tune import fromrun
+
+    log = fromrun.read_run(cfg.cluster.from_run)
+    point = fromrun.run_point(log)
+    source = f"run {log.run_dir}"
+    peak = cfg.cluster.flag_values().get("peak_flops") or log.peak_flops or machine.peak_flops
+    nodes, per_node = 1, log.world  # the run's ranks: one node unless they fill several
+    if log.world > machine.gpus_per_node and log.world % machine.gpus_per_node == 0:
+        nodes, per_node = log.world // machine.gpus_per_node, machine.gpus_per_node
+    here = with_values(machine, {"gpus_per_node": per_node, "peak_flops": peak}, source)
+    option = ZeroOption(zero_option(log.ds_config), point.deepspeed.config)
+    work = _host_work(point, [option], cfg.device or "cuda", here)
+    step = option_step(cfg, point, inventory(point), here, option, nodes, work)
+
+    def predict(fraction: float) -> fromrun.Prediction:
+        rates = {"sustained_fraction": fraction, "target_sustained_fraction": fraction}
+        at = step_time(replace(step, machine=with_values(here, rates, source)))
+        return fromrun.Prediction(at.seconds, at.terms["compute"], step.accum * step.workload.flops)
+
+    fraction = fromrun.fraction_for(log, predict)
+    record = fromrun.summary(log, point, option.name, step.accum, peak, fraction, predict(fraction))
+    values = {"peak_flops": peak, "sustained_fraction": fraction,
+              "target_sustained_fraction": fraction}  # fmt: skip
+    return with_values(machine, values, source), record
 
 
 def tracking_on(cfg: TunerConfig) -> bool:
@@ -293,6 +330,13 @@ def run(cfg: TunerConfig) -> dict:
     node_counts = [1] if cfg.measure else cfg.cluster.node_counts
     if work is None:
         work = _host_work(run_cfg, options, cfg.device or "cuda", machine)
+    from_run = None
+    if cfg.cluster.from_run:
+        machine, from_run = _from_run(cfg, machine)
+        if cfg.cluster.save_profile and is_rank0():  # what was measured here or in the run
+            meta = dict(found.meta, from_run=from_run)
+            save_profile(machine, cfg.cluster.save_profile, meta,
+                         only_from=("calibrated", "profile", "run "))  # fmt: skip
     if points is not None:  # the points measured
         scaling = {1: at_points(cfg, run_cfg, inv, machine, options, points, work)}
     else:
@@ -312,6 +356,10 @@ def run(cfg: TunerConfig) -> dict:
     data_warnings = [ln.removeprefix("warning: ") for ln in data if ln.startswith("warning: ")]
     text = report(estimates, cfg, inv, run_cfg, machine, measured, scaling, found.meta,
                   at_measurement, warnings, as_given, data)  # fmt: skip
+    if from_run is not None:
+        from dspark_ds.tune.fromrun import lines
+
+        text += "\n\n" + "\n".join(lines(from_run))
     rows = []
     for e in estimates:
         m = measured.get(e.option, {})
@@ -352,6 +400,7 @@ def run(cfg: TunerConfig) -> dict:
         "machine": {k: v for k, v in asdict(machine).items() if k != "sources"},
         "machine_sources": dict(machine.sources),
         "calibration": found.meta,
+        "from_run": from_run,
         "warnings": warnings + data_warnings,
         "recommended": (recommend(estimates) or Estimate("none")).option,
         "text": text,

@@ -174,6 +174,18 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# The GPUs whose peak a training run knows without --train.peak_tflops: torch.cuda's device name
+# -> the preset with that GPU's datasheet figure (dense bf16; the SXM parts only: the PCIe and
+# NVL parts run at lower clocks and peaks).
+DEVICE_PRESETS = {"NVIDIA H100 80GB HBM3": "8xH100-80GB", "NVIDIA H200": "8xH200-141GB"}
+
+
+def device_peak_flops(device_name: str) -> float | None:
+    """The dense bf16 FLOP/s of a known GPU (`DEVICE_PRESETS`), or None."""
+    preset = DEVICE_PRESETS.get(device_name)
+    return None if preset is None else float(PRESETS[preset]["peak_flops"])
+
+
 def preset_machine(name: str) -> Machine:
     if name not in PRESETS:
         raise ConfigError(f"cluster.preset: unknown {name!r}; choose from {list(PRESETS)}")
@@ -188,10 +200,12 @@ def _kind(key: str) -> str:
 
 
 # ---- profiles (calibration results) ----------------------------------------------------------
-def save_profile(machine: Machine, path: str | Path, meta: dict, only_from: str = "") -> None:
+def save_profile(
+    machine: Machine, path: str | Path, meta: dict, only_from: str | tuple[str, ...] = ""
+) -> None:
     """Writes a machine's figures as JSON, with where and when they were measured; with
-    `only_from`, only the figures whose source starts with it (what the calibration measured:
-    the rest stays the preset's when the profile is loaded)."""
+    `only_from`, only the figures whose source starts with it (or one of them: what the
+    calibration measured; the rest stays the preset's when the profile is loaded)."""
     values = asdict(machine)
     values.pop("sources")
     if only_from:
@@ -247,8 +261,14 @@ class ClusterConfig:
     samples: int = 3
     """Calibration samples per engine mode (each a pass over every measured rate); with
     --measure, per option, taken between blocks of its timed steps."""
+    from_run: str | None = None
+    """A finished `dspark-ds train` run directory: the sustained fraction (and the peak, when
+    the run logged MFU) for which the model predicts that run's measured step (its log's
+    step time and model FLOP/s; docs/tuner.md); applied after the preset, profile and
+    calibration, and kept by --cluster.save_profile."""
     save_profile: str | None = None
-    """Write the calibrated profile here, for a later --cluster.profile."""
+    """Write the calibrated profile here (with --cluster.from_run its figures too), for a
+    later --cluster.profile."""
     nodes: int | list[int] | str = 1
     """Nodes: one count, or several to see the scaling (`1,2,8,64` or `[1, 2, 8, 64]`); the
     memory table is for the first."""
@@ -323,6 +343,13 @@ class ClusterConfig:
             )
         if self.profile is not None and not Path(self.profile).is_file():
             raise ConfigError(f"cluster.profile: {self.profile} does not exist")
+        if self.from_run is not None:
+            if not Path(self.from_run).is_dir():
+                raise ConfigError(f"cluster.from_run: {self.from_run} is not a directory")
+            if self.sustained_fraction is not None:
+                raise ConfigError(
+                    "cluster.sustained_fraction: --cluster.from_run derives it; set one of them"
+                )
         return self
 
     def flag_values(self) -> dict:

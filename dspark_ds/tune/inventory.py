@@ -225,7 +225,8 @@ def inventory(run_cfg) -> Inventory:
         ),
         target_params=sum(p.numel() for p in target.parameters()),
         hidden=int(tcfg.hidden_size),
-        intermediate=int(tcfg.intermediate_size),
+        # the drafter's MLP width (a MoE target without a dense one sizes it from its experts)
+        intermediate=int(getattr(tcfg, "intermediate_size", None) or draft_cfg.intermediate_size),
         vocab=int(tcfg.vocab_size),
         heads=heads,
         kv_heads=int(getattr(tcfg, "num_key_value_heads", heads) or heads),

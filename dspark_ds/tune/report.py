@@ -191,7 +191,7 @@ def figures(machine: Machine) -> list[str]:
     return [
         "figures: "
         f"peak {machine.peak_flops / 1e12:.3g} TFLOP/s × sustained "
-        f"{machine.sustained_fraction:.2f} [{both('peak_flops', 'sustained_fraction')}], "
+        f"{machine.sustained_fraction:.3g} [{both('peak_flops', 'sustained_fraction')}], "
         f"all-reduce {machine.all_reduce_bytes_per_s / DECIMAL_GB:.3g} GB/s, all-gather "
         f"{machine.all_gather_bytes_per_s / DECIMAL_GB:.3g} GB/s, reduce-scatter "
         f"{machine.reduce_scatter_bytes_per_s / DECIMAL_GB:.3g} GB/s, latency "

@@ -272,6 +272,8 @@ def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
         "train/block_supervised_tokens_ratio",
         "system/tokens_per_s",
         "system/peak_memory_mb",
+        "system/step_s",
+        "system/tflops_per_gpu",
         "val/loss",
         "val/tau_probabilistic",
     ):
@@ -284,6 +286,46 @@ def test_mlflow_run_has_params_metrics_artifacts_tags(runs):
     assert model.source_run_id == run.info.run_id
     files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
     assert {"config.json", "model.safetensors", "mlflow_run.json"} <= files
+
+
+def test_log_throughput_and_the_tuner_calibrated_from_a_finished_run(runs, tmp_path):
+    """Each log step's model FLOP/s per GPU is the kind's count of the window's sequences (its
+    row's own rates) shared by the 2 ranks over its time, with no MFU on a CPU without a peak;
+    `dspark-ds tune --cluster.from_run` on the finished 1-rank ZeRO-0 run derives the sustained
+    fraction at which the model predicts that run's measured step, and saves it as a profile."""
+    from dspark_ds.cli import main as cli_main
+    from dspark_ds.config import TrainRunConfig, parse
+    from dspark_ds.train.flops import WindowFlops
+
+    b_z3 = runs["out"] / "b_z3"
+    config = b_z3 / "checkpoints" / "step_00000008" / "run_config.yaml"
+    flops = WindowFlops(parse(TrainRunConfig, ["--config", str(config)]), "cpu", zero_stage=3)
+    rows = [json.loads(line) for line in (b_z3 / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "system/tflops_per_gpu" in r] == list(range(1, STEPS + 1))
+    for r in rows:  # log_every 1: each window is one step
+        s = r["system/step_s"]
+        count = flops(r["system/samples_per_s"] * s, r["system/tokens_per_s"] * s,
+                      r["train/sampled_anchors_abs"])  # fmt: skip
+        assert r["system/tflops_per_gpu"] * 1e12 == pytest.approx(count / 2 / s, rel=1e-6)
+        assert "system/mfu" not in r
+
+    run, out, profile = runs["out"] / "a_z0", tmp_path / "tune.json", tmp_path / "profile.json"
+    assert cli_main(["tune", "--recipe", RECIPE, "--target.path", str(runs["target"]),
+                     "--device", "cpu", "--options", "[zero0]", "--cluster.from_run", str(run),
+                     "--cluster.save_profile", str(profile), "--output_json", str(out)]) == 0  # fmt: skip
+    rec = json.loads(out.read_text())["from_run"]
+    assert (rec["option"], rec["world"], rec["micro_batch"], rec["accum"]) == ("zero0", 1, 2, 2)
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    steps = sorted(r["system/step_s"] for r in log[1:])  # the first window is the warm-up
+    assert len(steps) == STEPS - 1 and rec["measured_step_s"] == pytest.approx(steps[3])
+    # the model's FLOPs of the run's point are the log's up to rounding its mean sequence (~48
+    # synthetic tokens) to a whole token: within 2 %, and so is its predicted step
+    assert rec["model_flops_per_step"] == pytest.approx(rec["logged_flops_per_step"], rel=0.02)
+    assert rec["predicted_step_s"] == pytest.approx(rec["measured_step_s"], rel=0.02)
+    assert not rec["capped"] and 0 < rec["mfu"] <= rec["sustained_fraction"] < 1
+    saved = json.loads(profile.read_text())["machine"]
+    assert saved["sustained_fraction"] == saved["target_sustained_fraction"]
+    assert saved["sustained_fraction"] == rec["sustained_fraction"]
 
 
 def test_unreachable_mlflow_does_not_stop_training(runs):

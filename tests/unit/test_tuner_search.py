@@ -177,6 +177,8 @@ def test_the_docs_tune_commands_parse(tmp_path, monkeypatch):
     save_profile(preset_machine("8xH100-80GB"), tmp_path / "node.json", {})  # node.json's place
     for argv in commands:
         argv = [str(REPO / a) if a.startswith("dspark_ds/recipes/") else a for a in argv]
+        if "--cluster.from_run" in argv:  # a run directory's place
+            (tmp_path / argv[argv.index("--cluster.from_run") + 1]).mkdir(parents=True)
         load_recipe(parse_config("tune", argv))
 
 

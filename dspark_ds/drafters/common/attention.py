@@ -180,27 +180,42 @@ class _BlockwiseAttention(torch.autograd.Function):
         dk_own = dk[:, :, lay.S :].view(lay.own_shape)[:, :, 0]  # [B, Hkv, A, G, D]
         dv_own = dv[:, :, lay.S :].view(lay.own_shape)[:, :, 0]
         for a0, a1, L in lay.chunks:
-            q_c = qr[:, :, :, a0:a1]
-            scores = lay.scores(qr, k_ctx, k_own, a0, a1, L, scaling)
-            p = (scores.to(lse.dtype) - lse[:, :, :, a0:a1, :, None]).exp_().to(q.dtype)
-            do = d_out[:, :, :, a0:a1] * lay.keep(a0, a1).to(d_out.dtype)
-            delta = (do * out[:, :, :, a0:a1]).sum(-1, keepdim=True)
-            dp = do @ v_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
-            if L > 0:
-                dp_ctx = (lay.rows(do) @ v_ctx[:, :, :L].transpose(-1, -2)).view(*dp.shape[:-1], L)
-                dp = torch.cat([dp_ctx, dp], dim=-1)
-            ds = dp.sub_(delta).mul_(p).mul_(scaling)  # masked entries have p = 0
-            ds_own, p_own = ds[..., L:], p[..., L:]
-            dq_c = ds_own @ k_own[:, :, :, a0:a1]
-            dk_own[:, :, a0:a1] += (ds_own.transpose(-1, -2) @ q_c).sum(2)
-            dv_own[:, :, a0:a1] += (p_own.transpose(-1, -2) @ do).sum(2)
-            if L > 0:
-                ds_ctx = lay.rows(ds[..., :L])
-                dq_c += (ds_ctx @ k_ctx[:, :, :L]).view_as(dq_c)
-                dk_ctx[:, :, :L] += ds_ctx.transpose(-1, -2) @ lay.rows(q_c)
-                dv_ctx[:, :, :L] += lay.rows(p[..., :L]).transpose(-1, -2) @ lay.rows(do)
-            dq[:, :, :, a0:a1] = dq_c
+            # NOTE: one call per chunk, so that a chunk's scores, probabilities and their
+            # gradients are freed before the next chunk's exist (loop variables would keep them)
+            dq[:, :, :, a0:a1] = _chunk_backward(
+                lay, (qr, k_ctx, v_ctx, k_own, v_own), (dk_ctx, dv_ctx, dk_own, dv_own),
+                d_out, out, lse, a0, a1, L, scaling,
+            )  # fmt: skip
         return dq.view(lay.q_shape), dk, dv, None, None, None
+
+
+def _chunk_backward(lay, qkv, grads, d_out, out, lse, a0: int, a1: int, L: int, scaling: float):
+    """One chunk of `_BlockwiseAttention.backward`: adds its keys' gradients into `grads` (dK /
+    dV of the context and of the own blocks) and returns its queries' gradient."""
+    qr, k_ctx, v_ctx, k_own, v_own = qkv
+    dk_ctx, dv_ctx, dk_own, dv_own = grads
+    q_c = qr[:, :, :, a0:a1]
+    scores = lay.scores(qr, k_ctx, k_own, a0, a1, L, scaling)
+    p = (scores.to(lse.dtype) - lse[:, :, :, a0:a1, :, None]).exp_().to(qr.dtype)
+    del scores
+    do = d_out[:, :, :, a0:a1] * lay.keep(a0, a1).to(d_out.dtype)
+    delta = (do * out[:, :, :, a0:a1]).sum(-1, keepdim=True)
+    dp = do @ v_own[:, :, :, a0:a1].transpose(-1, -2)  # [B, Hkv, g, c, G, G]
+    if L > 0:
+        dp_ctx = (lay.rows(do) @ v_ctx[:, :, :L].transpose(-1, -2)).view(*dp.shape[:-1], L)
+        dp = torch.cat([dp_ctx, dp], dim=-1)
+        del dp_ctx
+    ds = dp.sub_(delta).mul_(p).mul_(scaling)  # masked entries have p = 0
+    ds_own, p_own = ds[..., L:], p[..., L:]
+    dq_c = ds_own @ k_own[:, :, :, a0:a1]
+    dk_own[:, :, a0:a1] += (ds_own.transpose(-1, -2) @ q_c).sum(2)
+    dv_own[:, :, a0:a1] += (p_own.transpose(-1, -2) @ do).sum(2)
+    if L > 0:
+        ds_ctx = lay.rows(ds[..., :L])
+        dq_c += (ds_ctx @ k_ctx[:, :, :L]).view_as(dq_c)
+        dk_ctx[:, :, :L] += ds_ctx.transpose(-1, -2) @ lay.rows(q_c)
+        dv_ctx[:, :, :L] += lay.rows(p[..., :L]).transpose(-1, -2) @ lay.rows(do)
+    return dq_c
 
 
 class _Layout:

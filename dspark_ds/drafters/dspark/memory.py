@@ -154,18 +154,21 @@ def loss_bytes(shape: StepShape, loss: str, chunk_anchors: int) -> dict[str, flo
 def attention_backward_bytes(shape: StepShape, attn: str, chunk_blocks: int = 16) -> float:
     """The attention backward's own transients (the loss's tensors are gone by then).
 
-    blockwise: per chunk of `chunk_blocks` blocks the recomputed scores, probabilities and
-    their gradients over [context up to the chunk's last anchor; own block] (4 fp32-sized
-    tensors under fp32, the equivalent of 2.5 under bf16: measured with the profiler on CPU);
-    flex and dense: the gradients of q, k and v (dense: k and v repeated to every head)."""
+    Every path: the gradients of q, k and v (dense: k and v repeated to every head).
+    blockwise also holds one chunk of `chunk_blocks` blocks at a time: its recomputed
+    probabilities and their gradient over [context up to the chunk's last anchor; own block]
+    (the last chunk's reaches the whole sequence), 12 bytes per score under fp32 and 10 under
+    bf16 (measured with the profiler on CPU; one chunk's are freed before the next chunk's
+    exist, so the count of chunks does not matter)."""
     s, b = shape, shape.compute_bytes
     T, keys = draft_tokens(s), s.context_tokens + draft_tokens(s)
     q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    width = q_width if attn == "dense" else kv_width
+    grads = b * (T * q_width + 2 * keys * width)
     if attn == "blockwise":
         rows = s.batch * s.heads * min(chunk_blocks, s.drafter.num_anchors) * s.drafter.block_size
-        return (16 if b == 4 else 10) * rows * (s.seq_len + s.drafter.block_size)
-    width = q_width if attn == "dense" else kv_width
-    return b * (T * q_width + 2 * keys * width) + 4 * T * s.heads
+        return grads + (12 if b == 4 else 10) * rows * (s.seq_len + s.drafter.block_size)
+    return grads + 4 * T * s.heads
 
 
 def micro_batch_bytes(
@@ -174,12 +177,20 @@ def micro_batch_bytes(
     """Peak bytes of one micro-batch above the weights, gradients and optimizer state, by
     component: the batch's features, what the drafter saves for backward, and the larger of
     the loss's working set and the attention backward's transients (they never overlap: the
-    loss's tensors are freed before the layers' backward starts)."""
+    loss's tensors are freed before the layers' backward starts; by the last layer's attention
+    backward its MLP, o_proj and norms' saves and the final norm's are freed too)."""
     s = shape
     out = {"features_in": s.features_in()}
     out.update(saved_bytes(s, attn))
     loss_part = loss_bytes(s, loss, chunk_anchors)
-    attn_part = attention_backward_bytes(s, attn)
+    T, b = draft_tokens(s), s.compute_bytes
+    freed = (
+        _rms_norm(T, s.hidden, b, feeds_linear=False)  # final_norm
+        + _rms_norm(T, s.hidden, b, feeds_linear=True)  # post_attention_layernorm
+        + 4 * b * T * s.intermediate  # the MLP
+        + b * T * s.heads * s.head_dim  # o_proj's input
+    )
+    attn_part = attention_backward_bytes(s, attn) - freed
     if sum(loss_part.values()) >= attn_part:
         out.update(loss_part)
     else:

@@ -21,7 +21,7 @@ from typing import Literal
 from dspark_ds.data.config import DataConfig
 from dspark_ds.distributed import DistributedConfig
 from dspark_ds.drafters.perf import PerfConfig
-from dspark_ds.drafters.presets import DrafterConfig
+from dspark_ds.drafters.presets import DEFAULT_PRESET, DrafterConfig
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetConfig, TargetPathConfig
 
@@ -203,8 +203,9 @@ class ValidationConfig:
 class TrainRunConfig:
     """`dspark-ds train`: everything one training run needs."""
 
-    name: str = "dspark"
-    """Run name: the directory <output_dir>/<name> and the default MLflow run name."""
+    name: str = DEFAULT_PRESET
+    """Run name: the directory <output_dir>/<name> and the default MLflow run name (default:
+    the name of the default `model` section's drafter)."""
     output_dir: str = "runs"
     """Parent directory of runs (also holds the default MLflow store)."""
     model: DrafterConfig = field(default_factory=DrafterConfig)

@@ -50,7 +50,7 @@ from dspark_ds.demo.summary import (
     temp_key,
 )
 from dspark_ds.distributed import print0
-from dspark_ds.drafters.presets import PRESETS, DrafterConfig, sized
+from dspark_ds.drafters.presets import PRESETS, DrafterConfig, preset, sized
 from dspark_ds.drafters.registry import get_kind
 
 
@@ -256,7 +256,7 @@ class DemoPipeline:
         anchors = self.cfg.drafter.num_anchors
         self.num_anchors[seed] = anchors if anchors is not None else max_valid_anchors(prepared)
         anchored = [PRESETS[d].label for d in self.cfg.drafters
-                    if get_kind(PRESETS[d].model.kind).anchor_blocks]  # fmt: skip
+                    if get_kind(preset(d).kind).anchor_blocks]  # fmt: skip
         print0(
             f"[demo] {' / '.join(anchored)}: {self.num_anchors[seed]} anchor blocks per sequence"
             + ("" if anchors is not None else " (every valid position of the longest answer)")

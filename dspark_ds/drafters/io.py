@@ -32,48 +32,23 @@ from dspark_ds.drafters import serving
 from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.drafters.presets import DrafterConfig, preset
+from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import save_safetensors
 
-# architecture -> (module, class, transformers config class path)
+# architecture -> (module, class, transformers config class path), every registered kind's
 BACKENDS: dict[str, tuple[str, str, str]] = {
-    "Qwen3DSparkModel": (
-        "dspark_ds.drafters.dspark.qwen3",
-        "Qwen3DSparkModel",
-        "transformers.models.qwen3.configuration_qwen3:Qwen3Config",
-    ),
-    "Gemma4DSparkModel": (
-        "dspark_ds.drafters.dspark.gemma4",
-        "Gemma4DSparkModel",
-        "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
-    ),
-    "Qwen3Eagle3Model": (
-        "dspark_ds.drafters.eagle3.qwen3",
-        "Qwen3Eagle3Model",
-        "transformers.models.qwen3.configuration_qwen3:Qwen3Config",
-    ),
-    "Gemma4Eagle3Model": (
-        "dspark_ds.drafters.eagle3.gemma4",
-        "Gemma4Eagle3Model",
-        "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig",
-    ),
+    a: backend for r in REGISTERED.values() for a, backend in r.backends.items()
 }
 # drafter kind -> target text model_type -> architecture, for the families with a backbone of
 # their own; every other family gets GENERIC_ARCHITECTURES (drafters/common/families.py)
 ARCHITECTURES: dict[str, dict[str, str]] = {
-    "dspark": {
-        "qwen3": "Qwen3DSparkModel",
-        "gemma4": "Gemma4DSparkModel",
-        "gemma4_text": "Gemma4DSparkModel",
-    },
-    "eagle3": {
-        "qwen3": "Qwen3Eagle3Model",
-        "gemma4": "Gemma4Eagle3Model",
-        "gemma4_text": "Gemma4Eagle3Model",
-    },
+    r.name: dict(r.architectures) for r in REGISTERED.values()
 }
 # drafter kind -> the Qwen3-style architecture built for a target of any other family
-GENERIC_ARCHITECTURES: dict[str, str] = {"dspark": "Qwen3DSparkModel", "eagle3": "Qwen3Eagle3Model"}
+GENERIC_ARCHITECTURES: dict[str, str] = {
+    r.name: r.generic_architecture for r in REGISTERED.values()
+}
 
 
 def architecture_for(kind: str, model_type: str) -> str:
@@ -95,7 +70,7 @@ def _backend(architecture: str):
     return getattr(importlib.import_module(module), cls), _import(config_cls)
 
 
-def _reshape_target_config(
+def draft_config_from_target(
     target_config, kind: str, target_layer_ids: list[int], num_draft_layers: int
 ):
     """What every drafter config starts as: the target's text config (a deep copy for the
@@ -123,7 +98,7 @@ def _reshape_target_config(
     return cfg, text
 
 
-def _finalize(cfg, text):
+def finalize_draft_config(cfg, text):
     """The backend's own fix-ups (Gemma4 rebuilds its per-layer attributes)."""
     cls, _ = _backend(cfg.architectures[0])
     return cls.finalize_draft_config(cfg, text)
@@ -134,7 +109,7 @@ def dspark_config(
 ):
     """The DSpark / DFlash drafter config of `model` (a validated "dspark" section) for this
     target (docs/algorithm.md#the-drafter). Raises ConfigError naming the offending field."""
-    cfg, text = _reshape_target_config(
+    cfg, text = draft_config_from_target(
         target_config, "dspark", target_layer_ids, model.num_draft_layers
     )
     vocab = int(text.vocab_size)
@@ -149,7 +124,7 @@ def dspark_config(
     cfg.markov_head_type = str(model.markov_head_type)
     cfg.enable_confidence_head = enable_confidence
     cfg.confidence_head_with_markov = bool(model.confidence_head_with_markov) and enable_confidence
-    return _finalize(cfg, text)
+    return finalize_draft_config(cfg, text)
 
 
 def eagle3_config(
@@ -162,7 +137,7 @@ def eagle3_config(
     """The Eagle3 baseline's drafter config of `model` (a validated "eagle3" section): the
     reference's `Qwen3Eagle3Model` fields (`target_layer_ids`, `ttt_length`, `step_loss_decay`,
     `draft_num_hidden_layers`, `num_target_layers`). Raises ConfigError naming the field."""
-    cfg, text = _reshape_target_config(
+    cfg, text = draft_config_from_target(
         target_config, "eagle3", target_layer_ids, model.num_draft_layers
     )
     cfg.draft_num_hidden_layers = int(model.num_draft_layers)
@@ -170,7 +145,7 @@ def eagle3_config(
     cfg.step_loss_decay = float(model.step_loss_decay)
     if target_model_name_or_path is not None:
         cfg.target_model_name_or_path = str(target_model_name_or_path)
-    return _finalize(cfg, text)
+    return finalize_draft_config(cfg, text)
 
 
 def build_draft_config(target_config, *, target_layer_ids: list[int], mask_token_id: int, **fields):

@@ -98,6 +98,9 @@ class DrafterKind(Protocol):
     """perf.loss_impl values it honours."""
     attn_impls: tuple[str, ...]
     """perf.attn_implementation values it honours."""
+    bench_variants: tuple[str, ...]
+    """What `dspark-ds bench` runs by default: "<attention>/<loss>" paths, the first its
+    reference (the straight-line path the others are compared with)."""
 
     def build_config(
         self,
@@ -143,6 +146,19 @@ class DrafterKind(Protocol):
     def step_part(self, model: DrafterConfig) -> Any:
         """The kind's part of a `StepShape` (`StepShape.drafter`) for a run's `model` section:
         the sizes its activation and FLOP terms read besides the common ones."""
+        ...
+
+    def host_scale(self, model: DrafterConfig, seq_len: int) -> int:
+        """The count a training step's host work grows with, linearly, for a run's `model`
+        section and sequence length (its loops: over blocks of anchors, over chunks of
+        positions). The tuner times narrow copies at two small counts and extrapolates."""
+        ...
+
+    def host_copy(
+        self, model: DrafterConfig, seq_len: int, count: int, longest: int
+    ) -> tuple[DrafterConfig, int]:
+        """The `model` section and sequence length of the tuner's narrow copy at `count` of
+        `host_scale` (`longest`: the largest count a copy runs at)."""
         ...
 
     def activation_bytes(

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dspark_ds.drafters.dspark import serving as dspark_serving
-from dspark_ds.drafters.eagle3 import serving as eagle3_serving
+from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
 
-# the kinds' format modules, each with ARCHITECTURES (our own), READS (every architecture its
-# native_dict maps), engine_dict, native_dict, serving_format
-_KIND_FORMATS = (dspark_serving, eagle3_serving)
+# the registered kinds' format modules, each with ARCHITECTURES (our own), READS (every
+# architecture its native_dict maps), engine_dict, native_dict, serving_format
+_KIND_FORMATS = tuple(r.serving for r in REGISTERED.values())
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ bench JSON, the logs of the subprocesses).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -136,18 +137,15 @@ class PartResult:
 
 # ---- the parts -----------------------------------------------------------------------------
 def part_bench(cfg: GpuCheckConfig, work: Path) -> PartResult:
-    from dspark_ds.perf.train_bench import REFERENCE_VARIANT, TrainBenchConfig, run_train_bench
+    from dspark_ds.perf.train_bench import TrainBenchConfig, run_train_bench
 
     shape = SHAPES[cfg.shape if cfg.shape != "auto" else ("qwen3-8b" if cfg.cuda else "small")]
     default = "flex/chunked" if cfg.cuda else "blockwise/chunked"
-    variants = cfg.bench_variants or [default, REFERENCE_VARIANT]
     bench_cfg = TrainBenchConfig(
-        **shape,
-        device=cfg.device,
-        variants=variants,
-        repeats=cfg.bench_repeats,
-        json=str(work / "bench.json"),
+        **shape, device=cfg.device, repeats=cfg.bench_repeats, json=str(work / "bench.json")
     )
+    variants = cfg.bench_variants or [default, bench_cfg.reference_variant]
+    bench_cfg = dataclasses.replace(bench_cfg, variants=variants)
     results = run_train_bench(bench_cfg)
     failed = [r for r in results if "error" in r]
     if failed:

@@ -1,21 +1,27 @@
 """Training-step benchmark: step time, tokens/s, peak memory (resident + working) and achieved
-FLOP/s per variant, each next to the dense/reference variant of the same run.
+FLOP/s per variant, each next to the drafter kind's reference variant of the same run.
 
-    dspark-ds bench                                    # the default shape, 4 variants
+    dspark-ds bench                                    # DSpark at the default shape, 4 variants
     dspark-ds bench --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
+    dspark-ds bench --drafter eagle3                   # Eagle3: its variants
     dspark-ds bench --device cuda --dtype bfloat16 --variants '[flex/chunked, dense/reference]'
 
-A variant is "<attention>/<loss>[/<compile>]": attention dense | blockwise | flex, loss
-reference | chunked | recompute, compile off (default) | layers | model (perf.compile). Each
-variant runs in its own subprocess, so peak memory is that variant's alone (CPU: the process's
-peak RSS, VmHWM; CUDA: max_memory_allocated after the model is built). The peak is split into
-what stays resident — weights, gradients and optimizer state, counted exactly from the tensors
-— and the step's working memory: peak minus resident minus the process before the model
-existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs count only what the math
-needs: linear layers, unmasked attention pairs, the logits (a frozen lm_head has no weight
-gradient, the target logits no backward); recomputation and masked work are not counted. The
-achieved rate is compared with a plain [n x n] matmul of the run's own dtype timed in the same
-process (n = 8192 on CUDA, 2048 on CPU).
+The drafter is a preset (`--drafter`: drafters/presets.py) sized by the bench's fields as the demo
+sizes it (`Preset.sized`), built for a random Qwen3 target of the bench's widths; one step is its
+kind's `training_step` (drafters/kind.py: what training runs, its anchors drawn in the step),
+its backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss
+path of the kind (`perf.attn_implementation`, `perf.loss_impl`; `DrafterKind.attn_impls`,
+`loss_impls`), compile off (default) | layers | model (perf.compile); without `--variants`, the
+kind's `bench_variants`, whose first is its reference (the straight-line path the ratio columns
+compare with). Each variant runs in its own subprocess, so peak memory is that variant's alone
+(CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated after the model is built). The
+peak is split into what stays resident — weights, gradients and optimizer state, counted
+exactly from the tensors — and the step's working memory: peak minus resident minus the process
+before the model existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs are the
+kind's count for the variant's paths (`DrafterKind.step_flops`, the tuner's compute term: the
+matmuls the paths run, so dense attention counts the masked pairs it computes and the recompute
+loss its logits twice). The achieved rate is compared with a plain [n x n] matmul of the run's
+own dtype timed in the same process (n = 8192 on CUDA, 2048 on CPU).
 """
 
 from __future__ import annotations
@@ -27,32 +33,36 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_ds.drafters.presets import DEFAULT_PRESET, PRESET_NAMES
 from dspark_ds.errors import ConfigError
 
-ATTN_CHOICES = ("dense", "blockwise", "flex")
-LOSS_CHOICES = ("reference", "chunked", "recompute")
 COMPILE_CHOICES = ("off", "layers", "model")
-REFERENCE_VARIANT = "dense/reference"
-"""The reference implementation's layout: the ratio columns compare every variant with it."""
 
 
-def parse_variant(variant: str) -> tuple[str, str, str]:
-    """ "<attention>/<loss>[/<compile>]" -> (attention, loss, compile)."""
+def parse_variant(variant: str, kind=None) -> tuple[str, str, str]:
+    """ "<attention>/<loss>[/<compile>]" -> (attention, loss, compile), each a path `kind` (a
+    `DrafterKind`; the default preset's when None) honours."""
+    from dspark_ds.drafters.presets import preset
+    from dspark_ds.drafters.registry import get_kind
+
+    kind = kind or get_kind(preset(DEFAULT_PRESET).kind)
+    attns = tuple(a for a in kind.attn_impls if a != "auto")
+    losses = tuple(a for a in kind.loss_impls if a != "auto")
     parts = variant.split("/")
     if len(parts) == 2:
         parts.append("off")
     if (
         len(parts) != 3
-        or parts[0] not in ATTN_CHOICES
-        or parts[1] not in LOSS_CHOICES
+        or parts[0] not in attns
+        or parts[1] not in losses
         or parts[2] not in COMPILE_CHOICES
     ):
         raise ConfigError(
             f"variants: {variant!r} is not '<attention>/<loss>[/<compile>]' with attention in "
-            f"{ATTN_CHOICES}, loss in {LOSS_CHOICES} and compile in {COMPILE_CHOICES}"
+            f"{attns}, loss in {losses} ({kind.name} drafters) and compile in {COMPILE_CHOICES}"
         )
     return parts[0], parts[1], parts[2]
 
@@ -61,10 +71,14 @@ def parse_variant(variant: str) -> tuple[str, str, str]:
 class TrainBenchConfig:
     """Benchmark one training step (forward + backward + AdamW) of a random drafter."""
 
+    drafter: str = DEFAULT_PRESET
+    """The preset benched (drafters/presets.py: dspark | dflash | eagle3), sized by
+    num_draft_layers, block_size, num_anchors, markov_rank and unrolled_layers as the demo sizes
+    it; its kind says which variants exist."""
     hidden_size: int = 256
     """Hidden size of the drafter (and of the synthetic target)."""
     num_draft_layers: int = 2
-    """Decoder layers of the drafter."""
+    """Decoder layers of a drafter that drafts blocks in parallel (DSpark / DFlash)."""
     num_attention_heads: int = 4
     """Query heads (head_dim = hidden_size / num_attention_heads)."""
     num_key_value_heads: int = 2
@@ -80,27 +94,22 @@ class TrainBenchConfig:
     num_anchors: int = 512
     """Anchors (blocks) per sequence A."""
     block_size: int = 7
-    """Block size γ."""
+    """Block size γ; an unrolled drafter's (Eagle3) training-time-test steps."""
     markov_rank: int = 64
-    """Markov rank r (0 = DFlash: no Markov and no confidence head)."""
-    markov_head_type: str = "vanilla"
-    """vanilla | gated | rnn."""
+    """DSpark's Markov rank r."""
+    unrolled_layers: int = 1
+    """Decoder layers of an unrolled drafter (Eagle3)."""
     batch_size: int = 1
     """Sequences per step."""
     dtype: str = "float32"
     """float32 | bfloat16."""
     device: str = "cpu"
     """cpu | cuda."""
-    variants: list[str] = field(
-        default_factory=lambda: [
-            "dense/reference",
-            "blockwise/reference",
-            "dense/chunked",
-            "blockwise/chunked",
-        ]
-    )
-    """Variants "<attention>/<loss>[/<compile>]" to run side by side (dense/reference is the
-    reference implementation's layout; the ratio columns compare with it when it runs)."""
+    variants: list[str] | None = None
+    """Variants "<attention>/<loss>[/<compile>]" to run side by side; None = the drafter kind's
+    (`DrafterKind.bench_variants`: DSpark's dense/reference, blockwise/reference, dense/chunked,
+    blockwise/chunked). The ratio columns compare with the kind's reference variant (the first
+    of its own) when it runs."""
     loss_chunk_anchors: int | str = "auto"
     """Anchors per chunk of the chunked loss ("auto": perf.loss_chunk_anchors's device
     default, 32 on CPU and 256 on CUDA)."""
@@ -124,8 +133,13 @@ class TrainBenchConfig:
     """MLflow experiment; None = $MLFLOW_EXPERIMENT_NAME, else dspark-ds."""
 
     def __post_init__(self) -> None:
+        if self.drafter not in PRESET_NAMES:
+            raise ConfigError(f"drafter: one of {PRESET_NAMES}, got {self.drafter!r}")
+        kind = self.kind
+        if self.variants is None:
+            self.variants = list(kind.bench_variants)
         for v in self.variants:
-            parse_variant(v)
+            parse_variant(v, kind)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("num_attention_heads: must divide hidden_size")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -144,6 +158,37 @@ class TrainBenchConfig:
             raise ConfigError(str(err).replace("perf.", "", 1)) from None
 
     @property
+    def model(self):
+        """The benched drafter's `model` section: the preset, sized (ConfigError naming the
+        field)."""
+        from dspark_ds.drafters.presets import sized
+
+        return sized(self.drafter, self).validate(prefix=None)
+
+    @property
+    def kind(self):
+        """The benched drafter's `DrafterKind`."""
+        from dspark_ds.drafters.presets import preset
+        from dspark_ds.drafters.registry import get_kind
+
+        return get_kind(preset(self.drafter).kind)
+
+    @property
+    def reference_variant(self) -> str:
+        """The kind's reference variant: the ratio columns compare every variant with it."""
+        return self.kind.bench_variants[0]
+
+    def perf(self, variant: str):
+        """The `perf` section of a variant (its attention, loss and compile)."""
+        from dspark_ds.drafters.perf import PerfConfig
+
+        attn, loss, compile_mode = parse_variant(variant, self.kind)
+        return PerfConfig(
+            loss_impl=loss, attn_implementation=attn, compile=compile_mode,
+            loss_chunk_anchors=self.loss_chunk_anchors,
+        )  # fmt: skip
+
+    @property
     def chunk_anchors(self) -> int:
         """loss_chunk_anchors with "auto" resolved for the device."""
         from dspark_ds.drafters.perf import PerfConfig
@@ -158,13 +203,11 @@ class TrainBenchConfig:
 
 
 # ---- what runs inside one variant's process ------------------------------------------------
-def build_model(cfg: TrainBenchConfig):
-    import torch
+def target_config(cfg: TrainBenchConfig):
+    """The random target the drafter is built for (a Qwen3 of the bench's widths)."""
     from transformers import Qwen3Config
 
-    from dspark_ds.drafters import build_draft_config, build_draft_model
-
-    target = Qwen3Config(
+    return Qwen3Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -175,18 +218,18 @@ def build_model(cfg: TrainBenchConfig):
         max_position_embeddings=max(4096, 2 * cfg.seq_len),
         tie_word_embeddings=False,
     )
-    with_markov = cfg.markov_rank > 0
-    draft_cfg = build_draft_config(
-        target,
+
+
+def build_model(cfg: TrainBenchConfig):
+    import torch
+
+    from dspark_ds.drafters import build_draft_model
+
+    draft_cfg = cfg.kind.build_config(
+        target_config(cfg),
+        cfg.model,
         target_layer_ids=list(range(cfg.num_target_layers)),
         mask_token_id=cfg.vocab_size - 1,
-        num_draft_layers=cfg.num_draft_layers,
-        block_size=cfg.block_size,
-        num_anchors=cfg.num_anchors,
-        markov_rank=cfg.markov_rank,
-        markov_head_type=cfg.markov_head_type,
-        confidence_head_alpha=loss_args_for(cfg)["confidence_head_alpha"],
-        confidence_head_with_markov=with_markov,
     )
     torch.manual_seed(cfg.seed)
     # NOTE: built on its device: a 2.3 B-parameter drafter built on the CPU and moved costs
@@ -199,69 +242,58 @@ def build_model(cfg: TrainBenchConfig):
 
 
 def build_batch(cfg: TrainBenchConfig, device: str):
+    """A training batch of B random sequences: `TRAIN_KEYS` on `device` (the target's features
+    in the run's dtype, as a bf16 target gives them), `sample_ids` on the host."""
     import torch
 
-    from dspark_ds.drafters.common.blocks import sample_anchor_positions
+    from dspark_ds.drafters.kind import TRAIN_KEYS
 
     g = torch.Generator().manual_seed(cfg.seed + 1)
     B, S, H = cfg.batch_size, cfg.seq_len, cfg.hidden_size
     loss_mask = torch.ones(B, S)
     loss_mask[:, : min(16, S - 2)] = 0  # a short unsupervised prompt, like chat data
-    anchors, keep = sample_anchor_positions(loss_mask, cfg.num_anchors, generator=g)
     batch = dict(
         input_ids=torch.randint(0, cfg.vocab_size - 1, (B, S), generator=g),
         loss_mask=loss_mask,
         target_hidden_states=torch.randn(B, S, cfg.num_target_layers * H, generator=g),
         target_last_hidden_states=torch.randn(B, S, H, generator=g),
-        anchor_positions=anchors,
-        block_keep_mask=keep,
     )
-    # the target's features come in the run's dtype (a bf16 target gives bf16 features)
     dtype = getattr(torch, cfg.dtype)
     for key in ("target_hidden_states", "target_last_hidden_states"):
         batch[key] = batch[key].to(dtype)
-    return {k: v.to(device) for k, v in batch.items()}
+    out = {k: batch[k].to(device) for k in TRAIN_KEYS}
+    out["sample_ids"] = torch.arange(B)
+    return out
 
 
 def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
-    """The paper's loss weights of the variant: DSpark with a Markov head, DFlash without."""
+    """The loss weights of the benched section (a DSpark / DFlash section's `loss_weights`)."""
     from dataclasses import asdict
 
-    from dspark_ds.drafters.dspark.config import DFLASH_LOSS, DSPARK_LOSS
-
-    return asdict(DSPARK_LOSS if cfg.markov_rank > 0 else DFLASH_LOSS)
+    return asdict(cfg.model.loss_weights)
 
 
-def step_flops(cfg: TrainBenchConfig, anchors, keep) -> float:
-    """FLOPs one training step needs (forward + backward), per the module docstring."""
-    B, S, H, G, V = cfg.batch_size, cfg.seq_len, cfg.hidden_size, cfg.block_size, cfg.vocab_size
-    D = H // cfg.num_attention_heads
-    Hq, Hkv, r = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.markov_rank
-    n_q = B * cfg.num_anchors * G  # draft tokens
-    n_c = B * S  # context tokens
-    kept = keep.bool()
-    # Unmasked (query, key) pairs: each slot of a kept block sees anchor context keys + G own.
-    pairs = float(((anchors.clamp(max=S) + G) * kept).sum()) * G
-    train = 3.0  # forward + backward (input and weight gradients)
-    per_layer = (
-        2 * n_q * H * (Hq * D + 2 * Hkv * D) * train  # q, k, v of draft tokens
-        + 2 * n_c * H * 2 * Hkv * D * train  # k, v of the context
-        + 2 * n_q * Hq * D * H * train  # o_proj
-        + 2 * n_q * H * cfg.intermediate_size * 3 * train  # gate, up, down
-        + 4 * pairs * D * Hq * train  # QK^T and PV over visible pairs only
-    )
-    flops = cfg.num_draft_layers * per_layer
-    flops += 2 * n_c * cfg.num_target_layers * H * H * 2.0  # fc: weight gradient only
-    flops += 2 * n_q * H * V * 2.0  # frozen lm_head on draft states: input gradient only
-    flops += 2 * n_q * H * V * 1.0  # aligned target logits (accept-rate metrics, L1): forward
-    if r > 0:
-        flops += 2 * n_q * r * V * train  # Markov W2
-        flops += 2 * n_q * (H + r) * train  # confidence head
-        if cfg.markov_head_type == "gated":
-            flops += 2 * n_q * (H + r) * r * train
-        elif cfg.markov_head_type == "rnn":
-            flops += 2 * n_q * (2 * r + H) * 3 * r * train
-    return flops
+def step_shape(cfg: TrainBenchConfig):
+    """The `StepShape` of the bench's micro-batch (what the kind's FLOP count reads)."""
+    import torch
+
+    from dspark_ds.drafters.common.memory import StepShape
+
+    width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
+    return StepShape(
+        batch=cfg.batch_size, seq_len=cfg.seq_len, hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
+        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.hidden_size // cfg.num_attention_heads,
+        draft_layers=cfg.model.num_draft_layers, taps=cfg.num_target_layers,
+        drafter=cfg.kind.step_part(cfg.model), compute_bytes=width, feature_bytes=width,
+    )  # fmt: skip
+
+
+def step_flops(cfg: TrainBenchConfig, variant: str) -> float:
+    """FLOPs of one training step (forward + backward) of `variant`: the kind's count."""
+    flops = cfg.kind.step_flops(step_shape(cfg), cfg.perf(variant), cfg.device, 0)
+    return sum(flops.values())
 
 
 def matmul_flops_per_s(device: str, dtype: str, size: int, repeats: int = 5) -> float:
@@ -321,20 +353,18 @@ def _memory_now(cuda: bool) -> int:
     return torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
 
 
-def _training_step(cfg: TrainBenchConfig, attn: str, loss_impl: str, compile_mode: str):
-    """The variant's drafter, batch and optimizer, and its training step (forward + loss,
-    backward, AdamW) -> (model, batch, optimizer, step)."""
+def _training_step(cfg: TrainBenchConfig, variant: str):
+    """The variant's drafter, batch and optimizer, and its training step (the kind's
+    `training_step`, backward, AdamW) -> (model, batch, optimizer, step)."""
     import torch
 
-    from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.drafters.perf import compile_drafter
+    from dspark_ds.drafters.kind import StepContext
 
+    kind, section, perf = cfg.kind, cfg.model, cfg.perf(variant)
     model = build_model(cfg)
-    model.attn_implementation = attn
-    if compile_mode != "off":
-        compile_drafter(model, compile_mode)
+    path = kind.prepare(model, perf, cfg.device)  # the attention, compile, the loss path
+    ctx = StepContext(section, perf, path, seed=cfg.seed)
     batch = build_batch(cfg, cfg.device)
-    loss_args = loss_args_for(cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
 
@@ -342,12 +372,11 @@ def _training_step(cfg: TrainBenchConfig, attn: str, loss_impl: str, compile_mod
         # NOTE: gradients are cleared before the step, not after: they stay allocated between
         # steps, as a DeepSpeed engine's gradient buffers do, and count as resident.
         opt.zero_grad(set_to_none=True)
-        loss, metrics = forward_and_loss(
-            model, batch, loss_args, impl=loss_impl, chunk_anchors=cfg.chunk_anchors
-        )
-        loss.backward()
+        out = kind.training_step(model, batch, ctx)
+        out.loss.backward()
         opt.step()
-        return loss.item(), metrics
+        sums = dict(zip(out.names, out.sums.tolist()))
+        return out.loss.item(), kind.metrics(sums, section)
 
     return model, batch, opt, step
 
@@ -376,14 +405,13 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
 
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
-    attn, loss_impl, compile_mode = parse_variant(variant)
     device = cfg.device
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(torch.device(device))
     # the process before the model: nothing on a GPU, interpreter + libraries in RSS
     baseline = _memory_now(cuda)
-    model, batch, opt, step = _training_step(cfg, attn, loss_impl, compile_mode)
+    model, batch, opt, step = _training_step(cfg, variant)
     matmul_rate = matmul_flops_per_s(device, cfg.dtype, cfg.matmul_n)
     if cuda:  # the peak of the steps only (not the fp32 build, not the matmul's inputs)
         torch.cuda.synchronize()
@@ -397,7 +425,7 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
     resident = resident_bytes(model, opt)
     resident_total = sum(resident.values())
     step_time = statistics.median(times)
-    flops = step_flops(cfg, batch["anchor_positions"].cpu(), batch["block_keep_mask"].cpu())
+    flops = step_flops(cfg, variant)
     achieved = flops / step_time
     return {
         "variant": variant,
@@ -456,7 +484,7 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
             )
             continue
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    add_reference_ratios(results)
+    add_reference_ratios(results, cfg.reference_variant)
     text = format_table(cfg, results)
     print(text)
     if cfg.json:
@@ -496,10 +524,10 @@ def log_bench(cfg: TrainBenchConfig, results: list[dict], text: str) -> str | No
     )  # fmt: skip
 
 
-def add_reference_ratios(results: list[dict]) -> None:
-    """Each variant's step time, working memory and peak as a ratio to dense/reference's in the
-    same run (when it ran and did not fail)."""
-    ref = next((r for r in results if r["variant"] == REFERENCE_VARIANT and "error" not in r), None)
+def add_reference_ratios(results: list[dict], reference: str) -> None:
+    """Each variant's step time, working memory and peak as a ratio to the `reference`
+    variant's in the same run (when it ran and did not fail)."""
+    ref = next((r for r in results if r["variant"] == reference and "error" not in r), None)
     if ref is None:
         return
     for r in results:
@@ -514,10 +542,9 @@ def add_reference_ratios(results: list[dict]) -> None:
 
 def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
     shape = (
-        f"H={cfg.hidden_size} layers={cfg.num_draft_layers} V={cfg.vocab_size} S={cfg.seq_len} "
-        f"A={cfg.num_anchors} γ={cfg.block_size} markov={cfg.markov_head_type}:{cfg.markov_rank} "
-        f"B={cfg.batch_size} {cfg.dtype} {cfg.device} threads={cfg.num_threads} "
-        f"chunk={cfg.chunk_anchors} matmul={cfg.dtype}[{cfg.matmul_n}]"
+        f"{cfg.kind.describe(cfg.model)}; H={cfg.hidden_size} V={cfg.vocab_size} "
+        f"S={cfg.seq_len} B={cfg.batch_size} {cfg.dtype} {cfg.device} "
+        f"threads={cfg.num_threads} chunk={cfg.chunk_anchors} matmul={cfg.dtype}[{cfg.matmul_n}]"
     )
     head = (
         f"{'variant':<24}{'step s':>9}{'cpu s':>8}{'tokens/s':>10}{'peak MB':>10}{'step MB':>9}"
@@ -545,7 +572,7 @@ def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
         )
     lines.append(
         "peak = resident (weights + grads + optimizer state) + working + the process before the "
-        "model; t/ref, work/ref: step time and working memory / dense/reference's"
+        f"model; t/ref, work/ref: step time and working memory / {cfg.reference_variant}'s"
     )
     return "\n".join(lines)
 

@@ -621,17 +621,17 @@ class Calibration:
                 else 0.0
                 for mode in range(len(ENGINE_MODES))
             )
-        from dspark_ds.tune.workload import at_anchors
+        from dspark_ds.tune.workload import at_scale
 
-        anchors = self.host.copies.anchors
+        scale = self.host.copies.scale
         work = dict(self.host.counts, collectives_timed=distributed.has_group())
         work["drafter"] = {
-            stage: at_anchors(
+            stage: at_scale(
                 [
                     statistics.median(s["work"]["drafter"][stage][i] for s in samples)
                     for i in range(len(steps))
                 ],
-                anchors,
+                scale,
             )
             for stage, steps in self.host.copies.steps.items()
         }

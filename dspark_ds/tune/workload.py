@@ -13,8 +13,9 @@ stand-in ops, which the machine's calibrated seconds per op turn into seconds: t
 Python between its ops (the loss's bookkeeping, the metrics) and its small matmuls cost more
 per op than the stand-in's, which a raw op count would miss. For a GPU machine the host only
 launches each op: the raw op count is the work. The loops of the blockwise attention and the
-chunked loss depend on the anchors and chunk sizes, which the copy keeps; the widths do not
-change them. The same copies, under a real DeepSpeed engine, are what the calibration times
+chunked loss depend on the anchors (DSpark) or positions (Eagle3) and the chunk sizes, which the
+copy keeps (`DrafterKind.host_scale`: past 64, two copies at 32 and 64 and a line through them);
+the widths do not change them. The same copies, under a real DeepSpeed engine, are what the calibration times
 DeepSpeed's own costs on (calibrate.py).
 """
 
@@ -33,9 +34,10 @@ from dspark_ds.tune.inventory import Inventory
 
 NARROW = dict(hidden=32, intermediate=64, heads=2, head_dim=8, vocab=256)
 """The widths of the copy whose host work is timed."""
-ANCHOR_POINTS = (32, 64)
-"""Past the last of these, the copy's work is extrapolated linearly in the anchors from both
-(its attention's arithmetic would otherwise grow with anchors × sequence)."""
+SCALE_POINTS = (32, 64)
+"""Past the last of these, the copy's work is extrapolated linearly in the kind's host scale
+(`DrafterKind.host_scale`: anchors, positions) from both (its attention's arithmetic would
+otherwise grow with anchors × sequence)."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -327,27 +329,28 @@ class StandInOps:
         return statistics.median(ratios)
 
 
-def anchor_points(anchors: int) -> list[int]:
-    """The anchor counts the narrow copy runs at (ANCHOR_POINTS past the last of them)."""
-    return [anchors] if anchors <= ANCHOR_POINTS[-1] else list(ANCHOR_POINTS)
+def scale_points(scale: int) -> list[int]:
+    """The host scales the narrow copy runs at (SCALE_POINTS past the last of them)."""
+    return [scale] if scale <= SCALE_POINTS[-1] else list(SCALE_POINTS)
 
 
-def at_anchors(values: list[float], anchors: int) -> float:
-    """A value measured at `anchor_points(anchors)`, linear in the anchors past the last."""
+def at_scale(values: list[float], scale: int) -> float:
+    """A value measured at `scale_points(scale)`, linear in the scale past the last."""
     if len(values) == 1:
         return values[0]
-    (a0, a1), (v0, v1) = ANCHOR_POINTS, values
-    return v1 + (v1 - v0) / (a1 - a0) * (anchors - a1)
+    (a0, a1), (v0, v1) = SCALE_POINTS, values
+    return v1 + (v1 - v0) / (a1 - a0) * (scale - a1)
 
 
 class NarrowCopies:
-    """The recipe's drafter (for each loss path `stages` asks for: 0 or 3, and each anchor
-    point) and its target, 32 wide, on `device` (the process group's, when there is one: the
+    """The recipe's drafter (for each loss path `stages` asks for: 0 or 3, and each point of its
+    kind's host scale) and its target, 32 wide, on `device` (the process group's, when there is one: the
     loss all-reduces its denominators, every rank runs the copy in step)."""
 
     def __init__(self, run_cfg, stages: tuple[int, ...], device: str = "cpu",
                  run_on: torch.device | None = None):  # fmt: skip
         from dspark_ds.drafters.common.target_config import text_config
+        from dspark_ds.drafters.registry import get_kind
         from dspark_ds.target import default_layer_ids
         from dspark_ds.tune.inventory import target_config_of
 
@@ -356,14 +359,15 @@ class NarrowCopies:
         self.config = narrow_config(target_config_of(run_cfg.target.path))
         num_layers = int(text_config(self.config).num_hidden_layers)
         layer_ids = run_cfg.target.layer_ids or default_layer_ids(num_layers)
-        self.anchors = run_cfg.model.num_anchors
-        points = anchor_points(self.anchors)
-        seq_len = min(run_cfg.data.max_length, 2 * max(points) + 64)
+        kind, length = get_kind(run_cfg.model.kind), run_cfg.data.max_length
+        self.scale = kind.host_scale(run_cfg.model, length)
+        points = scale_points(self.scale)
+        copies = [kind.host_copy(run_cfg.model, length, n, max(points)) for n in points]
         B = run_cfg.data.batch_size
         self.steps = {
             stage: [
                 KindStep(
-                    replace(run_cfg.model, num_anchors=a),
+                    model,
                     perf,
                     self.config,
                     layer_ids,
@@ -373,11 +377,11 @@ class NarrowCopies:
                     device=run_on,
                     target_path=run_cfg.target.path,
                 )  # fmt: skip
-                for a in points
+                for model, seq_len in copies
             ]
             for stage in stages
         }
-        self.target = TargetForward(self.config, layer_ids, B, min(seq_len, 64), run_on)
+        self.target = TargetForward(self.config, layer_ids, B, min(length, 64), run_on)
 
     def counts(self) -> dict:
         """{"ops": {"drafter": {stage: n}, "target": n}, "calls": {"drafter": {stage: (forward,
@@ -392,8 +396,8 @@ class NarrowCopies:
                 n_ops.append(counter.ops)
                 fwd.append(called.forward)
                 bwd.append(called.backward)
-            ops["drafter"][stage] = at_anchors(n_ops, self.anchors)
-            calls["drafter"][stage] = (at_anchors(fwd, self.anchors), at_anchors(bwd, self.anchors))
+            ops["drafter"][stage] = at_scale(n_ops, self.scale)
+            calls["drafter"][stage] = (at_scale(fwd, self.scale), at_scale(bwd, self.scale))
         with OpCounter() as counter, CallCounter(self.target.target) as called:
             self.target()
         ops["target"], calls["target"] = counter.ops, called.forward
@@ -418,7 +422,7 @@ def host_work(run_cfg, stages: tuple[int, ...], device: str = "cpu", timed: bool
             unit = StandInOps()
             for stage, steps in copies.steps.items():
                 work = [unit.work(step) for step in steps]
-                out["drafter"][stage] = at_anchors(work, copies.anchors)
+                out["drafter"][stage] = at_scale(work, copies.scale)
             out["target"] = unit.work(copies.target)
     return out
 

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from dspark_ds.cli import main
-from dspark_ds.perf.train_bench import TrainBenchConfig, parse_variant, resident_bytes, step_flops
+from dspark_ds.perf.train_bench import (
+    TrainBenchConfig,
+    parse_variant,
+    resident_bytes,
+    step_flops,
+    step_shape,
+)
 
 
 @pytest.mark.slow  # a subprocess per variant
@@ -55,15 +61,27 @@ def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
         assert child.data.metrics["step_time_s"] == pytest.approx(r["step_time_s"])
 
 
-def test_flop_count_scales_with_visible_pairs_only():
-    import torch
+def test_the_bench_runs_what_the_kind_says():
+    from dspark_ds.drafters.presets import preset
+    from dspark_ds.drafters.registry import get_kind
 
-    cfg = TrainBenchConfig(seq_len=64, num_anchors=2, vocab_size=100)
-    keep = torch.ones(1, 2, dtype=torch.bool)
-    near = step_flops(cfg, torch.tensor([[0, 1]]), keep)
-    far = step_flops(cfg, torch.tensor([[50, 60]]), keep)
-    # 109 more context keys per slot, 7 slots, 4 heads x 64 dims, QK + PV, fwd + bwd.
-    assert far - near == pytest.approx(cfg.num_draft_layers * 4 * 109 * 7 * 64 * 4 * 3)
+    default, eagle3 = TrainBenchConfig(), TrainBenchConfig(drafter="eagle3")
+    # each kind's own variants by default, its reference first
+    assert default.variants == list(get_kind("dspark").bench_variants)
+    assert eagle3.variants == ["dense/reference", "dense/chunked"]
+    assert eagle3.reference_variant == "dense/reference"
+    with pytest.raises(ValueError, match="variants: 'blockwise/chunked'"):
+        TrainBenchConfig(drafter="eagle3", variants=["blockwise/chunked"])
+    # the drafter: the preset, sized by the bench's fields as the demo sizes it
+    assert eagle3.model == preset("eagle3", num_draft_layers=1, ttt_length=7)
+    dflash = TrainBenchConfig(drafter="dflash", num_anchors=64, block_size=4).model
+    assert dflash == preset(
+        "dflash", num_draft_layers=2, num_anchors=64, block_size=4, sample_from_anchor=True
+    )
+    # its FLOPs: the kind's count of the variant's paths (dense attention computes the masked
+    # pairs too); the bench's shape is the kind's
+    assert step_flops(default, "dense/reference") > step_flops(default, "blockwise/reference")
+    assert step_shape(eagle3).drafter == get_kind("eagle3").step_part(eagle3.model)
 
 
 def test_bad_variant_names_the_option():

@@ -1,7 +1,8 @@
 """The package's shape: no import cycles, the boundaries of docs/architecture.md, formatting.
 
 The import graph counts every `import` statement of a module, the ones inside functions too
-(a lazy import still ties two modules together), resolved to modules of `dspark_ds`.
+(a lazy import still ties two modules together), resolved to modules of `dspark_ds`; not those
+under `if TYPE_CHECKING:`, which never run (a type a module only names in its annotations).
 """
 
 from __future__ import annotations
@@ -28,8 +29,16 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     tree = ast.parse(path.read_text())
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
     found: set[str] = set()
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             candidates = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -285,17 +294,6 @@ def test_data_does_not_import_the_trainer():
 
 # ---- the kind seam: no module outside drafters/ names a drafter kind -------------------------
 
-# Documented exceptions: (module, what it names) -> why.
-KIND_NAME_EXCEPTIONS = {
-    ("dspark_ds/config.py", "'dspark'"): "the default run name is the project's name",
-    # NOTE: `dspark-ds bench` times the DSpark family's step on blocks it samples itself and
-    # counts that step's FLOPs from them; a kind-generic bench (its drafter, batch and FLOP
-    # count from the kind) is still to be built (issue 32)
-    ("dspark_ds/perf/train_bench.py", "dspark"): "the DSpark step it times",
-    ("dspark_ds/perf/train_bench.py", "DSPARK_LOSS"): "DSpark's loss weights",
-    ("dspark_ds/perf/train_bench.py", "DFLASH_LOSS"): "DFlash's loss weights",
-}
-
 
 def _kind_words() -> set[str]:
     from dspark_ds.drafters.presets import PRESET_NAMES
@@ -363,8 +361,7 @@ def test_no_module_outside_the_drafters_names_a_kind():
         if "drafters" not in p.relative_to(PACKAGE).parts
         for what in kind_names_in(p, words)
     }
-    assert sorted(found - set(KIND_NAME_EXCEPTIONS)) == []
-    assert set(KIND_NAME_EXCEPTIONS) <= found  # an exception no longer needed is removed
+    assert sorted(found) == []  # no exceptions
 
 
 def test_a_kind_name_is_found(tmp_path):

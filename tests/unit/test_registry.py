@@ -144,3 +144,193 @@ def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():
     ref, ref_metrics = compute_dspark_loss(out, **asdict(m.loss_weights))
     assert torch.equal(loss, ref)  # the trainer's on-device step is the reference, bit for bit
     assert metrics == ref_metrics and metrics["supervised_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["dspark", "eagle3"])
+def test_host_work_grows_in_what_the_kind_says(name):
+    """The tuner's narrow copies run at two counts of the kind's host scale (DSpark: anchors,
+    Eagle3: positions) and extrapolate: the line through them predicts a third copy's ops."""
+    from dspark_ds.tune.workload import SCALE_POINTS, KindStep, OpCounter, at_scale, counted_perf
+
+    kind = get_kind(name)
+    model = preset(name, num_draft_layers=1, num_anchors=128, block_size=4, ttt_length=3)
+    perf = counted_perf(PerfConfig(), "cpu")  # the CPU's paths: chunked loss, blockwise / dense
+    scale = kind.host_scale(model, 256)
+    assert scale == (128 if name == "dspark" else 256)
+
+    def ops(count: int) -> int:
+        copy, seq_len = kind.host_copy(model, 256, count, SCALE_POINTS[-1])
+        step = KindStep(copy, perf, tiny_qwen3_config(max_position_embeddings=512), LAYER_IDS,
+                        1, seq_len, zero3=False)  # fmt: skip
+        with OpCounter() as counter:
+            step()
+        return counter.ops
+
+    small, large = [ops(n) for n in SCALE_POINTS]
+    assert large > small  # the work grows in it
+    assert at_scale([small, large], 128) == pytest.approx(ops(128), rel=0.02)
+
+
+# ---- a new kind is a folder and a registry entry ---------------------------------------------
+# A kind of its own name, fields, preset, backend and engine format (Eagle3's model and loss
+# under another architecture), added to a copy of the package as a real kind is: its folder and
+# one entry in registry.py, nothing else.
+TOY_FILES = {
+    "__init__.py": "",
+    "config.py": '''
+from dataclasses import dataclass
+
+from dspark_ds.drafters.common.registration import Preset, Registration
+from dspark_ds.drafters.toy import serving
+
+
+@dataclass
+class ToyFields:
+    toy_depth: int = 2
+    """Toy: a field of its own."""
+
+    def check_fields(self, check):
+        check.at_least_1("ttt_length", "toy_depth")
+
+
+REGISTRATION = Registration(
+    name="toy",
+    fields=ToyFields,
+    kind_class="dspark_ds.drafters.toy.kind:Toy",
+    presets={"toy": Preset(label="Toy", fields={"num_draft_layers": 1, "toy_depth": 3},
+                           sized=lambda d: {"num_draft_layers": d.unrolled_layers,
+                                            "ttt_length": d.block_size})},
+    backends={"Qwen3ToyModel": ("dspark_ds.drafters.toy.model", "Qwen3ToyModel",
+                                "transformers.models.qwen3.configuration_qwen3:Qwen3Config")},
+    architectures={},
+    generic_architecture="Qwen3ToyModel",
+    serving=serving,
+)
+''',
+    "model.py": """
+from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
+
+
+class Qwen3ToyModel(Qwen3Eagle3Model):
+    architecture = "Qwen3ToyModel"
+""",
+    "serving.py": """
+ARCHITECTURES = READS = ("Qwen3ToyModel",)
+
+
+def engine_dict(data):
+    return data
+
+
+def native_dict(data, target_config=None):
+    return data
+""",
+    "kind.py": """
+from dspark_ds.drafters import io
+from dspark_ds.drafters.eagle3.kind import Eagle3
+from dspark_ds.drafters.toy.model import Qwen3ToyModel
+
+
+class Toy(Eagle3):
+    name, label, model_class = "toy", "Toy", Qwen3ToyModel
+    architectures = io.ARCHITECTURES["toy"]
+    bench_variants = ("dense/reference",)
+
+    def build_config(self, target_config, model, *, target_layer_ids, **_):
+        cfg, text = io.draft_config_from_target(
+            target_config, self.name, target_layer_ids, model.num_draft_layers
+        )
+        cfg.draft_num_hidden_layers = model.num_draft_layers
+        cfg.ttt_length, cfg.step_loss_decay = model.ttt_length, model.step_loss_decay
+        cfg.toy_depth = model.toy_depth
+        return io.finalize_draft_config(cfg, text)
+
+    def tags(self, config):
+        return {"toy_depth": config.toy_depth}
+""",
+}
+
+
+@pytest.fixture
+def package_with_a_toy_kind(tmp_path):
+    """A copy of the package with drafters/toy/ and its registry entry, imported in place of
+    the package (the package's modules are put back after)."""
+    import importlib
+    import shutil
+    import sys
+    from pathlib import Path
+
+    import dspark_ds
+
+    src = Path(dspark_ds.__file__).parent
+    copy = tmp_path / "dspark_ds"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__", "datasets"))
+    toy = copy / "drafters" / "toy"
+    toy.mkdir()
+    for name, text in TOY_FILES.items():
+        (toy / name).write_text(text.lstrip())
+    registry = copy / "drafters" / "registry.py"
+    text = registry.read_text()
+    entry = "(dspark.REGISTRATION, eagle3.REGISTRATION)"
+    assert entry in text
+    text = text.replace(entry, "(dspark.REGISTRATION, eagle3.REGISTRATION, toy.REGISTRATION)")
+    text = text.replace(
+        "from dspark_ds.errors import ConfigError",
+        "from dspark_ds.drafters.toy import config as toy\nfrom dspark_ds.errors import ConfigError",
+    )
+    registry.write_text(text)
+    ours = {n: m for n, m in sys.modules.items() if n.split(".")[0] == "dspark_ds"}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        yield copy
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.split(".")[0] == "dspark_ds"]:
+            del sys.modules[name]
+        sys.modules.update(ours)
+
+
+def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tmp_path):
+    from dspark_ds.cli import parse_config
+    from dspark_ds.drafters.io import build_draft_model, load_draft_model, save_draft_model
+    from dspark_ds.drafters.presets import PRESETS, preset
+    from dspark_ds.drafters.registry import get_kind, kind_of
+    from dspark_ds.errors import ConfigError
+    from dspark_ds.perf.train_bench import TrainBenchConfig, run_variant
+    from dspark_ds.tune import TunerConfig
+    from dspark_ds.tune.inventory import inventory, load_recipe
+    from dspark_ds.tune.workload import host_work
+
+    from helpers.drafters import tiny_qwen3_config
+
+    assert get_kind("toy").__module__.startswith("dspark_ds.drafters.toy")
+    # the `model` section and the CLI: its field, its checks
+    recipe = str(package_with_a_toy_kind / "recipes" / "eagle3_qwen3_8b.yaml")
+    cfg = parse_config(
+        "train", ["--config", recipe, "--model.kind", "toy", "--model.toy_depth", "5"]
+    )
+    assert (cfg.model.kind, cfg.model.toy_depth, cfg.model.ttt_length) == ("toy", 5, 7)
+    with pytest.raises(ConfigError, match="model.toy_depth"):
+        replace(cfg.model, toy_depth=0).validate()
+    # its preset, its backend, its directory read back as its kind
+    assert PRESETS["toy"].label == "Toy" and preset("toy").toy_depth == 3
+    kind = get_kind("toy")
+    draft = kind.build_config(tiny_qwen3_config(), preset("toy"), target_layer_ids=[0, 1])
+    model = build_draft_model(draft)
+    assert type(model).__name__ == "Qwen3ToyModel" and kind_of(model) is kind
+    loaded = load_draft_model(save_draft_model(model, tmp_path / "toy"))
+    assert kind_of(loaded) is kind and kind.tags(loaded.config) == {"toy_depth": 3}
+    # the tuner: its step shape and its host-work copies
+    run_cfg = load_recipe(TunerConfig(recipe=recipe, overrides=["--model.kind", "toy"]))
+    assert inventory(run_cfg).step_shape(run_cfg).drafter == kind.step_part(run_cfg.model)
+    assert host_work(run_cfg, (0,), "cuda", timed=False)["ops"]["drafter"][0] > 0
+    # the bench: its variants, its step
+    bench = TrainBenchConfig(drafter="toy", hidden_size=32, intermediate_size=64, vocab_size=64,
+                             num_target_layers=2, seq_len=24, block_size=3, repeats=1,
+                             matmul_size=32, num_threads=0)  # fmt: skip
+    assert bench.variants == ["dense/reference"]
+    result = run_variant(bench, "dense/reference")
+    assert result["loss_first_step"] > 0 and result["flops_per_step"] > 0

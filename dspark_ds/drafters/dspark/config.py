@@ -1,17 +1,19 @@
-"""DSpark's fields of the run's `model` section (`model.kind: dspark`, which covers DFlash) and
-the weights of its loss (docs/algorithm.md#the-loss).
+"""DSpark's fields of the run's `model` section (`model.kind: dspark`, which covers DFlash), the
+weights of its loss (docs/algorithm.md#the-loss), its presets and its registration.
 
 `DSparkFields` is one base of `DrafterConfig` (drafters/presets.py): the recipe stays one flat
 `model:` mapping, and these fields, their documentation and their checks live here, with the
-kind that reads them.
+kind that reads them. `REGISTRATION` is what drafters/registry.py lists.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Literal
 
 from dspark_ds.drafters.common.checks import Checker
+from dspark_ds.drafters.common.registration import Claim, Preset, Registration
+from dspark_ds.drafters.dspark import serving
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
 
 
@@ -36,8 +38,6 @@ DFLASH_LOSS = replace(DSPARK_LOSS, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confide
 class DSparkFields:
     """DSpark / DFlash: parallel blocks of γ tokens drafted from sampled anchors. Defaults are
     the paper's DSpark."""
-
-    KIND: ClassVar[str] = "dspark"
 
     block_size: int = 7
     """γ: tokens drafted per block."""
@@ -97,3 +97,63 @@ class DSparkFields:
                 f"needs {check.name('markov_rank')} > 0 (DFlash has no Markov head: set it "
                 "to false)",
             )
+
+
+def _blocks(d) -> dict[str, Any]:
+    return dict(num_draft_layers=d.num_draft_layers, block_size=d.block_size,
+                num_anchors=d.num_anchors)  # fmt: skip
+
+
+PRESETS: dict[str, Preset] = {
+    # the paper's DSpark: 5 layers, γ 7, 512 anchors, vanilla Markov head of rank 256, the
+    # confidence head fed the Markov features, CE / L1 / BCE 0.1 / 0.9 / 1.0 (the defaults)
+    "dspark": Preset(
+        label="DSpark",
+        fields={},
+        sized=lambda d: {**_blocks(d), "markov_rank": d.markov_rank},
+        claims=(
+            Claim("tau", "dflash", 1.0, 1.10),
+            Claim("tau", "dflash", 0.0, 1.0),
+            Claim("speedup", "eagle3", 1.0, 1.0),
+        ),
+    ),
+    # DFlash: DSpark without the Markov and confidence heads, cross-entropy only, in DFlash's
+    # own block layout (what the engines' DFlash path serves)
+    "dflash": Preset(
+        label="DFlash",
+        fields=dict(
+            markov_rank=0,
+            confidence_head_with_markov=False,
+            sample_from_anchor=False,
+            **asdict(DFLASH_LOSS),
+        ),
+        # NOTE: sized, it keeps DSpark's block layout, not the preset's: the demo's comparison
+        # isolates the heads (the README's figures were measured so); docs/serving.md
+        sized=lambda d: {**_blocks(d), "sample_from_anchor": True},
+    ),
+}
+
+_QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
+_GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
+
+REGISTRATION = Registration(
+    name="dspark",
+    fields=DSparkFields,
+    kind_class="dspark_ds.drafters.dspark.kind:DSpark",
+    presets=PRESETS,
+    backends={
+        "Qwen3DSparkModel": ("dspark_ds.drafters.dspark.qwen3", "Qwen3DSparkModel", _QWEN3_CONFIG),
+        "Gemma4DSparkModel": (
+            "dspark_ds.drafters.dspark.gemma4",
+            "Gemma4DSparkModel",
+            _GEMMA4_CONFIG,
+        ),
+    },  # fmt: skip
+    architectures={
+        "qwen3": "Qwen3DSparkModel",
+        "gemma4": "Gemma4DSparkModel",
+        "gemma4_text": "Gemma4DSparkModel",
+    },
+    generic_architecture="Qwen3DSparkModel",
+    serving=serving,
+)

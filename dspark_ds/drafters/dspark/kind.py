@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -35,6 +36,12 @@ class DSpark(DrafterKind):
     anchor_blocks = True
     loss_impls = LOSS_IMPLEMENTATIONS
     attn_impls = ("auto", *ATTN_IMPLEMENTATIONS)
+    bench_variants = (
+        "dense/reference",
+        "blockwise/reference",
+        "dense/chunked",
+        "blockwise/chunked",
+    )
 
     def build_config(
         self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
@@ -91,6 +98,15 @@ class DSpark(DrafterKind):
 
     def step_part(self, model: DrafterConfig) -> memory.DSparkShape:
         return memory.DSparkShape.of(model)
+
+    def host_scale(self, model: DrafterConfig, seq_len: int) -> int:
+        # the blockwise attention and the chunked losses loop over blocks of anchors
+        return model.num_anchors
+
+    def host_copy(
+        self, model: DrafterConfig, seq_len: int, count: int, longest: int
+    ) -> tuple[DrafterConfig, int]:
+        return replace(model, num_anchors=count), min(seq_len, 2 * longest + 64)
 
     def activation_bytes(
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int

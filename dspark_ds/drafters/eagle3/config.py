@@ -1,16 +1,18 @@
-"""Eagle3's fields of the run's `model` section (`model.kind: eagle3`).
+"""Eagle3's fields of the run's `model` section (`model.kind: eagle3`), its preset and its
+registration.
 
 `Eagle3Fields` is one base of `DrafterConfig` (drafters/presets.py): the recipe stays one flat
 `model:` mapping, and these fields, their documentation and their checks live here, with the
-kind that reads them.
+kind that reads them. `REGISTRATION` is what drafters/registry.py lists.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 from dspark_ds.drafters.common.checks import Checker
+from dspark_ds.drafters.common.registration import Preset, Registration
+from dspark_ds.drafters.eagle3 import serving
 
 # the loss of unrolled step k is weighted by STEP_LOSS_DECAY ** k
 STEP_LOSS_DECAY = 0.8
@@ -19,8 +21,6 @@ STEP_LOSS_DECAY = 0.8
 @dataclass
 class Eagle3Fields:
     """Eagle3: one autoregressive layer unrolled over training-time-test steps."""
-
-    KIND: ClassVar[str] = "eagle3"
 
     ttt_length: int = 7
     """Eagle3: training-time-test steps unrolled per position; also tokens drafted per round."""
@@ -31,3 +31,41 @@ class Eagle3Fields:
         """These fields' checks (`DrafterConfig.validate`, when model.kind is eagle3)."""
         check.at_least_1("ttt_length")
         check("step_loss_decay", self.step_loss_decay > 0, "must be > 0")
+
+
+PRESETS: dict[str, Preset] = {
+    # Eagle3: one autoregressive layer unrolled over 7 training-time-test steps
+    # (ttt_length and step_loss_decay: the defaults)
+    "eagle3": Preset(
+        label="Eagle3",
+        fields=dict(num_draft_layers=1),
+        # ttt_length = γ: every drafter proposes at most γ tokens a round, and is trained on
+        # the same γ next tokens of every position
+        sized=lambda d: {"num_draft_layers": d.unrolled_layers, "ttt_length": d.block_size},
+    ),
+}
+
+_QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
+_GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
+
+REGISTRATION = Registration(
+    name="eagle3",
+    fields=Eagle3Fields,
+    kind_class="dspark_ds.drafters.eagle3.kind:Eagle3",
+    presets=PRESETS,
+    backends={
+        "Qwen3Eagle3Model": ("dspark_ds.drafters.eagle3.qwen3", "Qwen3Eagle3Model", _QWEN3_CONFIG),
+        "Gemma4Eagle3Model": (
+            "dspark_ds.drafters.eagle3.gemma4",
+            "Gemma4Eagle3Model",
+            _GEMMA4_CONFIG,
+        ),
+    },  # fmt: skip
+    architectures={
+        "qwen3": "Qwen3Eagle3Model",
+        "gemma4": "Gemma4Eagle3Model",
+        "gemma4_text": "Gemma4Eagle3Model",
+    },
+    generic_architecture="Qwen3Eagle3Model",
+    serving=serving,
+)

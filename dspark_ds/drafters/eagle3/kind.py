@@ -26,6 +26,7 @@ class Eagle3(DrafterKind):
     anchor_blocks = False
     loss_impls = loss.LOSS_IMPLEMENTATIONS
     attn_impls = ("auto", *TTT_ATTN_IMPLEMENTATIONS)
+    bench_variants = ("dense/reference", "dense/chunked")  # flex: CUDA only (no CPU backward)
 
     def build_config(
         self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
@@ -67,6 +68,15 @@ class Eagle3(DrafterKind):
 
     def step_part(self, model: DrafterConfig) -> memory.Eagle3Shape:
         return memory.Eagle3Shape.of(model)
+
+    def host_scale(self, model: DrafterConfig, seq_len: int) -> int:
+        # the chunked loss loops over chunks of positions (loss_chunk_anchors of them each)
+        return seq_len
+
+    def host_copy(
+        self, model: DrafterConfig, seq_len: int, count: int, longest: int
+    ) -> tuple[DrafterConfig, int]:
+        return model, count
 
     def activation_bytes(
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int

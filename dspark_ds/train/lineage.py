@@ -26,7 +26,7 @@ from dspark_ds.errors import ConfigError
 
 def zero_option(ds_config: dict) -> str:
     """The DeepSpeed config's ZeRO option as `dspark-ds tune` names them (zero2+offload_opt,
-    zero3+offload_opt+param, zero3+nvme, ...)."""
+    zero3+offload_opt+param, zero3+nvme, zero3+hpz, ...)."""
     zero = ds_config.get("zero_optimization", {}) or {}
     name = f"zero{int(zero.get('stage', 0))}"
     opt = (zero.get("offload_optimizer") or {}).get("device") or "none"
@@ -37,6 +37,9 @@ def zero_option(ds_config: dict) -> str:
         name += "+offload_opt"
     if param == "cpu":
         name += "+param"
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if name == "zero3" and (hpz == "auto" or int(hpz) > 1):  # 1: hpZ's group is one rank, off
+        name += "+hpz"
     return name
 
 

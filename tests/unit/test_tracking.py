@@ -228,4 +228,8 @@ def test_zero_option_names_are_the_tuners():
     run_cfg = parse_config("train", ["--config", "tiny_cpu", "--target.path", "x"])
     for option in OPTIONS:
         ds = resolved_ds_config(option, run_cfg, 1, use_gpu=False)
+        if option.name == "zero3+hpz":  # resolved on one rank: a group of 1, hpZ off
+            assert ds["zero_optimization"]["zero_hpz_partition_size"] == 1
+            assert zero_option(ds) == "zero3"
+            ds["zero_optimization"]["zero_hpz_partition_size"] = 8  # a node's 8 ranks
         assert zero_option(ds) == option.name, option

@@ -481,6 +481,17 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def ranks_per_node() -> int:
+    """Ranks on a host of the job, the same answer on every rank: LOCAL_WORLD_SIZE where the
+    launcher sets it (torchrun), else the fewest ranks any host runs (the hosts' names
+    gathered: one collective)."""
+    local = _int(os.environ, "LOCAL_WORLD_SIZE")
+    if local or not has_group():
+        return local or 1
+    hosts = all_gather_object(socket.gethostname())
+    return min(hosts.count(h) for h in set(hosts))
+
+
 def barrier() -> None:
     if has_group():
         dist.barrier()

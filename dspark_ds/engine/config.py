@@ -1,7 +1,8 @@
 """The DeepSpeed config of a run, and what it means.
 
 - `build_ds_config`: a JSON from `ds_configs/` (or a path) with its "auto" keys filled from the
-  run (batch sizes, clipping, precision, AdamW); explicit keys must agree with the run.
+  run (batch sizes, clipping, precision, AdamW, hpZ's node-local group = the ranks of a node);
+  explicit keys must agree with the run.
 - `zero_stage`, `optimizer_offloaded`: read off a config dict.
 - `zero_settings`: the ZeRO settings memory depends on, parsed by DeepSpeed's own config class
   (the tuner reads them here rather than copying DeepSpeed's defaults).
@@ -55,8 +56,10 @@ def build_ds_config(
     micro_batch_size: int,
     world_size: int,
     use_gpu: bool,
+    ranks_per_node: int | None = None,
 ) -> dict:
-    """The DeepSpeed config dict of this run (see the module docstring)."""
+    """The DeepSpeed config dict of this run (see the module docstring); `ranks_per_node`
+    (None: every rank on one node) fills an "auto" `zero_hpz_partition_size`."""
     path = resolve_ds_config_path(section.config)
     try:
         cfg = json.loads(path.read_text())
@@ -90,6 +93,9 @@ def build_ds_config(
     fill("gradient_accumulation_steps", grad_accum, "train.global_batch_size")
     fill("gradient_clipping", float(train.max_grad_norm), "train.max_grad_norm")
     fill("bf16.enabled", train.precision == "bf16", "train.precision")
+    zero = cfg.get("zero_optimization", {})
+    if zero.get("zero_hpz_partition_size") == "auto":  # hpZ: a node's ranks hold a whole copy
+        zero["zero_hpz_partition_size"] = ranks_per_node or world_size
     if cfg.get("fp16", {}).get("enabled") is True:
         raise ConfigError("deepspeed.config: fp16 is not supported; use train.precision bf16")
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
@@ -152,6 +158,10 @@ class ZeroSettings:
     optimizer_swap_buffers: int = 0
     """NVMe optimizer offload: how many page-locked host buffers of the largest fp32 partition
     the optimizer states swap through (offload_optimizer.buffer_count); else 0."""
+    hpz_partition_size: int = 1
+    """zero_hpz_partition_size (ZeRO++ hpZ): ZeRO-3 also keeps a secondary partition of each
+    parameter over groups of this many consecutive ranks (a node's), which every gather but a
+    trainable parameter's first after a step reads; 1 = off."""
 
 
 def zero_settings(ds_config: dict) -> ZeroSettings:
@@ -190,4 +200,5 @@ def zero_settings(ds_config: dict) -> ZeroSettings:
         optimizer_swap_buffers=int(zero.offload_optimizer.buffer_count)
         if device(zero.offload_optimizer) == "nvme"
         else 0,
+        hpz_partition_size=max(1, int(zero.zero_hpz_partition_size)),
     )

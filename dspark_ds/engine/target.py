@@ -152,6 +152,7 @@ def _partitions(param) -> list[tuple[torch.Tensor, object]]:
     garbage: the first run's loss differed and then went non-finite."""
     out = [(param.ds_tensor, param.ds_process_group)]
     if getattr(param, "ds_secondary_tensor", None) is not None:
+        import_deepspeed()
         from deepspeed.utils import groups
 
         out.append((param.ds_secondary_tensor, groups._get_zero_param_intra_parallel_group()))

@@ -178,6 +178,7 @@ class Trainer:
             micro_batch_size=cfg.data.batch_size,
             world_size=self.world,
             use_gpu=self.device.type == "cuda",
+            ranks_per_node=distributed.ranks_per_node(),
         )
         draft_record = draft_config_dict(self.draft_config) | {
             "architectures": self.draft_config.architectures

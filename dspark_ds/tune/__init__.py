@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dspark_ds.tune.cluster import ClusterConfig, Machine, resolve, save_profile, with_values
-from dspark_ds.tune.config import OPTION_NAMES, OPTIONS, TunerConfig, ZeroOption
+from dspark_ds.tune.config import OPTION_NAMES, OPTIONS, TunerConfig, ZeroOption, default_options
 from dspark_ds.tune.dataio import data_lines, measure_read, reads_cache, sequence_bytes
 from dspark_ds.tune.estimate import (
     Estimate,
@@ -261,7 +261,7 @@ def option_step(
     """What the step-time model reads for one option on `nodes` nodes."""
     device = cfg.device or "cuda"
     world = nodes * machine.gpus_per_node
-    zero, b = option_zero(option, run_cfg, world, device)
+    zero, b = option_zero(option, run_cfg, world, device, machine.gpus_per_node)
     wl = workload(inv, run_cfg, device, zero.stage, ops)
     persistent = inv.persistent_numels(
         zero.param_persistence_threshold, zero.model_persistence_threshold // world
@@ -319,7 +319,9 @@ def run(cfg: TunerConfig) -> dict:
 
     cfg.validate()
     run_cfg = load_recipe(cfg)
-    options = [o for o in OPTIONS if o.name in cfg.options]
+    node_counts = [1] if cfg.measure else cfg.cluster.node_counts
+    names = cfg.options if cfg.options is not None else default_options(node_counts[0])
+    options = [o for o in OPTIONS if o.name in names]
     device = None
     if cfg.measure or cfg.cluster.calibrate:  # the launcher's ranks and device
         cfg, device = _here(cfg, run_cfg)
@@ -327,7 +329,6 @@ def run(cfg: TunerConfig) -> dict:
     points = _measure_points(cfg, run_cfg, inv, options) if cfg.measure else None
     found = _calibrate_and_measure(cfg, run_cfg, options, device, points)
     machine, work, measured = found.machine, found.work, found.measured
-    node_counts = [1] if cfg.measure else cfg.cluster.node_counts
     if work is None:
         work = _host_work(run_cfg, options, cfg.device or "cuda", machine)
     from_run = None

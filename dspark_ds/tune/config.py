@@ -18,6 +18,9 @@ class ZeroOption:
     """Shipped DeepSpeed JSON (deepspeed.config)."""
     overrides: dict | None = None
     """deepspeed.overrides that turn it into this option."""
+    multi_node: bool = False
+    """Listed by default only on more than one node (hpZ: on one node its node-local group is
+    the whole world, and it gathers what plain ZeRO-3 gathers)."""
 
     @property
     def cli(self) -> str:
@@ -37,8 +40,17 @@ OPTIONS: list[ZeroOption] = [
     ZeroOption("zero3+offload_opt", "zero3", _OFF_OPT),
     ZeroOption("zero3+offload_opt+param", "zero3_offload_cpu"),
     ZeroOption("zero3+nvme", "zero3_offload_nvme"),
+    # hpZ: zero_hpz_partition_size "auto" = the ranks of a node (engine.config.build_ds_config)
+    ZeroOption("zero3+hpz", "zero3_hpz", multi_node=True),
 ]
-OPTION_NAMES = [o.name for o in OPTIONS]
+OPTION_NAMES = [o.name for o in OPTIONS if not o.multi_node]
+"""The options listed on any cluster (`--options` may also name the multi-node ones)."""
+ALL_OPTION_NAMES = [o.name for o in OPTIONS]
+
+
+def default_options(nodes: int) -> list[str]:
+    """The options compared when `--options` is not given, for a table of `nodes` nodes."""
+    return [o.name for o in OPTIONS if nodes > 1 or not o.multi_node]
 
 
 @dataclass
@@ -61,9 +73,11 @@ class TunerConfig:
     dense attention); None = cuda, except cpu for --measure on a machine without CUDA."""
     reserve_gb: float = 2.0
     """Per-GPU memory kept free for the CUDA context, NCCL and allocator fragmentation."""
-    options: list[str] = field(default_factory=lambda: list(OPTION_NAMES))
+    options: list[str] | None = None
     """Options to estimate (and measure): any of zero0, zero1, zero2, zero2+offload_opt,
-    zero3, zero3+offload_opt, zero3+offload_opt+param, zero3+nvme."""
+    zero3, zero3+offload_opt, zero3+offload_opt+param, zero3+nvme, zero3+hpz (ZeRO-3 with
+    hpZ's node-local secondary partition); None = all of them, zero3+hpz only when the first
+    --cluster.nodes count is above 1."""
     micro_batches: list[int] = field(default_factory=list)
     """The micro-batches the search may take (e.g. [1] for the recipe's shape at micro-batch 1);
     empty = every one that keeps the global batch (the divisors of the sequences per rank)."""
@@ -98,7 +112,7 @@ class TunerConfig:
             raise ConfigError(f"device: expected cuda or cpu, got {self.device!r}")
         if any(m < 1 for m in self.micro_batches):
             raise ConfigError(f"micro_batches: each must be >= 1, got {self.micro_batches}")
-        bad = [o for o in self.options if o not in OPTION_NAMES]
+        bad = [o for o in self.options or [] if o not in ALL_OPTION_NAMES]
         if bad:
-            raise ConfigError(f"options: unknown {bad}; choose from {OPTION_NAMES}")
+            raise ConfigError(f"options: unknown {bad}; choose from {ALL_OPTION_NAMES}")
         return self

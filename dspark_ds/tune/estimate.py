@@ -18,6 +18,8 @@ own config class (`engine.config.zero_settings`).
   target layer while in use.
 - the in-job target's weights (whole on every GPU under ZeRO-0/1/2) and its forward (no grad):
   one layer's working set.
+- hpZ (zero_hpz_partition_size h > 1): the secondary partition, every partitioned parameter
+  once more over the h ranks of a node.
 - DeepSpeed's buffers: ZeRO-1/2 gradient buckets (reduce_bucket_size elements, twice with
   overlap_comm), ZeRO-3's contiguous reduce buffer and prefetch bucket.
 - activations of one micro-batch (B × S): the drafter kind's own terms (its
@@ -36,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from dspark_ds.engine.config import ZeroSettings, build_ds_config, merge_config, zero_settings
 from dspark_ds.engine.probes import deepspeed_model_states_estimate
 from dspark_ds.tune.cluster import Machine
-from dspark_ds.tune.config import OPTION_NAMES, TunerConfig, ZeroOption
+from dspark_ds.tune.config import ALL_OPTION_NAMES, TunerConfig, ZeroOption
 from dspark_ds.tune.inventory import DTYPE_BYTES, Inventory
 
 GB = 1024**3
@@ -100,8 +102,11 @@ def batch_mismatch(run_cfg, world_size: int) -> str | None:
     )
 
 
-def resolved_ds_config(option: ZeroOption, run_cfg, world_size: int, use_gpu: bool) -> dict:
-    """The DeepSpeed config `dspark-ds train` builds for this option on `world_size` ranks."""
+def resolved_ds_config(
+    option: ZeroOption, run_cfg, world_size: int, use_gpu: bool, ranks_per_node: int | None = None
+) -> dict:
+    """The DeepSpeed config `dspark-ds train` builds for this option on `world_size` ranks,
+    `ranks_per_node` of them on a node (None: one node)."""
     section = replace(
         run_cfg.deepspeed, config=option.config, overrides=option_overrides(option, run_cfg)
     )
@@ -115,6 +120,7 @@ def resolved_ds_config(option: ZeroOption, run_cfg, world_size: int, use_gpu: bo
         micro_batch_size=run_cfg.data.batch_size,
         world_size=world_size,
         use_gpu=use_gpu,
+        ranks_per_node=ranks_per_node,
     )
 
 
@@ -139,6 +145,8 @@ READ_KEYS = frozenset({
     "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path",
     "aio.block_size", "aio.queue_depth", "aio.thread_count", "aio.single_submit",
     "aio.overlap_events",
+    # ZeRO++ hpZ: its gathers within the node-local group, its secondary partition
+    "zero_optimization.zero_hpz_partition_size",
 })  # fmt: skip
 """Dotted keys of a DeepSpeed config that the memory estimate or the step-time model reads."""
 
@@ -274,6 +282,20 @@ def frozen_and_target(
     return device, host
 
 
+def hpz_secondary(
+    inv: Inventory, zero: ZeroSettings, b: int, world: int, partitioned: int, in_job: bool
+) -> dict[str, float]:
+    """hpZ's secondary partition: each partitioned parameter once more, split over the
+    node-local group only (the drafter's trainable ones, and the in-job target or the offline
+    frozen embedding / lm_head); on the host with parameter offload (DeepSpeed's remote
+    device)."""
+    ranks = min(zero.hpz_partition_size, world)
+    if zero.stage != 3 or ranks < 2:
+        return {}
+    frozen = inv.target_params if in_job else inv.frozen
+    return {"hpz_secondary": (partitioned + frozen) * b / ranks}
+
+
 def deepspeed_buffers(zero: ZeroSettings, b: int, partitioned: int) -> dict[str, float]:
     """Gradient buckets (and ZeRO-3's parameter prefetch), sized by the config's own values."""
     if zero.stage in (1, 2) and zero.contiguous_gradients:
@@ -326,10 +348,12 @@ def judge_fit(est: Estimate, cfg: TunerConfig, machine: Machine) -> None:
 
 
 # ---- one option -----------------------------------------------------------------------------------
-def option_zero(option: ZeroOption, run_cfg, world: int, device: str) -> tuple[ZeroSettings, int]:
-    """The ZeRO settings training would use for the option on `world` ranks, and the bytes of
-    its compute dtype."""
-    ds_config = resolved_ds_config(option, run_cfg, world, use_gpu=device == "cuda")
+def option_zero(
+    option: ZeroOption, run_cfg, world: int, device: str, ranks_per_node: int | None = None
+) -> tuple[ZeroSettings, int]:
+    """The ZeRO settings training would use for the option on `world` ranks (`ranks_per_node`
+    of them on a node; None: one node), and the bytes of its compute dtype."""
+    ds_config = resolved_ds_config(option, run_cfg, world, device == "cuda", ranks_per_node)
     b = 2 if ds_config.get("bf16", {}).get("enabled") is True else 4
     return zero_settings(ds_config), b
 
@@ -339,7 +363,7 @@ def estimate(
 ) -> Estimate:
     device = cfg.device or "cuda"
     world = nodes * machine.gpus_per_node
-    zero, b = option_zero(option, run_cfg, world, device)
+    zero, b = option_zero(option, run_cfg, world, device, machine.gpus_per_node)
     partitioned = partitioned_params(inv, zero, world)
     est = Estimate(option.name, zero=asdict(zero))
     target = online_target_bytes(inv, run_cfg)
@@ -349,6 +373,8 @@ def estimate(
     ):
         est.device.update(dev)
         est.host_per_rank.update(host)
+    secondary = hpz_secondary(inv, zero, b, world, partitioned, "target_weights" in target)
+    (est.host_per_rank if zero.offload_param else est.device).update(secondary)
     est.device.update(deepspeed_buffers(zero, b, partitioned))
     acts = activation_bytes(inv, run_cfg, device, zero.stage)
     est.device.update(peak_phase(acts, target))
@@ -364,7 +390,7 @@ def estimate(
 
 def recommend(estimates: list[Estimate]) -> Estimate | None:
     """The fastest predicted point that fits (among equal times, the earlier option)."""
-    order = {name: i for i, name in enumerate(OPTION_NAMES)}
+    order = {name: i for i, name in enumerate(ALL_OPTION_NAMES)}
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         return None

@@ -65,7 +65,8 @@ def measure(
     """Builds the trainer for this option and runs 1 + `steps` optimizer steps: peak memory of
     the build + first step (CUDA: max_memory_allocated; CPU: the profiler's allocation timeline;
     None without `memory`), then the median time of the next `steps` and of each of their
-    PHASES; each the maximum over ranks (a step is as slow as its slowest rank). With
+    PHASES; each the maximum over ranks (a step is as slow as its slowest rank); the loss of
+    every step (its micro-batches' and ranks' mean: two options' runs see the same data). With
     `between` (a calibration sample), the timed steps are split into `blocks` blocks and
     `between` runs before each: what it measures sees the same conditions as the steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -86,10 +87,11 @@ def measure(
         if memory and not cuda
         else contextlib.nullcontext()
     )
+    losses: list[torch.Tensor] = []
     with prof_ctx as prof:
         trainer = Trainer(cfg)
         batches = epochs(trainer.source)
-        _one_step(trainer, batches)
+        _one_step(trainer, batches, losses=losses)
     peak = 0.0
     if memory:
         peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
@@ -105,7 +107,7 @@ def measure(
         parts = [0.0] * len(PHASES)
         w0 = waited_s()
         t0, c0 = time.perf_counter(), time.process_time()
-        _one_step(trainer, batches, parts)
+        _one_step(trainer, batches, parts, losses)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -116,6 +118,12 @@ def measure(
     summary += [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
     peak, *summary = distributed.all_reduce_values([peak, *summary], op="max")
     grad_accum = trainer.grad_accum
+    hpz = int(trainer.engine.ds.zero_hpz_partition_size()) if trainer.engine.zero_stage == 3 else 1
+    # read after the timed steps (a host sync each on a GPU)
+    per_step = [float(sum(losses[i : i + grad_accum])) / grad_accum
+                for i in range(0, len(losses), grad_accum)]  # fmt: skip
+    world = distributed.world_size()
+    step_losses = [v / world for v in distributed.all_reduce_values(per_step)]
     _release(trainer)
     return {
         "micro_batch": cfg.data.batch_size,
@@ -126,6 +134,8 @@ def measure(
         "waited_s": summary[2],
         "phase_s": dict(zip(PHASES, summary[3:])),
         "step_times_s": times,
+        "losses": step_losses,
+        "hpz_partition_size": hpz,
     }
 
 
@@ -159,9 +169,11 @@ def epochs(source):
         epoch += 1
 
 
-def _one_step(trainer, batches, phases: list[float] | None = None) -> None:
+def _one_step(
+    trainer, batches, phases: list[float] | None = None, losses: list | None = None
+) -> None:
     """One optimizer step; `phases` (if given) gets the seconds of each of PHASES added
-    (summed over the micro-batches)."""
+    (summed over the micro-batches), `losses` each micro-batch's loss (a detached tensor)."""
     ctx = trainer.step_context(training=True)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(trainer.grad_accum):
@@ -172,6 +184,8 @@ def _one_step(trainer, batches, phases: list[float] | None = None) -> None:
         out = trainer.kind.training_step(trainer.engine, batch, ctx)
         sync()
         t.append(time.perf_counter())
+        if losses is not None:
+            losses.append(out.loss.detach())
         trainer.engine.ds.backward(out.loss)
         sync()
         t.append(time.perf_counter())

@@ -27,7 +27,12 @@ reduce-scatter (N-1)/N of the whole); across nodes the slower of NVLink and the 
   each partitioned module's parameters at every use (forward; backward where it needs them;
   the target's forward), one call per module, prefetching so that `comm_overlap` of it runs
   during compute, and re-gathers each persistent trainable parameter after the step (one
-  call each).
+  call each). With hpZ (zero_hpz_partition_size h > 1) every gather reads the secondary
+  partition over h consecutive ranks (a node's: NVLink, not the network) except each trainable
+  parameter's first after a step (DeepSpeed drops their secondary partitions in the step): the
+  first micro-batch's forward gathers the drafter's trainable modules across the world, every
+  other gather of the step — the frozen target's and embedding / lm_head's always — within
+  the group; the gradients' reduce-scatter stays global.
 - offload_copy: optimizer offload moves each micro-batch's gradient partition to the host
   (fp32) and the updated partition back; parameter offload copies a partition to the device
   at every gather.
@@ -138,19 +143,27 @@ def partitioned_elements(module: ModuleParams, threshold: int) -> int:
 
 
 def zero3_gathers(
-    inv: Inventory, zero: ZeroSettings, in_job: bool, min_numel: int = 0
-) -> tuple[int, float]:
+    inv: Inventory, zero: ZeroSettings, in_job: bool, min_numel: int = 0,
+    first_forward: bool | None = None,
+) -> tuple[int, float]:  # fmt: skip
     """(all-gather calls, elements gathered) of one micro-batch under ZeRO-3: each module with
     partitioned parameters once in forward and, where its backward needs them, once in
     backward; the in-job target's modules once (its forward). `min_numel`: only parameters of
-    more elements count (those DeepSpeed swaps to NVMe)."""
+    more elements count (those DeepSpeed swaps to NVMe). `first_forward` True: only the
+    forward gathers of trainable modules (hpZ's global ones); False: all the others."""
     calls, elements = 0, 0.0
     visits = [(m, 1 + int(m.backward)) for m in inv.drafter_param_modules]
     if in_job:
         visits += [(m, 1) for m in inv.target_param_modules]
+    if first_forward is not None:
+        trainable_fwd = [(m, 1) for m, _ in visits if m.trainable]
+        if first_forward:
+            visits = trainable_fwd
+        else:
+            visits = [(m, times - int(m.trainable)) for m, times in visits]
     for module, times in visits:
         e = partitioned_elements(module, max(zero.param_persistence_threshold, min_numel))
-        if e:
+        if e and times:
             calls += times
             elements += times * e
     return calls, elements
@@ -199,6 +212,16 @@ class Step:
 
     def bus(self, op: str, nbytes: float) -> float:
         return bus_seconds(self.machine, op, nbytes, self.world, self.nodes)
+
+    @property
+    def hpz_ranks(self) -> int:
+        """hpZ's group: consecutive ranks, a node's when it is the node's size (1: off)."""
+        return min(self.zero.hpz_partition_size, self.world) if self.zero.stage == 3 else 1
+
+    @property
+    def hpz_nodes(self) -> int:
+        """Nodes one hpZ group spans."""
+        return math.ceil(self.hpz_ranks / self.machine.gpus_per_node)
 
     @property
     def compute_per_micro_s(self) -> float:
@@ -279,12 +302,29 @@ def step_collectives(s: Step) -> Term:
 # NOTE: communication hides behind a micro-batch's compute at most once in all (the prefetched
 # gathers first, the reduction during the backward with what is left), and then only
 # `comm_overlap` of it
+def gather_s(s: Step, calls: int, elements: float, ranks: int, nodes: int) -> float:
+    """Latency and bandwidth of `calls` all-gathers of `elements` in all over `ranks` ranks on
+    `nodes` nodes."""
+    if ranks < 2 or not calls:
+        return 0.0
+    latency = s.machine.collective("all_gather", nodes)[0]
+    nbytes = elements * s.dtype_bytes
+    return calls * latency + bus_seconds(s.machine, "all_gather", nbytes, ranks, nodes)
+
+
 def zero3_gather_per_micro_s(s: Step) -> float:
-    """Latency and bandwidth of one micro-batch's ZeRO-3 all-gathers."""
+    """Latency and bandwidth of a micro-batch's ZeRO-3 all-gathers (with hpZ, the step's over
+    its micro-batches: the first forward's trainable gathers are global)."""
     if s.world < 2:
         return 0.0
-    calls, elements = zero3_gathers(s.inv, s.zero, s.in_job)
-    return calls * s.latency("all_gather") + s.bus("all_gather", elements * s.dtype_bytes)
+    if s.hpz_ranks < 2:
+        return gather_s(s, *zero3_gathers(s.inv, s.zero, s.in_job), s.world, s.nodes)
+    first = zero3_gathers(s.inv, s.zero, s.in_job, first_forward=True)
+    rest = zero3_gathers(s.inv, s.zero, s.in_job, first_forward=False)
+    group = (s.hpz_ranks, s.hpz_nodes)
+    step = gather_s(s, *first, s.world, s.nodes) + (s.accum - 1) * gather_s(s, *first, *group)
+    step += s.accum * gather_s(s, *rest, *group)
+    return step / s.accum
 
 
 def prefetched_s(s: Step) -> float:

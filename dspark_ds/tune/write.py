@@ -51,14 +51,16 @@ def explicit_zero(ds_config: dict) -> dict:
     return out
 
 
-def recipe_config(best, run_cfg, world: int, device: str):
-    """The train config of the point `best` (an `Estimate` with its `point`) on `world` ranks."""
+def recipe_config(best, run_cfg, world: int, device: str, nodes: int = 1):
+    """The train config of the point `best` (an `Estimate` with its `point`) on `world` ranks
+    over `nodes` nodes."""
     from dspark_ds.tune.estimate import resolved_ds_config
     from dspark_ds.tune.search import point_config
 
     option = next(o for o in OPTIONS if o.name == best.option)
     cfg = point_config(run_cfg, best.point["micro_batch"], best.point["global_batch"])
-    ds_config = explicit_zero(resolved_ds_config(option, cfg, world, use_gpu=device == "cuda"))
+    ds_config = resolved_ds_config(option, cfg, world, device == "cuda", world // nodes)
+    ds_config = explicit_zero(ds_config)
     cfg.deepspeed = replace(cfg.deepspeed, config=option.config, overrides=ds_config)
     return cfg
 
@@ -67,7 +69,7 @@ def write_recipe(path: str, best, run_cfg, world: int, nodes: int, device: str) 
     """Writes the recipe of `best` to `path`; returns the line the report prints."""
     from dspark_ds.config import dump_config
 
-    cfg = recipe_config(best, run_cfg, world, device)
+    cfg = recipe_config(best, run_cfg, world, device, nodes)
     per_node = world // nodes
     launch = f"torchrun --nproc_per_node {per_node} -m dspark_ds.cli train --config {path}"
     if nodes > 1:

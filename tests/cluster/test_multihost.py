@@ -149,38 +149,6 @@ def test_interface_and_head_address_on_each_host(multihost_cluster):
 
 
 # ---- training across hosts --------------------------------------------------------------------
-def test_train_torchrun_two_hosts_requeue_asked_without_a_signal(
-    multihost_cluster,
-    tiny_target,
-    reference,
-    tmp_path,
-):
-    """One torchrun per host (c10d rendezvous on dsn1): the losses of one host. On the last
-    step a micro-batch after the first is non-finite: the trainer skips the step, checkpoints
-    and asks for a restart (exit 75, to drop the partial gradients), which the torchrun step
-    does not pass on; the batch script reads the trainer's record and requeues the job."""
-    out = tmp_path / "runs"
-    fault = [{"kind": "nonfinite_loss", "steps": [STEPS], "micro_batch": 1, "rank": 0,
-              "once_file": str(tmp_path / "fault_fired")}]  # fmt: skip
-    env = job_env(tmp_path, DSPARK_LAUNCHER="torchrun", DSPARK_NPROC_PER_NODE="2",
-                  DSPARK_TEST_FAULTS=json.dumps(fault))  # fmt: skip
-    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS_SITE), env["PYTHONPATH"]])
-    job = Job(multihost_cluster, tmp_path, "train-torchrun",
-              ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"],
-              str(REPO / "slurm" / "train.sbatch"), train_args(tiny_target, out, "torchrun"),
-              env)  # fmt: skip
-    info = job.finish()
-    text = job.text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-6000:])
-    first_rc = int(re.findall(r"job step exited with (\d+)", text)[0])
-    assert first_rc not in (0, 75), text[-6000:]  # torchrun's code, not the trainer's
-    assert "rank 0 asked for a requeue" in text and "requeueing job" in text, text[-6000:]
-    assert (tmp_path / "fault_fired").exists()
-    got = losses(out / "torchrun")
-    assert got.pop(STEPS) is None  # the skipped step
-    assert_same_losses(got, {s: v for s, v in reference.items() if s != STEPS})
-
-
 def test_train_across_hosts_survives_a_crash_and_a_partition(
     multihost_cluster, tiny_target, reference, tmp_path
 ):
@@ -188,8 +156,15 @@ def test_train_across_hosts_survives_a_crash_and_a_partition(
     online target, while host dsn2 is lost twice: every process on it SIGKILLed (a crash,
     slurmd included), then, in the resumed job, its link cut. Each time the ranks left on dsn1
     stop (at once / within distributed.timeout_s) and the job fails; the next job resumes from
-    the newest verified checkpoint. In the end every step is trained once with the losses of
-    an uninterrupted run on one host, one ZeRO partition per rank, one MLflow run."""
+    the newest verified checkpoint.
+
+    The last job finishes the run under the other launcher, one torchrun per host (c10d
+    rendezvous on dsn1), and its last step meets a non-finite micro-batch after the first:
+    the trainer skips the step, checkpoints and asks for a restart (exit 75, to drop the
+    partial gradients), which the torchrun step does not pass on; the batch script reads the
+    trainer's record and requeues the job. In the end every step is trained once with the
+    losses of an uninterrupted run on one host (the skipped one logged as skipped), one ZeRO
+    partition per rank, one MLflow run."""
     cluster = multihost_cluster
     out = tmp_path / "runs"
     run_dir = out / "lost"
@@ -234,15 +209,28 @@ def test_train_across_hosts_survives_a_crash_and_a_partition(
     newest_at_crash, _ = lose("crash", after_step=CKPT_EVERY + 1)
     newest_at_cut, text = lose("cut", after_step=newest_at_crash + CKPT_EVERY + 1)
     assert f"step_{newest_at_crash:08d} at step {newest_at_crash}" in text, text[-4000:]
-    final = Job(cluster, tmp_path, "lost-final", sbatch_args, script, args, job_env(tmp_path))
+    fault = [{"kind": "nonfinite_loss", "steps": [STEPS], "micro_batch": 1, "rank": 0,
+              "once_file": str(tmp_path / "fault_fired")}]  # fmt: skip
+    env = job_env(tmp_path, DSPARK_LAUNCHER="torchrun", DSPARK_NPROC_PER_NODE="2",
+                  DSPARK_TEST_FAULTS=json.dumps(fault))  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(FAULTS_SITE), env["PYTHONPATH"]])
+    final = Job(cluster, tmp_path, "lost-final",
+                ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"], script, args,
+                env)  # fmt: skip
     info = final.finish()
     text = final.text()
-    assert info["JobState"] == "COMPLETED", text[-6000:]
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-6000:])
     assert f"step_{newest_at_cut:08d} at step {newest_at_cut}" in text, text[-4000:]
-    assert "[launch] slurm: world_size=4 master=198.18.0.1:" in text, text[-6000:]
+    first_rc = int(re.findall(r"job step exited with (\d+)", text)[0])
+    assert first_rc not in (0, 75), text[-6000:]  # torchrun's code, not the trainer's
+    assert "rank 0 asked for a requeue" in text and "requeueing job" in text, text[-6000:]
+    assert (tmp_path / "fault_fired").exists()
+    assert "[launch] torchrun: world_size=4 master=dsn1:" in text, text[-6000:]
     for host in ("dsn1", "dsn2"):
         assert f"[dist] host {host}: interface eth0 (198.18.0." in text, text[-6000:]
-    assert_same_losses(losses(run_dir), reference)
+    got = losses(run_dir)
+    assert got.pop(STEPS) is None  # the skipped step
+    assert_same_losses(got, {s: v for s, v in reference.items() if s != STEPS})
     tag = run_dir / "checkpoints" / f"step_{STEPS:08d}"
     assert len(list(tag.glob("*optim_states.pt"))) == 4  # one ZeRO partition per rank
     assert not (run_dir / "RUNNING").exists()  # the lock is released
@@ -371,15 +359,18 @@ dspark_finish
 
 
 def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp_path):
-    """`dspark-ds tune --measure true` on the 4 ranks: each option the tuner lists builds its
-    engine and runs 3 real optimizer steps (1 + --measure_steps 2) across the hosts."""
-    from dspark_ds.tune.config import OPTION_NAMES
+    """`dspark-ds tune --measure true` on the 4 ranks: each option the tuner lists, and hpZ,
+    builds its engine and runs 3 real optimizer steps (1 + --measure_steps 2) across the
+    hosts; hpZ (its node-local groups the 2 ranks of each host) trains with the losses of
+    plain ZeRO-3."""
+    from dspark_ds.tune.config import ALL_OPTION_NAMES
 
     script = tmp_path / "job.sbatch"
     script.write_text(GENERIC_JOB)
     result = tmp_path / "tune.json"
     args = ["tune", "--recipe", str(TINY), "--target.path", tiny_target, "--measure", "true",
             "--measure_steps", "2", "--output_json", str(result), "--cluster.calibrate", "false",
+            "--options", json.dumps(ALL_OPTION_NAMES),
             "--overrides", '["--data.batch_size", "1", "--train.global_batch_size", "4"]']  # fmt: skip
     env = job_env(tmp_path, DSPARK_SLURM_DIR=str(REPO / "slurm"))
     job = Job(multihost_cluster, tmp_path, "zero-options",
@@ -388,18 +379,22 @@ def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp
     info = job.finish()
     assert info["JobState"] == "COMPLETED", job.text()[-6000:]
     measured = json.loads(result.read_text())["measured"]
-    assert sorted(measured) == sorted(OPTION_NAMES), (sorted(measured), job.text()[-3000:])
+    assert sorted(measured) == sorted(ALL_OPTION_NAMES), (sorted(measured), job.text()[-3000:])
     for name, m in measured.items():
         assert m["step_s"] > 0 and m["peak_bytes"] > 0, (name, m)
+    assert measured["zero3+hpz"]["hpz_partition_size"] == 2  # "auto": a host's ranks
+    plain, hpz = measured["zero3"]["losses"], measured["zero3+hpz"]["losses"]
+    assert len(plain) == 3 and hpz == pytest.approx(plain, rel=1e-5), (plain, hpz)
 
 
 # ---- what a site's Slurm does: node-local disks, CPUs per task --------------------------------
 def test_node_local_run_directory_is_refused(multihost_cluster, tiny_target, tmp_path):
-    """output_dir on a disk each host has to itself: every rank stops at start with one line
-    naming the host that cannot see rank 0's directory (not a stall in the collectives)."""
+    """output_dir on a disk each host has to itself: every rank (one per host) stops at start
+    with one line naming the host that cannot see rank 0's directory (not a stall in the
+    collectives)."""
     cluster = multihost_cluster
     out = cluster.node_local / f"runs-{os.getpid()}"
-    job = Job(cluster, tmp_path, "nodelocal", ["--nodes=2", "--ntasks-per-node=2",
+    job = Job(cluster, tmp_path, "nodelocal", ["--nodes=2", "--ntasks-per-node=1",
               "--cpus-per-task=1"], str(REPO / "slurm" / "train.sbatch"),
               train_args(tiny_target, out, "local"), job_env(tmp_path))  # fmt: skip
     info = job.finish()

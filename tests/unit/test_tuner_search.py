@@ -33,7 +33,7 @@ def test_search_takes_the_largest_micro_batch_that_fits(tmp_path, capsys):
     the target across the network): each option's micro-batches are the divisors of its 32
     sequences per rank, its memory grows with them, its point is the fastest (= the largest)
     that fits, the global batch held; ZeRO-0/1/2 fit at none and show micro-batch 1; the
-    recommendation is the fastest point over all options."""
+    recommendation is the fastest point over all options (hpZ's, listed on 2 nodes)."""
     result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2,1", *CLUSTER_32B)
     text = capsys.readouterr().out
     rows = {r["option"]: r for r in result["options"]}
@@ -60,9 +60,10 @@ def test_search_takes_the_largest_micro_batch_that_fits(tmp_path, capsys):
     assert rows["zero3"]["predicted_step_s"] < 0.6 * at_one
     fitting = [r for r in rows.values() if r["fits"]]
     assert result["recommended"] == min(fitting, key=lambda r: r["predicted_step_s"])["option"]
-    assert result["recommended"] == "zero3"
-    assert "recommended: zero3 at micro-batch 8 × 4 accumulation" in text
-    assert "--data.batch_size 8" in text and "the recipe as given (micro-batch 1)" in text
+    # hpZ: its secondary copy of the target leaves room for micro-batch 4, not 8
+    assert result["recommended"] == "zero3+hpz" and rows["zero3+hpz"]["micro_batch"] == 4
+    assert "recommended: zero3+hpz at micro-batch 4 × 8 accumulation" in text
+    assert "--data.batch_size 4" in text and "the recipe as given (micro-batch 1)" in text
     # the table shows each option's point; the scaling table each size's
     assert re.search(r"^zero3 +8 +4 ", text, re.M), text
     one_node = {r["option"]: r for r in result["scaling"]["1"]}
@@ -83,10 +84,11 @@ def test_a_global_batch_the_cluster_cannot_split_is_held_near(tmp_path, capsys):
 
 
 def test_unread_deepspeed_keys_are_named_in_a_warning(tmp_path, capsys):
-    """ZeRO++ keys and partial optimizer offload change nothing in the model's figures: a
-    warning line names each; keys it reads (a bucket size) or that change neither memory nor
-    time (the clipping threshold) are not named; a recipe's own deepspeed.config file, which
-    the options replace by the shipped ones, is said too."""
+    """Quantized weights / gradients (ZeRO++, CUDA only) and partial optimizer offload change
+    nothing in the model's figures: a warning line names each; keys it reads (a bucket size,
+    hpZ's partition size) or that change neither memory nor time (the clipping threshold) are
+    not named; a recipe's own deepspeed.config file, which the options replace by the shipped
+    ones, is said too."""
     unread = {"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
               "zero_quantized_gradients": True, "offload_optimizer": {"ratio": 0.3}}  # fmt: skip
     overrides = {"zero_optimization": {**unread, "reduce_bucket_size": 10**8},
@@ -100,8 +102,8 @@ def test_unread_deepspeed_keys_are_named_in_a_warning(tmp_path, capsys):
     assert len(lines) == 1 and lines == [f"warning: {w}" for w in result["warnings"]]
     named = lines[0].split(": ")[-1].split(", ")
     assert named == [
-        "zero_optimization.zero_hpz_partition_size", "zero_optimization.zero_quantized_weights",
-        "zero_optimization.zero_quantized_gradients", "zero_optimization.offload_optimizer.ratio",
+        "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
+        "zero_optimization.offload_optimizer.ratio",
     ]  # fmt: skip
     custom = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--overrides",
                    json.dumps(["--deepspeed.config", str(REPO / "ds_configs" / "zero2.json")]))  # fmt: skip
@@ -143,6 +145,37 @@ def test_written_recipe_is_the_config_training_builds(tmp_path, capsys):
     with pytest.raises(ConfigError, match="train_batch_size|global_batch_size"):
         build_ds_config(cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size,
                         world_size=8, use_gpu=True)  # fmt: skip
+
+
+def test_hpz_gathers_within_a_node(tmp_path, capsys):
+    """Qwen3-32B on 2 nodes of 8 × 80 GB at micro-batch 1 (issue 35: 32 gathers of the 32.8 B
+    target across the network per step): hpZ's gathers run within a node, its step is well
+    under plain ZeRO-3's (the same compute, the reduce-scatter still global), its memory is
+    ZeRO-3's plus the secondary partition, 2 bytes × (the target + the drafter's partitioned
+    parameters) / 8 ranks of a node; `--write_recipe` writes the node's 8 ranks as
+    zero_hpz_partition_size. On one node it is not listed, and named it steps as ZeRO-3."""
+    from dspark_ds.config import TrainRunConfig, parse
+    from dspark_ds.tune.config import default_options
+
+    path = tmp_path / "hpz.yaml"
+    two = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2,1", "--micro_batches",
+                "[1]", *CLUSTER_32B, "--options", "[zero3, zero3+hpz]", "--write_recipe",
+                str(path))  # fmt: skip
+    plain, hpz = ({k: e[k] for k in ("step", "device")} for e in two["estimates"])
+    assert hpz["step"]["predicted_step_s"] < 0.6 * plain["step"]["predicted_step_s"]
+    assert hpz["step"]["terms"]["compute"] == plain["step"]["terms"]["compute"]
+    assert hpz["step"]["terms"]["param_gather"] < 0.1 * plain["step"]["terms"]["param_gather"]
+    inv = two["inventory"]
+    secondary = 2 * (inv["target_params"] + inv["trainable"]) / 8
+    assert hpz["device"]["hpz_secondary"] == pytest.approx(secondary, rel=0.01)
+    assert {k: v for k, v in hpz["device"].items() if k != "hpz_secondary"} == plain["device"]
+    assert two["recommended"] == "zero3+hpz" and two["warnings"] == []
+    cfg = parse(TrainRunConfig, ["--config", str(path)])
+    assert cfg.deepspeed.config == "zero3_hpz"
+    assert cfg.deepspeed.overrides["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert "zero3+hpz" in default_options(2) and "zero3+hpz" not in default_options(1)
+    plain, hpz = (e["predicted_step_s"] for e in two["scaling"]["1"])
+    assert hpz == pytest.approx(plain, rel=1e-9)
 
 
 def _doc_commands() -> list[list[str]]:

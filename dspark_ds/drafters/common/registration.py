@@ -43,6 +43,12 @@ class Preset:
     claims: tuple[Claim, ...] = ()
 
 
+# the transformers config classes of the two backbones every kind's backends build on
+# (`Registration.backends`' third field)
+QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
+GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
+
+
 @dataclass(frozen=True)
 class Registration:
     """One drafter kind, as the registry holds it."""

@@ -12,7 +12,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from dspark_ds.drafters.common.checks import Checker
-from dspark_ds.drafters.common.registration import Claim, Preset, Registration
+from dspark_ds.drafters.common.registration import (
+    GEMMA4_CONFIG,
+    QWEN3_CONFIG,
+    Claim,
+    Preset,
+    Registration,
+)
 from dspark_ds.drafters.dspark import serving
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
 
@@ -133,20 +139,17 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-_QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
-_GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
-
 REGISTRATION = Registration(
     name="dspark",
     fields=DSparkFields,
     kind_class="dspark_ds.drafters.dspark.kind:DSpark",
     presets=PRESETS,
     backends={
-        "Qwen3DSparkModel": ("dspark_ds.drafters.dspark.qwen3", "Qwen3DSparkModel", _QWEN3_CONFIG),
+        "Qwen3DSparkModel": ("dspark_ds.drafters.dspark.qwen3", "Qwen3DSparkModel", QWEN3_CONFIG),
         "Gemma4DSparkModel": (
             "dspark_ds.drafters.dspark.gemma4",
             "Gemma4DSparkModel",
-            _GEMMA4_CONFIG,
+            GEMMA4_CONFIG,
         ),
     },  # fmt: skip
     architectures={

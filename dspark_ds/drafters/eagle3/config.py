@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark_ds.drafters.common.checks import Checker
-from dspark_ds.drafters.common.registration import Preset, Registration
+from dspark_ds.drafters.common.registration import GEMMA4_CONFIG, QWEN3_CONFIG, Preset, Registration
 from dspark_ds.drafters.eagle3 import serving
 
 # the loss of unrolled step k is weighted by STEP_LOSS_DECAY ** k
@@ -45,20 +45,17 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-_QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
-_GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
-
 REGISTRATION = Registration(
     name="eagle3",
     fields=Eagle3Fields,
     kind_class="dspark_ds.drafters.eagle3.kind:Eagle3",
     presets=PRESETS,
     backends={
-        "Qwen3Eagle3Model": ("dspark_ds.drafters.eagle3.qwen3", "Qwen3Eagle3Model", _QWEN3_CONFIG),
+        "Qwen3Eagle3Model": ("dspark_ds.drafters.eagle3.qwen3", "Qwen3Eagle3Model", QWEN3_CONFIG),
         "Gemma4Eagle3Model": (
             "dspark_ds.drafters.eagle3.gemma4",
             "Gemma4Eagle3Model",
-            _GEMMA4_CONFIG,
+            GEMMA4_CONFIG,
         ),
     },  # fmt: skip
     architectures={

@@ -190,7 +190,9 @@ def _host_work(run_cfg, options: list[ZeroOption], device: str, machine: Machine
 
 
 def _batch(point: dict) -> dict:
-    return {"micro_batch": point["micro_batch"], "global_batch": point["global_batch"]}
+    """`point_config`'s arguments of a searched point."""
+    return {"micro_batch": point["micro_batch"], "global_batch": point["global_batch"],
+            "recompute": point.get("recompute", False)}  # fmt: skip
 
 
 def _measure_points(cfg: TunerConfig, run_cfg, inv: Inventory, options) -> dict[str, dict]:
@@ -272,7 +274,7 @@ def option_step(
         workload=wl, persistent_numels=tuple(persistent), accum=accum, sequences=sequences,
         tokens_per_sequence=run_cfg.data.max_length, in_job=target_in_job(run_cfg), note=note,
         read_bytes_per_micro=run_cfg.data.batch_size * sequence_bytes(run_cfg, inv),
-        loader_workers=run_cfg.data.num_workers,
+        loader_workers=run_cfg.data.num_workers, recompute=run_cfg.perf.activation_checkpointing,
     )  # fmt: skip
 
 
@@ -368,6 +370,7 @@ def run(cfg: TunerConfig) -> dict:
             {
                 "option": e.option,
                 "micro_batch": e.point["micro_batch"],
+                "recompute": e.point.get("recompute", False),
                 "accum": e.step["accum"],
                 "global_batch": e.point["global_batch"],
                 "predicted_step_s": e.step["predicted_step_s"],
@@ -394,7 +397,15 @@ def run(cfg: TunerConfig) -> dict:
             for e in as_given
         ],
         "scaling": {
-            str(n): [dict(e.step, fits=e.fits, micro_batch=e.point["micro_batch"]) for e in ests]
+            str(n): [
+                dict(
+                    e.step,
+                    fits=e.fits,
+                    micro_batch=e.point["micro_batch"],
+                    recompute=e.point.get("recompute", False),
+                )  # fmt: skip
+                for e in ests
+            ]
             for n, ests in scaling.items()
         },
         "measured": measured,

@@ -81,6 +81,10 @@ class TunerConfig:
     micro_batches: list[int] = field(default_factory=list)
     """The micro-batches the search may take (e.g. [1] for the recipe's shape at micro-batch 1);
     empty = every one that keeps the global batch (the divisors of the sequences per rank)."""
+    recompute: bool = True
+    """Search recomputation of the draft layers (perf.activation_checkpointing: each layer's
+    forward runs again in backward instead of keeping its activations) at the micro-batches that
+    do not fit without it; false = every point without it."""
     measure: bool = False
     """Run a few real steps of each option on this machine (the world size of the launcher,
     e.g. torchrun --nproc_per_node 2) and print measured peak memory and the median step time

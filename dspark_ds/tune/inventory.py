@@ -69,17 +69,20 @@ class ModuleParams:
     backward: bool
     """Its backward needs them (a trainable module, or a frozen projection whose input needs a
     gradient, like the shared lm_head; not a frozen embedding)."""
+    in_layers: bool = False
+    """It is part of a decoder layer (`layers.*`: what activation checkpointing runs again)."""
 
 
 def module_params(model: torch.nn.Module) -> tuple[ModuleParams, ...]:
     out = []
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         params = list(mod.parameters(recurse=False))
         if not params:
             continue
         trainable = any(p.requires_grad for p in params)
         frozen_lookup = not trainable and isinstance(mod, torch.nn.Embedding)
-        out.append(ModuleParams(tuple(p.numel() for p in params), trainable, not frozen_lookup))
+        out.append(ModuleParams(tuple(p.numel() for p in params), trainable, not frozen_lookup,
+                                name.startswith("layers.")))  # fmt: skip
     return tuple(out)
 
 

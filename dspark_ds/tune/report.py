@@ -10,7 +10,7 @@ from dspark_ds.tune.estimate import GB, Estimate, batch_mismatch, recommend
 from dspark_ds.tune.inventory import Inventory
 
 MB = 1024**2
-HEADER = ["option", "micro-batch", "accum", "per GPU", "host/node", "states", "DeepSpeed est.", "activations", "fits",
+HEADER = ["option", "micro-batch", "recompute", "accum", "per GPU", "host/node", "states", "DeepSpeed est.", "activations", "fits",
           "step s", "tokens/s"]  # fmt: skip
 MEASURED_HEADER = ["measured peak", "est/meas", "measured step s", "pred/meas"]
 
@@ -58,6 +58,7 @@ def row(
     out = [
         e.option,
         str(e.point.get("micro_batch", "-")),
+        "yes" if e.point.get("recompute") else "-",
         str(e.step["accum"]),
         fmt_bytes(e.device_total),
         fmt_bytes(e.host_total_per_rank * machine.gpus_per_node),
@@ -99,6 +100,7 @@ def terms_line(e: Estimate) -> str:
     shown = [f"{k} {fmt_s(v)}" for k, v in terms if v >= 0.01 * total]
     accum, micro = e.step["accum"], e.point.get("micro_batch")
     where = [f"micro-batch {micro}"] if micro else []
+    where += ["recomputing the draft layers"] if e.point.get("recompute") else []
     where += [f"{accum} micro-batches per rank"] if accum > 1 else []
     return (
         f"  {e.option}: {fmt_s(total)} s = "
@@ -122,11 +124,15 @@ def conclusion(
     flags = option.cli
     if point:
         flags += f" --data.batch_size {point['micro_batch']}"
+        if point.get("recompute"):
+            flags += " --perf.activation_checkpointing true"
         if point.get("note"):
             flags += f" --train.global_batch_size {point['global_batch']}"
     lines = [
         f"recommended: {best.option} at micro-batch {point.get('micro_batch', '?')} × "
-        f"{best.step['accum']} accumulation ({flags}): the fastest predicted point that "
+        f"{best.step['accum']} accumulation"
+        f"{', recomputing the draft layers' if point.get('recompute') else ''} ({flags}): "
+        "the fastest predicted point that "
         f"fits, {fmt_s(best.step['predicted_step_s'])} s, {fmt_bytes(best.device_total)} per "
         "GPU"
     ]
@@ -155,12 +161,13 @@ def scaling_table(scaling: dict[int, list[Estimate]]) -> list[str]:
             e = scaling[n][i]
             mark = "" if e.fits else " *"
             micro = e.point.get("micro_batch", "-")
+            micro = f"{micro}+rc" if e.point.get("recompute") else micro
             cells.append(
                 f"{fmt_s(e.step['predicted_step_s'])} / {e.step['tokens_per_s']:.0f} @{micro}{mark}"
             )
         rows.append(cells)
     lines = ["", "scaling (the global batch held; each option at its searched micro-batch; "
-                 "* = does not fit):"]  # fmt: skip
+                 "+rc = recomputing the draft layers; * = does not fit):"]  # fmt: skip
     lines += table(rows, header)
     for n in counts:
         best = recommend(scaling[n])
@@ -169,6 +176,7 @@ def scaling_table(scaling: dict[int, list[Estimate]]) -> list[str]:
         note = f" ({note})" if note else ""
         at = (
             f"{best.option} at micro-batch {best.point.get('micro_batch')} × {best.step['accum']}"
+            + (" recomputing the draft layers" if best.point.get("recompute") else "")
             if best
             else "none"
         )

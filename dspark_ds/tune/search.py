@@ -1,7 +1,10 @@
-"""The search over micro-batches: for each ZeRO option, every micro-batch that keeps the
-recipe's global batch (gradient accumulation adjusted: micro-batch × accumulation × ranks =
-the global batch), predicted; the option's point is the fastest predicted one that fits (memory
-grows with the micro-batch, so that is, in practice, the largest that fits). A cluster that
+"""The search over micro-batches and recomputation: for each ZeRO option, every micro-batch that
+keeps the recipe's global batch (gradient accumulation adjusted: micro-batch × accumulation ×
+ranks = the global batch), predicted; where one does not fit as it is, the same micro-batch
+recomputing the draft layers in backward (perf.activation_checkpointing: less activation
+memory, one more forward of the layers); the option's point is the fastest predicted one that
+fits (memory grows with the micro-batch, so that is, in practice, the largest that fits, with
+recomputation where only it lets that one fit). A cluster that
 cannot split the global batch over its ranks holds the nearest one it can (`BatchPlan.note`
 says so), the same for every point, so that their step times compare.
 
@@ -50,19 +53,22 @@ def batch_plan(run_cfg, world: int) -> BatchPlan:
     return BatchPlan(held, per_rank, note)
 
 
-def point_config(run_cfg, micro_batch: int, global_batch: int):
-    """The recipe at one point: data.batch_size and train.global_batch_size replaced."""
+def point_config(run_cfg, micro_batch: int, global_batch: int, recompute: bool = False):
+    """The recipe at one point: data.batch_size, train.global_batch_size and
+    perf.activation_checkpointing replaced."""
     cfg = copy.copy(run_cfg)
     cfg.data = replace(run_cfg.data, batch_size=micro_batch)
     cfg.train = replace(run_cfg.train, global_batch_size=global_batch)
+    cfg.perf = replace(run_cfg.perf, activation_checkpointing=recompute)
     return cfg
 
 
 def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, ops):
     """The option's point on `nodes` nodes: an `Estimate` (from `tune.predict_one`) at the
     fastest predicted micro-batch that fits (among equal times, the larger), or at micro-batch
-    1 when none fits; its `point` holds the micro-batch, the accumulation, the global batch
-    held, the note and every micro-batch tried."""
+    1 when none fits; a micro-batch that does not fit as it is is tried again recomputing the
+    draft layers (unless `cfg.recompute` is false). Its `point` holds the micro-batch, whether
+    it recomputes, the accumulation, the global batch held, the note and every point tried."""
     from dspark_ds.tune import predict_one
 
     world = nodes * machine.gpus_per_node
@@ -78,27 +84,36 @@ def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, op
         )
     best = first = None
     tried = []
-    for micro in micro_batches:
-        est = predict_one(cfg, point_config(run_cfg, micro, plan.global_batch), inv, machine,
-                          option, nodes, ops)  # fmt: skip
-        tried.append({"micro_batch": micro, "accum": est.step["accum"], "fits": est.fits,
-                      "predicted_step_s": est.step["predicted_step_s"],
+    # NOTE: recomputation is tried only where the plain point does not fit: at a micro-batch
+    # that fits as it is, it is never faster (an I/O-bound step would tie, and lose the tie)
+    points = ((micro, recompute) for micro in micro_batches for recompute in (False, True))
+    for micro, recompute in points:
+        if recompute and (not cfg.recompute or tried[-1]["fits"]):
+            continue
+        at = point_config(run_cfg, micro, plan.global_batch, recompute)
+        est = predict_one(cfg, at, inv, machine, option, nodes, ops)
+        tried.append({"micro_batch": micro, "recompute": recompute, "accum": est.step["accum"],
+                      "fits": est.fits, "predicted_step_s": est.step["predicted_step_s"],
                       "device_bytes": est.device_total})  # fmt: skip
-        first = first or (micro, est)
+        first = first or (micro, recompute, est)
         # NOTE: equal up to rounding (an I/O-bound step is the read time whatever the
         # micro-batch) counts as equal: the larger micro-batch
         if est.fits and (
             best is None
-            or est.step["predicted_step_s"] <= best[1].step["predicted_step_s"] * (1 + 1e-9)
+            or est.step["predicted_step_s"] <= best[2].step["predicted_step_s"] * (1 + 1e-9)
         ):
-            best = (micro, est)
-    micro, chosen = best or first
+            best = (micro, recompute, est)
+    micro, recompute, chosen = best or first
     chosen.point = {
         "micro_batch": micro,
+        "recompute": recompute,
         "accum": chosen.step["accum"],
         "global_batch": plan.global_batch,
         "largest_fitting_micro_batch": max(
-            (t["micro_batch"] for t in tried if t["fits"]), default=None
+            (t["micro_batch"] for t in tried if t["fits"] and not t["recompute"]), default=None
+        ),
+        "largest_fitting_with_recompute": max(
+            (t["micro_batch"] for t in tried if t["fits"] and t["recompute"]), default=None
         ),
         "note": plan.note,
         "tried": tried,

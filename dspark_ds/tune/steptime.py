@@ -8,6 +8,9 @@ reduce-scatter (N-1)/N of the whole); across nodes the slower of NVLink and the 
 
 - compute: the micro-batch's matmul FLOPs (the drafter's for the option's loss path, the in-job
   target's forward) over peak × their sustained fractions.
+- recompute: with activation checkpointing (perf.activation_checkpointing), the draft layers'
+  forward FLOPs once more (the kind's `draft_layers_recompute`), at the drafter's rate; under
+  ZeRO-3 the recomputation gathers each layer's partitioned modules once more (param_gather).
 - host_ops: the host work of the drafter's forward + loss + backward and of the target's
   forward (workload.py, in stand-in ops) × host time per op (on a GPU only what the device's
   work does not hide).
@@ -55,6 +58,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from dspark_ds.drafters.common.memory import LAYERS_RECOMPUTE
 from dspark_ds.engine.config import ZeroSettings
 from dspark_ds.tune.cluster import Machine, engine_mode
 from dspark_ds.tune.inventory import Inventory, ModuleParams
@@ -144,15 +148,18 @@ def partitioned_elements(module: ModuleParams, threshold: int) -> int:
 
 def zero3_gathers(
     inv: Inventory, zero: ZeroSettings, in_job: bool, min_numel: int = 0,
-    first_forward: bool | None = None,
+    first_forward: bool | None = None, recompute: bool = False,
 ) -> tuple[int, float]:  # fmt: skip
     """(all-gather calls, elements gathered) of one micro-batch under ZeRO-3: each module with
     partitioned parameters once in forward and, where its backward needs them, once in
     backward; the in-job target's modules once (its forward). `min_numel`: only parameters of
     more elements count (those DeepSpeed swaps to NVMe). `first_forward` True: only the
-    forward gathers of trainable modules (hpZ's global ones); False: all the others."""
+    forward gathers of trainable modules (hpZ's global ones); False: all the others.
+    `recompute`: the decoder layers' modules once more (their forward runs again in backward)."""
     calls, elements = 0, 0.0
-    visits = [(m, 1 + int(m.backward)) for m in inv.drafter_param_modules]
+    visits = [
+        (m, 1 + int(m.backward) + int(recompute and m.in_layers)) for m in inv.drafter_param_modules
+    ]
     if in_job:
         visits += [(m, 1) for m in inv.target_param_modules]
     if first_forward is not None:
@@ -196,6 +203,8 @@ class Step:
     """Bytes one rank's micro-batch reads from an offline cache (0: the run reads none)."""
     loader_workers: int = 0
     """data.num_workers: with workers the reads run ahead of the step."""
+    recompute: bool = False
+    """perf.activation_checkpointing: the draft layers run their forward again in backward."""
 
     @property
     def world(self) -> int:
@@ -227,7 +236,7 @@ class Step:
     def compute_per_micro_s(self) -> float:
         """A micro-batch's matmul FLOPs over the sustained rates."""
         m, wl = self.machine, self.workload
-        drafter = sum(wl.drafter_flops.values()) / (m.peak_flops * m.sustained_fraction)
+        drafter = sum(wl.drafter_flops.values()) / drafter_rate(self)
         return drafter + wl.target_flops / (m.peak_flops * m.target_sustained_fraction)
 
     @property
@@ -244,8 +253,18 @@ class Term(NamedTuple):
 
 
 # ---- compute and host time ------------------------------------------------------------------
+def drafter_rate(s: Step) -> float:
+    return s.machine.peak_flops * s.machine.sustained_fraction
+
+
 def compute(s: Step) -> Term:
-    return Term(s.accum * s.compute_per_micro_s)
+    recomputed = s.workload.drafter_flops.get(LAYERS_RECOMPUTE, 0.0) / drafter_rate(s)
+    return Term(s.accum * (s.compute_per_micro_s - recomputed))
+
+
+def recompute(s: Step) -> Term:
+    """The draft layers' forward, run again in backward under activation checkpointing."""
+    return Term(s.accum * s.workload.drafter_flops.get(LAYERS_RECOMPUTE, 0.0) / drafter_rate(s))
 
 
 def host_per_micro(s: Step) -> dict[str, float]:
@@ -318,9 +337,10 @@ def zero3_gather_per_micro_s(s: Step) -> float:
     if s.world < 2:
         return 0.0
     if s.hpz_ranks < 2:
-        return gather_s(s, *zero3_gathers(s.inv, s.zero, s.in_job), s.world, s.nodes)
+        gathers = zero3_gathers(s.inv, s.zero, s.in_job, recompute=s.recompute)
+        return gather_s(s, *gathers, s.world, s.nodes)
     first = zero3_gathers(s.inv, s.zero, s.in_job, first_forward=True)
-    rest = zero3_gathers(s.inv, s.zero, s.in_job, first_forward=False)
+    rest = zero3_gathers(s.inv, s.zero, s.in_job, first_forward=False, recompute=s.recompute)
     group = (s.hpz_ranks, s.hpz_nodes)
     step = gather_s(s, *first, s.world, s.nodes) + (s.accum - 1) * gather_s(s, *first, *group)
     step += s.accum * gather_s(s, *rest, *group)
@@ -376,7 +396,8 @@ def offload_copy(s: Step) -> Term:
         seconds = (s.accum * own * 4 + own * b) / h2d
         in_step = own * b / h2d
     if z.offload_param:  # a partition to the device at every gather
-        elements = zero3_gathers(s.inv, z, s.in_job)[1] if z.stage == 3 else 0.0
+        gathers = zero3_gathers(s.inv, z, s.in_job, recompute=s.recompute)
+        elements = gathers[1] if z.stage == 3 else 0.0
         seconds += s.accum * (elements / s.world * b) / h2d
     return Term(seconds, in_step)
 
@@ -400,7 +421,7 @@ def nvme(s: Step) -> Term:
     seconds = in_step = 0.0
     if z.offload_param == "nvme":
         swapped_min = SWAP_MIN_BYTES * world // b
-        swapped = zero3_gathers(s.inv, z, s.in_job, min_numel=swapped_min)[1]
+        swapped = zero3_gathers(s.inv, z, s.in_job, swapped_min, recompute=s.recompute)[1]
         seconds += s.accum * swapped / world * b * read_s
         updated = sum(
             partitioned_elements(mod, max(z.param_persistence_threshold, swapped_min))
@@ -433,6 +454,7 @@ def data_read(s: Step) -> Term:
 
 TERM_FUNCTIONS = {
     "compute": compute,
+    "recompute": recompute,
     "host_ops": host_ops,
     "step_collectives": step_collectives,
     "engine": engine,

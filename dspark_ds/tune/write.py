@@ -1,7 +1,8 @@
 """`--write_recipe PATH`: the recommended point as a `dspark-ds train` recipe.
 
 The recipe is the tuned one (with the tuner's --overrides and --target.path) at the point's
-micro-batch and global batch, every field of the train config written out, and its DeepSpeed
+micro-batch and global batch (and perf.activation_checkpointing true where the point recomputes
+the draft layers), every field of the train config written out, and its DeepSpeed
 section the whole config training would build for that option on that cluster: the shipped
 JSON (`deepspeed.config`, the option's) with the recipe's and the option's overrides merged,
 every "auto" filled (batch sizes, accumulation, clipping, precision, the optimizer) and the ZeRO
@@ -58,7 +59,10 @@ def recipe_config(best, run_cfg, world: int, device: str, nodes: int = 1):
     from dspark_ds.tune.search import point_config
 
     option = next(o for o in OPTIONS if o.name == best.option)
-    cfg = point_config(run_cfg, best.point["micro_batch"], best.point["global_batch"])
+    point = best.point
+    cfg = point_config(
+        run_cfg, point["micro_batch"], point["global_batch"], point.get("recompute", False)
+    )
     ds_config = resolved_ds_config(option, cfg, world, device == "cuda", world // nodes)
     ds_config = explicit_zero(ds_config)
     cfg.deepspeed = replace(cfg.deepspeed, config=option.config, overrides=ds_config)
@@ -76,8 +80,9 @@ def write_recipe(path: str, best, run_cfg, world: int, nodes: int, device: str) 
         launch = f"(on each of {nodes} nodes) " + launch.replace(
             "torchrun ", f"torchrun --nnodes {nodes} "
         )
+    rc = " recomputing the draft layers" if best.point.get("recompute") else ""
     head = (
-        f"# Written by dspark-ds tune: {best.option} at micro-batch {best.point['micro_batch']} x "
+        f"# Written by dspark-ds tune: {best.option} at micro-batch {best.point['micro_batch']}{rc} x "
         f"{best.step['accum']} accumulation = {best.point['global_batch']} sequences per step "
         f"on {nodes} node(s) x {per_node} rank(s) ({device}); predicted "
         f"{best.step['predicted_step_s']:.4g} s per step.\n"
@@ -86,4 +91,6 @@ def write_recipe(path: str, best, run_cfg, world: int, nodes: int, device: str) 
     )
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(head + dump_config(cfg))
-    return f"wrote {path}: {best.option} at micro-batch {best.point['micro_batch']}; run: {launch}"
+    return (
+        f"wrote {path}: {best.option} at micro-batch {best.point['micro_batch']}{rc}; run: {launch}"
+    )

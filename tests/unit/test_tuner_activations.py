@@ -1,7 +1,8 @@
 """The tuner's activation model (dspark_ds/drafters/dspark/memory.py) against measurements that do not
 depend on an allocator (helpers/memory.py): the bytes autograd saves for backward, and the peak
 of live tensors over one micro-batch (forward, loss, backward), at several small shapes, both
-dtypes, every attention implementation CPU can train with and every loss path."""
+dtypes, every attention implementation CPU can train with and every loss path; with the draft
+layers recomputed in backward (perf.activation_checkpointing), for DSpark and Eagle3."""
 
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ from helpers.memory import micro_batch_memory
 LOSS_ARGS = dict(
     loss_decay_gamma=4.0, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0
 )
-# (the vocabulary-sized loss dominates; the layers and the loss weigh alike)
+# (the vocabulary-sized loss dominates; the layers and the loss weigh alike; the layers dominate)
 SHAPES = {
     "vocab": StepShape(1, 256, 64, 160, 16000, 4, 2, 16, 2, 3, DSparkShape(32, 4, 16), 4, 4),
     "mixed": StepShape(1, 384, 128, 320, 6000, 8, 2, 16, 2, 3, DSparkShape(48, 6, 32), 4, 4),
+    "layers": StepShape(1, 384, 128, 640, 2000, 8, 2, 16, 2, 3, DSparkShape(48, 6, 16), 4, 4),
 }
 CHUNK_ANCHORS = 5
 
 
-def measure(shape: StepShape, attn: str, loss: str, dtype: torch.dtype) -> dict[str, int]:
+def measure(
+    shape: StepShape, attn: str, loss: str, dtype: torch.dtype, recompute: bool = False
+) -> dict[str, int]:
     s = shape
     target = Qwen3Config(
         vocab_size=s.vocab,
@@ -61,6 +65,7 @@ def measure(shape: StepShape, attn: str, loss: str, dtype: torch.dtype) -> dict[
     model.freeze_shared()
     model.to(dtype).train()
     model.attn_implementation = attn
+    model.activation_checkpointing = recompute
     g = torch.Generator().manual_seed(1)
     B, S, H = s.batch, s.seq_len, s.hidden
     loss_mask = torch.ones(B, S)
@@ -85,7 +90,7 @@ def measure(shape: StepShape, attn: str, loss: str, dtype: torch.dtype) -> dict[
 CASES = [
     pytest.param(*case, marks=[pytest.mark.slow] if case[0] == "mixed" else [])
     for case in itertools.product(
-        SHAPES, ("blockwise", "dense"), ("reference", "chunked", "recompute")
+        ("vocab", "mixed"), ("blockwise", "dense"), ("reference", "chunked", "recompute")
     )
 ]
 
@@ -103,6 +108,82 @@ def test_estimate_matches_saved_tensors_and_live_peak(shape_name, attn, loss):
         if loss == "chunked":  # the drafter's saves; the chunked loss itself saves ~nothing
             saved = sum(saved_bytes(shape, attn).values())
             assert saved == pytest.approx(got["saved_bytes"], rel=0.02), (dtype, got)
+
+
+# Recomputed layers: where the loss is the peak (the layers keep their inputs beside it) and where
+# the last layer's backward is (its saves exist again, with its MLP's or attention's backward)
+RECOMPUTE_CASES = [
+    ("vocab", "blockwise", "chunked", 4),
+    ("vocab", "dense", "recompute", 2),
+    ("layers", "blockwise", "chunked", 4),
+    ("layers", "blockwise", "chunked", 2),
+    ("layers", "dense", "recompute", 4),
+    ("layers", "dense", "recompute", 2),
+]
+
+
+@pytest.mark.parametrize("shape_name,attn,loss,b", RECOMPUTE_CASES)
+def test_recomputed_layers_estimate_matches_live_peak(shape_name, attn, loss, b):
+    dtype = torch.float32 if b == 4 else torch.bfloat16
+    shape = replace(SHAPES[shape_name], compute_bytes=b, feature_bytes=b)
+    got = measure(shape, attn, loss, dtype, recompute=True)["peak_bytes"]
+    est = activation_bytes(shape, attn, loss, CHUNK_ANCHORS, recompute=True)
+    peak = sum(est.values()) - est["features_in"]
+    # NOTE: where the blockwise attention backward is the peak the model is under by a term it
+    # does not identify (docs/tuner.md): 8 % here under bf16, as for the layers kept (below)
+    rel = 0.1 if (shape_name, attn, b) == ("layers", "blockwise", 2) else 0.05
+    assert peak == pytest.approx(got, rel=rel), (est, got)
+    assert ("recomputed_layer" in est) == (shape_name == "layers")
+    if shape_name == "layers" and b == 4:  # recomputation is what makes the difference
+        plain = measure(shape, attn, loss, dtype)["peak_bytes"]
+        assert got < 0.7 * plain
+        est_plain = activation_bytes(shape, attn, loss, CHUNK_ANCHORS)
+        saved = (sum(est_plain.values()) - sum(est.values())) / (plain - got)
+        assert saved == pytest.approx(1.0, rel=0.05)
+
+
+def test_eagle3_recomputed_layers_save_what_the_model_says():
+    """Eagle3 (2 layers, 3 unrolled steps, dense attention, chunked loss, fp32): the peak
+    recomputation saves — every step's layers keeping their input and keys / values instead of
+    their saves — measured and modelled alike (within 10 %: the model without recomputation is
+    itself 12 % under this tiny shape's measured peak)."""
+    from dspark_ds.drafters.eagle3.memory import Eagle3Shape
+    from dspark_ds.drafters.kind import StepContext
+    from dspark_ds.drafters.perf import PerfConfig
+    from dspark_ds.drafters.presets import preset
+    from dspark_ds.drafters.registry import get_kind
+
+    from helpers.drafters import MASK_ID, random_batch, tiny_qwen3_config
+
+    section = preset("eagle3", num_draft_layers=2, ttt_length=3)
+    kind = get_kind(section.kind)
+    config = kind.build_config(
+        tiny_qwen3_config(), section, target_layer_ids=[0, 1, 2], mask_token_id=MASK_ID
+    )
+    torch.manual_seed(0)
+    model = build_draft_model(config)
+    model.freeze_shared()
+    model.train()
+    batch = random_batch(model, batch=2, seq_len=20, seed=1)
+    batch["sample_ids"] = torch.arange(2)
+    c = config
+    shape = StepShape(2, 20, c.hidden_size, c.intermediate_size, c.vocab_size,
+                      c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                      c.num_hidden_layers, 3, Eagle3Shape(3), 4, 4)  # fmt: skip
+    peaks, models = [], []
+    for recompute in (False, True):
+        perf = PerfConfig(attn_implementation="dense", loss_impl="chunked",
+                          loss_chunk_anchors=4, activation_checkpointing=recompute)  # fmt: skip
+        impl = kind.prepare(model, perf, "cpu")
+        context = StepContext(section, perf, impl, seed=3)
+
+        def step(context=context):
+            return kind.training_step(model, batch, context).loss
+
+        peaks.append(micro_batch_memory(model, batch, step)["peak_bytes"])
+        models.append(sum(kind.activation_bytes(shape, perf, "cpu", 0).values()))
+    assert peaks[1] < 0.5 * peaks[0]
+    assert models[0] - models[1] == pytest.approx(peaks[0] - peaks[1], rel=0.1)
 
 
 def test_qwen3_8b_shape_per_path():

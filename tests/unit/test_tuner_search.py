@@ -34,7 +34,8 @@ def test_search_takes_the_largest_micro_batch_that_fits(tmp_path, capsys):
     sequences per rank, its memory grows with them, its point is the fastest (= the largest)
     that fits, the global batch held; ZeRO-0/1/2 fit at none and show micro-batch 1; the
     recommendation is the fastest point over all options (hpZ's, listed on 2 nodes)."""
-    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2,1", *CLUSTER_32B)
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2,1", *CLUSTER_32B,
+                   "--recompute", "false")  # fmt: skip
     text = capsys.readouterr().out
     rows = {r["option"]: r for r in result["options"]}
     est = {e["option"]: e for e in result["estimates"]}
@@ -65,9 +66,70 @@ def test_search_takes_the_largest_micro_batch_that_fits(tmp_path, capsys):
     assert "recommended: zero3+hpz at micro-batch 4 × 8 accumulation" in text
     assert "--data.batch_size 4" in text and "the recipe as given (micro-batch 1)" in text
     # the table shows each option's point; the scaling table each size's
-    assert re.search(r"^zero3 +8 +4 ", text, re.M), text
+    assert re.search(r"^zero3 +8 +- +4 ", text, re.M), text
     one_node = {r["option"]: r for r in result["scaling"]["1"]}
     assert one_node["zero3"]["micro_batch"] == 4  # 8 does not fit next to 1/8 of the target
+    assert not any(r["recompute"] for r in result["options"])
+
+
+def test_recomputation_lets_a_larger_micro_batch_fit_and_wins(tmp_path, capsys):
+    """Qwen3-32B on 2 nodes of 8 GPUs of 40 GB under plain ZeRO-3: without recomputation
+    micro-batch 2 is the largest that fits (16 gathers of the target per step); recomputing the
+    draft layers (their saves are most of the activations) lets micro-batch 8 fit, 4 gathers,
+    and it is faster despite the layers' second forward. Recomputation is tried only where the
+    plain point does not fit; the table, the terms and the recommended flags say it; the written
+    recipe carries perf.activation_checkpointing and trains as the config training builds."""
+    from dspark_ds.config import TrainRunConfig, parse
+    from dspark_ds.engine.config import build_ds_config
+
+    path = tmp_path / "tuned.yaml"
+    argv = ["--cluster.nodes", "2", "--cluster.gpus_per_node", "8", "--cluster.gpu_memory_gb",
+            "40", "--options", "[zero3]"]  # fmt: skip
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--write_recipe", str(path))
+    text = capsys.readouterr().out
+    (est,) = result["estimates"]
+    tried = est["point"]["tried"]
+    plain = {t["micro_batch"]: t for t in tried if not t["recompute"]}
+    recomputed = {t["micro_batch"]: t for t in tried if t["recompute"]}
+    assert sorted(plain) == [1, 2, 4, 8, 16, 32]
+    assert sorted(recomputed) == [m for m, t in plain.items() if not t["fits"]] == [4, 8, 16, 32]
+    for m, t in recomputed.items():  # less memory for a slower step at the same micro-batch
+        assert t["device_bytes"] < 0.6 * plain[m]["device_bytes"]
+        assert t["predicted_step_s"] > plain[m]["predicted_step_s"]
+    assert est["point"]["largest_fitting_micro_batch"] == 2
+    assert est["point"]["largest_fitting_with_recompute"] == 8
+    (row,) = result["options"]
+    assert (row["micro_batch"], row["accum"], row["recompute"]) == (8, 4, True)
+    assert row["predicted_step_s"] < plain[2]["predicted_step_s"] / 1.05
+    terms = est["step"]["terms"]
+    assert 0 < terms["recompute"] < 0.1 * terms["compute"]
+    assert re.search(r"^zero3 +8 +yes +4 ", text, re.M), text
+    assert "recomputing the draft layers (--deepspeed.config zero3 --data.batch_size 8 " in text
+    assert "--perf.activation_checkpointing true)" in text
+    # the recipe: the flag, and the DeepSpeed config training builds from it
+    cfg = parse(TrainRunConfig, ["--config", str(path)])
+    assert cfg.perf.activation_checkpointing is True and cfg.data.batch_size == 8
+    built = build_ds_config(cfg.deepspeed, cfg.train, micro_batch_size=8, world_size=16,
+                            use_gpu=True)  # fmt: skip
+    assert built == cfg.deepspeed.overrides and built["gradient_accumulation_steps"] == 4
+    assert "recomputing the draft layers" in path.read_text().splitlines()[0]
+
+
+def test_recomputation_is_not_chosen_where_it_does_not_help(tmp_path):
+    """Qwen3-32B on 2 nodes of 8 × 80 GB: ZeRO-3 fits up to micro-batch 8; recomputing lets 16
+    fit, but the 4 gathers it saves cost less than the layers' second forward: the point stays
+    8 without recomputation. And where the plain points fit (ZeRO-3 with hpZ at micro-batch 1 and
+    2) recomputation is not tried."""
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2", *CLUSTER_32B,
+                   "--options", "[zero3, zero3+hpz]")  # fmt: skip
+    zero3, hpz = result["estimates"]
+    recomputed = {t["micro_batch"]: t for t in zero3["point"]["tried"] if t["recompute"]}
+    assert recomputed[16]["fits"]
+    assert recomputed[16]["predicted_step_s"] > zero3["step"]["predicted_step_s"]
+    assert (zero3["point"]["micro_batch"], zero3["point"]["recompute"]) == (8, False)
+    assert zero3["step"]["terms"]["recompute"] == 0
+    assert [t["micro_batch"] for t in hpz["point"]["tried"][:3]] == [1, 2, 4]
+    assert not any(t["recompute"] for t in hpz["point"]["tried"][:3])
 
 
 def test_a_global_batch_the_cluster_cannot_split_is_held_near(tmp_path, capsys):
@@ -76,7 +138,9 @@ def test_a_global_batch_the_cluster_cannot_split_is_held_near(tmp_path, capsys):
     result = _tune(tmp_path, "dspark_qwen3_8b.yaml", "--cluster.nodes", "3")
     text = capsys.readouterr().out
     for e in result["estimates"]:
-        assert [t["micro_batch"] for t in e["point"]["tried"]] == [1, 3, 7, 21]
+        assert [t["micro_batch"] for t in e["point"]["tried"] if not t["recompute"]] == [
+            1, 3, 7, 21
+        ]  # fmt: skip
         assert e["point"]["global_batch"] == 504
     for r in result["options"]:
         assert r["micro_batch"] * r["accum"] * 24 == 504
@@ -230,3 +294,25 @@ def test_micro_batches_restrict_the_search(tmp_path, capsys):
     assert "micro_batches: none of [3] divides the 32 sequences per rank on 16 ranks" in (
         capsys.readouterr().err
     )
+
+
+def test_measure_runs_a_recompute_point_with_activation_checkpointing(tmp_path):
+    """`--measure` runs each option at its searched point: a point that recomputes builds its
+    short run with perf.activation_checkpointing on (and one that does not, off, whatever the
+    recipe says), at the point's micro-batch and global batch."""
+    from dspark_ds.cli import parse_config
+    from dspark_ds.tune import _batch
+    from dspark_ds.tune.inventory import load_recipe
+    from dspark_ds.tune.measure import option_run_config
+    from dspark_ds.tune.search import point_config
+
+    argv = ["--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"), "--overrides",
+            '["--perf.activation_checkpointing", "true"]']  # fmt: skip
+    run_cfg = load_recipe(parse_config("tune", argv))
+    (zero3,) = [o for o in tune.OPTIONS if o.name == "zero3"]
+    for recompute in (True, False):
+        point = {"micro_batch": 4, "global_batch": 64, "recompute": recompute, "accum": 2}
+        at = point_config(run_cfg, **_batch(point))
+        cfg = option_run_config(zero3, at, 2, str(tmp_path))
+        assert cfg.perf.activation_checkpointing is recompute
+        assert (cfg.data.batch_size, cfg.train.global_batch_size) == (4, 64)

@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+LAYERS_RECOMPUTE = "draft_layers_recompute"
+"""The FLOPs component of a kind's `step_flops` under perf.activation_checkpointing: the draft
+layers' forward run again in backward (the tuner's `recompute` term)."""
+
 
 @dataclass(frozen=True)
 class StepShape:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import LAYERS_RECOMPUTE, StepShape
 from dspark_ds.drafters.dspark.step import loss_impl_for
 from dspark_ds.drafters.perf import PerfConfig
 
@@ -82,8 +82,9 @@ def _rms_norm(rows: float, width: int, b: int, feeds_linear: bool) -> float:
     )
 
 
-def saved_bytes(shape: StepShape, attn: str) -> dict[str, float]:
-    """Bytes the drafter's forward (up to the loss) saves for backward, by component."""
+def layer_saves(shape: StepShape, attn: str) -> float:
+    """Bytes one draft layer's forward saves for its backward (its norms, the attention's own
+    saves, o_proj's input, the MLP)."""
     if attn not in ATTENTIONS:
         raise ValueError(f"attn: expected one of {ATTENTIONS}, got {attn!r}")
     s, b = shape, shape.compute_bytes
@@ -91,11 +92,6 @@ def saved_bytes(shape: StepShape, attn: str) -> dict[str, float]:
     H, F, D = s.hidden, s.intermediate, s.head_dim
     q_width, kv_width = s.heads * D, s.kv_heads * D
     keys = C + T  # [context; drafts] per layer
-    out: dict[str, float] = {}
-    # the context: fc's input is the batch itself; hidden_norm's output is every layer's k/v input
-    out["context_norm"] = _rms_norm(C, H, b, feeds_linear=True)
-    # RoPE's cos and sin of the context and draft positions, shared by every layer
-    out["rope"] = 2 * (C + T) * D * b
     layer = (
         _rms_norm(T, H, b, feeds_linear=True)  # input_layernorm
         + _rms_norm(T * s.heads, D, b, feeds_linear=False)  # q_norm
@@ -106,16 +102,44 @@ def saved_bytes(shape: StepShape, attn: str) -> dict[str, float]:
         + 4 * b * T * F  # MLP: gate and up outputs, SiLU output, their product
     )
     if attn == "dense":
-        q_len = T // s.batch
         attention = (
             2 * b * T * q_width  # q, output
             + 2 * b * keys * q_width  # k, v repeated to every query head
             + 4 * T * s.heads  # log-sum-exp
-            + b * s.batch * q_len * (s.seq_len + q_len)  # the mask as an additive bias
+            + b * _mask_elements(s)  # the mask as an additive bias
         )
     else:
         attention = 2 * b * T * q_width + 2 * b * keys * kv_width + 4 * T * s.heads
-    out["draft_layers"] = s.draft_layers * (layer + attention)
+    return layer + attention
+
+
+def _mask_elements(s: StepShape) -> int:
+    """[B, 1, A·γ, S + A·γ]: the dense path's mask."""
+    q_len = draft_tokens(s) // s.batch
+    return s.batch * q_len * (s.seq_len + q_len)
+
+
+def saved_bytes(shape: StepShape, attn: str, recompute: bool = False) -> dict[str, float]:
+    """Bytes the drafter's forward (up to the loss) keeps for backward, by component.
+
+    With `recompute` (perf.activation_checkpointing) each draft layer keeps only its input
+    h [T, H] (the checkpoint holds its arguments to run it again; the context, RoPE and, dense,
+    the boolean mask are shared by every layer and kept once)."""
+    if attn not in ATTENTIONS:
+        raise ValueError(f"attn: expected one of {ATTENTIONS}, got {attn!r}")
+    s, b = shape, shape.compute_bytes
+    T, C, H, D = draft_tokens(s), s.context_tokens, s.hidden, s.head_dim
+    out: dict[str, float] = {}
+    # the context: fc's input is the batch itself; hidden_norm's output is every layer's k/v input
+    out["context_norm"] = _rms_norm(C, H, b, feeds_linear=True)
+    # RoPE's cos and sin of the context and draft positions, shared by every layer
+    out["rope"] = 2 * (C + T) * D * b
+    if recompute:
+        out["draft_layers"] = s.draft_layers * b * T * H
+        if attn == "dense":
+            out["mask"] = float(_mask_elements(s))  # boolean, one byte per element
+    else:
+        out["draft_layers"] = s.draft_layers * layer_saves(s, attn)
     out["final_norm"] = _rms_norm(T, H, b, feeds_linear=False)
     return out
 
@@ -172,30 +196,45 @@ def attention_backward_bytes(shape: StepShape, attn: str, chunk_blocks: int = 16
 
 
 def micro_batch_bytes(
-    shape: StepShape, attn: str, loss: str, chunk_anchors: int
+    shape: StepShape, attn: str, loss: str, chunk_anchors: int, recompute: bool = False
 ) -> dict[str, float]:
     """Peak bytes of one micro-batch above the weights, gradients and optimizer state, by
-    component: the batch's features, what the drafter saves for backward, and the larger of
-    the loss's working set and the attention backward's transients (they never overlap: the
-    loss's tensors are freed before the layers' backward starts; by the last layer's attention
-    backward its MLP, o_proj and norms' saves and the final norm's are freed too)."""
+    component: the batch's features, what the drafter keeps for backward, and the larger of
+    the loss's working set and the last layer's backward (they never overlap: the loss's
+    tensors are freed before the layers' backward starts; by the last layer's attention
+    backward its MLP, o_proj and norms' saves and the final norm's are freed). With `recompute`
+    the layers keep their inputs only, and the last layer's backward holds its recomputed
+    saves besides its attention backward's transients."""
     s = shape
     out = {"features_in": s.features_in()}
-    out.update(saved_bytes(s, attn))
+    out.update(saved_bytes(s, attn, recompute))
     loss_part = loss_bytes(s, loss, chunk_anchors)
-    T, b = draft_tokens(s), s.compute_bytes
-    freed = (
-        _rms_norm(T, s.hidden, b, feeds_linear=False)  # final_norm
-        + _rms_norm(T, s.hidden, b, feeds_linear=True)  # post_attention_layernorm
-        + 4 * b * T * s.intermediate  # the MLP
-        + b * T * s.heads * s.head_dim  # o_proj's input
-    )
-    attn_part = attention_backward_bytes(s, attn) - freed
-    if sum(loss_part.values()) >= attn_part:
+    layer_part = last_layer_backward_bytes(s, attn, recompute)
+    if sum(loss_part.values()) >= layer_part:
         out.update(loss_part)
     else:
-        out["attention_backward"] = attn_part
+        out["recomputed_layer" if recompute else "layer_backward"] = layer_part
     return out
+
+
+def last_layer_backward_bytes(shape: StepShape, attn: str, recompute: bool = False) -> float:
+    """What the last draft layer's backward holds beyond the saves `saved_bytes` counts (the
+    final norm's are freed by then): the larger of its MLP's backward (the gradients of the
+    gate and up outputs beside its saves) and its attention's backward (`attention_backward_
+    bytes`, once its MLP, o_proj and post-attention norm's saves are freed). With `recompute`
+    the layer's own saves exist again while it runs backward."""
+    s, b = shape, shape.compute_bytes
+    T, H, F = draft_tokens(s), s.hidden, s.intermediate
+    final_norm = _rms_norm(T, H, b, feeds_linear=False)
+    mlp_backward = 2 * b * T * F
+    freed = (
+        _rms_norm(T, H, b, feeds_linear=True)  # post_attention_layernorm
+        + 4 * b * T * F  # the MLP
+        + b * T * s.heads * s.head_dim  # o_proj's input
+    )
+    attention = attention_backward_bytes(s, attn) - freed
+    own = layer_saves(s, attn) if recompute else 0.0
+    return own - final_norm + max(mlp_backward, attention)
 
 
 def activation_bytes(
@@ -204,7 +243,9 @@ def activation_bytes(
     """`micro_batch_bytes` for a run's shape and perf section on `device` (cuda | cpu) at ZeRO
     `stage`, resolving "auto" as training does (the kind's `activation_bytes`)."""
     attn, loss = _paths(perf, device, stage)
-    return micro_batch_bytes(shape, attn, loss, perf.chunk_anchors(device))
+    return micro_batch_bytes(
+        shape, attn, loss, perf.chunk_anchors(device), perf.activation_checkpointing
+    )
 
 
 def _paths(perf: PerfConfig, device: str, stage: int) -> tuple[str, str]:
@@ -240,8 +281,11 @@ def attention_pairs(shape: StepShape, attn: str, chunk_blocks: int = 16) -> floa
     return float(T * (S / 2 + G))
 
 
-def micro_batch_flops(shape: StepShape, attn: str, loss: str) -> dict[str, float]:
-    """FLOPs of one micro-batch by component (see above)."""
+def micro_batch_flops(
+    shape: StepShape, attn: str, loss: str, recompute: bool = False
+) -> dict[str, float]:
+    """FLOPs of one micro-batch by component (see above); `recompute`
+    (perf.activation_checkpointing): the draft layers' forward runs again in backward."""
     s = shape
     T, C = draft_tokens(s), s.context_tokens
     H, F, V, D, r = s.hidden, s.intermediate, s.vocab, s.head_dim, s.drafter.markov_rank
@@ -269,6 +313,8 @@ def micro_batch_flops(shape: StepShape, attn: str, loss: str) -> dict[str, float
             out["markov"] += 6.0 * T * (2 * r + H) * 3 * r
     if s.drafter.confidence_head:
         out["confidence_head"] = 6.0 * T * (H + r)
+    if recompute:  # each layer's forward again: its matmuls and the attention's forward
+        out[LAYERS_RECOMPUTE] = out["draft_layers"] / 3 + out["attention"] / factor
     if loss == "recompute":
         # each chunk's forward (draft logits, Markov bias, target logits) runs again in backward
         out["loss_recompute"] = 2.0 * T * H * V + (2.0 * T * r * V if r > 0 else 0.0)
@@ -280,4 +326,4 @@ def step_flops(shape: StepShape, perf: PerfConfig, device: str, stage: int) -> d
     """`micro_batch_flops` for a run's shape and perf section on `device` at ZeRO `stage` (the
     attention and loss paths training takes there; the kind's `step_flops`)."""
     attn, loss = _paths(perf, device, stage)
-    return micro_batch_flops(shape, attn, loss)
+    return micro_batch_flops(shape, attn, loss, perf.activation_checkpointing)

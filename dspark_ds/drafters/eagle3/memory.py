@@ -4,6 +4,8 @@ The unroll keeps every one of the T = ttt_length steps for the backward: per ste
 2H-wide layer input, q / k / v (the keys of every step stay referenced by the later steps'
 attention), the attention (the dense kernel's fp32 scores and probabilities over the causal
 S × S part, or flex's output and log-sum-exp), o_proj and the MLP; then the T stacked outputs.
+With perf.activation_checkpointing each layer of each step keeps its input and its keys and
+values only, and one layer's working set exists again while it is recomputed in backward.
 The loss works over B·S·T rows of vocabulary size: the full logits, per step the fp32
 log-softmax and the target distribution it is compared with (the reference path), or
 T·loss_chunk_anchors rows at a time (the chunked path), plus the target's own logits.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import LAYERS_RECOMPUTE, StepShape
 from dspark_ds.drafters.eagle3.loss import loss_impl_for
 from dspark_ds.drafters.perf import PerfConfig
 
@@ -53,7 +55,14 @@ def activation_bytes(s: StepShape, perf: PerfConfig, device: str, stage: int) ->
         # the dense kernel saves fp32 q and the keys / values repeated to every head, and the
         # probabilities (fp32) over the causal S × S part (+ the chain) for every query
         per_step_attn = B * S * 3 * qd * 4 + B * s.heads * S * S * 4
-    out["ttt_steps"] = T * s.draft_layers * (per_step_tokens + per_step_attn)
+    if perf.activation_checkpointing:
+        # each layer of each step runs again in backward: it keeps its hidden input and, since
+        # the later steps attend to them, its keys and values; each step its embedding; and, at
+        # the backward's peak, one layer's working set while it is recomputed
+        kept = T * B * S * H * b + T * s.draft_layers * B * S * (H + 2 * kv) * b
+        out["ttt_steps"] = kept + per_step_tokens + per_step_attn
+    else:
+        out["ttt_steps"] = T * s.draft_layers * (per_step_tokens + per_step_attn)
     impl = loss_impl_for(perf.loss_impl, zero3=stage == 3)
     chunked = impl == "chunked"
     # the stacked step outputs and their final norm (+ the chunked loss's valid rows, their
@@ -81,7 +90,8 @@ def step_flops(s: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[
     them (the tuner's compute term; drafters/dspark/memory.py states the conventions): the
     context projection once, then per unrolled step and layer the 2H-wide q / k / v, o_proj,
     the MLP and the attention (the dense kernel computes every S × S score, flex about the
-    causal half and recomputes them in backward), and the lm_head over the B·S·T loss rows
+    causal half and recomputes them in backward), the layers' forward once more under
+    perf.activation_checkpointing, and the lm_head over the B·S·T loss rows
     (input gradient only) with the target's logits beside them."""
     B, S, T = s.batch, s.seq_len, s.drafter.ttt_length
     H, F, V, D = s.hidden, s.intermediate, s.vocab, s.head_dim
@@ -94,7 +104,10 @@ def step_flops(s: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[
         device == "cuda" and perf.attn_implementation == "auto"
     )
     pairs = B * (S * S / 2 + S * T) if flex else B * S * (S + T)
-    out["attention"] = (3.5 if flex else 3.0) * T * s.draft_layers * 4 * D * s.heads * pairs
+    factor = 3.5 if flex else 3.0
+    out["attention"] = factor * T * s.draft_layers * 4 * D * s.heads * pairs
+    if perf.activation_checkpointing:  # each layer's forward again, at every unrolled step
+        out[LAYERS_RECOMPUTE] = out["draft_layers"] / 3 + out["attention"] / factor
     rows = N * T
     out["lm_head"] = 4.0 * rows * H * V
     impl = loss_impl_for(perf.loss_impl, zero3=stage == 3)

@@ -63,8 +63,9 @@ class Estimate:
     zero: dict = field(default_factory=dict)
     """The ZeRO settings the estimate read (engine.config.ZeroSettings as a dict)."""
     point: dict = field(default_factory=dict)
-    """The searched point (search.py): micro_batch, accum, global_batch,
-    largest_fitting_micro_batch, note, tried; {} for an estimate of the recipe as given."""
+    """The searched point (search.py): micro_batch, recompute, accum, global_batch,
+    largest_fitting_micro_batch, largest_fitting_with_recompute, note, tried; {} for an
+    estimate of the recipe as given."""
 
     @property
     def device_total(self) -> float:

@@ -74,7 +74,9 @@ def log_sweep(cfg, run_cfg, estimates, scaling: dict, measured: dict, at_measure
         points.append(Point(
             name=est.option,
             params={"option": est.option, "micro_batch": est.point.get("micro_batch"),
-                    "accum": est.step["accum"], "deepspeed.config": option.config,
+                    "accum": est.step["accum"],
+                    "perf.activation_checkpointing": bool(est.point.get("recompute")),
+                    "deepspeed.config": option.config,
                     "deepspeed.overrides": option.overrides or {},
                     **{f"zero.{k}": v for k, v in est.zero.items()}},
             tags={"zero": est.option, "fits": est.fits, "why": est.why or None},

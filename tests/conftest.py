@@ -51,6 +51,18 @@ def tiny_target(tmp_path_factory) -> str:
     return build_tiny_target(tmp_path_factory.mktemp("session") / "tiny_target")
 
 
+# ---- the suite on two workers (`-n 2`, pytest-xdist, `--dist loadgroup` in pyproject.toml) -------
+# A file's tests run on one worker, so that its module-scoped fixtures (a 2-rank training, a
+# server) are made once; every test under tests/cluster/ runs on the same worker: they share the
+# session's Slurm daemons and namespace hosts, whose names and ports two copies would both take.
+@pytest.hookimpl(tryfirst=True)  # NOTE: before xdist's own hook rewrites the node ids
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = Path(item.fspath)
+        group = "cluster" if path.parent.name == "cluster" else str(path.relative_to(REPO))
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture
 def golden_dir() -> Path:
     """The reference implementation's golden folders (tests/golden, see its README)."""
@@ -77,11 +89,7 @@ def pytest_runtest_setup(item):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if call.when != "call":
-        return
-    if item.get_closest_marker("slow") is None and report.duration > FAST_LANE_LIMIT_S:
-        _slow_fast_lane.append((report.duration, item.nodeid))
-    if not report.passed:
+    if call.when != "call" or not report.passed:
         return
     launched = _dist.LAUNCHES[item.stash.get(_LAUNCHED_BEFORE, len(_dist.LAUNCHES)) :]
     if not launched:
@@ -97,6 +105,17 @@ def pytest_runtest_makereport(item, call):
             f"{item.nodeid} launched {len(launched)} multi-process run(s) (first: {launched[0]}) "
             f"but is {'; '.join(problems)}"
         )
+
+
+def pytest_runtest_logreport(report):
+    # NOTE: called where the run is reported (the controller, under xdist), with each worker's
+    # reports; their keywords carry the markers' names
+    if (
+        report.when == "call"
+        and "slow" not in report.keywords
+        and report.duration > FAST_LANE_LIMIT_S
+    ):
+        _slow_fast_lane.append((report.duration, report.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -38,8 +38,9 @@ fi
 # NOTE: torch first and pinned: an unpinned `torch` pulled in by a dependency
 # resolves to a multi-GB CUDA build.
 "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
-# [dev]: pytest, ruff and transformers[serving] (the `transformers serve` the regeneration
-# tests start as their OpenAI-compatible servers)
+# [dev]: pytest with pytest-xdist (the suite runs on two workers), ruff and
+# transformers[serving] (the `transformers serve` the regeneration tests start as their
+# OpenAI-compatible servers)
 "$PY" -m pip install -q --disable-pip-version-check -e ".[dev]"
 if command -v mpicc >/dev/null || [[ -e /usr/lib/x86_64-linux-gnu/libmpi.so.40 ]]; then
   "$PY" -m pip install -q --disable-pip-version-check "mpi4py>=4.0"

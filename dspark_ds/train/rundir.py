@@ -55,6 +55,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+SCONTROL_TIMEOUT_S = 5.0
+"""How long `slurm_job_state` waits for scontrol's answer."""
+
+
 def slurm_job_state(job_id: str) -> str | None:
     """The job's state as `scontrol` reports it ("RUNNING", ...), "GONE" for a job Slurm no
     longer knows, None when Slurm cannot be asked."""
@@ -65,7 +69,7 @@ def slurm_job_state(job_id: str) -> str | None:
             text=True,
             # NOTE: without a slurm.conf, scontrol looks for a controller in DNS (configless
             # Slurm) and can wait a long time for an answer that never comes
-            timeout=5,
+            timeout=SCONTROL_TIMEOUT_S,
         )
     except (OSError, subprocess.SubprocessError):
         return None

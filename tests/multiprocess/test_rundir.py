@@ -109,6 +109,7 @@ def test_slurm_decides_for_another_hosts_job(monkeypatch):
 
 def test_scontrol_without_a_cluster_is_no_answer(monkeypatch):
     monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
+    monkeypatch.setattr(rundir, "SCONTROL_TIMEOUT_S", 0.5)  # its wait for a controller
     assert rundir.slurm_job_state("123") in (None, "GONE")
 
 

@@ -230,6 +230,7 @@ def test_only_config_errors_are_one_line_exits(capsys, monkeypatch):
         main(argv)
 
 
+@pytest.mark.slow  # a subprocess run (its imports: about 7 s)
 def test_the_command_ends_without_interpreter_finalization():
     """`dspark-ds` (and `python -m dspark_ds.cli`) ends a finished subcommand with os._exit
     after destroying its process group, as multi-rank runs do: at finalization DeepSpeed's

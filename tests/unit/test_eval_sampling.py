@@ -43,7 +43,7 @@ def _first_tokens(num_samples: int, num_drafts: int, seed: int = 0) -> torch.Ten
 
 def test_rejection_sampling_first_token_has_target_distribution():
     for num_drafts in (1, 3):
-        assert chi_square_pvalue(_first_tokens(6000, num_drafts), P_TARGET) > ALPHA
+        assert chi_square_pvalue(_first_tokens(1500, num_drafts), P_TARGET) > ALPHA
 
 
 def test_rejection_sampling_bonus_token_has_target_distribution():
@@ -53,7 +53,7 @@ def test_rejection_sampling_bonus_token_has_target_distribution():
     target_probs = torch.stack([torch.tensor([1.0, 0, 0, 0, 0, 0]), bonus_probs])
     draft_probs = torch.tensor([[1.0, 0, 0, 0, 0, 0]])
     counts = torch.zeros(6)
-    for _ in range(3000):
+    for _ in range(1500):
         accepted, nxt = verify.verify_sampled(torch.tensor([0]), draft_probs, target_probs, g)
         assert accepted == 1
         counts[nxt] += 1
@@ -62,7 +62,7 @@ def test_rejection_sampling_bonus_token_has_target_distribution():
 
 def test_resampling_from_the_target_instead_of_the_residual_is_caught(monkeypatch):
     monkeypatch.setattr(verify, "residual_distribution", lambda p_target, p_draft: p_target)
-    assert chi_square_pvalue(_first_tokens(6000, 1), P_TARGET) < ALPHA
+    assert chi_square_pvalue(_first_tokens(1500, 1), P_TARGET) < ALPHA
 
 
 def test_greedy_verification():

@@ -60,8 +60,7 @@ class WindowFlops:
         )
         if self.in_job:
             inv = self.inv
-            flops += forward_flops(inv.target_layer_params, inv.target_layers, inv.heads,
-                                   inv.head_dim, 1, tokens)  # fmt: skip
+            flops += forward_flops(inv.target_layer_params, inv.target_attention, 1, tokens)
         return flops
 
     def __call__(

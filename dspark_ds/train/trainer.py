@@ -225,7 +225,6 @@ class Trainer:
         try:
             flops = WindowFlops(cfg, self.device, self.engine.zero_stage)
         except Exception as err:  # noqa: BLE001 - a throughput figure never stops a run
-            # NOTE: e.g. Gemma4's per-layer config attributes, which the count cannot read yet
             flops = None
             print0(f"[train] no model FLOP count for this run ({type(err).__name__}: {err}): "
                    "system/tflops_per_gpu and system/mfu are not logged")  # fmt: skip

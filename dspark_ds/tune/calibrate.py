@@ -151,7 +151,7 @@ class Compute:
 
     def __init__(self, run_cfg, device: torch.device, dtype: torch.dtype):
         from dspark_ds.drafters.common.memory import StepShape
-        from dspark_ds.drafters.common.target_config import text_config
+        from dspark_ds.drafters.common.target_config import global_attr, text_config
         from dspark_ds.drafters.registry import get_kind
         from dspark_ds.target import default_layer_ids
         from dspark_ds.tune.workload import KindStep, TargetForward, counted_perf, forward_flops
@@ -186,7 +186,7 @@ class Compute:
         kind = get_kind(model.kind)
         shape = StepShape(
             batch=1, seq_len=r["seq_len"], hidden=r["hidden"], intermediate=r["intermediate"],
-            vocab=r["vocab"], heads=r["heads"], kv_heads=int(text.num_key_value_heads),
+            vocab=r["vocab"], heads=r["heads"], kv_heads=int(global_attr(text, "num_key_value_heads")),
             head_dim=r["head_dim"], draft_layers=r["draft_layers"], taps=len(layer_ids),
             drafter=kind.step_part(model),
             compute_bytes=torch.tensor([], dtype=dtype).element_size(),
@@ -194,9 +194,8 @@ class Compute:
         )  # fmt: skip
         self.drafter_flops = sum(kind.step_flops(shape, perf, device.type, 0).values())
         layer_params = sum(p.numel() for p in self.target[0].target.decoder.layers.parameters())
-        self.target_flops = forward_flops(
-            layer_params, r["layers"], r["heads"], r["head_dim"], 1, r["seq_len"]
-        )
+        attention = [(r["heads"] * r["head_dim"], None)] * r["layers"]
+        self.target_flops = forward_flops(layer_params, attention, 1, r["seq_len"])
         self.sample()  # warm-up
 
     def sample(self) -> dict[str, float]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.target_config import global_attr
 from dspark_ds.errors import ConfigError
 from dspark_ds.tune.config import TunerConfig
 
@@ -108,6 +109,8 @@ class Inventory:
     """Elements of each trainable parameter, in the drafter's order (ZeRO-3's persistence)."""
     target_layer_params: int = 0
     """Parameters of the target's decoder layers and final norm (its forward FLOPs)."""
+    target_attention: tuple[tuple[int, int | None], ...] = field(default=(), repr=False)
+    """Each target layer's attention: (query width, sliding window or None)."""
     drafter_modules: int = 0
     """Modules of the drafter (ZeRO-3 hooks every one)."""
     target_modules: int = 0
@@ -133,7 +136,12 @@ class Inventory:
     def summary(self) -> dict[str, int]:
         """The counts and shapes (without the per-parameter and per-module lists)."""
         out = asdict(self)
-        for key in ("trainable_numels", "drafter_param_modules", "target_param_modules"):
+        for key in (
+            "trainable_numels",
+            "drafter_param_modules",
+            "target_param_modules",
+            "target_attention",
+        ):
             del out[key]
         return out
 
@@ -197,6 +205,35 @@ def _draft_config(run_cfg, target_config, layer_ids: list[int]):
     )
 
 
+def _attention_shape(drafter, tcfg) -> tuple[int, int, int]:
+    """(heads, key/value heads, head size) of the drafter's attention, as its layers were built
+    (a Gemma4 drafter's are the target's full-attention ones, not the config's global fields)."""
+    for module in drafter.modules():
+        if all(hasattr(module, a) for a in ("num_heads", "num_kv_heads", "head_dim")):
+            return int(module.num_heads), int(module.num_kv_heads), int(module.head_dim)
+    heads = int(global_attr(tcfg, "num_attention_heads"))
+    head_dim = int(global_attr(tcfg, "head_dim", tcfg.hidden_size // heads))
+    return heads, int(global_attr(tcfg, "num_key_value_heads", heads)), head_dim
+
+
+def _target_attention(decoder, tcfg) -> tuple[tuple[int, int | None], ...]:
+    """Each target decoder layer's (query width, sliding window or None), read from its
+    attention module (Gemma4's sliding and full layers differ in both); a layer without a
+    `self_attn.q_proj` (linear attention, MLA) is counted at the config's global width."""
+    heads = int(global_attr(tcfg, "num_attention_heads"))
+    width = heads * int(global_attr(tcfg, "head_dim", tcfg.hidden_size // heads))
+    out = []
+    for layer in decoder.layers:
+        attn = getattr(layer, "self_attn", None)
+        q_proj = getattr(attn, "q_proj", None)
+        if isinstance(q_proj, torch.nn.Linear):
+            window = getattr(attn, "sliding_window", None)
+            out.append((int(q_proj.out_features), int(window) if window else None))
+        else:
+            out.append((width, None))
+    return tuple(out)
+
+
 def inventory(run_cfg) -> Inventory:
     """Counts from the real drafter (of the recipe's kind) and target classes built on the meta
     device (no memory)."""
@@ -219,7 +256,7 @@ def inventory(run_cfg) -> Inventory:
     decoder = target.get_decoder()
     params = list(drafter.named_parameters())
     trainable_numels = tuple(p.numel() for name, p in params if name not in shared)
-    heads = int(tcfg.num_attention_heads)
+    heads, kv_heads, head_dim = _attention_shape(drafter, tcfg)
     return Inventory(
         trainable=sum(trainable_numels),
         frozen=sum(p.numel() for name, p in params if name in shared),
@@ -232,13 +269,14 @@ def inventory(run_cfg) -> Inventory:
         intermediate=int(getattr(tcfg, "intermediate_size", None) or draft_cfg.intermediate_size),
         vocab=int(tcfg.vocab_size),
         heads=heads,
-        kv_heads=int(getattr(tcfg, "num_key_value_heads", heads) or heads),
-        head_dim=int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         draft_layers=int(draft_cfg.num_hidden_layers),
         target_layers=int(tcfg.num_hidden_layers),
         taps=len(layer_ids),
         trainable_numels=trainable_numels,
         target_layer_params=sum(p.numel() for p in decoder.layers.parameters()),
+        target_attention=_target_attention(decoder, tcfg),
         drafter_modules=sum(1 for _ in drafter.modules()),
         target_modules=sum(1 for _ in target.modules()),
         drafter_param_modules=module_params(drafter),

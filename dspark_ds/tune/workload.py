@@ -111,16 +111,25 @@ def target_in_job(run_cfg) -> bool:
     return run_cfg.data.mode != "offline" or bool(run_cfg.train.synthetic_samples)
 
 
-def forward_flops(layer_params: int, layers: int, heads: int, head_dim: int, B: int, S: int):
+def attention_pairs(S: int, window: int | None) -> float:
+    """(query, key) pairs of causal attention over S tokens, each query seeing at most `window`
+    keys (a sliding-window layer; None: all before it)."""
+    if window is None or S <= window:
+        return S * S / 2
+    return window * S - window * window / 2
+
+
+def forward_flops(layer_params: int, attention, B: int, S: int) -> float:
     """A decoder's forward over B × S tokens: its layers' matmuls and the causal attention (QK^T
-    and PV over the lower triangle); no lm_head (FrozenTarget taps states)."""
-    attention = 4.0 * B * (S * S / 2) * heads * head_dim * layers
-    return 2.0 * B * S * layer_params + attention
+    and PV over the pairs each layer computes); no lm_head (FrozenTarget taps states).
+    `attention`: each layer's (query width = heads × head size, sliding window or None)."""
+    scores = sum(width * attention_pairs(S, window) for width, window in attention)
+    return 2.0 * B * S * layer_params + 4.0 * B * scores
 
 
 def target_forward_flops(inv: Inventory, run_cfg) -> float:
     B, S = run_cfg.data.batch_size, run_cfg.data.max_length
-    return forward_flops(inv.target_layer_params, inv.target_layers, inv.heads, inv.head_dim, B, S)
+    return forward_flops(inv.target_layer_params, inv.target_attention, B, S)
 
 
 def drafter_flops(inv: Inventory, run_cfg, device: str, stage: int) -> dict[str, float]:
@@ -144,12 +153,12 @@ def counted_perf(perf, device: str):
 def resized_config(config, *, hidden, intermediate, heads, head_dim, vocab, layers=None):
     """A copy of a target config with other widths (the same model type; `layers` decoder
     layers, or as many as it has)."""
-    from dspark_ds.drafters.common.target_config import text_config
+    from dspark_ds.drafters.common.target_config import global_attr, text_config
 
     config = copy.deepcopy(config)
     text = text_config(config)
-    old_heads = int(text.num_attention_heads)
-    old_kv = int(getattr(text, "num_key_value_heads", old_heads) or old_heads)
+    old_heads = int(global_attr(text, "num_attention_heads"))
+    old_kv = int(global_attr(text, "num_key_value_heads", old_heads))
     grouped = old_heads // max(old_kv, 1) > 1  # keep GQA where the target has it
     values = dict(
         hidden_size=hidden,

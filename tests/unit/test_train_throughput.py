@@ -120,3 +120,52 @@ def test_the_peak_is_the_flag_or_a_known_gpus_under_bf16():
 
     assert device_peak_flops("NVIDIA H200") == device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert device_peak_flops("NVIDIA H100 PCIe") is None
+
+
+def test_a_gemma4_run_counts_its_full_attention_drafter_and_its_sliding_layers(tmp_path):
+    """Gemma4's per-layer config fields (which newer transformers refuse to read globally):
+    the drafter counted at the full-attention head shape it is built with, the target's
+    sliding-window layers at the (query, key) pairs their window leaves."""
+    from transformers import AutoModelForCausalLM, Gemma4Config
+
+    from dspark_ds.drafters.dspark.memory import DSparkShape
+    from dspark_ds.drafters.perf import PerfConfig
+    from dspark_ds.tune.inventory import inventory
+
+    from helpers.gemma4 import tiny_gemma4_text
+
+    config = Gemma4Config(text_config=tiny_gemma4_text())
+    config.save_pretrained(tmp_path)
+    argv = ["--config", "dspark_ds/recipes/dspark_gemma4_12b.yaml", "--target.path",
+            str(tmp_path), "--target.layer_ids", "[0, 1, 2]"]  # fmt: skip
+    run_cfg = parse(TrainRunConfig, argv, prog="dspark-ds train")
+    inv = inventory(run_cfg)
+    assert (inv.heads, inv.kv_heads, inv.head_dim) == (4, 1, 16)  # global_head_dim, K = V
+    # sliding layers: 4 heads of 8 over a window of 8; full layers: 4 heads of 16
+    assert inv.target_attention == ((32, 8), (64, None), (32, 8), (64, None))
+    with torch.device("meta"):
+        layers = AutoModelForCausalLM.from_config(config).get_decoder().layers
+    layer_params = sum(p.numel() for p in layers.parameters())
+    T, anchors = 64, 8
+    model = run_cfg.model
+    shape = StepShape(batch=1, seq_len=T, hidden=32, intermediate=64, vocab=inv.vocab, heads=4,
+                      kv_heads=1, head_dim=16, draft_layers=model.num_draft_layers, taps=3,
+                      drafter=DSparkShape(num_anchors=anchors, block_size=model.block_size,
+                                          markov_rank=model.markov_rank))  # fmt: skip
+    drafter = sum(get_kind("dspark").step_flops(shape, PerfConfig(), "cuda", 3).values())
+    sliding_pairs, full_pairs = 8 * T - 8 * 8 / 2, T * T / 2
+    target = 2 * T * layer_params + 4 * 2 * (32 * sliding_pairs + 64 * full_pairs)
+    flops = WindowFlops(run_cfg, "cuda", zero_stage=3)
+    assert flops.per_sequence(T, anchors) == pytest.approx(drafter + target, rel=1e-12)
+
+
+@pytest.mark.parametrize("S,window", [(64, 8), (64, None), (8, 16)])
+def test_attention_pairs_are_the_masks_area(S, window):
+    """The causal (sliding-window) mask's entries, counted naively, against the closed form
+    (which counts the diagonal as half, as the full causal S²/2 does)."""
+    from dspark_ds.tune.workload import attention_pairs
+
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    mask = (j <= i) & ((i - j < window) if window else True)
+    diagonal = S if window is None or S <= window else window
+    assert attention_pairs(S, window) == pytest.approx(mask.sum().item() - diagonal / 2)

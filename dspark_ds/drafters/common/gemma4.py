@@ -26,6 +26,7 @@ from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4TextScaledWordEmbedding,
 )
 
+from dspark_ds.drafters.common.target_config import global_attr
 from dspark_ds.errors import ConfigError
 
 DRAFT_LAYER_TYPE = "full_attention"
@@ -33,10 +34,7 @@ DRAFT_LAYER_TYPE = "full_attention"
 
 def raw_attr(config, name: str):
     """`config.name` or None; never trips the per-layer-attribute guard of newer configs."""
-    try:
-        return config.__dict__.get(name, getattr(config, name, None))
-    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError (transformers >= 5.2x)
-        return config.__dict__.get(name)
+    return global_attr(config, name)
 
 
 def full_attention_dims(config) -> tuple[int, int]:

@@ -10,6 +10,17 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def global_attr(config, name: str, default=None):
+    """`config.name` (or `default` when absent or None) for a field that newer transformers
+    releases (5.2x) mark per-layer on heterogeneous configs such as Gemma4's, where a plain
+    read raises AmbiguousGlobalPerLayerAttributeError: the config's own global value."""
+    try:
+        value = getattr(config, name, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        value = config.__dict__.get(name)
+    return default if value is None else value
+
+
 def validate_layer_ids(layer_ids, num_layers: int, field: str = "target_layer_ids") -> list[int]:
     """The ids as ints, or ConfigError naming `field`: not empty, strictly increasing, each -1
     (the embedding output) or a decoder layer in [0, L-1] (docs/algorithm.md#target-features)."""

@@ -446,6 +446,8 @@ def parse(config_cls, argv: list[str], prog: str = "dspark-ds"):
     option. `--print_config` prints the resolved YAML and exits (SystemExit(0)) only after
     every check has passed: a bad config never prints as if it were fine."""
     parser = build_parser(config_cls, prog)
+    if hasattr(config_cls, "normalize_argv"):  # options whose text YAML would change
+        argv = config_cls.normalize_argv(list(argv))
     argv, print_flags = _split_argv(argv)
     raw = parser.parse_args(argv)
     _tag_recipe(raw)

@@ -17,6 +17,7 @@ rates and throughput. The plots are PNG files in --out_dir (loss.png, tau.png).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,6 +45,15 @@ HIGHER_IS_BETTER = ("tau", "accept", "tokens_per_s", "samples_per_s", "auroc", "
 IGNORED_PARAMS = ("name", "tracking.run_name", "output_dir")
 
 
+def _as_strings(text: str) -> str:
+    """`[a, 'b', "c"]` (or one bare id) as a JSON list of the ids' text."""
+    inner = text.strip()
+    if inner.startswith("[") and inner.endswith("]"):
+        inner = inner[1:-1]
+    ids = [item.strip().strip("'\"") for item in inner.split(",")]
+    return json.dumps([i for i in ids if i])
+
+
 @dataclass
 class CompareConfig:
     """Select MLflow runs and compare them."""
@@ -52,12 +62,22 @@ class CompareConfig:
     """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db (the
     trainer's default store is sqlite:///<output_dir>/mlflow.db)."""
     run_ids: list[str | int] = field(default_factory=list)
-    """Runs to compare, by id (a unique prefix of at least 6 characters is enough). An
-    all-digit prefix reads as a number on the command line and is used as its digits (quote it,
-    `['00123456']`, when it starts with 0)."""
+    """Runs to compare, by id (a unique prefix of at least 6 characters is enough). Each id is
+    taken as written: `[44420656, 755331e2, 00123456]` are three prefixes, not numbers."""
     experiment: list[str] = field(default_factory=list)
     """Experiment names to search when run_ids is empty; empty = $MLFLOW_EXPERIMENT_NAME, else
     dspark-ds."""
+
+    @staticmethod
+    def normalize_argv(argv: list[str]) -> list[str]:
+        """`--run_ids [a, b]` as a list of strings before YAML reads it: a hex id prefix such
+        as 755331e2 or 0x1f2e3d would otherwise become a number (75533100.0, 2043197)."""
+        for i, arg in enumerate(argv):
+            if arg.startswith("--run_ids="):
+                argv[i] = "--run_ids=" + _as_strings(arg.split("=", 1)[1])
+            elif arg == "--run_ids" and i + 1 < len(argv):
+                argv[i + 1] = _as_strings(argv[i + 1])
+        return argv
 
     def __post_init__(self) -> None:
         import os

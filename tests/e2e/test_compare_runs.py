@@ -151,3 +151,7 @@ def test_an_all_digit_run_id_prefix_is_taken_as_its_digits():
 
     cfg = parse(CompareConfig, ["--run_ids", "[44420656, a1b2c3]"])
     assert [str(r) for r in cfg.run_ids] == ["44420656", "a1b2c3"]
+    # prefixes YAML reads as numbers: a float (755331e2 = 75533100.0, seen in CI), hex, octal
+    argv = ["--run_ids", "[755331e2, 0x1f2e3d, 00123456, '1_000a']"]
+    assert parse(CompareConfig, argv).run_ids == ["755331e2", "0x1f2e3d", "00123456", "1_000a"]
+    assert parse(CompareConfig, ["--run_ids=[755331e2]"]).run_ids == ["755331e2"]

@@ -51,7 +51,7 @@ def tiny_target(tmp_path_factory) -> str:
     return build_tiny_target(tmp_path_factory.mktemp("session") / "tiny_target")
 
 
-# ---- the suite on two workers (`-n 2`, pytest-xdist, `--dist loadgroup` in pyproject.toml) -------
+# ---- the suite on workers (`-n 3`; the fast lane `-n 2`; `--dist loadgroup` in pyproject.toml) ---
 # A file's tests run on one worker, so that its module-scoped fixtures (a 2-rank training, a
 # server) are made once; every test under tests/cluster/ runs on the same worker: they share the
 # session's Slurm daemons and namespace hosts, whose names and ports two copies would both take.

@@ -109,16 +109,16 @@ REFERENCE_CAPS = {
 def reference_shape(run_cfg, device_type: str) -> dict[str, int]:
     """The shape the compute rates are measured at: the recipe's target widths and its
     sequence and anchors, each between REFERENCE_FLOOR and the device type's REFERENCE_CAPS."""
-    from dspark_ds.drafters.common.target_config import text_config
+    from dspark_ds.drafters.common.target_config import global_attr, text_config
     from dspark_ds.tune.inventory import target_config_of
 
     text = text_config(target_config_of(run_cfg.target.path))
-    heads = int(text.num_attention_heads)
+    heads = int(global_attr(text, "num_attention_heads"))  # per-layer on Gemma4: its global
     own = dict(
         hidden=int(text.hidden_size),
         intermediate=int(text.intermediate_size),
         heads=heads,
-        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
+        head_dim=int(global_attr(text, "head_dim") or text.hidden_size // heads),
         vocab=int(text.vocab_size),
         layers=int(text.num_hidden_layers),
         seq_len=int(run_cfg.data.max_length),
@@ -372,7 +372,10 @@ class HostWork:
             self.stand_in()
         self.ops = counter.ops
         run_on = distributed.collective_device() if distributed.has_group() else device
-        self.copies = NarrowCopies(run_cfg, stages, device.type, run_on)
+        # NOTE: in the run's dtype, as the stand-in: the engine windows build their drafter
+        # from these copies (an fp32 copy under a bf16 ZeRO-3 engine with offloaded
+        # parameters keeps fp32 weights)
+        self.copies = NarrowCopies(run_cfg, stages, device.type, run_on, dtype)
         self.counts = self.copies.counts()
         self.sample()  # warm-up
 

@@ -354,10 +354,12 @@ def at_scale(values: list[float], scale: int) -> float:
 class NarrowCopies:
     """The recipe's drafter (for each loss path `stages` asks for: 0 or 3, and each point of its
     kind's host scale) and its target, 32 wide, on `device` (the process group's, when there is one: the
-    loss all-reduces its denominators, every rank runs the copy in step)."""
+    loss all-reduces its denominators, every rank runs the copy in step), in `dtype` (the
+    calibration's: the run's compute dtype, which its engines train in)."""
 
     def __init__(self, run_cfg, stages: tuple[int, ...], device: str = "cpu",
-                 run_on: torch.device | None = None):  # fmt: skip
+                 run_on: torch.device | None = None,
+                 dtype: torch.dtype = torch.float32):  # fmt: skip
         from dspark_ds.drafters.common.target_config import text_config
         from dspark_ds.drafters.registry import get_kind
         from dspark_ds.target import default_layer_ids
@@ -384,13 +386,14 @@ class NarrowCopies:
                     seq_len,
                     zero3=stage == 3,
                     device=run_on,
+                    dtype=dtype,
                     target_path=run_cfg.target.path,
                 )  # fmt: skip
                 for model, seq_len in copies
             ]
             for stage in stages
         }
-        self.target = TargetForward(self.config, layer_ids, B, min(length, 64), run_on)
+        self.target = TargetForward(self.config, layer_ids, B, min(length, 64), run_on, dtype)
 
     def counts(self) -> dict:
         """{"ops": {"drafter": {stage: n}, "target": n}, "calls": {"drafter": {stage: (forward,

@@ -169,3 +169,70 @@ def test_attention_pairs_are_the_masks_area(S, window):
     mask = (j <= i) & ((i - j < window) if window else True)
     diagonal = S if window is None or S <= window else window
     assert attention_pairs(S, window) == pytest.approx(mask.sum().item() - diagonal / 2)
+
+
+def gemma4_run(tmp_path, **text) -> TrainRunConfig:
+    """The Gemma4 recipe on a tiny Gemma4 config (config.json only) saved in `tmp_path`."""
+    from transformers import Gemma4Config
+
+    from helpers.gemma4 import tiny_gemma4_text
+
+    Gemma4Config(text_config=tiny_gemma4_text(**text)).save_pretrained(tmp_path)
+    argv = ["--config", "dspark_ds/recipes/dspark_gemma4_12b.yaml", "--target.path",
+            str(tmp_path), "--target.layer_ids", "[0, 1, 2]"]  # fmt: skip
+    return parse(TrainRunConfig, argv, prog="dspark-ds tune")
+
+
+def test_the_calibration_reference_shape_reads_a_gemma4_config(tmp_path):
+    """tune --cluster.calibrate: the compute rates' shape from the config's global head fields
+    (a plain read of Gemma4's per-layer head_dim trips transformers' guard)."""
+    from dspark_ds.tune.calibrate import reference_shape
+
+    run_cfg = gemma4_run(tmp_path, hidden_size=256, intermediate_size=1024,
+                         num_attention_heads=6, head_dim=64, global_head_dim=128,
+                         vocab_size=16000)  # fmt: skip
+    shape = reference_shape(run_cfg, "cpu")
+    assert {k: shape[k] for k in ("hidden", "intermediate", "heads", "head_dim", "vocab")} == dict(
+        hidden=256, intermediate=1024, heads=6, head_dim=64, vocab=16000
+    )
+
+
+def test_a_gemma4_calibration_copy_runs_under_a_bf16_engine(tmp_path):
+    """The calibration's engine window: DeepSpeed's bf16 casts the drafter's parameters and
+    keeps its fp32 buffers (the copy is built in fp32). Gemma4's `layer_scalar` must not turn
+    the residual stream fp32 (the next layer's q_proj would then see bf16 weights)."""
+    from dspark_ds.tune.workload import NarrowCopies
+
+    step = NarrowCopies(gemma4_run(tmp_path), (0,), "cpu").steps[0][0]
+    model = step.make()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    assert model.layers[0].layer_scalar.dtype == torch.float32
+    loss = step.loss(model)
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_the_calibration_copies_are_built_in_the_runs_dtype(tmp_path, monkeypatch):
+    """The engine windows build their drafter from the host work's copies: in the run's bf16
+    (an fp32 copy under a bf16 ZeRO-3 engine with offloaded parameters kept fp32 weights)."""
+    from dspark_ds.tune import calibrate
+    from dspark_ds.tune.workload import NarrowCopies
+
+    run_cfg = gemma4_run(tmp_path)
+    copies = NarrowCopies(run_cfg, (0,), "cpu", dtype=torch.bfloat16)
+    step = copies.steps[0][0]
+    assert {p.dtype for p in step.make().parameters()} == {torch.bfloat16}
+    assert step.batch["target_hidden_states"].dtype == torch.bfloat16
+    assert {p.dtype for p in copies.target.make().parameters()} == {torch.bfloat16}
+
+    class Built(Exception):
+        pass
+
+    def made(*args, **kwargs):  # HostWork's copies, before their timings
+        raise Built(args[4] if len(args) > 4 else kwargs.get("dtype"))
+
+    monkeypatch.setattr(calibrate, "NarrowCopies", made)
+    with pytest.raises(Built) as built:
+        calibrate.HostWork(run_cfg, (0,), torch.device("cpu"), torch.bfloat16)
+    assert built.value.args[0] == torch.bfloat16

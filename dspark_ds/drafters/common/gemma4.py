@@ -157,7 +157,9 @@ class Gemma4SandwichLayer(nn.Module):
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         h = h + self.post_attention_layernorm(attn)
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        return h * self.layer_scalar
+        # NOTE: in h's dtype, as the target's in-place `*=` keeps it: DeepSpeed's bf16 casts
+        # parameters only, and an fp32 buffer here would turn the residual stream fp32
+        return h * self.layer_scalar.to(h.dtype)
 
 
 class Gemma4FullAttentionRotary(Gemma4TextRotaryEmbedding):

@@ -63,6 +63,27 @@ def pytest_collection_modifyitems(items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+# A test marked `run_alone` (it times the machine) runs while no other test does
+# (helpers/run_alone.py); what it waited for its turn is listed at the end of the run.
+_ALONE_WAITED = "waited for its turn (s)"
+_alone_waits: list[tuple[str, float, float]] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:  # one process: every test runs alone
+        yield
+        return
+    from helpers.run_alone import lock_dir, turn
+
+    alone = item.get_closest_marker("run_alone") is not None
+    with turn(lock_dir(workerinput["testrunuid"]), alone) as waited:
+        if alone:
+            item.user_properties.append((_ALONE_WAITED, round(waited, 1)))
+        yield
+
+
 @pytest.fixture
 def golden_dir() -> Path:
     """The reference implementation's golden folders (tests/golden, see its README)."""
@@ -110,6 +131,9 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logreport(report):
     # NOTE: called where the run is reported (the controller, under xdist), with each worker's
     # reports; their keywords carry the markers' names
+    waited = dict(report.user_properties).get(_ALONE_WAITED)
+    if report.when == "call" and waited is not None:
+        _alone_waits.append((report.nodeid, waited, report.duration))
     if (
         report.when == "call"
         and "slow" not in report.keywords
@@ -119,6 +143,12 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _alone_waits:
+        terminalreporter.write_sep("-", "tests run alone (marked run_alone)")
+        for nodeid, waited, seconds in _alone_waits:
+            terminalreporter.write_line(
+                f"{seconds:6.1f} s  {nodeid} (waited {waited:.0f} s for the tests running)"
+            )
     if _slow_fast_lane:
         terminalreporter.write_sep(
             "-", f"fast-lane tests over {FAST_LANE_LIMIT_S:.0f} s (mark them slow?)"

@@ -370,6 +370,7 @@ def _check_predictions(result: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.run_alone  # seen in CI beside two other workers' tests: ZeRO-3 measured at 0.69x
 def test_predicted_step_within_30_percent_of_measured(tmp_path):
     """On the 2 gloo ranks: calibrate while measuring every option of the tiny recipe (host
     time and DeepSpeed's own costs: what a shared machine's load moves most), calibration

@@ -74,3 +74,37 @@ def test_a_launching_test_without_its_markers_fails(pytester):
     assert "test_unmarked launched 1 multi-process run(s) (first: torchrun --nproc_per_node=2 fake)" \
         " but is not marked 'distributed'; not marked 'slow'" in text  # fmt: skip
     assert "in tests/unit/, which is in-process only" in text
+
+
+def test_a_run_alone_test_waits_for_the_running_and_the_next_wait_for_it(tmp_path):
+    """helpers/run_alone.py's turns: a test marked run_alone starts when the test already
+    running has ended, and a test that asks after it starts when it has ended (one thread per
+    test, as the workers of `pytest -n 3` take their turns)."""
+    import threading
+    import time
+
+    from helpers.run_alone import turn
+
+    spans: dict[str, list[float]] = {}
+
+    def test(name: str, alone: bool, hold_s: float) -> None:
+        with turn(tmp_path, alone):
+            start = time.monotonic()
+            time.sleep(hold_s)
+            spans[name] = [start, time.monotonic()]
+
+    running = threading.Thread(target=test, args=("running", False, 0.6))
+    running.start()
+    time.sleep(0.15)
+    alone = threading.Thread(target=test, args=("alone", True, 0.3))
+    alone.start()
+    time.sleep(0.15)  # the run_alone test is waiting: the next one queues behind it
+    after = threading.Thread(target=test, args=("after", False, 0.0))
+    after.start()
+    for t in (running, alone, after):
+        t.join(timeout=10)
+    assert spans["running"][1] <= spans["alone"][0]
+    assert spans["alone"][1] <= spans["after"][0]
+    # shared turns overlap
+    with turn(tmp_path, False), turn(tmp_path, False):
+        pass

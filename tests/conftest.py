@@ -71,14 +71,13 @@ _alone_waits: list[tuple[str, float, float]] = []
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    workerinput = getattr(item.config, "workerinput", None)
-    if workerinput is None:  # one process: every test runs alone
+    if not hasattr(item.config, "workerinput"):  # one process: every test runs alone
         yield
         return
     from helpers.run_alone import lock_dir, turn
 
     alone = item.get_closest_marker("run_alone") is not None
-    with turn(lock_dir(workerinput["testrunuid"]), alone) as waited:
+    with turn(lock_dir(item.config), alone) as waited:
         if alone:
             item.user_properties.append((_ALONE_WAITED, round(waited, 1)))
         yield

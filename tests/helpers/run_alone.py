@@ -5,7 +5,8 @@ machine against measured step times (tests/multiprocess/test_tuner_speed.py) the
 other workers' load. Such a test is marked `run_alone` (tests/conftest.py): while it runs, no
 other test runs, and it starts once the tests already running have ended.
 
-The workers of one run share a folder (named by xdist's run id) and two locked files in it:
+The workers of one run share a folder (in the run's temporary directory, the parent of each
+worker's `popen-gwN`, which pytest prunes as it prunes the rest) and two locked files in it:
 
 - `running`: every test holds it shared while it runs; a `run_alone` test holds it exclusive, so
   it waits for the tests running and they for it;
@@ -20,16 +21,17 @@ flock(2) locks belong to an open file, so the same holds between threads of one 
 from __future__ import annotations
 
 import fcntl
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
-def lock_dir(run_id: str) -> Path:
-    """The folder the workers of the run `run_id` share."""
-    path = Path(tempfile.gettempdir()) / f"dspark-tests-{run_id}"
+def lock_dir(config) -> Path:
+    """The folder the workers of this run share, beside their own temporary directories."""
+    # NOTE: pytest's own TempPathFactory (what tmp_path uses); xdist gives each worker a
+    # --basetemp of <the run's directory>/popen-gwN
+    path = Path(config._tmp_path_factory.getbasetemp()).parent / "run_alone"
     path.mkdir(exist_ok=True)
     return path
 

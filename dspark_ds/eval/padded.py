@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from dspark_ds.drafters.common.blocks import DraftKVCache
-from dspark_ds.eval.recurrent import RecurrentState, row_states
+from dspark_ds.eval.recurrent import RecurrentState, crop_cache, row_states
 from dspark_ds.eval.target_step import forward_target
 
 
@@ -134,10 +134,12 @@ class _TargetSlots(_Slots):
         for layer in self.cache.layers:
             if hasattr(layer, "cumulative_length"):
                 layer.cumulative_length = total
+            if getattr(layer, "cumulative_length_linear", None) is not None:  # transformers 5.25
+                layer.cumulative_length_linear.fill_(total)
 
     def crop_end(self, n: int, total: int) -> None:
-        # NOTE: crop(-n) also trims sliding-window layers back to their window (even n = 0).
-        self.cache.crop(-n)
+        # NOTE: this also trims sliding-window layers back to their window (even n = 0).
+        crop_cache(self.cache, n)
 
     def select_rows(self, index: torch.Tensor) -> None:
         super().select_rows(index)

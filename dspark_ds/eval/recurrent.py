@@ -21,9 +21,13 @@ The method: snapshot and replay, layer by layer.
    attention layer, no lm_head. Rows are replayed together per distinct kept length (one
    mixer call per layer and length).
 
-Full-attention layers keep their KV cache rollback (`DynamicCache.crop`, eval/padded.py); the
-convolution states are replayed too (transformers' own `crop` would cut them right when past
-recording is on, but the replay writes them anyway).
+Full-attention layers keep their KV cache rollback (`crop_cache`, the KV part of
+`DynamicCache.crop`); the convolution states are replayed too. transformers 5.25 rolls a
+recurrent state back itself only from a history of intermediate states that the mixers compute
+when `recurrent_states_to_keep` asks for them (one state per draft, every layer, every
+forward): `start_recording` asks for none and `crop_cache` cuts the linear-attention layers as
+transformers 5.24 did (their convolution windows and token count, their recurrent state left to
+the replay), so both versions decode the same way.
 
 A target whose config or cache says it keeps a recurrent state but whose family is not one of
 `STATEFUL_MIXERS` is refused by name: its state could not be put back, and decoding it would
@@ -32,6 +36,8 @@ silently not be lossless.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -103,6 +109,69 @@ def _linear_layers(cache) -> dict[int, LinearAttentionCacheLayerMixin]:
         i: layer
         for i, layer in enumerate(cache.layers)
         if isinstance(layer, LinearAttentionCacheLayerMixin)
+    }
+
+
+def start_recording(cache) -> None:
+    """Past recording on: sliding-window layers keep what a rejected draft must be cut out of,
+    linear-attention layers their whole convolution windows until `crop_cache`; no intermediate
+    recurrent states (transformers >= 5.25's `recurrent_states_to_keep`: the replay rebuilds
+    a kept state)."""
+    if "recurrent_states_to_keep" in _recording_params():
+        cache.activate_past_recording(recurrent_states_to_keep=0)
+    else:
+        cache.activate_past_recording()
+
+
+@functools.cache
+def _recording_params() -> frozenset[str]:
+    method = LinearAttentionCacheLayerMixin.activate_past_recording
+    return frozenset(inspect.signature(method).parameters)
+
+
+def crop_cache(cache, tokens_to_remove: int) -> None:
+    """`cache.crop(-tokens_to_remove)` (0 still trims sliding windows and convolution windows),
+    with each linear-attention part cut as transformers 5.24 cut it: its convolution windows
+    and its token count, its recurrent state left as it is for `RecurrentState.rollback` (5.25's
+    own crop takes it from a history that `start_recording` does not keep)."""
+    for layer in cache.layers:
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.crop(-tokens_to_remove)
+            continue
+        _crop_linear(layer, tokens_to_remove)
+        kv_crop = _kv_crop(type(layer))  # a layer with attention beside its mixer (Falcon-H1)
+        if kv_crop is not None:
+            kv_crop(layer, -tokens_to_remove)
+
+
+@functools.cache
+def _kv_crop(layer_class: type):
+    for klass in layer_class.__mro__:
+        if "crop" in vars(klass) and not issubclass(klass, LinearAttentionCacheLayerMixin):
+            return klass.crop
+    return None
+
+
+def _crop_linear(layer, n: int) -> None:
+    for s in range(layer.number_of_states):
+        if layer.is_conv_states_initialized[s]:
+            conv, width = layer.conv_states[s], layer.conv_kernel_size[s]
+            layer.conv_states[s] = conv[..., -width:] if n == 0 else conv[..., -n - width : -n]
+    history = getattr(layer, "recurrent_states_history", None)
+    if history is not None:  # transformers >= 5.25: the states the forward left, one each
+        for s in history:
+            history[s] = []
+    count = getattr(layer, "cumulative_length_linear", None)
+    if count is not None:
+        count.sub_(n)
+
+
+def _counts(cache) -> dict[int, int]:
+    """The token count of each linear-attention layer (transformers >= 5.25 keeps one)."""
+    return {
+        i: int(layer.cumulative_length_linear)
+        for i, layer in _linear_layers(cache).items()
+        if getattr(layer, "cumulative_length_linear", None) is not None
     }
 
 
@@ -224,6 +293,7 @@ class RecurrentState:
             for s in range(layer.number_of_states):
                 if final_conv[i].get(s) is not None:
                     final_conv[i][s] = final_conv[i][s][..., -layer.conv_kernel_size[s] :].clone()
+        counts = _counts(cache)  # what the crop left; the replay's mixer calls count again
         lengths = sorted({k for k in keep_R if k < appended})
         for length in lengths:
             rows = torch.tensor(
@@ -248,6 +318,11 @@ class RecurrentState:
             for s in range(layer.number_of_states):
                 layer.conv_states[s] = final_conv[i][s]
                 layer.recurrent_states[s] = final_rec[i][s]
+            if i in counts:
+                layer.cumulative_length_linear.fill_(counts[i])
+            if getattr(layer, "recurrent_states_history", None) is not None:
+                for s in layer.recurrent_states_history:
+                    layer.recurrent_states_history[s] = []
         _pad_conv_windows(cache)
 
     @staticmethod

@@ -14,7 +14,12 @@ import torch
 from transformers import DynamicCache
 
 from dspark_ds.errors import ConfigError
-from dspark_ds.eval.recurrent import RecurrentState, check_recurrent_target
+from dspark_ds.eval.recurrent import (
+    RecurrentState,
+    check_recurrent_target,
+    crop_cache,
+    start_recording,
+)
 from dspark_ds.target import text_config
 
 
@@ -66,7 +71,7 @@ def new_target_cache(target) -> DynamicCache:
     cache = DynamicCache(config=target.config)
     # NOTE: sliding-window layers (Gemma4) drop old K/V as they go unless past recording is
     # on, and then a rejected draft could not be rolled back.
-    cache.activate_past_recording()
+    start_recording(cache)
     return cache
 
 
@@ -159,9 +164,8 @@ class TargetDecoder:
                 f"{self._forward_start} tokens at the earliest"
             )
         appended = self.num_cached - self._forward_start
-        # NOTE: transformers 5 `crop` takes a negative count of tokens to remove (a positive
-        # absolute length raises); crop(0) still trims sliding-window layers to their window.
-        self.cache.crop(num_tokens - self.num_cached)
+        # NOTE: crop(0) still trims sliding-window layers to their window.
+        crop_cache(self.cache, self.num_cached - num_tokens)
         self.num_cached = num_tokens
         if self.states is not None:
             self.states.rollback(self.cache, [num_tokens - self._forward_start], appended)

@@ -211,7 +211,7 @@ class DrafterKind(Protocol):
         drafter.attn_implementation = perf.attn_implementation
         drafter.activation_checkpointing = perf.activation_checkpointing
         if device is not None and perf.compile_mode(device) != "off":
-            compile_drafter(drafter, perf.compile_mode(device))
+            compile_drafter(drafter, perf.compile_mode(device), perf.compile_backend)
         return self.loss_impl_for(perf.loss_impl, zero3=zero_stage == 3)
 
 

@@ -7,7 +7,8 @@ what it saved (drafters/common/layers.py `run_layer`; exact: the same ops run ag
 
 `compile_drafter` applies `perf.compile`: "layers" compiles each draft decoder layer
 (`nn.Module.compile`, which keeps the module and its parameter names: checkpoints, export and
-ZeRO's hooks see the same tree); "model" compiles the whole drafter's forward. Under ZeRO-3
+ZeRO's hooks see the same tree); "model" compiles the whole drafter's forward; `compile_backend`
+is torch.compile's backend (inductor by default). Under ZeRO-3
 DeepSpeed's gather / release hooks are excluded from compilation (`torch.compiler.disable`), so a
 compiled layer runs as graphs between them. Recompiles follow the flex kernel's plan
 (drafters/common/flex.py): the first step compiles for its shapes, the first batch of another
@@ -71,6 +72,12 @@ class PerfConfig:
     gpu-check` benches "layers" beside the default). The flex kernel is compiled whatever
     this says."""
 
+    compile_backend: str = "inductor"
+    """torch.compile's backend for `compile`: "inductor" (generated kernels), "aot_eager"
+    (dynamo's graphs and AOTAutograd's forward / backward split, run by eager kernels: no code
+    generation, compiles in seconds; tells a tracing problem from an inductor one), or another
+    backend torch._dynamo lists (`torch._dynamo.list_backends()`, e.g. "cudagraphs")."""
+
     activation_checkpointing: bool = False
     """Recompute each draft decoder layer in backward (torch.utils.checkpoint, non-reentrant)
     instead of keeping its activations: memory keeps each layer's input (and, for Eagle3, each
@@ -108,6 +115,15 @@ class PerfConfig:
             raise ConfigError(
                 f"perf.compile: expected one of {COMPILE_MODES}, got {self.compile!r}"
             )
+        if self.compile_backend != "inductor":  # (listing them imports dynamo: only then)
+            import torch._dynamo
+
+            backends = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in backends:
+                raise ConfigError(
+                    f"perf.compile_backend: {self.compile_backend!r} is not a torch.compile "
+                    f"backend; expected one of {sorted(backends)}"
+                )
 
     def chunk_anchors(self, device: torch.device | str) -> int:
         """`loss_chunk_anchors` with "auto" resolved for the run's device."""
@@ -126,13 +142,14 @@ class PerfConfig:
         return "off" if self.compile == "auto" else self.compile
 
 
-def compile_drafter(model: nn.Module, mode: str) -> nn.Module:
-    """Compiles `model` in place per `mode` ("off" | "layers" | "model"); returns it."""
+def compile_drafter(model: nn.Module, mode: str, backend: str = "inductor") -> nn.Module:
+    """Compiles `model` in place per `mode` ("off" | "layers" | "model") with torch.compile's
+    `backend`; returns it."""
     if mode not in COMPILE_MODES or mode == "auto":
         raise ValueError(f"perf.compile: expected off, layers or model, got {mode!r}")
     if mode == "layers":
         for layer in model.layers:
-            layer.compile(dynamic=None)
+            layer.compile(dynamic=None, backend=backend)
     elif mode == "model":
-        model.compile(dynamic=None)
+        model.compile(dynamic=None, backend=backend)
     return model

@@ -73,6 +73,7 @@ def test_perf_defaults_per_device():
         (dict(loss_chunk_anchors="big"), "perf.loss_chunk_anchors"),
         (dict(loss_chunk_anchors=0), "perf.loss_chunk_anchors"),
         (dict(compile="everything"), "perf.compile"),
+        (dict(compile_backend="inductr"), "perf.compile_backend: 'inductr' is not a torch.compile"),
     ):
         with pytest.raises(ValueError, match=field):
             PerfConfig(**bad)

@@ -60,11 +60,37 @@ def pytest_collection_modifyitems(items):
     for item in items:
         path = Path(item.fspath)
         group = "cluster" if path.parent.name == "cluster" else str(path.relative_to(REPO))
+        if item.get_closest_marker("run_alone") is not None:
+            group = RUN_ALONE_GROUP
         item.add_marker(pytest.mark.xdist_group(group))
 
 
 # A test marked `run_alone` (it times the machine) runs while no other test does
-# (helpers/run_alone.py); what it waited for its turn is listed at the end of the run.
+# (helpers/run_alone.py); what it waited for its turn is listed at the end of the run. Those
+# tests are one group, handed out first: started with the run, they wait for no more than the
+# other workers' first tests (in the middle of a run one waited 74 s for two long ones, a worker
+# idle meanwhile).
+RUN_ALONE_GROUP = "run_alone"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class RunAloneFirst(LoadGroupScheduling):
+        """`--dist loadgroup` (whole groups, the largest first), the run_alone group before
+        them all."""
+
+        def _assign_work_unit(self, node):
+            if RUN_ALONE_GROUP in self.workqueue:
+                self.workqueue.move_to_end(RUN_ALONE_GROUP, last=False)
+            super()._assign_work_unit(node)
+
+    return RunAloneFirst(config, log)
+
+
 _ALONE_WAITED = "waited for its turn (s)"
 _alone_waits: list[tuple[str, float, float]] = []
 

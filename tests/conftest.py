@@ -6,6 +6,7 @@ Helpers shared by several test modules live in tests/helpers/ and are imported a
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -56,21 +57,39 @@ def tiny_target(tmp_path_factory) -> str:
 # server) are made once; every test under tests/cluster/ runs on the same worker: they share the
 # session's Slurm daemons and namespace hosts, whose names and ports two copies would both take.
 @pytest.hookimpl(tryfirst=True)  # NOTE: before xdist's own hook rewrites the node ids
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    slow_groups = set()
     for item in items:
         path = Path(item.fspath)
         group = "cluster" if path.parent.name == "cluster" else str(path.relative_to(REPO))
         if item.get_closest_marker("run_alone") is not None:
             group = RUN_ALONE_GROUP
         item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker("slow") is not None:
+            slow_groups.add(group)
+    if hasattr(config, "workerinput"):  # for the controller's scheduler (below)
+        listing = _slow_groups_file(config)
+        part = listing.with_name(f"{listing.name}.{config.workerinput['workerid']}")
+        part.write_text(json.dumps(sorted(slow_groups)))
+        part.replace(listing)
 
 
-# A test marked `run_alone` (it times the machine) runs while no other test does
-# (helpers/run_alone.py); what it waited for its turn is listed at the end of the run. Those
-# tests are one group, handed out first: started with the run, they wait for no more than the
-# other workers' first tests (in the middle of a run one waited 74 s for two long ones, a worker
-# idle meanwhile).
+# Which groups go first. A test marked `run_alone` (it times the machine) runs while no other
+# test does (helpers/run_alone.py); what it waited for its turn is listed at the end of the
+# run. Those tests are one group, handed out first: started with the run, they wait for no
+# more than the other workers' first tests (in the middle of a run one waited 74 s for two long
+# ones, a worker idle meanwhile). Then the groups that hold a slow test, then the rest, each
+# the largest first (xdist's order): the many short in-process tests fill the end of the run,
+# where a compile-heavy file of 3 tests, handed out last for its count, ran 134 s alone.
 RUN_ALONE_GROUP = "run_alone"
+
+
+def _slow_groups_file(config) -> Path:
+    """In the controller's temporary directory (the run's: a worker's is its popen-gwN)."""
+    base = Path(config._tmp_path_factory.getbasetemp())
+    if hasattr(config, "workerinput"):
+        base = base.parent
+    return base / "slow_groups.json"
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -79,16 +98,24 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadGroupScheduling
 
-    class RunAloneFirst(LoadGroupScheduling):
-        """`--dist loadgroup` (whole groups, the largest first), the run_alone group before
-        them all."""
+    class SlowGroupsFirst(LoadGroupScheduling):
+        """`--dist loadgroup` (whole groups), run_alone first, then the groups with a slow
+        test, then the others; within each, the largest first."""
+
+        ordered = False
 
         def _assign_work_unit(self, node):
-            if RUN_ALONE_GROUP in self.workqueue:
-                self.workqueue.move_to_end(RUN_ALONE_GROUP, last=False)
+            if not self.ordered:
+                self.ordered = True
+                listing = _slow_groups_file(config)
+                slow = set(json.loads(listing.read_text())) if listing.exists() else set()
+                rank = {RUN_ALONE_GROUP: 0, **dict.fromkeys(slow - {RUN_ALONE_GROUP}, 1)}
+                order = sorted(self.workqueue, key=lambda scope: rank.get(scope, 2))  # stable
+                for scope in order:
+                    self.workqueue.move_to_end(scope)
             super()._assign_work_unit(node)
 
-    return RunAloneFirst(config, log)
+    return SlowGroupsFirst(config, log)
 
 
 _ALONE_WAITED = "waited for its turn (s)"

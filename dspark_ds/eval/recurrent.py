@@ -157,13 +157,19 @@ def _crop_linear(layer, n: int) -> None:
         if layer.is_conv_states_initialized[s]:
             conv, width = layer.conv_states[s], layer.conv_kernel_size[s]
             layer.conv_states[s] = conv[..., -width:] if n == 0 else conv[..., -n - width : -n]
-    history = getattr(layer, "recurrent_states_history", None)
-    if history is not None:  # transformers >= 5.25: the states the forward left, one each
-        for s in history:
-            history[s] = []
+    _drop_history(layer)
     count = getattr(layer, "cumulative_length_linear", None)
     if count is not None:
         count.sub_(n)
+
+
+def _drop_history(layer) -> None:
+    """transformers >= 5.25 keeps, under past recording, the recurrent state each forward and
+    each replay started from (until its own crop): nothing here reads them."""
+    history = getattr(layer, "recurrent_states_history", None)
+    if history is not None:
+        for s in history:
+            history[s] = []
 
 
 def _counts(cache) -> dict[int, int]:
@@ -320,9 +326,7 @@ class RecurrentState:
                 layer.recurrent_states[s] = final_rec[i][s]
             if i in counts:
                 layer.cumulative_length_linear.fill_(counts[i])
-            if getattr(layer, "recurrent_states_history", None) is not None:
-                for s in layer.recurrent_states_history:
-                    layer.recurrent_states_history[s] = []
+            _drop_history(layer)  # (the replay's)
         _pad_conv_windows(cache)
 
     @staticmethod

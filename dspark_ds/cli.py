@@ -88,6 +88,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "dspark_ds.serve.check:run_serve_check",
         "vLLM's own config validation and weight loader on a drafter directory (docs/serving.md)",
     ),
+    "serve-target": (
+        "dspark_ds.serve.target_server:ServeTargetConfig",
+        "dspark_ds.serve.target_server:run_serve_target",
+        "vLLM serving a recipe's target, writing its tapped hidden states (data.mode served)",
+    ),
     "sync-tracking": (
         "dspark_ds.tracking.sync:SyncConfig",
         "dspark_ds.tracking.sync:run_sync",

@@ -254,6 +254,8 @@ class TrainRunConfig:
                 "train.synthetic_samples > 0",
                 self,
             )
+        if self.train.synthetic_samples == 0:
+            self.data.check_served_storage()
         if self.train.synthetic_samples:
             _require(
                 self.train.synthetic_samples >= self.train.global_batch_size,

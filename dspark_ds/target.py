@@ -365,14 +365,12 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
         module.weight = weight
 
 
-def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(embedding [V,H], lm_head [V,H]) read straight from the target's safetensors, without
-    loading the whole target: the model is built on the meta device to learn the two
-    parameters' names (any family), then only those tensors are read. Tied targets return the
-    embedding twice."""
+def _meta_target(target_path: str):
+    """(the target's local directory, its model built on the meta device, {id(parameter): its
+    names}): what the readers below use to learn a parameter's name in any family."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dspark_ds.target_weights import TargetWeights, local_target_dir
+    from dspark_ds.target_weights import local_target_dir
 
     root = local_target_dir(target_path)
     try:
@@ -386,6 +384,17 @@ def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]
     names: dict[int, list[str]] = {}  # a tied weight has both names; the checkpoint one
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
+    return root, model, names
+
+
+def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding [V,H], lm_head [V,H]) read straight from the target's safetensors, without
+    loading the whole target: the model is built on the meta device to learn the two
+    parameters' names (any family), then only those tensors are read. Tied targets return the
+    embedding twice."""
+    from dspark_ds.target_weights import TargetWeights
+
+    root, model, names = _meta_target(target_path)
     embed_names = names[id(model.get_input_embeddings().weight)]
     head = model.get_output_embeddings()
     head_names = names[id(head.weight)] if head is not None else embed_names
@@ -397,3 +406,31 @@ def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]
     if embed is None:
         raise ConfigError(f"target.path: {root} holds no {embed_names[0]} tensor (the embedding)")
     return embed, next((found[n] for n in head_names if n in found), embed)
+
+
+def target_final_norm(target_path: str) -> nn.Module:
+    """The target's final norm (the decoder's ``norm``, on the CPU in float32, frozen) read from
+    its safetensors: what turns the last layer's raw output into the state the lm_head consumes,
+    for a served target whose files hold the raw one (`dspark_ds.serve.hidden_states`)."""
+    from dspark_ds.target_weights import TargetWeights
+
+    root, model, _ = _meta_target(target_path)
+    norm = getattr(model.get_decoder(), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ConfigError(
+            f"target.path: the {model.config.model_type} target's decoder has no final `norm` "
+            "module; a served target's last hidden state cannot be normed here"
+        )
+    prefix = next(n for n, m in model.named_modules() if m is norm) + "."
+    wanted = {prefix + n for n, _ in norm.named_parameters()}
+    wanted |= {prefix + n for n, _ in norm.named_buffers()}
+    found = {
+        name.removeprefix(prefix): source.read().view(source.shape)
+        for name, source in TargetWeights(root).sources(model, only=wanted)
+    }
+    missing = sorted(n for n in wanted if n.removeprefix(prefix) not in found)
+    if any(n.removeprefix(prefix) in dict(norm.named_parameters()) for n in missing):
+        raise ConfigError(f"target.path: {root} holds no {missing[0]} tensor (the final norm)")
+    norm = norm.to_empty(device="cpu").float()
+    norm.load_state_dict({k: v.float() for k, v in found.items()}, strict=False)
+    return norm.eval().requires_grad_(False)

@@ -27,6 +27,8 @@
 #   DSPARK_FORWARD_SIGNAL  signal passed on to the job step's tasks on Slurm's USR1 warning
 #                        (default: USR1 under srun; TERM under torchrun, which passes TERM on
 #                        to its workers and waits up to 30 s for them to save and exit)
+#   DSPARK_SERVE_WAIT_S  the longest the servers of `dspark_serve_start` may take to answer
+#                        /health, all together (default 1800)
 #
 # Pre-emption: `#SBATCH --signal=B:USR1@<s>` sends USR1 to this batch shell <s> seconds before
 # the time limit (`scancel --signal=USR1 --batch <job>` does the same by hand). The shell passes
@@ -43,6 +45,7 @@
 : "${DSPARK_REQUEUE_EXIT_CODE:=75}"
 : "${DSPARK_SRUN_ARGS:=}"
 : "${DSPARK_TORCHRUN_ARGS:=}"
+: "${DSPARK_SERVE_WAIT_S:=1800}"
 
 _dspark_child=""
 _dspark_preempted=0
@@ -57,7 +60,7 @@ _dspark_on_usr1() {
     # NOTE: `scancel --signal` (no --batch) reaches every task of every step on every node
     # without stopping them. Signalling srun itself would not do for torchrun: srun answers a
     # TERM by killing the step, before anything is saved.
-    scancel --signal="$DSPARK_FORWARD_SIGNAL" "$SLURM_JOB_ID" 2>/dev/null ||
+    scancel --signal="$DSPARK_FORWARD_SIGNAL" "$_dspark_signal_job" 2>/dev/null ||
       kill -s "$DSPARK_FORWARD_SIGNAL" "$_dspark_child" 2>/dev/null || true
   fi
 }
@@ -85,6 +88,12 @@ case $DSPARK_LAUNCHER in
 esac
 
 cd "$DSPARK_WORKDIR"
+
+# what the user set, for `dspark_het_group` (which sizes the launch again for another component)
+_dspark_user_nproc=${DSPARK_NPROC_PER_NODE:-}
+_dspark_user_omp=${OMP_NUM_THREADS:-}
+_dspark_signal_job=$SLURM_JOB_ID  # whose steps the USR1 warning is passed on to
+_dspark_nodelist=$SLURM_JOB_NODELIST
 
 _dspark_nodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 _dspark_tasks_per_node=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / _dspark_nodes ))}
@@ -147,7 +156,7 @@ dspark_launch() {
          $DSPARK_TORCHRUN_ARGS -m dspark_ds.launch "$@")
   fi
   _dspark_log "job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $_dspark_nodes node(s)" \
-    "[$SLURM_JOB_NODELIST], launcher $DSPARK_LAUNCHER, head ${MASTER_ADDR:-<first node of the step>}:$MASTER_PORT," \
+    "[$_dspark_nodelist], launcher $DSPARK_LAUNCHER, head ${MASTER_ADDR:-<first node of the step>}:$MASTER_PORT," \
     "$_dspark_cpus_per_task CPU(s) per task, OMP_NUM_THREADS=$OMP_NUM_THREADS"
   mkdir -p "$(dirname "$DSPARK_EXIT_FILE")"
   rm -f "$DSPARK_EXIT_FILE"
@@ -197,4 +206,123 @@ dspark_finish() {
     exit 0
   fi
   exit "$rc"
+}
+
+# dspark_het_group <n>: the next `dspark_launch` runs on component <n> of a heterogeneous job
+# (`#SBATCH hetjob`, or `sbatch <options> : <options>`) instead of component 0, where the batch
+# script runs: that component's nodes (its first one the head), tasks, CPUs and GPUs, srun given
+# --het-group=<n>, and the USR1 warning passed on to that component's steps only.
+dspark_het_group() {
+  local n=$1 v nodelist ntasks gpus on_node
+  v=SLURM_JOB_NODELIST_HET_GROUP_$n
+  nodelist=${!v:-}
+  if [[ -z $nodelist ]]; then
+    echo "this job has no heterogeneous component $n ($v is unset): submit it as" \
+      "'sbatch <options> : <options> $0' or with '#SBATCH hetjob' lines" >&2
+    exit 2
+  fi
+  mapfile -t _dspark_hosts < <(scontrol show hostnames "$nodelist")
+  _dspark_nodelist=$nodelist
+  _dspark_nodes=${#_dspark_hosts[@]}
+  v=SLURM_NTASKS_HET_GROUP_$n
+  ntasks=${!v:-$_dspark_nodes}
+  v=SLURM_NTASKS_PER_NODE_HET_GROUP_$n
+  _dspark_tasks_per_node=${!v:-$(( ntasks / _dspark_nodes ))}
+  v=SLURM_GPUS_PER_NODE_HET_GROUP_$n  # "8", "gpu:8" or "gpu:h100:8"
+  gpus=${!v:-}
+  gpus=${gpus##*:}
+  [[ $gpus =~ ^[1-9][0-9]*$ ]] || gpus=$_dspark_tasks_per_node
+  DSPARK_NPROC_PER_NODE=${_dspark_user_nproc:-$gpus}
+  v=SLURM_CPUS_PER_TASK_HET_GROUP_$n
+  _dspark_cpus_per_task=${!v:-1}
+  OMP_NUM_THREADS=${_dspark_user_omp:-$_dspark_cpus_per_task}
+  if [[ $DSPARK_LAUNCHER == torchrun ]]; then
+    v=SLURM_JOB_CPUS_PER_NODE_HET_GROUP_$n  # "16", "16(x2)" or "16,8": the first node's
+    on_node=${!v:-}
+    _dspark_cpus_per_task=${on_node%%[(,]*}
+    _dspark_cpus_per_task=${_dspark_cpus_per_task:-1}
+    OMP_NUM_THREADS=${_dspark_user_omp:-$(( _dspark_cpus_per_task / DSPARK_NPROC_PER_NODE > 0 ? _dspark_cpus_per_task / DSPARK_NPROC_PER_NODE : 1 ))}
+  fi
+  export OMP_NUM_THREADS
+  DSPARK_SRUN_ARGS="--het-group=$n $DSPARK_SRUN_ARGS"
+  v=SLURM_JOB_ID_HET_GROUP_$n
+  # NOTE: `scancel --signal` of the job signals every component's steps (the servers too); the
+  # component's own job id reaches its steps only
+  _dspark_signal_job=${!v:-$SLURM_JOB_ID}
+}
+
+# Servers beside the job step (vLLM, SGLang, `dspark-ds serve-target`): each a background srun
+# step on one node, with its own GPUs and log; `dspark_serve_wait` until every one answers
+# /health, `dspark_serve_stop` at the end.
+_dspark_serve_pids=()
+_dspark_serve_urls=()
+_dspark_serve_logs=()
+
+# dspark_serve_start [srun options] -- <node> <gpus> <first gpu> <url> <log> <command...>: one
+# server on <node>, seeing GPUs <first gpu> .. <first gpu> + <gpus> - 1 of the node (none when
+# <gpus> is 0), its output in <log>; <url> is where it will answer.
+dspark_serve_start() {
+  local opts=()
+  while (($#)) && [[ $1 != -- ]]; do opts+=("$1"); shift; done
+  shift
+  local node=$1 gpus=$2 first=$3 url=$4 log=$5
+  shift 5
+  # NOTE: --overlap lets the servers share their component's allocation; the GPUs are chosen
+  # inside the step, after Slurm has set the step's own CUDA_VISIBLE_DEVICES (all the node's).
+  srun --nodes=1 --ntasks=1 --nodelist="$node" --overlap --kill-on-bad-exit=0 "${opts[@]}" \
+    bash -c 'if (($1)); then export CUDA_VISIBLE_DEVICES=$(seq -s, "$2" $(($2 + $1 - 1))); fi; shift 2; exec "$@"' \
+    _ "$gpus" "$first" "$@" </dev/null >"$log" 2>&1 &
+  _dspark_serve_pids+=($!)
+  _dspark_serve_urls+=("$url")
+  _dspark_serve_logs+=("$log")
+  local where="$node, no GPU"
+  ((gpus == 0)) || where="$node, GPUs $first-$((first + gpus - 1))"
+  _dspark_log "server ${#_dspark_serve_urls[@]} at $url ($where; log $log): $*"
+}
+
+# dspark_serve_wait: 0 once every server started answers /health; 1 and one line when one ended
+# first, when DSPARK_SERVE_WAIT_S passed, or on a pre-emption warning or Slurm's TERM.
+dspark_serve_wait() {
+  local deadline=$((SECONDS + DSPARK_SERVE_WAIT_S)) i url rc last
+  for i in "${!_dspark_serve_urls[@]}"; do
+    url=${_dspark_serve_urls[$i]}
+    # NOTE: no proxy: a site's http_proxy would not reach the job's nodes
+    until "$PYTHON" -c 'import sys, urllib.request as u; u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=5)' \
+        "${url%/v1}/health" 2>/dev/null; do
+      if ! kill -0 "${_dspark_serve_pids[$i]}" 2>/dev/null; then
+        rc=0
+        wait "${_dspark_serve_pids[$i]}" 2>/dev/null || rc=$?
+        last=$(grep -v '^[[:space:]]*$' "${_dspark_serve_logs[$i]}" 2>/dev/null | tail -n 1)
+        _dspark_log "server $url ended (exit $rc) before answering /health; the end of ${_dspark_serve_logs[$i]}: ${last:-<empty>}"
+        return 1
+      fi
+      if ((SECONDS >= deadline)); then
+        _dspark_log "server $url did not answer /health within DSPARK_SERVE_WAIT_S=$DSPARK_SERVE_WAIT_S s (log ${_dspark_serve_logs[$i]})"
+        return 1
+      fi
+      if ((_dspark_preempted || _dspark_stopped)); then
+        _dspark_log "stopped while waiting for server $url to answer /health"
+        return 1
+      fi
+      sleep 2
+    done
+  done
+  _dspark_log "${#_dspark_serve_urls[@]} server(s) answer /health"
+}
+
+# dspark_serve_stop (once the job step has ended): TERM to the servers, their steps killed when
+# they are still there 60 s later.
+dspark_serve_stop() {
+  ((${#_dspark_serve_pids[@]})) || return 0
+  _dspark_log "stopping ${#_dspark_serve_pids[@]} server(s)"
+  # NOTE: through Slurm, to the servers themselves: srun answers a TERM of its own by killing its
+  # step outright (SIGKILL), which leaves a server no time to stop its workers
+  scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true
+  local deadline=$((SECONDS + 60)) pid
+  for pid in "${_dspark_serve_pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 1; done
+    kill -TERM "$pid" 2>/dev/null || true
+  done
+  wait "${_dspark_serve_pids[@]}" 2>/dev/null || true
+  _dspark_serve_pids=()
 }

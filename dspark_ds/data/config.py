@@ -10,6 +10,121 @@ from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetConfig
 
 CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
+MODES = ("offline", "online", "hybrid", "served")
+
+
+@dataclass
+class FleetConfig:
+    """A fleet of OpenAI-compatible inference servers (SGLang, vLLM, ``transformers serve``): where
+    they are, and how a client routes, retries and rotates its requests among them."""
+
+    urls: list[str] = field(default_factory=list)
+    """Base URLs, ``http://host:port/v1`` (a URL without a path gets ``/v1``). Each request goes
+    to the server in rotation with the fewest requests in flight."""
+    model: str | None = None
+    """Model name sent with every request; None = the one the first server's ``/v1/models``
+    lists. Every server must list it."""
+    timeout_s: float = 600.0
+    """Longest wait for one answer; longer counts as a failure of that server."""
+    max_retries: int = 3
+    """Retries of a failed request, on any server in rotation, with backoff."""
+    retry_backoff_s: float = 1.0
+    """Wait before the first retry of a request; doubled for each further one, at most 60 s."""
+    probe_interval_s: float = 5.0
+    """A server that failed is out of rotation; it is probed this often (``/health``, then
+    ``/v1/models``) and back in rotation once it answers."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Environment variable holding the servers' API key (`vllm serve --api-key`, SGLang's
+    `--api-key`), sent as `Authorization: Bearer` when set; only this name is ever stored."""
+    give_up_s: float = 900.0
+    """Stop (exit 1) when no server has been in rotation for this long."""
+
+    def _check_fleet(self, section: str) -> None:
+        for i, url in enumerate(self.urls):
+            if not str(url).startswith(("http://", "https://")):
+                raise ConfigError(f"{section}.urls[{i}]: {url!r} is not an http:// or https:// URL")
+        if len(set(self.urls)) != len(self.urls):
+            raise ConfigError(f"{section}.urls: a URL is listed twice ({self.urls})")
+        if self.max_retries < 0:
+            raise ConfigError(f"{section}.max_retries must be >= 0, got {self.max_retries}")
+        for name in ("timeout_s", "probe_interval_s", "give_up_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{section}.{name} must be > 0, got {getattr(self, name)}")
+        if self.retry_backoff_s < 0:
+            raise ConfigError(f"{section}.retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
+
+
+@dataclass
+class ServerConfig(FleetConfig):
+    """OpenAI-compatible inference servers (SGLang, vLLM, ``transformers serve``) that write the
+    answers instead of a target loaded in the ranks. Empty ``urls``: the target answers inside
+    the ranks (Hugging Face ``generate``); set: one client process drives every server and no
+    target weights are loaded. A row whose request fails 1 + ``max_retries`` times goes to
+    ``<output>.failed.jsonl`` with the reason (a rerun tries it again); with no server in
+    rotation for ``give_up_s`` the run stops, keeping every finished row (a rerun resumes)."""
+
+    concurrency: int = 64
+    """Requests in flight over all servers together."""
+
+    def __post_init__(self) -> None:
+        self._check_fleet("server")
+        if self.concurrency < 1:
+            raise ConfigError(f"server.concurrency must be >= 1, got {self.concurrency}")
+
+
+CONNECTOR = "SharedStorageHiddenStatesConnector"
+"""The project's hidden-states connector (``dspark_ds/serve/vllm_connector``): vLLM's stock file
+connector, made to run on CPU engines too."""
+
+
+@dataclass
+class ServedConfig(FleetConfig):
+    """``data.mode: served``: a vLLM fleet serving the target computes each sequence's tapped
+    hidden states (its ``extract_hidden_states`` method and a KV connector writing one file per
+    sequence to shared storage); `dspark-ds serve-target` starts such a server from the recipe."""
+
+    storage: str | None = None
+    """The directory the servers' connector writes and the trainers read (a shared file system
+    when they run on other hosts; each side may mount it at its own path, the file name is what
+    counts). A file is deleted as soon as it is read."""
+    prefetch_batches: int = 4
+    """Micro-batches each rank fetches ahead of the one it trains on (the bounded queue: the
+    features of this many batches wait in host memory, their requests in flight)."""
+    file_wait_s: float = 30.0
+    """Longest wait for a file the server named to appear on this host (a shared file system's
+    caches) and for its writer to let go of it; past it the file counts as missing and the
+    sequence is asked for again."""
+    connector: str = CONNECTOR
+    """vLLM's ``kv_connector``: the project's (the default; CPU and GPU engines), or a site's own
+    (``ExampleHiddenStatesConnector``, a Mooncake or NIXL hidden-states connector) that writes
+    the same ``hidden_states`` / ``token_ids`` safetensors files."""
+    connector_module: str | None = None
+    """vLLM's ``kv_connector_module_path`` for a connector of the site's (None: the project's
+    module for its own connector, vLLM's registry for any other name)."""
+    connector_extra: dict = field(default_factory=dict)
+    """More of vLLM's ``kv_connector_extra_config`` (``shared_storage_path`` is ``storage``)."""
+    tensor_parallel_size: int = 1
+    """Each server's tensor-parallel size (vLLM's ``--tensor-parallel-size``): the GPUs one
+    server spans."""
+    expert_parallel: bool = False
+    """vLLM's ``--enable-expert-parallel`` (MoE targets: experts split over the server's GPUs)."""
+    vllm_args: list[str] = field(default_factory=list)
+    """More ``vllm serve`` flags, as written (e.g. [--gpu-memory-utilization, "0.9"])."""
+
+    def __post_init__(self) -> None:
+        self._check_fleet("data.served")
+        if self.file_wait_s <= 0:
+            raise ConfigError(f"data.served.file_wait_s must be > 0, got {self.file_wait_s}")
+        if self.prefetch_batches < 1:
+            raise ConfigError(
+                f"data.served.prefetch_batches must be >= 1, got {self.prefetch_batches}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"data.served.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if not self.connector:
+            raise ConfigError("data.served.connector is empty: name a vLLM KV connector class")
 
 
 @dataclass
@@ -20,9 +135,10 @@ class DataConfig:
     """Chat jsonl files (OpenAI ``messages``, ShareGPT ``conversations`` or ``turns`` rows), or
     one directory written by ``dspark-ds prepare``. Not needed in offline mode (the cache holds
     the tokens)."""
-    mode: Literal["offline", "online", "hybrid"] = "online"
+    mode: Literal["offline", "online", "hybrid", "served"] = "online"
     """offline: features from ``cache_dir``; online: the target runs in the training job;
-    hybrid: online for the first epoch while writing ``cache_dir``, then from the cache."""
+    hybrid: online for the first epoch while writing ``cache_dir``, then from the cache;
+    served: a vLLM fleet serving the target computes them (``data.served``)."""
     cache_dir: str | None = None
     """Target cache directory (offline: read; hybrid and build-cache: written)."""
     tokenizer: str | None = None
@@ -59,13 +175,36 @@ class DataConfig:
     target's) | float32 | bfloat16 | float16 | fp8 (e4m3 + per-token scale, half of bf16)."""
     samples_per_shard: int = 1024
     """Samples per cache shard (the unit of resumption and of checksum verification)."""
+    served: ServedConfig = field(default_factory=ServedConfig)
+    """The target's servers when ``mode`` is served (and for hybrid's first epoch when
+    ``served.urls`` is set): their URLs, the shared storage, the prefetch queue."""
     cache_verify: Literal["sha256", "size"] = "sha256"
     """How a cache is checked before training: sha256 of every shard (ranks split the work) or
     sizes only (for multi-TB caches)."""
 
+    @property
+    def from_servers(self) -> bool:
+        """Whether a served target computes features in the job's first epoch (served mode, or
+        hybrid with ``served.urls``)."""
+        return self.mode == "served" or (self.mode == "hybrid" and bool(self.served.urls))
+
+    def check_served_storage(self) -> None:
+        """Trainers (not `serve-target`, which takes ``--storage``) must name the storage."""
+        if self.from_servers and not self.served.storage:
+            raise ConfigError(
+                "data.served.storage is required with data.served.urls: the directory the "
+                "servers write the hidden states to (a file system both jobs mount)"
+            )
+
     def __post_init__(self) -> None:
-        if self.mode not in ("offline", "online", "hybrid"):
-            raise ConfigError(f"data.mode must be offline | online | hybrid, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"data.mode must be {' | '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "served" and not self.served.urls:
+            raise ConfigError(
+                "data.served.urls is empty: data.mode=served needs the target's vLLM servers "
+                "(dspark-ds serve-target starts one)"
+            )
+
         if self.mode in ("offline", "hybrid") and not self.cache_dir:
             raise ConfigError(f"data.cache_dir is required when data.mode={self.mode}")
         for name in ("max_length", "batch_size", "length_grouping", "samples_per_shard"):
@@ -91,57 +230,6 @@ class PrepareConfig:
     """Input files (``data.paths``), tokenizer, max length, bad-row policy."""
     output_dir: str = ""
     """Directory to write (tokens.safetensors + meta.json)."""
-
-
-@dataclass
-class ServerConfig:
-    """OpenAI-compatible inference servers (SGLang, vLLM, ``transformers serve``) that write the
-    answers instead of a target loaded in the ranks."""
-
-    urls: list[str] = field(default_factory=list)
-    """Base URLs, ``http://host:port/v1`` (a URL without a path gets ``/v1``). Empty: the target
-    answers inside the ranks (Hugging Face ``generate``). Set: one client process drives every
-    server, each request going to the server with the fewest in flight; no target weights are
-    loaded."""
-    model: str | None = None
-    """Model name sent with every request; None = the one the first server's ``/v1/models``
-    lists. Every server must list it."""
-    concurrency: int = 64
-    """Requests in flight over all servers together."""
-    timeout_s: float = 600.0
-    """Longest wait for one answer (one assistant turn); longer counts as a failure of that
-    server."""
-    max_retries: int = 3
-    """Retries of a failed request, on any server in rotation, with backoff. A row whose request
-    fails 1 + max_retries times goes to ``<output>.failed.jsonl`` with the reason; a rerun tries
-    it again."""
-    retry_backoff_s: float = 1.0
-    """Wait before the first retry of a request; doubled for each further one, at most 60 s."""
-    probe_interval_s: float = 5.0
-    """A server that failed is out of rotation; it is probed this often (``/health``, then
-    ``/v1/models``) and back in rotation once it answers."""
-    api_key_env: str = "OPENAI_API_KEY"
-    """Environment variable holding the servers' API key (`vllm serve --api-key`, SGLang's
-    `--api-key`), sent as `Authorization: Bearer` when set; only this name is ever stored."""
-    give_up_s: float = 900.0
-    """Stop (exit 1; every finished row is kept and a rerun resumes) when no server has been in
-    rotation for this long."""
-
-    def __post_init__(self) -> None:
-        for i, url in enumerate(self.urls):
-            if not str(url).startswith(("http://", "https://")):
-                raise ConfigError(f"server.urls[{i}]: {url!r} is not an http:// or https:// URL")
-        if len(set(self.urls)) != len(self.urls):
-            raise ConfigError(f"server.urls: a URL is listed twice ({self.urls})")
-        if self.concurrency < 1:
-            raise ConfigError(f"server.concurrency must be >= 1, got {self.concurrency}")
-        if self.max_retries < 0:
-            raise ConfigError(f"server.max_retries must be >= 0, got {self.max_retries}")
-        for name in ("timeout_s", "probe_interval_s", "give_up_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"server.{name} must be > 0, got {getattr(self, name)}")
-        if self.retry_backoff_s < 0:
-            raise ConfigError(f"server.retry_backoff_s must be >= 0, got {self.retry_backoff_s}")
 
 
 @dataclass

@@ -4,6 +4,11 @@ answers chat requests for one client process.
     async with Fleet(cfg.server, say=print) as fleet:
         model = await fleet.check(fields)  # ConfigError naming the URL when a server is unfit
         answer = await fleet.chat(body)  # an Answer, or RequestFailed once the retries are spent
+        result = await fleet.request("/completions", body, parse)  # any endpoint, any answer
+
+`chat` is what `regenerate` sends; `request` is the same routing and retries for another
+endpoint, its answer parsed by the caller (a ValueError from ``parse`` or a `BadAnswer` from
+``check`` counts as a failure of that server; ``served.py``'s hidden-state requests use it).
 
 - Routing: each request goes to the server in rotation with the fewest requests in flight.
 - A connection failure, a timeout, an HTTP 5xx or an answer that is not an OpenAI chat
@@ -23,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
 
-from dspark_ds.data.config import ServerConfig
+from dspark_ds.data.config import FleetConfig
 from dspark_ds.errors import ConfigError
 from dspark_ds.serve.auth import auth_headers, refused
 
@@ -43,6 +48,15 @@ class RequestFailed(Exception):
 
 class FleetDown(RuntimeError):
     """No server has been in rotation for ``give_up_s``."""
+
+
+class BadAnswer(Exception):
+    """What a request's ``check`` raises for an answer that cannot be used (a missing or damaged
+    file, say): retried like a server failure; ``down`` takes the server out of rotation."""
+
+    def __init__(self, reason: str, *, down: bool = False):
+        super().__init__(reason)
+        self.reason, self.down = reason, down
 
 
 class _Failure(Exception):
@@ -142,9 +156,16 @@ class Fleet:
     """The servers of ``cfg.urls`` behind one ``chat`` call (module docstring). An async context
     manager: it owns the HTTP session and the probes of servers out of rotation."""
 
-    def __init__(self, cfg: ServerConfig, say: Callable[[str], None] = print):
+    def __init__(
+        self,
+        cfg: FleetConfig,
+        say: Callable[[str], None] = print,
+        label: str = "regenerate",
+        option: str = "server",
+    ):
         self.cfg = cfg
         self.say = say
+        self.label, self.option = label, option
         self.servers = [Server(base_url(u)) for u in cfg.urls]
         self.model: str | None = cfg.model
         self.last_error = ""
@@ -171,9 +192,22 @@ class Fleet:
 
     # ---- start-up checks ------------------------------------------------------------------
     async def check(self, fields: dict) -> str:
-        """Every server reachable, listing the model (``cfg.model``, else the only one the first
-        server lists) and answering a one-token request with the run's ``fields`` as an OpenAI
-        server does. Returns the model; ConfigError naming the first unfit URL."""
+        """Every server reachable, listing the model (`check_models`) and answering a one-token
+        chat request with the run's ``fields`` as an OpenAI server does. Returns the model;
+        ConfigError naming the first unfit URL."""
+        model = await self.check_models()
+        answers = await asyncio.gather(
+            *(self._first_answer(i, s, fields) for i, s in enumerate(self.servers)),
+            return_exceptions=True,
+        )
+        for result in answers:
+            if isinstance(result, BaseException):
+                raise result
+        return model
+
+    async def check_models(self) -> str:
+        """Every server reachable and listing the model (``cfg.model``, else the only one the
+        first server lists); returns it, or ConfigError naming the first unfit URL."""
         listed = await asyncio.gather(
             *(self._listed_models(i, s) for i, s in enumerate(self.servers)),
             return_exceptions=True,
@@ -184,27 +218,24 @@ class Fleet:
         if self.model is None:
             if len(listed[0]) != 1:
                 raise ConfigError(
-                    f"server.urls[0] {self.servers[0].base}: lists {len(listed[0])} models "
-                    f"({', '.join(listed[0][:5])}); choose one with --server.model"
+                    f"{self.where(0)}: lists {len(listed[0])} models "
+                    f"({', '.join(listed[0][:5])}); choose one with --{self.option}.model"
                 )
             self.model = listed[0][0]
-        for i, (server, ids) in enumerate(zip(self.servers, listed)):
+        for i, ids in enumerate(listed):
             if self.model not in ids:
                 raise ConfigError(
-                    f"server.urls[{i}] {server.base}: serves {', '.join(ids[:5]) or 'no model'}"
-                    f", not {self.model!r}"
+                    f"{self.where(i)}: serves {', '.join(ids[:5]) or 'no model'}, not "
+                    f"{self.model!r}"
                 )
-        answers = await asyncio.gather(
-            *(self._first_answer(i, s, fields) for i, s in enumerate(self.servers)),
-            return_exceptions=True,
-        )
-        for result in answers:
-            if isinstance(result, BaseException):
-                raise result
         return self.model
 
+    def where(self, i: int) -> str:
+        """``server.urls[1] http://h2:30000/v1``: the option and the server, for messages."""
+        return f"{self.option}.urls[{i}] {self.servers[i].base}"
+
     async def _listed_models(self, i: int, server: Server) -> list[str]:
-        where = f"server.urls[{i}] {server.base}"
+        where = self.where(i)
         try:
             async with self._session.get(f"{server.base}/models", timeout=self._check_timeout) as r:
                 raw, status = await r.read(), r.status
@@ -213,7 +244,9 @@ class Fleet:
         except aiohttp.ClientError as err:
             raise ConfigError(f"{where}: unreachable ({_error_text(err)})") from None
         if status in (401, 403):
-            raise refused(where, "GET /models", status, self.cfg.api_key_env, "server.api_key_env")
+            raise refused(
+                where, "GET /models", status, self.cfg.api_key_env, f"{self.option}.api_key_env"
+            )
         if status != 200:
             raise ConfigError(
                 f"{where}: GET /models answered HTTP {status} ({_error_detail(raw)}); not an "
@@ -228,10 +261,16 @@ class Fleet:
         body = {**fields, "model": self.model, "max_tokens": 1}
         body["messages"] = [{"role": "user", "content": "Hello"}]
         try:
-            await self._post(server, body, timeout_s=max(self.cfg.timeout_s, CHECK_TIMEOUT_S))
+            await self.post(
+                server,
+                "/chat/completions",
+                body,
+                parse_completion,
+                timeout_s=max(self.cfg.timeout_s, CHECK_TIMEOUT_S),
+            )
         except _Failure as f:
             raise ConfigError(
-                f"server.urls[{i}] {server.base}: a one-token chat request failed: {f.reason}"
+                f"{self.where(i)}: a one-token chat request failed: {f.reason}"
             ) from None
 
     @property
@@ -242,21 +281,40 @@ class Fleet:
     async def chat(self, body: dict) -> Answer:
         """POST ``body`` (plus the model) to ``/chat/completions`` of the least busy server in
         rotation, retried as the module docstring says."""
+        answer, server = await self.request("/chat/completions", body, parse_completion)
+        server.tokens += answer.completion_tokens
+        return answer
+
+    async def request(
+        self,
+        path: str,
+        body: dict,
+        parse: Callable[[bytes], object],
+        check: Callable[[object, Server], Awaitable[object]] | None = None,
+    ):
+        """POST ``body`` (plus the model) to ``path`` of the least busy server in rotation;
+        ``parse`` reads the answer (a ValueError: the server is taken out of rotation) and the
+        optional ``check(result, server)`` uses it (a `BadAnswer`: that try failed). Retried as
+        the module docstring says; returns (what ``check`` returned, else the parsed answer; the
+        server that answered)."""
         body = {**body, "model": self.model}
         failures = 0
         while True:
             server = await self._acquire()
             failure = None
             try:
-                answer = await self._post(server, body, timeout_s=self.cfg.timeout_s)
+                result = await self.post(server, path, body, parse, timeout_s=self.cfg.timeout_s)
+                if check is not None:
+                    result = await check(result, server)
             except _Failure as f:
                 failure = f
+            except BadAnswer as bad:
+                failure = _Failure(bad.reason, down=bad.down)
             finally:
                 server.in_flight -= 1
             if failure is None:
                 server.answered += 1
-                server.tokens += answer.completion_tokens
-                return answer
+                return result, server
             server.errors += 1
             self.last_error = reason = f"{server.base}: {failure.reason}"
             if failure.down:
@@ -280,7 +338,7 @@ class Fleet:
             left = self.cfg.give_up_s - (time.monotonic() - self._none_up_since)
             if left <= 0:
                 raise FleetDown(
-                    f"no server has been in rotation for {self.cfg.give_up_s:g} s (server."
+                    f"no server has been in rotation for {self.cfg.give_up_s:g} s ({self.option}."
                     f"give_up_s); the last error: {self.last_error}"
                 )
             try:
@@ -288,23 +346,33 @@ class Fleet:
             except (asyncio.TimeoutError, TimeoutError):
                 pass
 
-    async def _post(self, server: Server, body: dict, timeout_s: float) -> Answer:
+    async def post(
+        self,
+        server: Server,
+        path: str,
+        body: dict,
+        parse: Callable[[bytes], object],
+        timeout_s: float,
+    ):
+        """One POST of ``body`` to ``server``'s ``path``, its answer through ``parse``; a
+        `_Failure` saying whether to take the server out and whether to retry."""
         try:
             async with self._session.post(
-                f"{server.base}/chat/completions",
-                json=body,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                f"{server.base}{path}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as resp:
                 raw, status = await resp.read(), resp.status
         except (asyncio.TimeoutError, TimeoutError):
             raise _Failure(f"no answer within {timeout_s:g} s", down=True) from None
         except aiohttp.ClientError as err:
             raise _Failure(f"request failed ({_error_text(err)})", down=True) from None
-        if status in (401, 403):  # no retry helps: the run stops, keeping its finished rows
+        if status in (401, 403):  # no retry helps: the run stops, keeping what it finished
             raise refused(
-                server.base, "POST /chat/completions", status, self.cfg.api_key_env,
-                "server.api_key_env",
-            )  # fmt: skip
+                server.base,
+                f"POST {path}",
+                status,
+                self.cfg.api_key_env,
+                f"{self.option}.api_key_env",
+            )
         if status in (408, 429):
             raise _Failure(f"HTTP {status} ({_error_detail(raw)})", down=False)
         if status >= 500:
@@ -312,7 +380,7 @@ class Fleet:
         if status >= 400:
             raise _Failure(f"HTTP {status} ({_error_detail(raw)})", down=False, retry=False)
         try:
-            return parse_completion(raw)
+            return parse(raw)
         except ValueError as err:
             raise _Failure(str(err), down=True) from None
 
@@ -322,7 +390,7 @@ class Fleet:
             return
         server.up = False
         server.outages += 1
-        self.say(f"[regenerate] out of rotation: {reason}")
+        self.say(f"[{self.label}] out of rotation: {reason}")
         if not any(s.up for s in self.servers):
             self._some_up.clear()
             self._none_up_since = time.monotonic()
@@ -337,7 +405,7 @@ class Fleet:
                 server.up = True
                 self._some_up.set()
                 self._none_up_since = None
-                self.say(f"[regenerate] back in rotation: {server.base}")
+                self.say(f"[{self.label}] back in rotation: {server.base}")
                 return
 
     async def _healthy(self, server: Server) -> bool:

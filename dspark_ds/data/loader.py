@@ -1,8 +1,9 @@
-"""The training loader: one feature contract, three modes (offline / online / hybrid).
+"""The training loader: one feature contract, four modes (offline / online / hybrid / served).
 
 Every mode yields the same batches for the same samples and seed: the sample order depends
-only on (seed, epoch, rank, world size, lengths), and features come either from the cache
-(offline, hybrid epochs ≥ 1) or from the frozen target in the job (online, hybrid epoch 0).
+only on (seed, epoch, rank, world size, lengths), and features come from the cache (offline,
+hybrid epochs ≥ 1), from the frozen target in the job (online, hybrid epoch 0) or from the
+target's vLLM servers (served, and hybrid epoch 0 with ``data.served.urls``; `served.py`).
 Batch keys: ``input_ids``, ``loss_mask``, ``attention_mask`` (long [B,S]), ``sample_ids`` [B],
 ``target_hidden_states`` [B,S,n·H], ``target_last_hidden_states`` [B,S,H].
 """
@@ -20,9 +21,13 @@ from dspark_ds import distributed as dist
 from dspark_ds.data import cache as cache_lib
 from dspark_ds.data.collate import Collator, split_batch
 from dspark_ds.data.config import DataConfig
+from dspark_ds.data.served import ServedFeatures, ServedTarget
 from dspark_ds.data.tokens import TokenStore, load_samples
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import FrozenTarget, TargetFeatureProvider
+
+PROBE_TOKENS = 32
+"""The start-up check of a served target sends the first sample's first tokens."""
 
 
 def epoch_batches(
@@ -151,11 +156,13 @@ class TrainLoader:
         world_size: int,
         samples: TokenStore | None,
         cache: cache_lib.TargetCache | None,
-        provider: TargetFeatureProvider | None,
+        provider: TargetFeatureProvider | ServedFeatures | None,
         writer: HybridCacheWriter | None = None,
     ):
         self.cfg, self.rank, self.world = cfg, rank, world_size
         self.samples, self.cache, self.provider, self.writer = samples, cache, provider, writer
+        self.served = provider if isinstance(provider, ServedFeatures) else None
+        """The target's fleet (served mode, hybrid's first epoch with ``data.served.urls``)."""
         ref = samples if samples is not None else cache
         self.lengths = ref.lengths
         self.pad_token_id = int(ref.meta.get("pad_token_id", 0))
@@ -163,7 +170,7 @@ class TrainLoader:
         self._checked_epoch: int | None = None
 
     def source_for(self, epoch: int) -> str:
-        """Where features come from in ``epoch``: "cache" or "target"."""
+        """Where features come from in ``epoch``: "cache" or "target" (in the job or served)."""
         mode = self.cfg.mode
         return "cache" if mode == "offline" or (mode == "hybrid" and epoch >= 1) else "target"
 
@@ -230,6 +237,9 @@ class TrainLoader:
 
     def __iter__(self) -> Iterator[dict]:
         from_cache = self.source_for(self.epoch) == "cache"
+        if not from_cache and self.served is not None:
+            yield from self._served_epoch()
+            return
         dataset = self._cache_for_epoch() if from_cache else self.samples
         todo = self.batches()[self.position :]
         loader = DataLoader(
@@ -245,7 +255,7 @@ class TrainLoader:
                 batch = self.provider(batch)
                 if self.writer is not None:
                     self.writer.add(batch)
-            elif self.provider is not None:  # same device as online batches
+            elif isinstance(self.provider, TargetFeatureProvider):  # online batches' device
                 batch = {
                     k: v.to(self.provider.target.device, non_blocking=True)
                     for k, v in batch.items()
@@ -253,6 +263,21 @@ class TrainLoader:
             self.position += 1
             yield batch
         if not from_cache and self.writer is not None:
+            self._open_cache()
+
+    def _served_epoch(self) -> Iterator[dict]:
+        """This epoch's batches from the fleet, ``data.served.prefetch_batches`` ahead."""
+        start, epoch = self.position, self.epoch
+        todo = (
+            (f"epoch {epoch}, micro-batch {start + k}", [self.samples[i] for i in batch])
+            for k, batch in enumerate(self.batches()[start:])
+        )
+        for batch in self.served.batches(todo, Collator(self.pad_token_id)):
+            if self.writer is not None:
+                self.writer.add(batch)
+            self.position += 1
+            yield batch
+        if self.writer is not None:
             self._open_cache()
 
 
@@ -269,29 +294,38 @@ def build_train_loader(
     cfg: DataConfig,
     rank: int | None = None,
     world_size: int | None = None,
-    target: FrozenTarget | None = None,
+    target: FrozenTarget | ServedTarget | None = None,
     *,
     hidden_size: int | None = None,
     layer_ids: list[int] | None = None,
     vocab_size: int | None = None,
+    served: ServedFeatures | None = None,
 ) -> TrainLoader:
     """The training loader of this rank for ``cfg.mode``.
 
     ``target`` (a FrozenTarget on the training device) is required for online and hybrid
-    modes. ``hidden_size``, ``layer_ids``, ``vocab_size`` describe the drafter: an offline cache
-    that does not match them is refused here, before training starts.
+    modes; with ``served`` (the fleet's client: served mode, hybrid with ``data.served.urls``)
+    it is the `ServedTarget` that describes the served one. ``hidden_size``, ``layer_ids``,
+    ``vocab_size`` describe the drafter: an offline cache that does not match them is refused
+    here, before training starts.
     """
     if rank is None or world_size is None:
         rank, world_size = dist.rank_and_world()
-    if cfg.mode in ("online", "hybrid") and target is None:
+    if cfg.mode in ("online", "hybrid", "served") and target is None:
         raise ConfigError(f"data.mode={cfg.mode} needs the target model (target.path)")
-    provider = TargetFeatureProvider(target) if target is not None else None
+    if cfg.mode == "served" and served is None:
+        raise ConfigError("data.mode=served needs the target's servers (data.served.urls)")
+    provider = served
+    if provider is None and isinstance(target, FrozenTarget):
+        provider = TargetFeatureProvider(target)
     samples = cache = writer = None
     if cfg.mode == "offline":
         cache = cache_lib.TargetCache(cfg.cache_dir, cfg.cache_verify)
         cache.check_compatible(hidden_size=hidden_size, layer_ids=layer_ids, vocab_size=vocab_size)
     else:
         samples = load_samples(cfg, getattr(target, "name_or_path", None))
+        if served is not None and len(samples):
+            served.check([int(t) for t in samples[0]["input_ids"][:PROBE_TOKENS]])
         if target is not None:
             if layer_ids is not None and list(layer_ids) != list(target.layer_ids):
                 raise ConfigError(

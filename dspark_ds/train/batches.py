@@ -112,10 +112,11 @@ class SyntheticSource:
 
 
 def build_batch_source(
-    cfg, *, rank: int, world_size: int, target, draft_config, split: str = "train"
+    cfg, *, rank: int, world_size: int, target, draft_config, split: str = "train", served=None
 ):
     """The batch source of `cfg` (a TrainRunConfig) for this rank; None when `split` is "val"
-    and no held-out data is configured."""
+    and no held-out data is configured. `served`: the fleet's client and its `ServedTarget`
+    (`served_client`), when the target is served."""
     provider = TargetFeatureProvider(target) if target is not None else None
     if cfg.train.synthetic_samples > 0:
         if split == "val" and (cfg.validation.paths or cfg.validation.cache_dir):
@@ -145,18 +146,35 @@ def build_batch_source(
         if not (cfg.validation.paths or cfg.validation.cache_dir):
             return None
         mode = "offline" if cfg.validation.cache_dir else "online"
+        if mode == "online" and served is not None:  # the training data's servers
+            mode = "served"
         data_cfg = replace(
             cfg.data,
             paths=list(cfg.validation.paths),
             cache_dir=cfg.validation.cache_dir,
             mode=mode,
         )
+    client, served_target = served if served is not None else (None, None)
     return build_train_loader(
         data_cfg,
         rank,
         world_size,
-        target,
+        target if served is None else served_target,
         hidden_size=int(draft_config.hidden_size),
         layer_ids=list(draft_config.target_layer_ids),
         vocab_size=int(draft_config.vocab_size),
+        served=client if data_cfg.mode in ("served", "hybrid") else None,
     )
+
+
+def served_client(cfg, draft_config, lm_head):
+    """(this rank's client of the target's fleet, the `ServedTarget`) when `cfg`'s features come
+    from servers (data.mode served, or hybrid with data.served.urls), else None."""
+    data = cfg.data
+    if cfg.train.synthetic_samples > 0 or not data.from_servers:
+        return None
+    from dspark_ds import distributed
+    from dspark_ds.data.served import connect
+
+    layer_ids = list(draft_config.target_layer_ids)
+    return connect(data, cfg.target, layer_ids, lm_head, say=distributed.log)

@@ -159,13 +159,15 @@ class MetricsLogger:
         flops: Callable[[float, float, float | None], float] | None = None,
         peak_flops: float | None = None,
         world: int = 1,
+        fleet_counts: Callable[[], tuple[int, int]] | None = None,
     ):
         """`to_metrics`: a micro-batch's metric sums (over the ranks) -> its metrics (the
         drafter kind's `metrics`). `nodes`: every node's monitor figures (tracking/system.py
         `NodeMetrics`), reduced with the log step's counts. `flops(sequences, tokens,
         anchors_per_sequence)`: the model FLOPs of a window over every rank (train/flops.py
         `WindowFlops`), shared by the `world` ranks; `peak_flops`: one rank's peak, for MFU
-        (None: no MFU)."""
+        (None: no MFU). `fleet_counts()`: the sequences and tokens a served target's fleet has
+        delivered to this rank so far (served mode)."""
         self.path = Path(run_dir) / LOG_FILE
         self.tracker = tracker
         self.rank, self.log_every, self.total_steps = rank, log_every, total_steps
@@ -173,6 +175,8 @@ class MetricsLogger:
         self.to_metrics = to_metrics
         self.nodes = nodes
         self.flops, self.peak_flops, self.world = flops, peak_flops, world
+        self.fleet_counts = fleet_counts
+        self._fleet_seen = (0, 0)
         # NOTE: a tqdm bar in a Slurm log is one line rewritten with \r thousands of times
         self.use_bar = rank == 0 and progress_bar and sys.stdout.isatty()
         self.bests = [_Best("loss", False), _Best(TAU, True),
@@ -244,6 +248,7 @@ class MetricsLogger:
         self.window_steps, self.samples = 0, 0
         self.steps_in_window = 0  # optimizer steps in its wall time, skipped ones included
         self.tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.data_wait_s = 0.0
         self.sampler_sums = torch.zeros(len(SAMPLER_STATS) + 1, dtype=torch.float64,
                                         device=self.device)  # fmt: skip
         self.t0 = time.perf_counter()
@@ -252,6 +257,19 @@ class MetricsLogger:
         """A micro-batch that was trained on (its tokens stay a tensor until a log step)."""
         self.tokens += batch["attention_mask"].sum().to(self.tokens.device, torch.float64)
         self.samples += int(batch["input_ids"].shape[0])
+
+    def add_data_wait(self, seconds: float) -> None:
+        """Time the step waited for its next micro-batch (online: the in-job target's forward)."""
+        self.data_wait_s += seconds
+
+    def _data_counts(self) -> list[float]:
+        """The window's data wait and the fleet's deliveries to this rank since the last call."""
+        seqs = toks = 0
+        if self.fleet_counts is not None:
+            now = self.fleet_counts()
+            seqs, toks = now[0] - self._fleet_seen[0], now[1] - self._fleet_seen[1]
+            self._fleet_seen = now
+        return [self.data_wait_s, float(seqs), float(toks)]
 
     def add_sampler_sums(self, sums: torch.Tensor | None) -> None:
         if sums is not None:
@@ -289,7 +307,8 @@ class MetricsLogger:
         counts = []
         if with_window:
             samples = torch.full((1,), float(self.samples), dtype=torch.float64, device=self.device)
-            counts = [self.tokens.view(1), samples, self.sampler_sums]
+            data = torch.tensor(self._data_counts(), dtype=torch.float64, device=self.device)
+            counts = [self.tokens.view(1), samples, data, self.sampler_sums]
             if self.nodes is not None:
                 counts.append(self.nodes.part().view(-1))
         if not stats and not counts:
@@ -334,7 +353,7 @@ class MetricsLogger:
     def _window_metrics(self, counts, lr, epoch, grad_norm, counters) -> dict[str, float]:
         """The log step's metrics: window means and rates. `counts`: the window's tokens,
         samples and sampler statistics, summed over the ranks."""
-        all_tokens, all_samples, *sampler = counts
+        all_tokens, all_samples, wait_s, fleet_seqs, fleet_tokens, *sampler = counts
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         logged = {f"train/{k}": v / self.window_steps for k, v in self.window.items()}
         if sampler[-1] > 0:  # samples seen by the anchor sampler (DSpark / DFlash)
@@ -346,7 +365,11 @@ class MetricsLogger:
             "system/tokens_per_s": all_tokens / elapsed,
             "system/samples_per_s": all_samples / elapsed,
             "system/peak_memory_mb": peak_memory_mb(self.device),
+            "data/wait_share": wait_s / (self.world * elapsed),
         })  # fmt: skip
+        if self.fleet_counts is not None:
+            logged["data/served_sequences_per_s"] = fleet_seqs / elapsed
+            logged["data/served_tokens_per_s"] = fleet_tokens / elapsed
         if grad_norm is not None and self.window_steps:
             logged["train/grad_norm"] = grad_norm
         logged.update(self._throughput(elapsed, all_samples, all_tokens, sampler))

@@ -43,6 +43,7 @@ import torch
 from dspark_ds import distributed
 from dspark_ds.config import TrainRunConfig, dump_config, to_plain
 from dspark_ds.data.cache import CacheError
+from dspark_ds.data.served import DataUnavailable
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.io import draft_config_dict
@@ -56,7 +57,7 @@ from dspark_ds.engine.target import check_target_dtype, load_target_in_job
 from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.target import target_shared_weights
 from dspark_ds.train import rundir, signals
-from dspark_ds.train.batches import build_batch_source
+from dspark_ds.train.batches import build_batch_source, served_client
 from dspark_ds.train.checkpoint import CheckpointManager
 from dspark_ds.train.flops import WindowFlops, peak_flops
 from dspark_ds.train.lineage import log_export, start_tracking
@@ -150,8 +151,10 @@ class Trainer:
         # config-level failures (exit 2) come before any process group exists
         self.draft_config = make_draft_config(cfg)
         # the target runs in the job (features online, synthetic data) and then lends the
-        # drafter its embedding and lm_head (engine/target.py)
-        self.needs_target = cfg.data.mode != "offline" or cfg.train.synthetic_samples > 0
+        # drafter its embedding and lm_head (engine/target.py); a served one runs elsewhere
+        self.needs_target = (
+            cfg.data.mode != "offline" and not cfg.data.from_servers
+        ) or cfg.train.synthetic_samples > 0
         if self.needs_target:
             check_target_dtype(cfg.target.torch_dtype, cfg.train.precision)
         self.rank, self.world, _ = distributed.init(cfg.deepspeed.backend, settings=cfg.distributed)
@@ -241,6 +244,7 @@ class Trainer:
             flops=flops,
             peak_flops=peak_flops(cfg.train.peak_tflops, cfg.train.precision, self.device),
             world=self.world,
+            fleet_counts=None if self.served is None else self.served[0].counts,
         )
         self.validator = Validator(cfg.validation, self.val_source)
         self.signals = Signals()
@@ -257,10 +261,16 @@ class Trainer:
         # offline: the target's tensors, copied into the drafter; export writes these (a bf16
         # engine holds its copies rounded). Online the drafter holds the target's own weights.
         self.shared = None if self.needs_target else target_shared_weights(cfg.target.path)
+        head = None if self.shared is None else self.shared[1]
+        self.served = served_client(cfg, self.draft_config, head)
         kwargs = dict(rank=self.rank, world_size=self.world, target=self.target,
-                      draft_config=self.draft_config)  # fmt: skip
+                      draft_config=self.draft_config, served=self.served)  # fmt: skip
         self.source = build_batch_source(cfg, **kwargs)
         self.val_source = build_batch_source(cfg, **kwargs, split="val")
+        # served: the step's micro-batches are fetched before it starts, and every rank agrees
+        # that all of them arrived (one flag), so that a fleet failure stops every rank at the
+        # same step, after a checkpoint
+        self.fetch_ahead = self.served is not None
 
     def _build_engine(self) -> DrafterEngine:
         init_state = None
@@ -372,20 +382,16 @@ class Trainer:
             self._iter = iter(self.source)
         ctx = self.step_context(training=True)
         outputs: list[StepOutput] = []
+        ahead = self._fetch_step(at_start) if self.fetch_ahead else None
         for i in range(self.grad_accum):
-            try:
-                batch = next(self._iter)
-            except CacheError as err:  # every rank (the cache's checks are collective)
-                if i > 0:
-                    raise
-                self._save_before_data_error(at_start, err)
+            batch = ahead[i] if ahead else self._next_batch(i, at_start)
             out = self.kind.training_step(self.engine, self.on_device(batch), ctx)
             self.metrics.add_sampler_sums(out.sampler_sums)
             finite, stop = self._control(out.loss)
             if not finite:
                 self._report_nonfinite(i, batch, out.loss)
-                for _ in range(i + 1, self.grad_accum):  # the step's other batches go with it
-                    next(self._iter)
+                for _ in range(i + 1, self.grad_accum if ahead is None else 0):
+                    next(self._iter)  # the step's other batches go with it
                 self.engine.skip_step()
                 return StepResult(None, clean=i == 0, stop=stop)
             self.engine.ds.backward(out.loss)
@@ -393,6 +399,53 @@ class Trainer:
             outputs.append(out)
             self.metrics.add_micro_batch(batch)
         return StepResult(outputs, clean=True, stop=stop)
+
+    def _next_batch(self, i: int, at_start: tuple[int, dict]) -> dict:
+        """The step's micro-batch `i`; the time it kept the step waiting goes to the metrics."""
+        t0 = time.perf_counter()
+        try:
+            batch = next(self._iter)
+        except CacheError as err:  # every rank (the cache's checks are collective)
+            if i > 0:
+                raise
+            self._save_before_data_error(at_start, err)
+        self.metrics.add_data_wait(time.perf_counter() - t0)
+        return batch
+
+    def _fetch_step(self, at_start: tuple[int, dict]) -> list[dict]:
+        """Collective (served features): the step's micro-batches, once every rank has all of
+        its own; when a rank could not get one, every rank checkpoints the finished steps and
+        stops with the reason (`DataUnavailable`), exit 1."""
+        t0 = time.perf_counter()
+        batches, failure = [], None
+        try:
+            for _ in range(self.grad_accum):
+                batches.append(next(self._iter))
+        except DataUnavailable as err:
+            failure = err
+        flag = torch.tensor([float(failure is not None)], device=distributed.collective_device())
+        if distributed.all_reduce_(flag, op="max").item():
+            self._stop_for_data(at_start, failure)
+        self.metrics.add_data_wait(time.perf_counter() - t0)
+        return batches
+
+    def _stop_for_data(self, at_start: tuple[int, dict], failure: Exception | None) -> None:
+        self.epoch = at_start[0]
+        self._close_data()
+        self.source.load_state_dict(at_start[1])
+        tag = self.save()
+        why = str(failure) if failure is not None else "[data] served: another rank's data failed"
+        raise DataUnavailable(
+            f"{why} (checkpoint {tag} holds every finished step; once the servers are back, "
+            "--checkpoint.resume auto continues from it)"
+        )
+
+    def _close_data(self) -> None:
+        """Ends the batch iterator (a served one lets its requests in flight finish and deletes
+        their files)."""
+        close = getattr(getattr(self, "_iter", None), "close", None)
+        if close is not None:
+            close()
 
     def step_context(self, training: bool) -> StepContext:
         cfg = self.cfg
@@ -493,6 +546,9 @@ class Trainer:
             self._finish("FAILED", None, None)
             raise
         finally:
+            self._close_data()
+            if self.served is not None:
+                self.served[0].close()
             self.signals.restore()
             self.metrics.close()
             result.losses = dict(self.metrics.losses)

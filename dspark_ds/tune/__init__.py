@@ -13,8 +13,9 @@ config.py (the options), cluster.py (presets, profiles, `--cluster.*`), calibrat
 rates measured here), inventory.py (what the run holds, built by the drafter's kind),
 workload.py (a micro-batch's FLOPs and host work), estimate.py (per-option memory, from the
 DeepSpeed config training would use), steptime.py (per-option step time), search.py (each
-option's micro-batch point), dataio.py (the data term), measure.py (real steps), report.py
-(the tables), write.py (the recipe of --write_recipe).
+option's micro-batch point), dataio.py (the data term), fleet.py (a served run's serving fleet
+and storage bandwidth), measure.py (real steps), report.py (the tables), write.py (the recipe of
+--write_recipe).
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ from dspark_ds.tune.estimate import (
     option_zero,
     recommend,
 )
+from dspark_ds.tune.fleet import as_served, fleet_lines, size_fleet
 from dspark_ds.tune.inventory import KNOWN_TARGETS, Inventory, inventory, load_recipe
 from dspark_ds.tune.report import report
 from dspark_ds.tune.search import point_config, search
 from dspark_ds.tune.steptime import Step, StepTime, accumulation, step_time
-from dspark_ds.tune.workload import host_work, target_in_job, workload
+from dspark_ds.tune.workload import host_work, target_in_job, target_served, workload
 
 __all__ = ["KNOWN_TARGETS", "OPTIONS", "OPTION_NAMES", "ClusterConfig", "Estimate", "Inventory",
            "Machine", "StepTime", "TunerConfig", "ZeroOption", "estimate", "inventory",
@@ -321,6 +323,8 @@ def run(cfg: TunerConfig) -> dict:
 
     cfg.validate()
     run_cfg = load_recipe(cfg)
+    if cfg.served and not target_served(run_cfg):
+        run_cfg = as_served(run_cfg)
     node_counts = [1] if cfg.measure else cfg.cluster.node_counts
     names = cfg.options if cfg.options is not None else default_options(node_counts[0])
     options = [o for o in OPTIONS if o.name in names]
@@ -363,6 +367,11 @@ def run(cfg: TunerConfig) -> dict:
         from dspark_ds.tune.fromrun import lines
 
         text += "\n\n" + "\n".join(lines(from_run))
+    fleet = None
+    if target_served(run_cfg):
+        best = recommend(estimates)
+        fleet = size_fleet(best, run_cfg, inv, machine, cfg.prefill_mfu) if best else None
+        text += "\n" + "\n".join(fleet_lines(fleet, run_cfg, machine))
     rows = []
     for e in estimates:
         m = measured.get(e.option, {})
@@ -415,6 +424,7 @@ def run(cfg: TunerConfig) -> dict:
         "from_run": from_run,
         "warnings": warnings + data_warnings,
         "recommended": (recommend(estimates) or Estimate("none")).option,
+        "fleet": asdict(fleet) if fleet is not None else None,
         "text": text,
     }
     best = recommend(estimates)

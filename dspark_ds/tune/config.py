@@ -100,6 +100,12 @@ class TunerConfig:
     """Write the recommended point (its ZeRO option, micro-batch and accumulation on the first
     --cluster.nodes count) here as a `dspark-ds train` recipe, its whole DeepSpeed config
     explicit: `dspark-ds train --config PATH` runs it as it is."""
+    served: bool = False
+    """Tune the recipe as a served run (data.mode served: the target on a vLLM fleet, not in the
+    job) and size that fleet: serving GPUs, bytes per sequence, storage bandwidth. A served
+    recipe (data.mode served, or hybrid with data.served.urls) gets the fleet without it."""
+    prefill_mfu: float = 0.4
+    """The share of a serving GPU's peak FLOP/s its prefill runs at (the fleet's sizing)."""
     tracking: TrackingConfig = field(default_factory=lambda: TrackingConfig(enabled=False))
     """The sweep as MLflow runs (a parent, one child per option): logged when
     --tracking.enabled true, --tracking.uri or $MLFLOW_TRACKING_URI is set (default store:
@@ -108,6 +114,13 @@ class TunerConfig:
     def validate(self) -> TunerConfig:
         if self.measure_steps < 1:
             raise ConfigError(f"measure_steps: must be >= 1, got {self.measure_steps}")
+        if not 0 < self.prefill_mfu <= 1:
+            raise ConfigError(f"prefill_mfu: must be in (0, 1], got {self.prefill_mfu}")
+        if self.served and (self.measure or self.write_recipe):
+            raise ConfigError(
+                "served: --measure and --write_recipe run or write the recipe as it is; give a "
+                "served recipe (data.mode served and its data.served.urls) instead"
+            )
         if self.reserve_gb < 0:
             raise ConfigError(f"reserve_gb: must be >= 0, got {self.reserve_gb}")
         self.cluster.validate()

@@ -40,6 +40,7 @@ from dspark_ds.engine.probes import deepspeed_model_states_estimate
 from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import ALL_OPTION_NAMES, TunerConfig, ZeroOption
 from dspark_ds.tune.inventory import DTYPE_BYTES, Inventory
+from dspark_ds.tune.workload import target_in_job
 
 GB = 1024**3
 STATE_KEYS = ("params", "params_working_set", "grads", "optimizer_states")
@@ -244,7 +245,7 @@ def model_states(
 
 def online_target_bytes(inv: Inventory, run_cfg) -> dict[str, float]:
     """The in-job target's weights and forward working set; {} when it does not run in the job."""
-    if run_cfg.data.mode == "offline" and not run_cfg.train.synthetic_samples:
+    if not target_in_job(run_cfg):
         return {}
     bt = DTYPE_BYTES[run_cfg.target.dtype]
     B, S, H, F = run_cfg.data.batch_size, run_cfg.data.max_length, inv.hidden, inv.intermediate

@@ -109,6 +109,11 @@ class Inventory:
     """Elements of each trainable parameter, in the drafter's order (ZeRO-3's persistence)."""
     target_layer_params: int = 0
     """Parameters of the target's decoder layers and final norm (its forward FLOPs)."""
+    target_active_layer_params: int = 0
+    """...of them, those one token runs through: a MoE layer's routed experts at top-k of E
+    (`active_params`; a served target's prefill FLOPs)."""
+    layer_ids: tuple[int, ...] = ()
+    """The target's tapped layers (target.layer_ids, or the default ones)."""
     target_attention: tuple[tuple[int, int | None], ...] = field(default=(), repr=False)
     """Each target layer's attention: (query width, sliding window or None)."""
     drafter_modules: int = 0
@@ -234,6 +239,24 @@ def _target_attention(decoder, tcfg) -> tuple[tuple[int, int | None], ...]:
     return tuple(out)
 
 
+def active_params(layers: torch.nn.Module, top_k: int | None) -> int:
+    """Parameters of `layers` one token runs through: all of them, except that the parameters of
+    a module named `experts` (a MoE layer's routed experts: one fused tensor per projection
+    whose first dimension is the expert, or a list of expert modules) count at `top_k` of its
+    experts. Shared experts (`shared_expert(s)`) run for every token. No `top_k`: all of them."""
+    total = float(sum(p.numel() for p in layers.parameters()))
+    for name, module in layers.named_modules():
+        if not top_k or name.rsplit(".", 1)[-1] != "experts":
+            continue
+        params = list(module.parameters())
+        if not params:
+            continue
+        experts = len(module) if isinstance(module, torch.nn.ModuleList) else params[0].shape[0]
+        routed = sum(p.numel() for p in params)
+        total -= routed * (1 - min(top_k, experts) / experts)
+    return round(total)
+
+
 def inventory(run_cfg) -> Inventory:
     """Counts from the real drafter (of the recipe's kind) and target classes built on the meta
     device (no memory)."""
@@ -276,6 +299,10 @@ def inventory(run_cfg) -> Inventory:
         taps=len(layer_ids),
         trainable_numels=trainable_numels,
         target_layer_params=sum(p.numel() for p in decoder.layers.parameters()),
+        target_active_layer_params=active_params(
+            decoder.layers, global_attr(tcfg, "num_experts_per_tok")
+        ),
+        layer_ids=tuple(layer_ids),
         target_attention=_target_attention(decoder, tcfg),
         drafter_modules=sum(1 for _ in drafter.modules()),
         target_modules=sum(1 for _ in target.modules()),

@@ -107,8 +107,17 @@ class Workload:
         return sum(self.drafter_flops.values()) + self.target_flops
 
 
+def target_served(run_cfg) -> bool:
+    """Whether a vLLM fleet computes the features (data.mode served, or hybrid with
+    data.served.urls: its first epoch)."""
+    return run_cfg.data.from_servers
+
+
 def target_in_job(run_cfg) -> bool:
-    return run_cfg.data.mode != "offline" or bool(run_cfg.train.synthetic_samples)
+    """Whether the job runs the target's forward: online and hybrid runs and synthetic data; not
+    offline ones (the cache) nor served ones (`target_served`)."""
+    in_job = run_cfg.data.mode != "offline" and not target_served(run_cfg)
+    return in_job or bool(run_cfg.train.synthetic_samples)
 
 
 def attention_pairs(S: int, window: int | None) -> float:

@@ -71,6 +71,11 @@ class VllmServer:
             argv += ["--api-key", self.api_key]
         env = vllm_env(cuda=False)
         env.pop("OPENAI_API_KEY", None)  # the server's key comes from --api-key only
+        return self._launch(argv, env)
+
+    def _launch(self, argv: list[str], env: dict) -> VllmServer:
+        """Starts ``argv`` in its own process group, logging to ``self.log``; returns once
+        ``/health`` answers (the group killed if it does not)."""
         t0 = time.monotonic()
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(

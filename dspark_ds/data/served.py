@@ -159,9 +159,13 @@ class ServedFeatures:
         Returns the model; ConfigError naming the first unfit URL. Checks once per client (the
         training and the held-out loaders share it)."""
         if self.model is None:
-            model = self._call(self.fleet.check_models())
-            for i, server in enumerate(self.fleet.servers):
-                self._call(self._probe(i, server, probe_ids))
+            try:
+                model = self._call(self.fleet.check_models())
+                for i, server in enumerate(self.fleet.servers):
+                    self._call(self._probe(i, server, probe_ids))
+            except BaseException:
+                self.close()
+                raise
             self.model = model
             self.say(
                 f"[data] served: {len(self.fleet.servers)} server(s) of {model!r}, vLLM aux "
@@ -185,8 +189,8 @@ class ServedFeatures:
         except Exception as err:  # the fleet's failures: one line, the reason
             raise ConfigError(f"{where}: a hidden-states request failed: {err}") from None
         if self.lm_head is not None and answer.generated is not None:
-            last = sample["target_last_hidden_states"][-1].float()
-            logits = self.lm_head.float() @ last
+            last = sample["target_last_hidden_states"][-1]
+            logits = (self.lm_head @ last.to(self.lm_head.dtype)).float()  # no [V, H] copy
             top = logits.topk(min(HEAD_TOP_K, logits.numel())).indices.tolist()
             if int(answer.generated) not in top:
                 raise ConfigError(

@@ -190,6 +190,9 @@ def build_command(
         options.append("--enforce-eager")
     options += [str(a) for a in served.vllm_args]  # last: they override the flags above
     added = {k: v for k, v in vllm_env(cuda).items() if os.environ.get(k) != v}
+    if any(str(a).startswith("--kv-cache-memory-bytes") for a in served.vllm_args):
+        # NOTE: the CPU build's legacy VLLM_CPU_KVCACHE_SPACE wins over the flag when set
+        added.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env = {k: v for k, v in added.items() if k not in environ}
     if kv.get("kv_connector_module_path") == CONNECTOR_MODULE:
         env["PYTHONPATH"] = str(CONNECTOR_DIR)

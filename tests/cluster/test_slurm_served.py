@@ -274,7 +274,7 @@ def _train_args(target: str, prep: Path, out: Path) -> list[str]:
         "--data.paths",
         f"[{prep}]",
         "--data.served.vllm_args",
-        json.dumps(["--max-num-seqs", "8"]),
+        json.dumps(["--max-num-seqs", "8", "--kv-cache-memory-bytes", str(64 << 20)]),
         "--train.synthetic_samples",
         "0",
         "--train.max_steps",
@@ -407,7 +407,7 @@ def test_real_vllm_on_one_host_trains_two_ranks_on_the_other(het_cluster, tmp_pa
     assert [re.search(r" NodeList=(\S+)", line).group(1) for line in lines] == ["dsn1", "dsn2"]
     assert " BatchHost=dsn1 " in lines[0], lines[0]  # the shell that asked for /health
     assert "[launch] slurm: world_size=2 master=198.18.0.2:" in log, log
-    assert "[dist] host dsn2: interface eth0 (198.18.0.2)" in log, log
+    # NOTE: no `[dist] host` line: a rank prints it only when it has to choose an interface
     assert "1 server(s) answer /health" in log and "stopping 1 server(s)" in log, log
     assert re.search(r'127\.0\.0\.1:\d+ - "GET /health HTTP', server_log), server_log[-3000:]
     clients = set(re.findall(r'([\d.]+):\d+ - "POST /v1/completions HTTP', server_log))

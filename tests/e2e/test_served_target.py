@@ -66,6 +66,9 @@ LAYERS = [-1, 1, NUM_LAYERS - 1]  # the embeddings, a middle layer, the last (no
 LAYER_IDS = LAYERS
 MAX_LENGTH = 96  # training; the servers take prompts of up to SERVED_LENGTH
 SERVED_LENGTH = 511
+KV_BYTES = 64 << 20
+"""Each server's KV cache (16 k tokens of the tiny target): 1 GiB less per server than the CPU
+build's default here, which the suite's memory needs beside its other servers and clusters."""
 CHUNK = 64  # server a's --max-num-batched-tokens: longer prompts are prefilled in chunks
 FP32_TOL = 1e-5
 """Largest |served - in-job| allowed, float32 on both sides (absolute on the loader's batches,
@@ -93,7 +96,8 @@ def fleet(tmp_path_factory):
         )
     )
     storage = root / "hidden_states"
-    chunked = ["--max-num-seqs", "8", "--max-num-batched-tokens", str(CHUNK)]
+    small = ["--max-num-seqs", "8", "--kv-cache-memory-bytes", str(KV_BYTES)]
+    chunked = [*small, "--max-num-batched-tokens", str(CHUNK)]
     servers = [
         ServedTarget(
             target,
@@ -104,7 +108,14 @@ def fleet(tmp_path_factory):
             vllm_args=chunked,
             via_cli=True,
         ),
-        ServedTarget(target, storage, LAYERS, log=root / "vllm_b.log", max_length=SERVED_LENGTH),
+        ServedTarget(
+            target,
+            storage,
+            LAYERS,
+            log=root / "vllm_b.log",
+            max_length=SERVED_LENGTH,
+            vllm_args=small,
+        ),
     ]
     with ThreadPoolExecutor(2) as pool:
         started = list(pool.map(lambda s: s.__enter__(), servers))
@@ -215,14 +226,18 @@ def test_damaged_files_are_named_and_asked_for_again(fleet, online, monkeypatch)
     monkeypatch.setattr(ServedFeatures, "_read", damaged)
     lines: list[str] = []
     served, _ = _served_batches(
-        fleet, _data(fleet, "served", retry_backoff_s=0.05, file_wait_s=1), lines.append
+        fleet, _data(fleet, "served", retry_backoff_s=0.05, file_wait_s=5), lines.append
     )
     _assert_same_batches(served, online)
     retried = [line for line in lines if "trying it again" in line]
-    assert len(retried) == 3, lines
-    for why in ("truncated", "is missing", "of shape"):  # the reads run concurrently
-        line = next(line for line in retried if why in line)
-        assert line.startswith("[data] served: sample ") and "request cmpl-" in line, line
+    damage_lines = ("truncated", "is missing", "of shape")
+    for why in damage_lines:  # the reads run concurrently: in any order
+        named = [line for line in retried if why in line]
+        assert len(named) == 1, lines
+        assert named[0].startswith("[data] served: sample ") and "request cmpl-" in named[0]
+    # under load a writer may hold its lock past file_wait_s: asked for again too, nothing else
+    other = [line for line in retried if not any(why in line for why in damage_lines)]
+    assert all("still locked by its writer" in line for line in other), lines
     assert os.listdir(fleet.storage) == []
 
     damage[:] = ["truncate"] * 10  # every try of the first sequence: the loader stops, naming it

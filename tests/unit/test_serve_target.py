@@ -88,6 +88,10 @@ def test_cpu_command(tiny_target, tmp_path, base_env):
     assert cmd.env == {**CPU_ENV, "PYTHONPATH": str(CONNECTOR_DIR)}
     assert cmd.api_key_env is None and "VLLM_API_KEY" not in cmd.environ(base_env)
     assert cmd.layout.aux_ids == [0, 2, 4]
+    # an explicit KV cache size: the CPU build's legacy variable would override it, so it goes
+    sized = config(tiny_target, tmp_path, vllm_args=["--kv-cache-memory-bytes", "67108864"])
+    cmd = build_command(sized, python="/py", cuda=False)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in cmd.env and "VLLM_TARGET_DEVICE" in cmd.env
 
 
 def test_gpu_command_with_the_served_section(tiny_target, tmp_path, base_env):

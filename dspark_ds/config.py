@@ -478,8 +478,12 @@ def _tag_recipe(raw) -> None:
 
 def _print_flags(flags: str) -> dict:
     """jsonargparse's `--print_config=flag,...` as `dump()` arguments."""
-    known = {"skip_default": "skip_default", "skip_unset": "skip_unset", "skip_null": "skip_unset",
-             "comments": "with_comments"}  # fmt: skip
+    known = {
+        "skip_default": "skip_default",
+        "skip_unset": "skip_unset",
+        "skip_null": "skip_unset",
+        "comments": "with_comments",
+    }
     kwargs = {"skip_unset": False}
     for flag in filter(None, flags.split(",")):
         if flag not in known:

@@ -37,8 +37,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def newest_complete(run_dir: Path) -> int:
-    tags = [int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_????????")
-            if (p / "COMPLETE").exists()]  # fmt: skip
+    tags = [
+        int(p.name[5:13])
+        for p in (run_dir / "checkpoints").glob("step_????????")
+        if (p / "COMPLETE").exists()
+    ]
     return max(tags, default=0)
 
 
@@ -62,31 +65,34 @@ def run_case(
     run_dir = work / "runs" / "stop"
     fault = [{"kind": "sleep_in_save", "seconds": save_s}]
     env = {
-        "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false", "PYTHON": sys.executable, "DSPARK_WORKDIR": str(work),
-        "DSPARK_SLURM_DIR": str(REPO / "slurm"), "DSPARK_TEST_FAULTS": json.dumps(fault),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHON": sys.executable,
+        "DSPARK_WORKDIR": str(work),
+        "DSPARK_SLURM_DIR": str(REPO / "slurm"),
+        "DSPARK_TEST_FAULTS": json.dumps(fault),
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "helpers" / "faults_site"), str(REPO)]),
-    }  # fmt: skip
+    }
     env["DSPARK_LAUNCHER"] = launcher
     env["DSPARK_NPROC_PER_NODE"] = "2"
-    tasks = ["--ntasks-per-node=1", "--cpus-per-task=2"] if launcher == "torchrun" else [
-        "--ntasks-per-node=2", "--cpus-per-task=1"]  # fmt: skip
+    tasks = ["--ntasks-per-node=2", "--cpus-per-task=1"]
+    if launcher == "torchrun":
+        tasks = ["--ntasks-per-node=1", "--cpus-per-task=2"]
     limit = ["--time=3"] if how.startswith("time limit") else ["--time=30"]
     signal_opt = [f"--signal=B:USR1@{lead_s}"] if how == "time limit" else []
     name = f"stop-{os.getpid()}-{len(list(root.iterdir()))}"
-    args = [
-        "--config", str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml"), "--target.path", target,
-        "--output_dir", str(work / "runs"), "--name", "stop", "--train.max_steps", "100000",
-        "--train.synthetic_samples", "100000", "--checkpoint.every_steps", "20",
-        "--validation.every_steps", "0", "--train.progress_bar", "false",
-        "--data.batch_size", "1", "--train.global_batch_size", "4",
-    ]  # fmt: skip
-    proc = cluster.sbatch_popen(
-        ["--wait", f"--job-name={name}", f"--output={work}/%x-%j.out", "--nodes=2",
-         *tasks, "--gpus-per-node=0", "--no-requeue"
-         if how != "scontrol requeue" else "--requeue", *limit, *signal_opt, str(script), *args],
-        env=env, cwd=str(work),
-    )  # fmt: skip
+    args = ["--config", str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")]
+    args += ["--target.path", target, "--output_dir", str(work / "runs"), "--name", "stop"]
+    args += ["--train.max_steps", "100000", "--train.synthetic_samples", "100000"]
+    args += ["--checkpoint.every_steps", "20", "--validation.every_steps", "0"]
+    args += ["--train.progress_bar", "false", "--data.batch_size", "1"]
+    args += ["--train.global_batch_size", "4"]
+    requeue = "--no-requeue" if how != "scontrol requeue" else "--requeue"
+    sbatch = ["--wait", f"--job-name={name}", f"--output={work}/%x-%j.out", "--nodes=2", *tasks]
+    sbatch += ["--gpus-per-node=0", requeue, *limit, *signal_opt, str(script), *args]
+    proc = cluster.sbatch_popen(sbatch, env=env, cwd=str(work))
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and len(steps(run_dir)) < 30:
         time.sleep(0.2)
@@ -181,19 +187,25 @@ def main() -> int:
             for launcher in args.launchers.split(","):
                 for how in args.cases.split(","):
                     how = "time limit, no warning" if how == "time limit no warning" else how
-                    row = run_case(cluster, root / f"kw{kill_wait}-{launcher}", target, how,
-                                   args.save_s, args.lead_s, launcher)  # fmt: skip
+                    case_root = root / f"kw{kill_wait}-{launcher}"
+                    row = run_case(
+                        cluster, case_root, target, how, args.save_s, args.lead_s, launcher
+                    )
                     rows.append(row)
                     print(json.dumps(row), flush=True)
         finally:
             cluster.stop()
-    print(f"\n{'stop':<24} {'launcher':<9} {'KillWait':>8} {'save':>5} {'state':<10} "
-          f"{'ckpt at stop':<12} {'lost':>5} {'ended after':>11}")  # fmt: skip
+    print(
+        f"\n{'stop':<24} {'launcher':<9} {'KillWait':>8} {'save':>5} {'state':<10} "
+        f"{'ckpt at stop':<12} {'lost':>5} {'ended after':>11}"
+    )
     for r in rows:
-        print(f"{r['how']:<24} {r['launcher']:<9} {r['kill_wait_s']:>7}s {r['save_s']:>4.0f}s "
-              f"{r['state']:<10} "
-              f"{'written' if r['saved_at_stop'] else 'NOT written':<12} {r['lost_steps']:>5} "
-              f"{r['end_after_signal_s']:>10}s")  # fmt: skip
+        print(
+            f"{r['how']:<24} {r['launcher']:<9} {r['kill_wait_s']:>7}s {r['save_s']:>4.0f}s "
+            f"{r['state']:<10} "
+            f"{'written' if r['saved_at_stop'] else 'NOT written':<12} {r['lost_steps']:>5} "
+            f"{r['end_after_signal_s']:>10}s"
+        )
     return 0
 
 

@@ -416,8 +416,12 @@ def build_cache(
     provider = TargetFeatureProvider(target)
     pad = header["dataset"]["pad_token_id"]
     written = 0
-    bar = tqdm(total=sum(len(ids) for _, ids in jobs), desc=f"build-cache rank {rank}",
-               unit="sample", disable=rank != 0)  # fmt: skip
+    bar = tqdm(
+        total=sum(len(ids) for _, ids in jobs),
+        desc=f"build-cache rank {rank}",
+        unit="sample",
+        disable=rank != 0,
+    )
     for name, ids in jobs:
         feats = compute_features(provider, store, ids, cfg.batch_size, pad)
         sidecar = write_shard(

@@ -113,9 +113,12 @@ class _ServerRun:
                 "reads the target's tokenizer to apply data.max_length: set data.tokenizer"
             ) from None
         chat = ChatTokenizer(
-            tok, cfg.data.max_length, cfg.data.enable_thinking, cfg.data.system_prompt,
+            tok,
+            cfg.data.max_length,
+            cfg.data.enable_thinking,
+            cfg.data.system_prompt,
             chat_format="answer_only",
-        )  # fmt: skip
+        )
         return chat, name
 
     def _open_part(self, model: str, tokenizer: str) -> set[int]:
@@ -280,7 +283,7 @@ class _ServerRun:
                     "outages": s.outages,
                 }
                 for s in servers
-            ],  # fmt: skip
+            ],
         }
 
 

@@ -216,9 +216,12 @@ def _load_generator(cfg: RegenerateConfig) -> _Generator:
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, cfg.target.trust_remote_code)
     # Only prompts are rendered here (no loss mask), with the data's own system prompt.
     chat = ChatTokenizer(
-        tok, cfg.data.max_length, cfg.data.enable_thinking, cfg.data.system_prompt,
+        tok,
+        cfg.data.max_length,
+        cfg.data.enable_thinking,
+        cfg.data.system_prompt,
         chat_format="answer_only",
-    )  # fmt: skip
+    )
     return _Generator(cfg, chat, model, device)
 
 

@@ -48,8 +48,13 @@ class DemoDataConfig:
     """Conversations generated together per rank."""
 
     def validate(self) -> None:
-        for name in ("num_train_prompts", "num_heldout_prompts", "max_length", "max_new_tokens",
-                     "regenerate_batch_size"):  # fmt: skip
+        for name in (
+            "num_train_prompts",
+            "num_heldout_prompts",
+            "max_length",
+            "max_new_tokens",
+            "regenerate_batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
         if self.mode not in ("offline", "online"):

@@ -92,9 +92,8 @@ def _tee(stream, log, sink) -> None:
 
 def run_torchrun(argv: list[str], nproc: int, env: Mapping[str, str], log_path: Path) -> int:
     """`torchrun --nproc_per_node nproc -m dspark_ds.cli <argv>` in a subprocess -> exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           "-m", "dspark_ds.cli", *argv]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "dspark_ds.cli", *argv]
     print0("[demo] $ " + " ".join(cmd[1:]))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -179,9 +178,15 @@ def run_forked(
     read_fd, write_fd = os.pipe()
     pids: list[int] = []
     for rank in range(nproc):
-        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child's coverage is its output
             os.close(read_fd)

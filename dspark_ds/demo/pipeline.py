@@ -137,9 +137,13 @@ class DemoPipeline:
     # ---- helpers --------------------------------------------------------------------------
     def _stage_env(self) -> dict[str, str]:
         """The variables every stage's ranks run with (on top of this process's environment)."""
-        return dict(DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-                    OMP_NUM_THREADS=str(self.cfg.num_threads),
-                    MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false")  # fmt: skip
+        return dict(
+            DS_ACCELERATOR="cpu",
+            TOKENIZERS_PARALLELISM="false",
+            HF_HUB_OFFLINE="1",
+            OMP_NUM_THREADS=str(self.cfg.num_threads),
+            MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR="false",
+        )
 
     def _torchrun_env(self) -> dict[str, str]:
         env = self._stage_env()
@@ -169,8 +173,7 @@ class DemoPipeline:
         if self.tracker is not None:  # NOTE: its sender thread idle (holding no lock) at fork
             self.tracker.flush(timeout_s=30)
         if self.cfg.launcher == "fork":
-            rc = launcher.run_forked(argv, nproc, self._stage_env(), log_path,
-                                     self.cfg.num_threads)  # fmt: skip
+            rc = launcher.run_forked(argv, nproc, self._stage_env(), log_path, self.cfg.num_threads)
         else:
             rc = launcher.run_torchrun(argv, nproc, self._torchrun_env(), log_path)
         sys.stdout.flush()
@@ -225,12 +228,18 @@ class DemoPipeline:
         d = self.cfg.data
         out = self.seed_data(seed) / "regenerated.jsonl"
         cfg = RegenerateConfig(
-            data=DataConfig(paths=[str(self.data_dir / "prompts.jsonl")],
-                            max_length=d.max_length, num_workers=0),
-            target=self._target_config(), output=str(out), batch_size=d.regenerate_batch_size,
-            max_new_tokens=d.max_new_tokens, temperature=d.temperature, top_p=d.top_p,
-            top_k=d.top_k, seed=seed,
-        )  # fmt: skip
+            data=DataConfig(
+                paths=[str(self.data_dir / "prompts.jsonl")], max_length=d.max_length, num_workers=0
+            ),
+            target=self._target_config(),
+            output=str(out),
+            batch_size=d.regenerate_batch_size,
+            max_new_tokens=d.max_new_tokens,
+            temperature=d.temperature,
+            top_p=d.top_p,
+            top_k=d.top_k,
+            seed=seed,
+        )
         self._launch(
             f"regenerate-s{seed}",
             "regenerate",
@@ -246,17 +255,21 @@ class DemoPipeline:
 
         prepared = self.seed_data(seed) / "prepared"
         cfg = PrepareConfig(
-            data=DataConfig(paths=[str(self.seed_data(seed) / "regenerated.jsonl")],
-                            tokenizer=str(self.target.path), max_length=self.cfg.data.max_length,
-                            num_workers=0),
+            data=DataConfig(
+                paths=[str(self.seed_data(seed) / "regenerated.jsonl")],
+                tokenizer=str(self.target.path),
+                max_length=self.cfg.data.max_length,
+                num_workers=0,
+            ),
             output_dir=str(prepared),
-        )  # fmt: skip
+        )
         self._write_config(f"prepare-s{seed}", cfg)
         counts = prepare(cfg)
         anchors = self.cfg.drafter.num_anchors
         self.num_anchors[seed] = anchors if anchors is not None else max_valid_anchors(prepared)
-        anchored = [PRESETS[d].label for d in self.cfg.drafters
-                    if get_kind(preset(d).kind).anchor_blocks]  # fmt: skip
+        anchored = [
+            PRESETS[d].label for d in self.cfg.drafters if get_kind(preset(d).kind).anchor_blocks
+        ]
         print0(
             f"[demo] {' / '.join(anchored)}: {self.num_anchors[seed]} anchor blocks per sequence"
             + ("" if anchors is not None else " (every valid position of the longest answer)")
@@ -267,12 +280,18 @@ class DemoPipeline:
         from dspark_ds.data.config import BuildCacheConfig, DataConfig
 
         cfg = BuildCacheConfig(
-            data=DataConfig(paths=[str(self.seed_data(seed) / "prepared")],
-                            cache_dir=str(self.seed_data(seed) / "cache"), mode="offline",
-                            max_length=self.cfg.data.max_length, num_workers=0,
-                            cache_dtype="float32", samples_per_shard=256),
-            target=self._target_config(), batch_size=32,
-        )  # fmt: skip
+            data=DataConfig(
+                paths=[str(self.seed_data(seed) / "prepared")],
+                cache_dir=str(self.seed_data(seed) / "cache"),
+                mode="offline",
+                max_length=self.cfg.data.max_length,
+                num_workers=0,
+                cache_dtype="float32",
+                samples_per_shard=256,
+            ),
+            target=self._target_config(),
+            batch_size=32,
+        )
         self._launch(
             f"build-cache-s{seed}",
             "build-cache",
@@ -312,21 +331,39 @@ class DemoPipeline:
             output_dir=str(self.runs_dir),
             model=self.drafter_model(kind, self.num_anchors[seed]),
             target=self._target_config(),
-            data=DataConfig(mode=c.data.mode, max_length=c.data.max_length,
-                            batch_size=b.micro_batch_size, num_workers=0, seed=seed, **source),
-            train=TrainConfig(lr=b.lr, warmup_ratio=b.warmup_ratio, min_lr_ratio=0.0,
-                              precision="fp32", global_batch_size=b.global_batch_size,
-                              num_epochs=1000, max_steps=b.max_steps, seed=seed, log_every=10),
+            data=DataConfig(
+                mode=c.data.mode,
+                max_length=c.data.max_length,
+                batch_size=b.micro_batch_size,
+                num_workers=0,
+                seed=seed,
+                **source,
+            ),
+            train=TrainConfig(
+                lr=b.lr,
+                warmup_ratio=b.warmup_ratio,
+                min_lr_ratio=0.0,
+                precision="fp32",
+                global_batch_size=b.global_batch_size,
+                num_epochs=1000,
+                max_steps=b.max_steps,
+                seed=seed,
+                log_every=10,
+            ),
             deepspeed=DeepSpeedConfig(config=b.zero),
-            tracking=TrackingConfig(uri=self.uri, experiment=c.experiment,
-                                    run_name=f"demo-train-{kind}-s{seed}",
-                                    parent_run_id=self._parent_run_id(),
-                                    tags={"demo": "true", "recipe": "demo"}),
+            tracking=TrackingConfig(
+                uri=self.uri,
+                experiment=c.experiment,
+                run_name=f"demo-train-{kind}-s{seed}",
+                parent_run_id=self._parent_run_id(),
+                tags={"demo": "true", "recipe": "demo"},
+            ),
             # NOTE: the demo needs the exported weights, not resumable checkpoints
-            checkpoint=CheckpointConfig(every_steps=0, keep_last=1, resume=None,
-                                        save_final=False, export_final=True),
+            checkpoint=CheckpointConfig(
+                every_steps=0, keep_last=1, resume=None, save_final=False, export_final=True
+            ),
             validation=ValidationConfig(every_steps=0, num_batches=1),
-        )  # fmt: skip
+        )
 
     def train(self, kind: str, seed: int) -> dict:
         run_dir = self.runs_dir / f"{kind}-s{seed}"
@@ -356,15 +393,27 @@ class DemoPipeline:
         name = f"eval-{kind}-{temp_key(temperature)}-s{seed}"
         cfg = EvalConfig(
             target=TargetPathConfig(path=str(self.target.path)),
-            drafter=str(self.export_dir(kind, seed)), benchmarks=["demo"],
-            data_dir=str(self.data_dir / "bench"), max_samples=None,
-            max_new_tokens=e.max_new_tokens, temperature=temperature, seed=seed,
-            batch_size=e.batch_size, measure_baseline=True, dtype="float32", device="cpu",
-            name=name, output_dir=str(self.runs_dir), calibration=CalibrationConfig(),
+            drafter=str(self.export_dir(kind, seed)),
+            benchmarks=["demo"],
+            data_dir=str(self.data_dir / "bench"),
+            max_samples=None,
+            max_new_tokens=e.max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            batch_size=e.batch_size,
+            measure_baseline=True,
+            dtype="float32",
+            device="cpu",
+            name=name,
+            output_dir=str(self.runs_dir),
+            calibration=CalibrationConfig(),
             # nested under the training of its drafter (the export names that run)
-            tracking=TrackingConfig(uri=self.uri, experiment=self.cfg.experiment,
-                                    tags={"demo": "true", "recipe": "demo"}),
-        )  # fmt: skip
+            tracking=TrackingConfig(
+                uri=self.uri,
+                experiment=self.cfg.experiment,
+                tags={"demo": "true", "recipe": "demo"},
+            ),
+        )
         self._write_config(name, cfg)
         payload = run_eval(cfg)
         bench = payload["benchmarks"][0]
@@ -375,12 +424,14 @@ class DemoPipeline:
             "baseline_tokens_per_s": bench.get("baseline_tokens_per_s"),
             "accept_rate_by_position": bench["accept_rate_by_position"],
             "mean_proposal_length": bench["mean_proposal_length"],
-            "rounds": bench["rounds"], "new_tokens": bench["new_tokens"],
+            "rounds": bench["rounds"],
+            "new_tokens": bench["new_tokens"],
             # a request's share of the batch's drafting / verification time, per round
             "draft_ms_per_round": 1e3 * bench["draft_time_s"] / max(bench["rounds"], 1),
             "verify_ms_per_round": 1e3 * bench["verify_time_s"] / max(bench["rounds"], 1),
-            "prompts": bench["num_prompts"], "mlflow_run_id": payload.get("mlflow_run_id"),
-        }  # fmt: skip
+            "prompts": bench["num_prompts"],
+            "mlflow_run_id": payload.get("mlflow_run_id"),
+        }
         calib = payload.get("calibration") or {}
         if "raw" in calib:
             row["calibration"] = {
@@ -440,9 +491,15 @@ class DemoPipeline:
         for seed in cfg.seeds:
             self.run_seed(seed)
         summary = build_summary(
-            cfg, self.results, s.seconds, s.total, self.target, self.nproc, self.uri,
+            cfg,
+            self.results,
+            s.seconds,
+            s.total,
+            self.target,
+            self.nproc,
+            self.uri,
             stage_cpu_seconds=s.cpu_seconds,
-        )  # fmt: skip
+        )
         text = format_summary(summary)
         print("\n" + text, flush=True)
         (self.out / "summary.txt").write_text(text + "\n")

@@ -82,7 +82,7 @@ def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
                     for t in trains
                     if "valid_anchors_per_sequence" in t
                 ]
-            ),  # fmt: skip
+            ),
         }
     return out
 
@@ -114,9 +114,15 @@ def _checks(ratios: dict) -> list[dict]:
     for name, t, at_least in CLAIMS:
         r = ratios.get(name, {}).get(temp_key(t))
         if r is not None:
-            checks.append({"ratio": name, "T": temp_key(t), "at_least": at_least,
-                           "min": r["min"], "holds": r["min"] >= at_least,
-                           "seeds": len(r["per_seed"])})  # fmt: skip
+            claim = {
+                "ratio": name,
+                "T": temp_key(t),
+                "at_least": at_least,
+                "min": r["min"],
+                "holds": r["min"] >= at_least,
+                "seeds": len(r["per_seed"]),
+            }
+            checks.append(claim)
     return checks
 
 
@@ -138,7 +144,7 @@ def build_summary(
             t: {
                 m: _spread([per_seed[s].get(kind, {}).get(t, {}).get(m) for s in per_seed])
                 for m in METRICS
-            }  # fmt: skip
+            }
             for t in temps
         }
         for kind in cfg.drafters
@@ -219,10 +225,14 @@ def _supervision_line(summary: dict) -> str:
 def _seed_rows(summary: dict, temps: list[str]) -> list[str]:
     """Per drafter, temperature and seed: τ, speedup, acceptance by position, calibration."""
     per_seed = summary["per_seed"]
-    width = max((len(row.get("accept_rate_by_position", []))
-                 for seed in per_seed.values() for e in seed.values()
-                 for k, row in e.items() if k in temps),
-                default=0)  # fmt: skip
+    lengths = (
+        len(row.get("accept_rate_by_position", []))
+        for seed in per_seed.values()
+        for e in seed.values()
+        for k, row in e.items()
+        if k in temps
+    )
+    width = max(lengths, default=0)
     header = ["drafter", "T", "seed", "tau", "speedup"] + [f"acc@{k}" for k in range(width)]
     rows = [header + ["draft_ms", "verify_ms", "ECE", "AUROC", "ECE(STS)", "train_s"]]
     for kind in next(iter(per_seed.values()), {}):
@@ -234,13 +244,18 @@ def _seed_rows(summary: dict, temps: list[str]) -> list[str]:
                 acc = list(row["accept_rate_by_position"]) + [None] * width
                 cal = row.get("calibration", {})
                 train_s = summary["stage_seconds"].get(f"train-{kind}-s{s}")
-                rows.append([_label(kind), t[1:], s, _f(row["tau"]), _f(row.get("speedup"), 2)]
-                            + [_f(a) for a in acc[:width]]
-                            + [_f(row.get("draft_ms_per_round"), 2),
-                               _f(row.get("verify_ms_per_round"), 2),
-                               _f(cal.get("raw", {}).get("ece")),
-                               _f(cal.get("raw", {}).get("auroc")),
-                               _f(cal.get("sts", {}).get("ece")), _f(train_s, 1)])  # fmt: skip
+                rows.append(
+                    [_label(kind), t[1:], s, _f(row["tau"]), _f(row.get("speedup"), 2)]
+                    + [_f(a) for a in acc[:width]]
+                    + [
+                        _f(row.get("draft_ms_per_round"), 2),
+                        _f(row.get("verify_ms_per_round"), 2),
+                        _f(cal.get("raw", {}).get("ece")),
+                        _f(cal.get("raw", {}).get("auroc")),
+                        _f(cal.get("sts", {}).get("ece")),
+                        _f(train_s, 1),
+                    ]
+                )
     return _columns(rows)
 
 
@@ -292,8 +307,10 @@ def _stage_lines(summary: dict) -> list[str]:
             for k, short in names.items()
         )
 
-    per_seed_names = {s: {k: k[: -len(f"-s{s}")] for k in stages if k.endswith(f"-s{s}")}
-                      for s in summary["seeds"]}  # fmt: skip
+    per_seed_names = {
+        s: {k: k[: -len(f"-s{s}")] for k in stages if k.endswith(f"-s{s}")}
+        for s in summary["seeds"]
+    }
     common = {k: k for k in stages if not any(k in names for names in per_seed_names.values())}
     lines = ["stage wall times, s (CPU s, all ranks): " + times(common)]
     lines += [f"  seed {s}: " + times(names) for s, names in per_seed_names.items()]
@@ -381,7 +398,7 @@ def start_demo_run(cfg, uri: str, runs_dir: Path):
             "drafters": ",".join(cfg.drafters),
             "zero": cfg.budget.zero,
             "world_size": cfg.budget.world_size,
-        },  # fmt: skip
+        },
     )
     tracker.log_params(flatten(cfg))
     return tracker

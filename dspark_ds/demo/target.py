@@ -76,9 +76,17 @@ class DemoTargetConfig:
     """Cache root; None = $DSPARK_DS_CACHE, else ~/.cache/dspark-ds. Not part of the key."""
 
     def __post_init__(self) -> None:
-        for name in ("num_train_rows", "vocab_size", "hidden_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                     "max_steps", "batch_size"):  # fmt: skip
+        for name in (
+            "num_train_rows",
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "max_steps",
+            "batch_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"target.{name}: must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:

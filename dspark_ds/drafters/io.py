@@ -344,9 +344,18 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
 # ---- transformers' Auto classes ---------------------------------------------------------------
 # Arguments transformers' Auto classes pass along that mean nothing for a local drafter.
 _AUTO_INTERNAL_KWARGS = (
-    "_from_auto", "trust_remote_code", "adapter_kwargs", "cache_dir", "local_files_only",
-    "token", "subfolder", "force_download", "proxies", "code_revision", "config",
-)  # fmt: skip
+    "_from_auto",
+    "trust_remote_code",
+    "adapter_kwargs",
+    "cache_dir",
+    "local_files_only",
+    "token",
+    "subfolder",
+    "force_download",
+    "proxies",
+    "code_revision",
+    "config",
+)
 
 
 def _auto_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):

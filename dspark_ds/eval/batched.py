@@ -165,7 +165,7 @@ class BatchedDecoder:
                     torch.arange(length, device=self.device).unsqueeze(0),
                     caches.draft_cache,
                     next_ids=torch.cat([prompt[:, 1:], first], dim=1),
-                ),  # fmt: skip
+                ),
             )
         sync(self.device)
         req.stats.prefill_time_s += time.perf_counter() - t0
@@ -202,9 +202,13 @@ class BatchedDecoder:
         starts = caches.starts()
         logits, feats = target_forward(self.target, caches, verify_ids, self.layer_ids)
         accepted, next_tokens = verify.verify_rows(
-            verify_ids[:, 1:], torch.tensor(lengths, device=self.device), logits,
-            proposal.logits[:, :M] if M > 0 else None, self.temperature, self.generator,
-        )  # fmt: skip
+            verify_ids[:, 1:],
+            torch.tensor(lengths, device=self.device),
+            logits,
+            proposal.logits[:, :M] if M > 0 else None,
+            self.temperature,
+            self.generator,
+        )
         keep_R = self._commit(active, proposal, verify_ids[:, 1:], lengths, accepted, next_tokens)
         if self.drafter is not None:
             self._extend(caches, feats, starts, verify_ids, next_tokens, keep_R)
@@ -230,7 +234,7 @@ class BatchedDecoder:
                 temperature=self.temperature,
                 generator=self.generator,
                 stop_token_ids=self.stops,
-            ),  # fmt: skip
+            ),
         )
 
     def _commit(self, active, proposal: Proposal | None, drafts_RM, lengths, accepted, next_tokens):
@@ -268,7 +272,7 @@ class BatchedDecoder:
                 next_ids=next_ids,
                 key_mask=torch.cat([key_mask, key_mask.new_ones(rows, appended)], dim=1),
                 num_kept=keep_R,
-            ),  # fmt: skip
+            ),
         )
 
 
@@ -302,12 +306,19 @@ def decode_prompts(
 
     def run(model, policy: str, threshold: float = 0.0) -> list[BatchedResult]:
         return batched_generate(
-            target, model, prompts, batch_size=cfg.batch_size,
-            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, policy=policy,
-            confidence_threshold=threshold, sps=sps,
-            generator=torch.Generator(device=device).manual_seed(seed), stop_token_ids=stops,
+            target,
+            model,
+            prompts,
+            batch_size=cfg.batch_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            policy=policy,
+            confidence_threshold=threshold,
+            sps=sps,
+            generator=torch.Generator(device=device).manual_seed(seed),
+            stop_token_ids=stops,
             budget_accounting=cfg.budget_accounting,
-        )  # fmt: skip
+        )
 
     if cfg.scheduler.enabled:
         policy, threshold = "scheduler", 0.0

@@ -70,9 +70,11 @@ class ConfidenceRecords:
 
     def subset(self, index_R: torch.Tensor) -> ConfidenceRecords:
         return ConfidenceRecords(
-            self.logits_RG[index_R], self.proposed_R[index_R], self.accepted_R[index_R],
+            self.logits_RG[index_R],
+            self.proposed_R[index_R],
+            self.accepted_R[index_R],
             self.committed_R[index_R],
-        )  # fmt: skip
+        )
 
     def valid_RG(self) -> torch.Tensor:
         """Slots that were verified (so have a label)."""
@@ -127,10 +129,14 @@ def reliability_bins(probs: torch.Tensor, labels: torch.Tensor, num_bins: int) -
         sel = index == b
         count = int(sel.sum())
         if count:
-            out.append({
-                "lo": b / num_bins, "hi": (b + 1) / num_bins, "count": count,
-                "mean_pred": float(probs[sel].mean()), "observed": float(labels[sel].mean()),
-            })  # fmt: skip
+            bin_row = {
+                "lo": b / num_bins,
+                "hi": (b + 1) / num_bins,
+                "count": count,
+                "mean_pred": float(probs[sel].mean()),
+                "observed": float(labels[sel].mean()),
+            }
+            out.append(bin_row)
     return out
 
 
@@ -274,11 +280,13 @@ def threshold_sweep(
         changed_R = (cut_R < proposed) & (cut_R <= accepted)
         kept_R = torch.minimum(accepted, cut_R)
         tokens_R = torch.where(changed_R, cut_R + 1, committed)
-        rows.append({
+        rounds = records.num_rounds
+        row = {
             "threshold": float(thr),
-            "tau": float(tokens_R.double().mean()) if records.num_rounds else math.nan,
+            "tau": float(tokens_R.double().mean()) if rounds else math.nan,
             "accepted_fraction": float(kept_R.sum() / accepted.sum().clamp_min(1)),
-            "mean_proposal_length": float(cut_R.double().mean()) if records.num_rounds else math.nan,
+            "mean_proposal_length": float(cut_R.double().mean()) if rounds else math.nan,
             "verify_tokens_saved": 1.0 - float((cut_R + 1).sum()) / max(verify_full, 1.0),
-        })  # fmt: skip
+        }
+        rows.append(row)
     return rows

@@ -34,17 +34,27 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict:
     committed = rounds = 0
     for i, turns in enumerate(prompts):
         ids = encode_prompt(tokenizer, turns, cfg.chat_template_kwargs).to(device)
-        kwargs = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                      stop_token_ids=stops)  # fmt: skip
+        kwargs = dict(
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, stop_token_ids=stops
+        )
         base, base_s = _timed(
-            device, target_generate, target, ids,
-            generator=torch.Generator(device).manual_seed(cfg.seed + i), **kwargs,
-        )  # fmt: skip
+            device,
+            target_generate,
+            target,
+            ids,
+            generator=torch.Generator(device).manual_seed(cfg.seed + i),
+            **kwargs,
+        )
         (spec, stats), spec_s = _timed(
-            device, speculative_generate, target, drafter, ids,
+            device,
+            speculative_generate,
+            target,
+            drafter,
+            ids,
             confidence_threshold=cfg.confidence_threshold,
-            generator=torch.Generator(device).manual_seed(cfg.seed + i), **kwargs,
-        )  # fmt: skip
+            generator=torch.Generator(device).manual_seed(cfg.seed + i),
+            **kwargs,
+        )
         if i < cfg.warmup_prompts:
             continue
         totals["target"][0] += base.shape[1] - ids.shape[1]

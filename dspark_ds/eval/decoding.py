@@ -68,8 +68,17 @@ class _Row:
 class _OneRowDecoder:
     """`speculative_generate`'s loop; see the module docstring."""
 
-    def __init__(self, target, drafter, *, budget: Budget, policy: VerifyPolicy,
-                 temperature: float, generator: torch.Generator | None, stops: set[int]):  # fmt: skip
+    def __init__(
+        self,
+        target,
+        drafter,
+        *,
+        budget: Budget,
+        policy: VerifyPolicy,
+        temperature: float,
+        generator: torch.Generator | None,
+        stops: set[int],
+    ):
         self.target, self.drafter, self.kind = target, drafter, kind_of(drafter)
         self.budget, self.policy, self.stops = budget, policy, stops
         self.temperature, self.generator = temperature, generator
@@ -141,9 +150,13 @@ class _OneRowDecoder:
         x_start = row.committed_ids()[:, -1:]
         step = row.decoder.forward(torch.cat([x_start, drafts_1M], dim=1))
         accepted, next_token = verify.verify_rows(
-            drafts_1M, torch.tensor([num_proposed], device=row.device), step.logits_LV[None],
-            proposal.logits[:, :num_proposed], self.temperature, self.generator,
-        )  # fmt: skip
+            drafts_1M,
+            torch.tensor([num_proposed], device=row.device),
+            step.logits_LV[None],
+            proposal.logits[:, :num_proposed],
+            self.temperature,
+            self.generator,
+        )
         verdict = settle(
             drafts_1M[0].tolist(), num_proposed, accepted[0], next_token[0], self.stops
         )
@@ -185,9 +198,14 @@ def speculative_generate(
         temps_G=confidence_temperatures(drafter.config, device=input_ids.device),
     )
     return _OneRowDecoder(
-        target, drafter, budget=budget, policy=policy, temperature=temperature,
-        generator=generator, stops={int(t) for t in (stop_token_ids or [])},
-    ).run(input_ids)  # fmt: skip
+        target,
+        drafter,
+        budget=budget,
+        policy=policy,
+        temperature=temperature,
+        generator=generator,
+        stops={int(t) for t in (stop_token_ids or [])},
+    ).run(input_ids)
 
 
 @torch.inference_mode()

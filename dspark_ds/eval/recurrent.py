@@ -59,10 +59,24 @@ STATEFUL_MIXERS = {
 # Families known to keep a recurrent state (their own cache classes, or layer types
 # transformers' DynamicCache maps to linear-attention layers) that are not supported.
 _RECURRENT_FAMILIES = (
-    "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "nemotron_h",
-    "lfm2", "lfm2_moe", "kimi_linear", "olmo_hybrid", "rwkv", "recurrent_gemma", "xlstm",
-    "minimax", "lfm3",
-)  # fmt: skip
+    "mamba",
+    "mamba2",
+    "falcon_mamba",
+    "jamba",
+    "zamba",
+    "zamba2",
+    "bamba",
+    "nemotron_h",
+    "lfm2",
+    "lfm2_moe",
+    "kimi_linear",
+    "olmo_hybrid",
+    "rwkv",
+    "recurrent_gemma",
+    "xlstm",
+    "minimax",
+    "lfm3",
+)
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 
 
@@ -332,7 +346,10 @@ class RecurrentState:
     @staticmethod
     def _restore_rows(layer, snap: _Snapshot, i: int, rows: torch.Tensor) -> None:
         for s in range(layer.number_of_states):
-            for states, saved in ((layer.conv_states, snap.conv[i]), (layer.recurrent_states, snap.recurrent[i])):  # fmt: skip
+            for states, saved in (
+                (layer.conv_states, snap.conv[i]),
+                (layer.recurrent_states, snap.recurrent[i]),
+            ):
                 initialized = (
                     layer.is_conv_states_initialized[s]
                     if states is layer.conv_states

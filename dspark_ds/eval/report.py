@@ -113,20 +113,42 @@ def _fmt(value, digits: int = 3) -> str:
 def format_table(results: list[BenchmarkResult]) -> str:
     """A fixed-width text table: one row per benchmark plus the τ average."""
     block = max((len(r.accept_rate_by_position) for r in results), default=0)
-    header = ["benchmark", "prompts", "rounds", "tau", "proposal", "tok/s", "speedup",
-              "draft_s", "verify_s"] + [f"acc@{k}" for k in range(block)]  # fmt: skip
+    header = [
+        "benchmark",
+        "prompts",
+        "rounds",
+        "tau",
+        "proposal",
+        "tok/s",
+        "speedup",
+        "draft_s",
+        "verify_s",
+    ] + [f"acc@{k}" for k in range(block)]
     rows = [header]
     for r in results:
         rows.append(
-            [r.benchmark, str(r.num_prompts), str(r.rounds), _fmt(r.tau), _fmt(r.mean_proposal_length, 2),
-             _fmt(r.tokens_per_s, 1), _fmt(r.speedup, 2), _fmt(r.draft_time_s, 2),
-             _fmt(r.verify_time_s, 2)] + [_fmt(a) for a in r.accept_rate_by_position]
-        )  # fmt: skip
+            [
+                r.benchmark,
+                str(r.num_prompts),
+                str(r.rounds),
+                _fmt(r.tau),
+                _fmt(r.mean_proposal_length, 2),
+                _fmt(r.tokens_per_s, 1),
+                _fmt(r.speedup, 2),
+                _fmt(r.draft_time_s, 2),
+                _fmt(r.verify_time_s, 2),
+            ]
+            + [_fmt(a) for a in r.accept_rate_by_position]
+        )
     avg = average_row(results)
     rows.append(["average", "", "", _fmt(avg["tau"])] + [""] * (len(header) - 4))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
-                       enumerate(zip(row, widths))) for row in rows]  # fmt: skip
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+        )
+        for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
@@ -175,9 +197,20 @@ def _nan_to_none(x):
 def write_csv(path: Path, results: list[BenchmarkResult]) -> Path:
     """One row per benchmark; acceptance by position as accept_rate@k columns."""
     block = max((len(r.accept_rate_by_position) for r in results), default=0)
-    scalar = ["benchmark", "num_prompts", "rounds", "new_tokens", "tau", "mean_proposal_length",
-              "tokens_per_s", "baseline_tokens_per_s", "speedup", "draft_time_s", "verify_time_s",
-              "prefill_time_s"]  # fmt: skip
+    scalar = [
+        "benchmark",
+        "num_prompts",
+        "rounds",
+        "new_tokens",
+        "tau",
+        "mean_proposal_length",
+        "tokens_per_s",
+        "baseline_tokens_per_s",
+        "speedup",
+        "draft_time_s",
+        "verify_time_s",
+        "prefill_time_s",
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
@@ -260,8 +293,12 @@ def plot_reliability(path: Path, reports: dict[str, dict]) -> Path:
     for label, rep in reports.items():
         bins = rep["reliability"]
         ece = rep["pooled"]["ece"]
-        ax.plot([b["mean_pred"] for b in bins], [b["observed"] for b in bins], "o-",
-                label=f"{label} (ECE {ece:.3f})")  # fmt: skip
+        ax.plot(
+            [b["mean_pred"] for b in bins],
+            [b["observed"] for b in bins],
+            "o-",
+            label=f"{label} (ECE {ece:.3f})",
+        )
     ax.set_xlabel("predicted P(prefix accepted)")
     ax.set_ylabel("observed frequency")
     ax.set_xlim(0, 1)
@@ -283,10 +320,20 @@ def plot_threshold_sweep(path: Path, sweep: list[dict]) -> Path:
     ax.set_xlabel("confidence threshold")
     ax.set_ylabel("τ", color="C0")
     ax2 = ax.twinx()
-    ax2.plot(thr, [row["accepted_fraction"] for row in sweep], "s-", color="C1",
-             label="accepted drafts kept")  # fmt: skip
-    ax2.plot(thr, [row["verify_tokens_saved"] for row in sweep], "^-", color="C2",
-             label="verify tokens saved")  # fmt: skip
+    ax2.plot(
+        thr,
+        [row["accepted_fraction"] for row in sweep],
+        "s-",
+        color="C1",
+        label="accepted drafts kept",
+    )
+    ax2.plot(
+        thr,
+        [row["verify_tokens_saved"] for row in sweep],
+        "^-",
+        color="C2",
+        label="verify tokens saved",
+    )
     ax2.set_ylim(0, 1)
     ax2.set_ylabel("fraction")
     lines = ax.get_lines() + ax2.get_lines()

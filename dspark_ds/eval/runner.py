@@ -141,19 +141,27 @@ def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops
     measured)."""
     device = input_ids.device
     out, stats = speculative_generate(
-        target, drafter, input_ids,
-        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        target,
+        drafter,
+        input_ids,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
         confidence_threshold=cfg.confidence_threshold,
         generator=torch.Generator(device=device).manual_seed(seed),
-        stop_token_ids=stops, budget_accounting=cfg.budget_accounting,
-    )  # fmt: skip
+        stop_token_ids=stops,
+        budget_accounting=cfg.budget_accounting,
+    )
     if not cfg.measure_baseline:
         return out, stats, None
     t0 = time.perf_counter()
     target_generate(
-        target, input_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        generator=torch.Generator(device=device).manual_seed(seed), stop_token_ids=stops,
-    )  # fmt: skip
+        target,
+        input_ids,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        generator=torch.Generator(device=device).manual_seed(seed),
+        stop_token_ids=stops,
+    )
     sync(device)
     return out, stats, time.perf_counter() - t0
 
@@ -171,11 +179,14 @@ def _scheduler_sps(cfg: EvalConfig, target, drafter):
             f"({drafter.config.architectures[0]}) has none"
         )
     table = profile_sps(
-        target, max_rows=cfg.batch_size, max_tokens=int(drafter.config.block_size) + 1,
+        target,
+        max_rows=cfg.batch_size,
+        max_tokens=int(drafter.config.block_size) + 1,
         context_tokens=cfg.scheduler.context_tokens,
         layer_ids=[int(i) for i in drafter.config.target_layer_ids],
-        repeats=cfg.scheduler.repeats, progress=distributed.rank_and_world()[0] == 0,
-    )  # fmt: skip
+        repeats=cfg.scheduler.repeats,
+        progress=distributed.rank_and_world()[0] == 0,
+    )
     return lambda rows, length: table[(rows, length)]
 
 
@@ -198,11 +209,14 @@ def _decode_batched(cfg: EvalConfig, target, drafter, tokenizer, stops) -> list[
         for k, (index, _) in enumerate(mine):
             results.append(
                 PromptResult(
-                    name, index, main[k], baseline_time_s=baseline[k].time_s,
+                    name,
+                    index,
+                    main[k],
+                    baseline_time_s=baseline[k].time_s,
                     baseline_new_tokens=baseline[k].stats.new_tokens,
                     policies={p: runs[k] for p, runs in policies.items()} or None,
                 )
-            )  # fmt: skip
+            )
     return results
 
 
@@ -233,8 +247,10 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
     c = cfg.calibration
     fit, held = _fit_and_held_out(cfg, results)
     held_records = _records(held, block_size)
-    out: dict = {"raw": cal.confidence_report(held_records, None, c.num_bins), "split": {
-        "fit_prompts": len(fit), "held_out_prompts": len(held)}}  # fmt: skip
+    out: dict = {
+        "raw": cal.confidence_report(held_records, None, c.num_bins),
+        "split": {"fit_prompts": len(fit), "held_out_prompts": len(held)},
+    }
     out["per_benchmark_raw"] = {
         name: cal.confidence_report(
             _records([r for r in results if r.benchmark == name], block_size), None, c.num_bins
@@ -324,16 +340,26 @@ def _flat_metrics(rows: list[report.BenchmarkResult], calib: dict | None) -> dic
     return {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
 
 
-HEADLINE = ("average/tau", "tau", "speedup", "tokens_per_s", "confidence_raw/auroc",
-            "confidence_raw/ece", "confidence_sts/ece")  # fmt: skip
+HEADLINE = (
+    "average/tau",
+    "tau",
+    "speedup",
+    "tokens_per_s",
+    "confidence_raw/auroc",
+    "confidence_raw/ece",
+    "confidence_sts/ece",
+)
 """The figures an evaluation also logs into the training run of its drafter, as
 eval/<eval name>/<figure>: "average/tau", each benchmark's τ, speedup and tokens/s, and the
 confidence head's calibration."""
 
 
 def headline(metrics: dict[str, float]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items()
-            if k in HEADLINE or k.split("/")[-1] in HEADLINE[1:4] and k.count("/") == 1}  # fmt: skip
+    return {
+        k: v
+        for k, v in metrics.items()
+        if k in HEADLINE or k.split("/")[-1] in HEADLINE[1:4] and k.count("/") == 1
+    }
 
 
 def log_to_tracking(
@@ -365,21 +391,34 @@ def log_to_tracking(
     kind = kind_of(drafter)
     name = t.run_name or cfg.name
     tracker = Tracker(
-        enabled=t.enabled, uri=uri, experiment=t.experiment, run_name=name,
-        run_dir=str(run_dir), timeout_s=t.timeout_s, kind="eval",
+        enabled=t.enabled,
+        uri=uri,
+        experiment=t.experiment,
+        run_name=name,
+        run_dir=str(run_dir),
+        timeout_s=t.timeout_s,
+        kind="eval",
         artifact_location=default_artifact_location(cfg.output_dir),
         # NOTE: an evaluation is never resumed: a rerun is a new run
-        resume=False, parent_run_id=t.parent_run_id or (trained_by if same_store else None),
+        resume=False,
+        parent_run_id=t.parent_run_id or (trained_by if same_store else None),
         flush_timeout_s=t.flush_timeout_s,
-        tags={**t.tags, "git_sha": git_sha(), "drafter_kind": kind.name, "drafter": kind.label,
-              "target": cfg.target.path, "seed": cfg.seed, "temperature": cfg.temperature,
-              "world_size": distributed.world_size(),
-              "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-              "drafter_architecture": drafter.config.architectures[0],
-              **kind.tags(drafter.config),
-              "trained_by": trained_by,
-              "trained_by_uri": None if same_store else record.get("tracking_uri")},
-    )  # fmt: skip
+        tags={
+            **t.tags,
+            "git_sha": git_sha(),
+            "drafter_kind": kind.name,
+            "drafter": kind.label,
+            "target": cfg.target.path,
+            "seed": cfg.seed,
+            "temperature": cfg.temperature,
+            "world_size": distributed.world_size(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "drafter_architecture": drafter.config.architectures[0],
+            **kind.tags(drafter.config),
+            "trained_by": trained_by,
+            "trained_by_uri": None if same_store else record.get("tracking_uri"),
+        },
+    )
     try:
         tracker.log_params(flatten(cfg))
         tracker.log_metrics(metrics, step=0, model_of_run=trained_by if same_store else None)
@@ -442,16 +481,21 @@ def _engine_parity(cfg: EvalConfig, engine, drafter, results: list[PromptResult]
     from dspark_ds.serve.parity import compare, our_counters
 
     engine.decode(
-        [r.prompt_ids for r in results], max_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature, stops=stops,
-    )  # fmt: skip
+        [r.prompt_ids for r in results],
+        max_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        stops=stops,
+    )
     data = {**draft_config_dict(drafter.config), "architectures": [drafter.architecture]}
     differ = sum(r.output_ids != out for r, out in zip(results, engine.outputs))
     return compare(
-        engine.spent(), our_counters([r.stats for r in results]), prompts=len(results),
-        outputs_differ=differ if cfg.temperature == 0 else 0, tolerance=cfg.engine.tolerance,
+        engine.spent(),
+        our_counters([r.stats for r in results]),
+        prompts=len(results),
+        outputs_differ=differ if cfg.temperature == 0 else 0,
+        tolerance=cfg.engine.tolerance,
         suspects=parity_suspects(data),
-    )  # fmt: skip
+    )
 
 
 def _report(cfg: EvalConfig, drafter, results: list[PromptResult], parity=None) -> dict:
@@ -509,9 +553,12 @@ def _benchmark_row(
     base = [r.baseline_time_s for r in mine if r.baseline_time_s is not None]
     base_tokens = [r.baseline_new_tokens for r in mine if r.baseline_new_tokens is not None]
     row = report.summarize_benchmark(
-        name, [r.stats for r in mine], block_size, sum(base) if base else None,
+        name,
+        [r.stats for r in mine],
+        block_size,
+        sum(base) if base else None,
         sum(base_tokens) if base_tokens else None,
-    )  # fmt: skip
+    )
     row.extra["batch_size"] = cfg.batch_size
     if mine and mine[0].policies:
         from dspark_ds.eval.batched import policy_summary

@@ -163,11 +163,14 @@ def part_bench(cfg: GpuCheckConfig, work: Path) -> PartResult:
     )
     notes = []
     if cfg.cuda and "step_time_vs_reference" in main:
+        step = main["step_time_vs_reference"]
+        working = main["working_memory_vs_reference"]
+        flops = main["achieved_flops_ratio"]
         for label, value, limit, lower in (
-            ("step time vs dense/reference", main["step_time_vs_reference"], TARGET_STEP_VS_REFERENCE, True),
-            ("working memory vs dense/reference", main["working_memory_vs_reference"], TARGET_WORKING_VS_REFERENCE, True),
-            ("achieved / matmul FLOP/s", main["achieved_flops_ratio"], TARGET_MATMUL_FRACTION, False),
-        ):  # fmt: skip
+            ("step time vs dense/reference", step, TARGET_STEP_VS_REFERENCE, True),
+            ("working memory vs dense/reference", working, TARGET_WORKING_VS_REFERENCE, True),
+            ("achieved / matmul FLOP/s", flops, TARGET_MATMUL_FRACTION, False),
+        ):
             met = value <= limit if lower else value >= limit
             sign = "<=" if lower else ">="
             notes.append(
@@ -227,20 +230,24 @@ def part_train(cfg: GpuCheckConfig, work: Path, target: Path) -> PartResult:
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
     bf16 = cfg.cuda
-    argv = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", "dspark_ds.cli", "train", "--config", str(recipe),
-        "--name", "train", "--output_dir", str(work / "runs"),
-        "--target.path", str(target), "--target.device", cfg.device,
-        "--target.dtype", "bfloat16" if bf16 else "float32",
-        "--train.precision", "bf16" if bf16 else "fp32",
-        "--deepspeed.config", "zero3",
-        "--train.max_steps", str(cfg.train_steps),
-        "--checkpoint.every_steps", str(max(cfg.train_steps // 2, 1)),
-        "--model.mask_token_id", str(TARGET_VOCAB - 1),
-        "--train.progress_bar", "false", "--tracking.enabled", "false",
-    ]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    flags = {
+        "--config": str(recipe),
+        "--name": "train",
+        "--output_dir": str(work / "runs"),
+        "--target.path": str(target),
+        "--target.device": cfg.device,
+        "--target.dtype": "bfloat16" if bf16 else "float32",
+        "--train.precision": "bf16" if bf16 else "fp32",
+        "--deepspeed.config": "zero3",
+        "--train.max_steps": str(cfg.train_steps),
+        "--checkpoint.every_steps": str(max(cfg.train_steps // 2, 1)),
+        "--model.mask_token_id": str(TARGET_VOCAB - 1),
+        "--train.progress_bar": "false",
+        "--tracking.enabled": "false",
+    }
+    argv = [*torchrun, "-m", "dspark_ds.cli", "train", *(s for kv in flags.items() for s in kv)]
     log = work / "train.log"
     proc = _run(argv, cfg, log)
     if proc.returncode != 0:
@@ -274,8 +281,8 @@ def part_export(cfg: GpuCheckConfig, work: Path) -> PartResult:
     from safetensors.torch import load_file
 
     run_dir, out = work / "runs" / "train", work / "export"
-    argv = [sys.executable, "-m", "dspark_ds.cli", "export", "--checkpoint", str(run_dir),
-            "--output_dir", str(out)]  # fmt: skip
+    argv = [sys.executable, "-m", "dspark_ds.cli", "export"]
+    argv += ["--checkpoint", str(run_dir), "--output_dir", str(out)]
     log = work / "export.log"
     proc = _run(argv, cfg, log)
     if proc.returncode != 0:
@@ -308,9 +315,13 @@ def part_decode(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult
         with torch.no_grad():
             out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=n)
             ref = target.generate(
-                prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )  # fmt: skip
+                prompt,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         equal += out.tolist() == ref.tolist()
         committed += sum(stats.committed_per_round)
         rounds += stats.rounds
@@ -329,10 +340,13 @@ def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
     from dspark_ds.target import TargetPathConfig
 
     check = ServeCheckConfig(
-        drafter=str(work / "export"), target=TargetPathConfig(path=str(target_dir)),
-        generate=cfg.cuda, device=cfg.device, num_prompts=cfg.num_prompts,
+        drafter=str(work / "export"),
+        target=TargetPathConfig(path=str(target_dir)),
+        generate=cfg.cuda,
+        device=cfg.device,
+        num_prompts=cfg.num_prompts,
         max_new_tokens=cfg.max_new_tokens,
-    )  # fmt: skip
+    )
     result = run_serve_check(check)
     load = result["load"]
     detail = (
@@ -348,8 +362,14 @@ def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
         ids = torch.tensor([prompt], device=device)
         n = cfg.max_new_tokens
         with torch.no_grad():
-            ref = target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)  # fmt: skip
+            ref = target.generate(
+                ids,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         equal += ref[0, ids.shape[1] :].tolist() == got
     counters = result["generate"]["counters"]
     drafts = counters.get("vllm:spec_decode_num_drafts") or 0

@@ -184,9 +184,11 @@ class TrainBenchConfig:
 
         attn, loss, compile_mode = parse_variant(variant, self.kind)
         return PerfConfig(
-            loss_impl=loss, attn_implementation=attn, compile=compile_mode,
+            loss_impl=loss,
+            attn_implementation=attn,
+            compile=compile_mode,
             loss_chunk_anchors=self.loss_chunk_anchors,
-        )  # fmt: skip
+        )
 
     @property
     def chunk_anchors(self) -> int:
@@ -281,13 +283,20 @@ def step_shape(cfg: TrainBenchConfig):
 
     width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
     return StepShape(
-        batch=cfg.batch_size, seq_len=cfg.seq_len, hidden=cfg.hidden_size,
-        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
-        heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        batch=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size,
+        vocab=cfg.vocab_size,
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        draft_layers=cfg.model.num_draft_layers, taps=cfg.num_target_layers,
-        drafter=cfg.kind.step_part(cfg.model), compute_bytes=width, feature_bytes=width,
-    )  # fmt: skip
+        draft_layers=cfg.model.num_draft_layers,
+        taps=cfg.num_target_layers,
+        drafter=cfg.kind.step_part(cfg.model),
+        compute_bytes=width,
+        feature_bytes=width,
+    )
 
 
 def step_flops(cfg: TrainBenchConfig, variant: str) -> float:
@@ -502,26 +511,40 @@ def log_bench(cfg: TrainBenchConfig, results: list[dict], text: str) -> str | No
     from dspark_ds.tracking.mlflow import resolve_uri
     from dspark_ds.tracking.sweeps import Point, log_sweep
 
-    shape = {k: v for k, v in dataclasses.asdict(cfg).items()
-             if k not in ("variants", "json", "tracking_uri", "tracking_experiment")}  # fmt: skip
+    shape = {
+        k: v
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in ("variants", "json", "tracking_uri", "tracking_experiment")
+    }
     points = [
-        Point(name=r["variant"], params={"variant": r["variant"]},
-              tags={"variant": r["variant"], "error": r.get("error")},
-              metrics={k: float(v) for k, v in r.items()
-                       if isinstance(v, int | float) and not isinstance(v, bool)})
+        Point(
+            name=r["variant"],
+            params={"variant": r["variant"]},
+            tags={"variant": r["variant"], "error": r.get("error")},
+            metrics={
+                k: float(v)
+                for k, v in r.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            },
+        )
         for r in results
-    ]  # fmt: skip
+    ]
     uri = resolve_uri(cfg.tracking_uri, ".")
     # a local store's folder keeps the runs' files and artifacts; a server keeps its own
     store = Path(uri.removeprefix("sqlite:///")).parent if uri.startswith("sqlite:///") else None
     where = store / "bench" if store else Path(tempfile.mkdtemp(prefix="dspark_bench_"))
     return log_sweep(
-        kind="bench", name=f"bench-{cfg.device}-{cfg.dtype}", uri=uri,
-        experiment=cfg.tracking_experiment, run_dir=where / time.strftime("%Y%m%d-%H%M%S"),
+        kind="bench",
+        name=f"bench-{cfg.device}-{cfg.dtype}",
+        uri=uri,
+        experiment=cfg.tracking_experiment,
+        run_dir=where / time.strftime("%Y%m%d-%H%M%S"),
         artifact_location=((store or where) / "mlartifacts").resolve().as_uri(),
-        tags={"device": cfg.device, "dtype": cfg.dtype}, params=shape,
-        text={"bench.txt": text}, points=points,
-    )  # fmt: skip
+        tags={"device": cfg.device, "dtype": cfg.dtype},
+        params=shape,
+        text={"bench.txt": text},
+        points=points,
+    )
 
 
 def add_reference_ratios(results: list[dict], reference: str) -> None:

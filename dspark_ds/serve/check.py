@@ -144,10 +144,14 @@ def describe(drafter_dir: str, target_path: str) -> tuple[dict, object]:
 
 def run_serve_check(cfg: ServeCheckConfig) -> dict:
     native, fmt = describe(cfg.drafter, cfg.target.path)
-    print(f"[serve-check] {cfg.drafter}: {fmt.name} ({fmt.architecture}), "
-          f"{fmt.num_speculative_tokens} draft tokens a round")  # fmt: skip
-    for engine, command in (("vLLM", fmt.vllm_command(cfg.target.path, cfg.drafter)),
-                            ("SGLang", fmt.sglang_command(cfg.target.path, cfg.drafter))):  # fmt: skip
+    print(
+        f"[serve-check] {cfg.drafter}: {fmt.name} ({fmt.architecture}), "
+        f"{fmt.num_speculative_tokens} draft tokens a round"
+    )
+    for engine, command in (
+        ("vLLM", fmt.vllm_command(cfg.target.path, cfg.drafter)),
+        ("SGLang", fmt.sglang_command(cfg.target.path, cfg.drafter)),
+    ):
         print(f"[serve-check] {engine}: {command or 'does not serve this format'}")
     for warning in fmt.warnings:
         print(f"[serve-check] NOTE: {warning}")
@@ -163,8 +167,9 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
 
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     args = [cfg.target.path, cfg.drafter, fmt.vllm_method, str(fmt.num_speculative_tokens)]
-    loaded = run_probe(python, ["load", *args], cuda=cuda, v2_runner=fmt.vllm_v2_runner,
-                       timeout_s=cfg.timeout_s)  # fmt: skip
+    loaded = run_probe(
+        python, ["load", *args], cuda=cuda, v2_runner=fmt.vllm_v2_runner, timeout_s=cfg.timeout_s
+    )
     version = loaded.get("vllm_version", "?")
     if not loaded.get("ok"):
         what = loaded.get("error") or f"missing {loaded.get('missing')}"
@@ -183,12 +188,16 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
             )
         g = torch.Generator().manual_seed(0)
         vocab = int(native["vocab_size"])
-        prompts = [torch.randint(0, vocab - 1, (12,), generator=g).tolist()
-                   for _ in range(cfg.num_prompts)]  # fmt: skip
+        prompts = [
+            torch.randint(0, vocab - 1, (12,), generator=g).tolist() for _ in range(cfg.num_prompts)
+        ]
         ran = run_probe(
-            python, ["generate", *args, json.dumps(prompts), str(cfg.max_new_tokens)],
-            cuda=cuda, v2_runner=fmt.vllm_v2_runner, timeout_s=cfg.timeout_s,
-        )  # fmt: skip
+            python,
+            ["generate", *args, json.dumps(prompts), str(cfg.max_new_tokens)],
+            cuda=cuda,
+            v2_runner=fmt.vllm_v2_runner,
+            timeout_s=cfg.timeout_s,
+        )
         if not ran.get("ok"):
             raise ConfigError(f"generate: vLLM {version} could not run it: {ran.get('error')}")
         counters = ran["counters"]

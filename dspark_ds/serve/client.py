@@ -60,9 +60,12 @@ class SpecCounters:
 
     def as_dict(self) -> dict:
         return {
-            "drafts": self.drafts, "draft_tokens": self.draft_tokens, "accepted": self.accepted,
-            "accepted_per_pos": list(self.accepted_per_pos), "tau": self.tau,
-        }  # fmt: skip
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted": self.accepted,
+            "accepted_per_pos": list(self.accepted_per_pos),
+            "tau": self.tau,
+        }
 
 
 def parse_counters(text: str) -> SpecCounters | None:
@@ -108,8 +111,9 @@ class EngineClient:
                 return resp.read()
         except urllib.error.HTTPError as err:
             if err.code in (401, 403):
-                raise refused(where, f"{method} {path}", err.code, self.key_env,
-                              "engine.api_key_env") from None  # fmt: skip
+                raise refused(
+                    where, f"{method} {path}", err.code, self.key_env, "engine.api_key_env"
+                ) from None
             detail = " ".join(err.read().decode("utf-8", "replace").split())[:200]
             raise ConfigError(
                 f"{where}: {method} {path} answered HTTP {err.code} ({detail})"
@@ -156,10 +160,14 @@ class EngineClient:
         """The server's completion of a token-id prompt, as token ids (vLLM's
         `return_token_ids`)."""
         body = {
-            "model": self.model, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
-            "temperature": float(temperature), "stop_token_ids": list(stop_token_ids),
-            "return_token_ids": True, "skip_special_tokens": False,
-        }  # fmt: skip
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "max_tokens": int(max_tokens),
+            "temperature": float(temperature),
+            "stop_token_ids": list(stop_token_ids),
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
         raw = self._request("POST", "/v1/completions", body)
         try:
             choice = json.loads(raw)["choices"][0]

@@ -78,10 +78,15 @@ class Parity:
 
     def as_dict(self) -> dict:
         return {
-            "ok": self.ok, "engine": self.engine.as_dict(), "ours": self.ours.as_dict(),
-            "prompts": self.prompts, "outputs_differ": self.outputs_differ,
-            "tolerance": self.tolerance, "gaps": self.gaps, "look_at": self.look_at,
-        }  # fmt: skip
+            "ok": self.ok,
+            "engine": self.engine.as_dict(),
+            "ours": self.ours.as_dict(),
+            "prompts": self.prompts,
+            "outputs_differ": self.outputs_differ,
+            "tolerance": self.tolerance,
+            "gaps": self.gaps,
+            "look_at": self.look_at,
+        }
 
     def metrics(self) -> dict[str, float]:
         out = {"engine/parity_ok": float(self.ok), "engine/outputs_differ": self.outputs_differ}

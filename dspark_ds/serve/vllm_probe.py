@@ -30,9 +30,13 @@ def _engine_args(target: str, spec: dict | None, max_model_len: int = 512):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
-        model=target, speculative_config=spec, dtype="float32", enforce_eager=True,
-        max_model_len=max_model_len, skip_tokenizer_init=True,
-    )  # fmt: skip
+        model=target,
+        speculative_config=spec,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        skip_tokenizer_init=True,
+    )
 
 
 def _validated_config(target: str, spec: dict, result: dict):
@@ -97,9 +101,12 @@ def load(target: str, drafter: str, method: str, k: int) -> dict:
     model_utils.AutoWeightsLoader.load_weights = recording
     with set_current_vllm_config(config):
         init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo",
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
             distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-        )  # fmt: skip
+        )
         ensure_model_parallel_initialized(1, 1)
         cls, arch = get_model_architecture(draft_config)
         with torch.device("cpu"):
@@ -118,9 +125,13 @@ def load(target: str, drafter: str, method: str, k: int) -> dict:
     missing = sorted(n for n in params - got if not any(o in n for o in optional))
     result.setdefault("ok", not missing)
     result.update(
-        architecture=arch, model_class=f"{cls.__module__}.{cls.__name__}", tensors=len(state),
-        parameters=len(params), missing=missing, optional=sorted(optional),
-    )  # fmt: skip
+        architecture=arch,
+        model_class=f"{cls.__module__}.{cls.__name__}",
+        tensors=len(state),
+        parameters=len(params),
+        missing=missing,
+        optional=sorted(optional),
+    )
     return result
 
 
@@ -129,8 +140,9 @@ def generate(target: str, drafter: str, method: str, k: int, prompts: list, max_
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    spec = None if method == "none" else {"method": method, "model": drafter,
-                                          "num_speculative_tokens": k}  # fmt: skip
+    spec = None
+    if method != "none":
+        spec = {"method": method, "model": drafter, "num_speculative_tokens": k}
     llm = LLM(**vars(_engine_args(target, spec)), disable_log_stats=False)
     start_s = time.perf_counter() - t0
     outs = llm.generate(
@@ -142,9 +154,11 @@ def generate(target: str, drafter: str, method: str, k: int, prompts: list, max_
         if metric.name.startswith("vllm:spec_decode"):
             counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", 0)
     return {
-        "ok": True, "start_s": start_s, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "ok": True,
+        "start_s": start_s,
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "counters": counters,
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -328,7 +328,7 @@ def training_section(client: MlflowClient, runs: list, cfg: CompareConfig) -> li
                     _short(r.data.tags.get(PARENT_TAG)),
                 ]
                 for r in runs
-            ],  # fmt: skip
+            ],
         )
     ]
     params = differing_params(runs, cfg.show_all_params)
@@ -346,16 +346,23 @@ def training_section(client: MlflowClient, runs: list, cfg: CompareConfig) -> li
             for key, row in metrics.items():
                 mine = [row[i] for i in cols]
                 rows.append([key, "final", *[_fmt(x[0] if x else None) for x in mine]])
-                rows.append(["", f"best ({_better(key)})",
-                             *[f"{_fmt(x[1])} @{x[2]}" if x else "-" for x in mine]])  # fmt: skip
+                best = [
+                    "",
+                    f"best ({_better(key)})",
+                    *[f"{_fmt(x[1])} @{x[2]}" if x else "-" for x in mine],
+                ]
+                rows.append(best)
             parts.append("\nmetrics:\n" + _table(["metric", "", *labels], rows))
     return parts
 
 
 def _mean_of(run, suffix: str) -> float | None:
     """The mean over a run's benchmarks of `<benchmark>/<suffix>` (average/ excluded)."""
-    values = [v for k, v in run.data.metrics.items()
-              if k.endswith("/" + suffix) and k.count("/") == 1 and not k.startswith("average/")]  # fmt: skip
+    values = [
+        v
+        for k, v in run.data.metrics.items()
+        if k.endswith("/" + suffix) and k.count("/") == 1 and not k.startswith("average/")
+    ]
     return sum(values) / len(values) if values else None
 
 
@@ -363,13 +370,18 @@ def evaluation_section(runs: list) -> list[str]:
     rows = []
     for r in runs:
         m, tags = r.data.metrics, r.data.tags
-        rows.append([
-            run_label(r), tags.get("drafter_kind", "-"),
+        row = [
+            run_label(r),
+            tags.get("drafter_kind", "-"),
             tags.get("temperature", r.data.params.get("temperature", "-")),
-            _short(tags.get("trained_by")), _fmt(m.get("average/tau")),
-            _fmt(_mean_of(r, "speedup")), _fmt(_mean_of(r, "tokens_per_s")),
-            _fmt(m.get("confidence_raw/auroc")), _fmt(m.get("confidence_raw/ece")),
-        ])  # fmt: skip
+            _short(tags.get("trained_by")),
+            _fmt(m.get("average/tau")),
+            _fmt(_mean_of(r, "speedup")),
+            _fmt(_mean_of(r, "tokens_per_s")),
+            _fmt(m.get("confidence_raw/auroc")),
+            _fmt(m.get("confidence_raw/ece")),
+        ]
+        rows.append(row)
     header = ["run", "drafter", "T", "trained by", "tau", "speedup", "tok/s", "AUROC", "ECE"]
     return [_table(header, rows)]
 
@@ -378,19 +390,34 @@ def sweep_section(client: MlflowClient, parent, children: list) -> list[str]:
     """One sweep: its options as one table (predicted memory and step; measured with
     --measure)."""
     tags = parent.data.tags
-    head = (f"sweep {run_label(parent)}: recipe {tags.get('recipe', '-')}, recommended "
-            f"{tags.get('recommended', '-')}")  # fmt: skip
+    head = (
+        f"sweep {run_label(parent)}: recipe {tags.get('recipe', '-')}, recommended "
+        f"{tags.get('recommended', '-')}"
+    )
     rows = []
     for c in children:
         m = c.data.metrics
-        rows.append([
-            c.data.tags.get("zero", c.info.run_name), "yes" if m.get("fits") else "no",
-            _fmt(m.get("memory/device_gib")), _fmt(m.get("memory/host_per_rank_gib")),
-            _fmt(m.get("predicted/step_s")), _fmt(m.get("predicted/tokens_per_s")),
-            _fmt(m.get("measured/step_s")), _fmt(m.get("measured/peak_gib")),
-        ])  # fmt: skip
-    header = ["option", "fits", "GPU GiB", "host GiB", "step s", "tok/s", "measured s",
-              "measured GiB"]  # fmt: skip
+        row = [
+            c.data.tags.get("zero", c.info.run_name),
+            "yes" if m.get("fits") else "no",
+            _fmt(m.get("memory/device_gib")),
+            _fmt(m.get("memory/host_per_rank_gib")),
+            _fmt(m.get("predicted/step_s")),
+            _fmt(m.get("predicted/tokens_per_s")),
+            _fmt(m.get("measured/step_s")),
+            _fmt(m.get("measured/peak_gib")),
+        ]
+        rows.append(row)
+    header = [
+        "option",
+        "fits",
+        "GPU GiB",
+        "host GiB",
+        "step s",
+        "tok/s",
+        "measured s",
+        "measured GiB",
+    ]
     return [head, _table(header, rows)]
 
 
@@ -413,13 +440,25 @@ def demo_section(client: MlflowClient, runs: list) -> list[str]:
     rows = []
     for r in runs:
         nested = _children(client, r)
-        rows.append([run_label(r), r.info.status, r.data.tags.get("seeds", "-"),
-                     r.data.tags.get("drafters", "-"), str(len(nested))])  # fmt: skip
+        row = [
+            run_label(r),
+            r.info.status,
+            r.data.tags.get("seeds", "-"),
+            r.data.tags.get("drafters", "-"),
+            str(len(nested)),
+        ]
+        rows.append(row)
     return [_table(["run", "status", "seeds", "drafters", "trainings"], rows)]
 
 
-SECTIONS = (("train", "training runs"), ("eval", "evaluations"), ("tune", "tuning sweeps"),
-            ("demo", "demos"), ("bench", "benchmarks"), ("other", "other runs"))  # fmt: skip
+SECTIONS = (
+    ("train", "training runs"),
+    ("eval", "evaluations"),
+    ("tune", "tuning sweeps"),
+    ("demo", "demos"),
+    ("bench", "benchmarks"),
+    ("other", "other runs"),
+)
 
 
 def compare(cfg: CompareConfig) -> str:

@@ -52,8 +52,16 @@ KINDS = ("train", "eval", "tune", "demo", "bench")
 PARENT_TAG = "mlflow.parentRunId"
 LAUNCH_TAG = "dspark.launch_id"
 """A random id per tracker: finds the run a create_run made whose answer was lost."""
-RUN_TAGS = ("kind", "drafter_kind", "target", "recipe", "zero", "seed", "world_size",
-            "slurm_job_id")  # fmt: skip
+RUN_TAGS = (
+    "kind",
+    "drafter_kind",
+    "target",
+    "recipe",
+    "zero",
+    "seed",
+    "world_size",
+    "slurm_job_id",
+)
 """The tags a user groups runs by (each run sets those that apply to it)."""
 DEFAULT_EXPERIMENT = "dspark-ds"
 MODEL_TYPE = "dspark-ds-drafter"
@@ -181,8 +189,18 @@ class Delivery:
             getattr(self, op.kind)(**op.args)
 
     # ---- the run -------------------------------------------------------------------------------
-    def start(self, *, experiment, artifact_location, run_name, tags, resume_run_id, env_run_id,
-              launch_id, strict=True) -> None:  # fmt: skip
+    def start(
+        self,
+        *,
+        experiment,
+        artifact_location,
+        run_name,
+        tags,
+        resume_run_id,
+        env_run_id,
+        launch_id,
+        strict=True,
+    ) -> None:
         """Creates the run (or continues `resume_run_id` / adopts `env_run_id`); `strict`: a
         refused MLFLOW_RUN_ID raises ConfigError, else it is warned about and a new run made."""
         self.experiment_id = self._experiment(experiment, artifact_location)
@@ -220,8 +238,11 @@ class Delivery:
 
             try:
                 # NOTE: the experimentKind tag opens the UI on its training runs, not GenAI's view
-                return client.create_experiment(name, artifact_location=artifact_location,
-                                                tags={"mlflow.experimentKind": "custom_model_development"})  # fmt: skip
+                return client.create_experiment(
+                    name,
+                    artifact_location=artifact_location,
+                    tags={"mlflow.experimentKind": "custom_model_development"},
+                )
             except MlflowException:
                 experiment = client.get_experiment_by_name(name)  # another run created it
                 if experiment is None:
@@ -294,8 +315,12 @@ class Delivery:
         if path.name == RUN_ID_FILE:
             text = self.run_id + "\n"
         else:
-            text = json.dumps({"run_id": self.run_id, "experiment_id": self.experiment_id,
-                               "tracking_uri": self.uri}, indent=1) + "\n"  # fmt: skip
+            ids = {
+                "run_id": self.run_id,
+                "experiment_id": self.experiment_id,
+                "tracking_uri": self.uri,
+            }
+            text = json.dumps(ids, indent=1) + "\n"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
@@ -359,13 +384,15 @@ class Delivery:
     def dataset(self, *, name, digest, source, source_type, context, profile=None) -> None:
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
-        ds = Dataset(name=name, digest=digest, source_type=source_type, source=source,
-                     profile=profile)  # fmt: skip
+        ds = Dataset(
+            name=name, digest=digest, source_type=source_type, source=source, profile=profile
+        )
         tags = [InputTag("mlflow.data.context", context)]
         self.client.log_inputs(self.run_id, [DatasetInput(ds, tags)])
 
-    def model(self, *, local_dir: str, name: str, register_as: str | None, params: dict,
-              step: int) -> None:  # fmt: skip
+    def model(
+        self, *, local_dir: str, name: str, register_as: str | None, params: dict, step: int
+    ) -> None:
         """The export as an MLflow model of the run (its files, no flavour), and a version of
         `register_as` when set. Each part is done once across retries."""
         from mlflow.entities import LoggedModelOutput
@@ -376,10 +403,16 @@ class Delivery:
                 [self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'"
             )
             mine = [m for m in found if m.name == name]
-            model = mine[0] if mine else client.create_logged_model(
-                self.experiment_id, name=name, source_run_id=self.run_id, params=params,
-                model_type=MODEL_TYPE,
-            )  # fmt: skip
+            if mine:
+                model = mine[0]
+            else:
+                model = client.create_logged_model(
+                    self.experiment_id,
+                    name=name,
+                    source_run_id=self.run_id,
+                    params=params,
+                    model_type=MODEL_TYPE,
+                )
             done["model_id"] = model.model_id
         model_id = done["model_id"]
         if "files" not in done:
@@ -448,12 +481,15 @@ def rows_as_ops(log: Path) -> list[Op]:
             continue
         if not isinstance(row, dict) or not isinstance(row.get("step"), int):
             continue
-        metrics = {k: v for k, v in row.items()
-                   if "/" in k and isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+        metrics = {
+            k: v
+            for k, v in row.items()
+            if "/" in k and isinstance(v, int | float) and not isinstance(v, bool)
+        }
         if metrics:
             stamp = round(float(row.get("time", time.time())) * 1000)
-            ops.append(Op("metrics", {"metrics": _clean_metrics(metrics), "step": row["step"],
-                                      "timestamp_ms": stamp}, in_log=True))  # fmt: skip
+            args = {"metrics": _clean_metrics(metrics), "step": row["step"], "timestamp_ms": stamp}
+            ops.append(Op("metrics", args, in_log=True))
     return ops
 
 
@@ -500,21 +536,28 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, timeout_s))))
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        self._delivery = delivery = Delivery(uri, timeout_s,
-                                             Path(replay_log) if replay_log else None)  # fmt: skip
+        self._delivery = delivery = Delivery(
+            uri, timeout_s, Path(replay_log) if replay_log else None
+        )
         delivery.records.append(self.run_dir / RUN_ID_FILE)
         all_tags = {**(tags or {}), KIND_TAG: kind, PARENT_TAG: parent_run_id}
         if os.environ.get("MLFLOW_EXPERIMENT_ID") and not experiment:
-            _warn("[tracking] MLFLOW_EXPERIMENT_ID is not read: set MLFLOW_EXPERIMENT_NAME or "
-                  "--tracking.experiment")  # fmt: skip
-        start = Op("start", {
-            "experiment": resolve_experiment(experiment),
-            "artifact_location": artifact_location if is_local_store(uri) else None,
-            "run_name": run_name, "tags": {k: str(v) for k, v in all_tags.items() if v is not None},
-            "resume_run_id": self._previous_run_id() if resume else None,
-            "env_run_id": None if parent_run_id else os.environ.get("MLFLOW_RUN_ID"),
-            "launch_id": uuid.uuid4().hex,
-        })  # fmt: skip
+            _warn(
+                "[tracking] MLFLOW_EXPERIMENT_ID is not read: set MLFLOW_EXPERIMENT_NAME or "
+                "--tracking.experiment"
+            )
+        start = Op(
+            "start",
+            {
+                "experiment": resolve_experiment(experiment),
+                "artifact_location": artifact_location if is_local_store(uri) else None,
+                "run_name": run_name,
+                "tags": {k: str(v) for k, v in all_tags.items() if v is not None},
+                "resume_run_id": self._previous_run_id() if resume else None,
+                "env_run_id": None if parent_run_id else os.environ.get("MLFLOW_RUN_ID"),
+                "launch_id": uuid.uuid4().hex,
+            },
+        )
         self._sender = Sender(delivery, max_queued_values=max_queued_values, log=_warn)
         left_over = self._left_over() if resume else []
         try:
@@ -621,21 +664,45 @@ class Tracker:
     def log_artifacts(self, local_dir: str, artifact_path: str | None = None) -> None:
         self._put(Op("artifacts", {"local_dir": str(local_dir), "artifact_path": artifact_path}))
 
-    def log_dataset(self, *, name: str, digest: str, source: str, context: str,
-                    source_type: str = "local", profile: dict | None = None) -> None:  # fmt: skip
+    def log_dataset(
+        self,
+        *,
+        name: str,
+        digest: str,
+        source: str,
+        context: str,
+        source_type: str = "local",
+        profile: dict | None = None,
+    ) -> None:
         """An input of the run: `digest` tells regenerations of the same `source` apart."""
-        self._put(Op("dataset", {
-            "name": name, "digest": digest, "source": source, "source_type": source_type,
-            "context": context, "profile": json.dumps(profile) if profile else None,
-        }))  # fmt: skip
+        args = {
+            "name": name,
+            "digest": digest,
+            "source": source,
+            "source_type": source_type,
+            "context": context,
+            "profile": json.dumps(profile) if profile else None,
+        }
+        self._put(Op("dataset", args))
 
-    def log_model(self, local_dir: str | Path, *, name: str, step: int,
-                  register_as: str | None = None, params: dict | None = None) -> None:  # fmt: skip
+    def log_model(
+        self,
+        local_dir: str | Path,
+        *,
+        name: str,
+        step: int,
+        register_as: str | None = None,
+        params: dict | None = None,
+    ) -> None:
         """The directory as an MLflow model of this run (and a version of `register_as`)."""
-        self._put(Op("model", {
-            "local_dir": str(local_dir), "name": name, "register_as": register_as, "step": step,
+        args = {
+            "local_dir": str(local_dir),
+            "name": name,
+            "register_as": register_as,
+            "step": step,
             "params": {k: _param_value(v) for k, v in (params or {}).items()},
-        }))  # fmt: skip
+        }
+        self._put(Op("model", args))
 
     def record_run(self, path: str | Path) -> None:
         """Writes this run's id to `path` (now, or once the run exists): an export's
@@ -679,9 +746,14 @@ class Tracker:
     def _save_undelivered(self, sender: Sender) -> None:
         d = self._delivery
         path = self.run_dir / UNDELIVERED_FILE
-        header = {"tracking_uri": d.uri, "run_id": d.run_id, "experiment_id": d.experiment_id,
-                  "replay_log": str(d.replay_log) if d.replay_log else None,
-                  "records": [str(p) for p in d.records], "written": time.time()}  # fmt: skip
+        header = {
+            "tracking_uri": d.uri,
+            "run_id": d.run_id,
+            "experiment_id": d.experiment_id,
+            "replay_log": str(d.replay_log) if d.replay_log else None,
+            "records": [str(p) for p in d.records],
+            "written": time.time(),
+        }
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_undelivered(path, header, self.undelivered)
         why = sender.last_error or "no answer"

@@ -274,9 +274,10 @@ def summarize(ops: list[Op]) -> str:
         count = len(steps) + sum(1 for _ in ranges)
         spans = [f"{a}-{b}" for a, b in ranges] + ([f"{steps[0]}-{steps[-1]}"] if steps else [])
         parts.append(
-            f"{len(steps)} metric step(s)" + (f" and {count - len(steps)} log span(s)" if ranges else "")
+            f"{len(steps)} metric step(s)"
+            + (f" and {count - len(steps)} log span(s)" if ranges else "")
             + f" (steps {', '.join(spans)})"
-        )  # fmt: skip
+        )
     others = collections.Counter(o.describe() for o in ops if o.kind not in ("metrics", "replay"))
     parts += [f"{what}" + (f" x{n}" if n > 1 else "") for what, n in others.items()]
     return "; ".join(parts) or "nothing"

@@ -42,11 +42,19 @@ def log_sweep(
     """The parent (`tags`, `params`, `text` as artifacts: file name -> text) and one child per
     point, each tagged with the sweep's `tags` too; returns the parent's run id (None when the
     server did not answer: then no child is made, the parent's calls wait in its run dir)."""
-    common = dict(enabled=True, uri=uri, experiment=experiment, kind=kind, resume=False,
-                  artifact_location=artifact_location, timeout_s=timeout_s,
-                  flush_timeout_s=flush_timeout_s)  # fmt: skip
-    parent = Tracker(**common, run_name=name, run_dir=str(run_dir), tags=tags,
-                     parent_run_id=parent_run_id)  # fmt: skip
+    common = dict(
+        enabled=True,
+        uri=uri,
+        experiment=experiment,
+        kind=kind,
+        resume=False,
+        artifact_location=artifact_location,
+        timeout_s=timeout_s,
+        flush_timeout_s=flush_timeout_s,
+    )
+    parent = Tracker(
+        **common, run_name=name, run_dir=str(run_dir), tags=tags, parent_run_id=parent_run_id
+    )
     parent.log_params(params)
     for file_name, content in text.items():
         parent.log_text(content, file_name)
@@ -54,8 +62,13 @@ def log_sweep(
         parent.finish()
         return None
     for point in points:
-        child = Tracker(**common, run_name=point.name, run_dir=str(run_dir / point.name),
-                        tags={**tags, **point.tags}, parent_run_id=parent.run_id)  # fmt: skip
+        child = Tracker(
+            **common,
+            run_name=point.name,
+            run_dir=str(run_dir / point.name),
+            tags={**tags, **point.tags},
+            parent_run_id=parent.run_id,
+        )
         child.log_params(point.params)
         child.log_metrics(point.metrics, step=0)
         for step, metrics in point.series.items():

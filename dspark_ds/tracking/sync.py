@@ -94,8 +94,9 @@ def run_sync(cfg: SyncConfig) -> dict:
     if left:
         kept = "run it again once the server answers"
         if header:
-            write_undelivered(path, {**header, "tracking_uri": delivery.uri,
-                                     "run_id": delivery.run_id}, left)  # fmt: skip
+            write_undelivered(
+                path, {**header, "tracking_uri": delivery.uri, "run_id": delivery.run_id}, left
+            )
             kept = f"kept in {path}"
         raise NetworkError(
             f"sync-tracking: {summarize(left)} still not delivered to {delivery.uri} after "

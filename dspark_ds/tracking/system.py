@@ -26,8 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-FIELDS = ("cpu_percent", "host_memory_used_gb", "host_memory_percent",
-          "gpu_utilization_percent", "gpu_memory_used_gb", "gpu_power_w", "gpus")  # fmt: skip
+FIELDS = (
+    "cpu_percent",
+    "host_memory_used_gb",
+    "host_memory_percent",
+    "gpu_utilization_percent",
+    "gpu_memory_used_gb",
+    "gpu_power_w",
+    "gpus",
+)
 GPU_FIELDS = FIELDS[3:]
 """Logged for a node whose monitor read at least one GPU ("gpus": how many)."""
 
@@ -82,13 +89,18 @@ def _gpu_reader():
     except ImportError:
         from dspark_ds.distributed import log
 
-        log("[tracking] GPU utilisation, memory and power need nvidia-ml-py "
-            "(pip install nvidia-ml-py); node metrics without them")  # fmt: skip
+        log(
+            "[tracking] GPU utilisation, memory and power need nvidia-ml-py "
+            "(pip install nvidia-ml-py); node metrics without them"
+        )
         return 0, None
 
     def read(i: int) -> tuple[float, float, float]:
-        return (float(torch.cuda.utilization(i)), float(torch.cuda.device_memory_used(i)),
-                torch.cuda.power_draw(i) / 1000.0)  # fmt: skip
+        return (
+            float(torch.cuda.utilization(i)),
+            float(torch.cuda.device_memory_used(i)),
+            torch.cuda.power_draw(i) / 1000.0,
+        )
 
     return torch.cuda.device_count(), read
 
@@ -115,8 +127,8 @@ class NodeMonitor:
 
     def sample(self) -> list[float]:
         mem = self._psutil.virtual_memory()
-        values = [self._psutil.cpu_percent(None), (mem.total - mem.available) / 2**30,
-                  mem.percent, 0.0, 0.0, 0.0, 0.0]  # fmt: skip
+        used_gb = (mem.total - mem.available) / 2**30
+        values = [self._psutil.cpu_percent(None), used_gb, mem.percent, 0.0, 0.0, 0.0, 0.0]
         if self.gpus and self._read_gpu is not None:
             reads = [self._read_gpu(i) for i in self.gpus]
             values[3] = sum(r[0] for r in reads) / len(reads)
@@ -163,11 +175,13 @@ class NodeMetrics:
         self.monitor = NodeMonitor(gpus, interval_s) if layout.leader(rank) else None
 
     def part(self) -> torch.Tensor:
-        values = torch.zeros(self.layout.num_nodes, len(FIELDS), dtype=torch.float64,
-                             device=self.device)  # fmt: skip
+        values = torch.zeros(
+            self.layout.num_nodes, len(FIELDS), dtype=torch.float64, device=self.device
+        )
         if self.monitor is not None:
-            values[self.node] = torch.tensor(self.monitor.window(), dtype=torch.float64,
-                                             device=self.device)  # fmt: skip
+            values[self.node] = torch.tensor(
+                self.monitor.window(), dtype=torch.float64, device=self.device
+            )
         return values
 
     def metrics(self, summed: list[float]) -> dict[str, float]:

@@ -191,11 +191,13 @@ class CheckpointManager:
         return chosen
 
     def _newest_intact(self, root: Path) -> tuple[Path | None, set[Path]]:
-        tags = sorted(
-            (p for p in root.iterdir() if ckpt.TAG_RE.match(p.name) and p.is_dir()),
-            key=lambda p: ckpt.tag_step(p.name),
-            reverse=True,
-        ) if root.is_dir() else []  # fmt: skip
+        tags = []
+        if root.is_dir():
+            tags = sorted(
+                (p for p in root.iterdir() if ckpt.TAG_RE.match(p.name) and p.is_dir()),
+                key=lambda p: ckpt.tag_step(p.name),
+                reverse=True,
+            )
         damaged: list[tuple[Path, list[str]]] = []
         chosen = None
         for tag in tags:
@@ -239,8 +241,10 @@ class CheckpointManager:
             for tag in sorted(newer):
                 why = "damaged" if tag in damaged else "abandoned"
                 moved = ckpt.set_aside(tag, why)
-                print0(f"[train] {tag.name} set aside as {moved.name} (this run continues from "
-                       f"{chosen.name})")  # fmt: skip
+                print0(
+                    f"[train] {tag.name} set aside as {moved.name} (this run continues from "
+                    f"{chosen.name})"
+                )
         distributed.barrier()
 
     def verify(self, tag_dir: Path) -> list[str]:
@@ -315,11 +319,19 @@ class CheckpointManager:
         `latest`. A failure on any rank (disk full, I/O error) removes the partial tag and
         raises TrainingStopped on every rank; the previous checkpoint stays intact."""
         run = self._run.state_dict()
-        meta = {"step": step, "world_size": self.world, "zero_stage": self._engine.zero_stage,
-                "schedule": run["schedule"]}  # fmt: skip
+        meta = {
+            "step": step,
+            "world_size": self.world,
+            "zero_stage": self._engine.zero_stage,
+            "schedule": run["schedule"],
+        }
         files = {**self._files, "meta.json": json.dumps(meta)}
-        client_state = {**run, "data": self._data.state_dict(), "rng": rng_state(),
-                        "world_size": self.world}  # fmt: skip
+        client_state = {
+            **run,
+            "data": self._data.state_dict(),
+            "rng": rng_state(),
+            "world_size": self.world,
+        }
         return self._write(step, files, client_state)
 
     def _write(self, step: int, files: dict[str, str], client_state: dict) -> Path:

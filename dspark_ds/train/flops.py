@@ -52,9 +52,11 @@ class WindowFlops:
         if self.kind.anchor_blocks and anchors is not None:
             model = replace(model, num_anchors=anchors)
         shape = replace(
-            self.inv.step_shape(self.run_cfg), batch=1, seq_len=tokens,
+            self.inv.step_shape(self.run_cfg),
+            batch=1,
+            seq_len=tokens,
             drafter=self.kind.step_part(model),
-        )  # fmt: skip
+        )
         flops = sum(
             self.kind.step_flops(shape, self.run_cfg.perf, self.device, self.stage).values()
         )

@@ -57,32 +57,53 @@ def data_inputs(source, data_cfg, synthetic_seed: int | None = None) -> list[dic
     if manifest is not None:
         dataset = manifest.get("dataset", {})
         target = manifest.get("target", {})
-        return [{
-            "name": Path(str(cache.cache_dir)).name, "source": str(Path(cache.cache_dir).resolve()),
-            "digest": _digest(dataset.get("fingerprint"), target.get("config_sha256"),
-                              manifest.get("layer_ids"), manifest.get("dtype")),
-            "profile": {"kind": "target cache", "num_samples": dataset.get("num_samples"),
-                        "num_tokens": dataset.get("num_tokens"), "dtype": manifest.get("dtype"),
-                        "data_fingerprint": dataset.get("fingerprint")},
-        }]  # fmt: skip
+        entry = {
+            "name": Path(str(cache.cache_dir)).name,
+            "source": str(Path(cache.cache_dir).resolve()),
+            "digest": _digest(
+                dataset.get("fingerprint"),
+                target.get("config_sha256"),
+                manifest.get("layer_ids"),
+                manifest.get("dtype"),
+            ),
+            "profile": {
+                "kind": "target cache",
+                "num_samples": dataset.get("num_samples"),
+                "num_tokens": dataset.get("num_tokens"),
+                "dtype": manifest.get("dtype"),
+                "data_fingerprint": dataset.get("fingerprint"),
+            },
+        }
+        return [entry]
     samples = getattr(source, "samples", None)
     meta = getattr(samples, "meta", None)
     if meta is not None:
         paths = [str(Path(p).resolve()) for p in data_cfg.paths]
-        return [{
+        entry = {
             "name": Path(paths[0]).name if len(paths) == 1 else f"{len(paths)} files",
-            "source": ",".join(paths), "digest": _digest(meta.get("fingerprint")),
-            "profile": {"kind": "token store", "num_samples": meta.get("num_samples"),
-                        "num_tokens": meta.get("num_tokens"),
-                        "data_fingerprint": meta.get("fingerprint")},
-        }]  # fmt: skip
+            "source": ",".join(paths),
+            "digest": _digest(meta.get("fingerprint")),
+            "profile": {
+                "kind": "token store",
+                "num_samples": meta.get("num_samples"),
+                "num_tokens": meta.get("num_tokens"),
+                "data_fingerprint": meta.get("fingerprint"),
+            },
+        }
+        return [entry]
     if hasattr(source, "vocab_size") and hasattr(source, "seq_len"):
         spec = (source.num_samples, source.seq_len, source.vocab_size, synthetic_seed)
-        return [{
-            "name": "synthetic", "source": "synthetic", "digest": _digest(*spec),
-            "profile": {"kind": "synthetic", "num_samples": source.num_samples,
-                        "seq_len": source.seq_len},
-        }]  # fmt: skip
+        entry = {
+            "name": "synthetic",
+            "source": "synthetic",
+            "digest": _digest(*spec),
+            "profile": {
+                "kind": "synthetic",
+                "num_samples": source.num_samples,
+                "seq_len": source.seq_len,
+            },
+        }
+        return [entry]
     return []
 
 
@@ -170,8 +191,10 @@ def _log_run(trainer, tracker) -> None:
     tracker.log_dict(trainer.ds_config, "ds_config.json")
     tracker.log_text(trainer.config_yaml(), "config.yaml")
     seed = cfg.train.seed
-    for context, source, data_cfg in (("training", trainer.source, cfg.data),
-                                      ("validation", trainer.val_source, cfg.data)):  # fmt: skip
+    for context, source, data_cfg in (
+        ("training", trainer.source, cfg.data),
+        ("validation", trainer.val_source, cfg.data),
+    ):
         if context == "validation" and cfg.validation.paths:
             from dataclasses import replace
 
@@ -195,5 +218,5 @@ def log_export(trainer, export_dir: Path) -> None:
             "drafter_kind": trainer.kind.name,
             "target": cfg.target.path,
             "architecture": trainer.draft_config.architectures[0],
-        },  # fmt: skip
+        },
     )

@@ -179,8 +179,12 @@ class MetricsLogger:
         self._fleet_seen = (0, 0)
         # NOTE: a tqdm bar in a Slurm log is one line rewritten with \r thousands of times
         self.use_bar = rank == 0 and progress_bar and sys.stdout.isatty()
-        self.bests = [_Best("loss", False), _Best(TAU, True),
-                      _Best("val/loss", False), _Best("val/tau_probabilistic", True)]  # fmt: skip
+        self.bests = [
+            _Best("loss", False),
+            _Best(TAU, True),
+            _Best("val/loss", False),
+            _Best("val/tau_probabilistic", True),
+        ]
         self.losses: dict[int, float] = {}
         """The training loss of every step written so far (skipped steps absent)."""
         self.val_metrics: dict[str, float] = {}
@@ -221,8 +225,14 @@ class MetricsLogger:
         if self.use_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step",
-                             dynamic_ncols=True, file=sys.stdout)  # fmt: skip
+            self._bar = tqdm(
+                total=self.total_steps,
+                initial=step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stdout,
+            )
 
     def sync(self) -> None:
         """Collective: the rows so far on disk (before a checkpoint that includes their steps)."""
@@ -249,8 +259,9 @@ class MetricsLogger:
         self.steps_in_window = 0  # optimizer steps in its wall time, skipped ones included
         self.tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         self.data_wait_s = 0.0
-        self.sampler_sums = torch.zeros(len(SAMPLER_STATS) + 1, dtype=torch.float64,
-                                        device=self.device)  # fmt: skip
+        self.sampler_sums = torch.zeros(
+            len(SAMPLER_STATS) + 1, dtype=torch.float64, device=self.device
+        )
         self.t0 = time.perf_counter()
 
     def add_micro_batch(self, batch: dict) -> None:
@@ -346,8 +357,9 @@ class MetricsLogger:
         for best in self.bests:
             best.add(row["step"], row)
         if logged or val:  # stamped with the row's time: a replay from this file is the same
-            self.tracker.log_metrics({**logged, **val}, step=row["step"], timestamp=row["time"],
-                                     in_log=True)  # fmt: skip
+            self.tracker.log_metrics(
+                {**logged, **val}, step=row["step"], timestamp=row["time"], in_log=True
+            )
         self._progress(row["step"], row)
 
     def _window_metrics(self, counts, lr, epoch, grad_norm, counters) -> dict[str, float]:
@@ -358,7 +370,7 @@ class MetricsLogger:
         logged = {f"train/{k}": v / self.window_steps for k, v in self.window.items()}
         if sampler[-1] > 0:  # samples seen by the anchor sampler (DSpark / DFlash)
             logged.update({f"train/{k}": v / sampler[-1] for k, v in zip(SAMPLER_STATS, sampler)})
-        logged.update({
+        step_figures = {
             "train/lr": lr,
             "train/epoch": epoch,
             **{f"train/{k}": v for k, v in counters.items()},
@@ -366,7 +378,8 @@ class MetricsLogger:
             "system/samples_per_s": all_samples / elapsed,
             "system/peak_memory_mb": peak_memory_mb(self.device),
             "data/wait_share": wait_s / (self.world * elapsed),
-        })  # fmt: skip
+        }
+        logged.update(step_figures)
         if self.fleet_counts is not None:
             logged["data/served_sequences_per_s"] = fleet_seqs / elapsed
             logged["data/served_tokens_per_s"] = fleet_tokens / elapsed

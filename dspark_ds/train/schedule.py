@@ -37,8 +37,11 @@ class Schedule:
         w = self.warmup_steps
         a = max(w, self.anchor_step)
         if step >= a:
-            return min(1.0, self.anchor_progress + (1.0 - self.anchor_progress) * (step - a)
-                       / max(1, self.total_steps - a))  # fmt: skip
+            return min(
+                1.0,
+                self.anchor_progress
+                + (1.0 - self.anchor_progress) * (step - a) / max(1, self.total_steps - a),
+            )
         # before the anchor (only for the record: a run never goes back)
         return self.anchor_progress * (step - w) / max(1, a - w)
 

@@ -212,11 +212,12 @@ class Trainer:
         )
         self.step, self.epoch = 0, 0
         self.nonfinite_total, self.nonfinite_in_row = 0, 0
-        self.checkpoints.attach(self.engine, data=self.source, run=self, files={
+        files = {
             "draft_config.json": json.dumps(draft_record, indent=2, sort_keys=True),
             "run_config.yaml": self.config_yaml(),
             "ds_config.json": json.dumps(self.ds_config, indent=2),
-        })  # fmt: skip
+        }
+        self.checkpoints.attach(self.engine, data=self.source, run=self, files=files)
         self.checkpoints.load()
         self.nodes = None
         if cfg.tracking.system_metrics:  # collective: which node each rank is on
@@ -229,8 +230,10 @@ class Trainer:
             flops = WindowFlops(cfg, self.device, self.engine.zero_stage)
         except Exception as err:  # noqa: BLE001 - a throughput figure never stops a run
             flops = None
-            print0(f"[train] no model FLOP count for this run ({type(err).__name__}: {err}): "
-                   "system/tflops_per_gpu and system/mfu are not logged")  # fmt: skip
+            print0(
+                f"[train] no model FLOP count for this run ({type(err).__name__}: {err}): "
+                "system/tflops_per_gpu and system/mfu are not logged"
+            )
         self.metrics = MetricsLogger(
             self.run_dir,
             self.tracker,
@@ -263,8 +266,13 @@ class Trainer:
         self.shared = None if self.needs_target else target_shared_weights(cfg.target.path)
         head = None if self.shared is None else self.shared[1]
         self.served = served_client(cfg, self.draft_config, head)
-        kwargs = dict(rank=self.rank, world_size=self.world, target=self.target,
-                      draft_config=self.draft_config, served=self.served)  # fmt: skip
+        kwargs = dict(
+            rank=self.rank,
+            world_size=self.world,
+            target=self.target,
+            draft_config=self.draft_config,
+            served=self.served,
+        )
         self.source = build_batch_source(cfg, **kwargs)
         self.val_source = build_batch_source(cfg, **kwargs, split="val")
         # served: the step's micro-batches are fetched before it starts, and every rank agrees
@@ -449,8 +457,14 @@ class Trainer:
 
     def step_context(self, training: bool) -> StepContext:
         cfg = self.cfg
-        return StepContext(model=cfg.model, perf=cfg.perf, loss_impl=self.loss_impl,
-                           seed=cfg.train.seed, epoch=self.epoch, training=training)  # fmt: skip
+        return StepContext(
+            model=cfg.model,
+            perf=cfg.perf,
+            loss_impl=self.loss_impl,
+            seed=cfg.train.seed,
+            epoch=self.epoch,
+            training=training,
+        )
 
     def on_device(self, batch: dict) -> dict:
         """The tensors a step reads on the engine's device (`sample_ids` stay on the host)."""
@@ -503,8 +517,9 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------
     def run(self) -> TrainResult:
-        result = TrainResult(steps=self.step, run_dir=str(self.run_dir),
-                             mlflow_run_id=self.tracker.run_id)  # fmt: skip
+        result = TrainResult(
+            steps=self.step, run_dir=str(self.run_dir), mlflow_run_id=self.tracker.run_id
+        )
         self.source.set_epoch(self.epoch)  # continue where the checkpoint left the data
         self._iter = iter(self.source)
         self.metrics.start(self.step)
@@ -522,9 +537,15 @@ class Trainer:
                 val = None
                 if self.validator.should_validate(self.step, last_step=last):
                     val = self.validate()
-                self.metrics.log_step(self.step, done.outputs, val, lr=lr, epoch=self.epoch,
-                                      grad_norm=lambda: self.engine.grad_norm,
-                                      counters={"nonfinite_steps": self.nonfinite_total})  # fmt: skip
+                self.metrics.log_step(
+                    self.step,
+                    done.outputs,
+                    val,
+                    lr=lr,
+                    epoch=self.epoch,
+                    grad_norm=lambda: self.engine.grad_norm,
+                    counters={"nonfinite_steps": self.nonfinite_total},
+                )
                 stop, clean = done.stop, done.clean
                 diverged = self.nonfinite_in_row >= self.cfg.train.max_nonfinite_in_row
                 must_save = stop or diverged or not clean
@@ -569,8 +590,12 @@ class Trainer:
             signals.record_exit(code, why, self.step)
         # NOTE: a pre-empted job has seconds before SIGKILL: what MLflow has not taken by then
         # waits in <run_dir>/mlflow_undelivered.json, which the requeued run sends first
-        self._finish("KILLED", f"stopped at step {self.step} (exit {code}: {why})", None,
-                     flush_timeout_s=min(self.cfg.tracking.flush_timeout_s, 5.0))  # fmt: skip
+        self._finish(
+            "KILLED",
+            f"stopped at step {self.step} (exit {code}: {why})",
+            None,
+            flush_timeout_s=min(self.cfg.tracking.flush_timeout_s, 5.0),
+        )
         # NOTE: every rank leaves together, after rank 0 closed its MLflow run:
         # `srun --kill-on-bad-exit` stops the whole step at the first exit 75.
         distributed.barrier()

@@ -45,9 +45,22 @@ from dspark_ds.tune.search import point_config, search
 from dspark_ds.tune.steptime import Step, StepTime, accumulation, step_time
 from dspark_ds.tune.workload import host_work, target_in_job, target_served, workload
 
-__all__ = ["KNOWN_TARGETS", "OPTIONS", "OPTION_NAMES", "ClusterConfig", "Estimate", "Inventory",
-           "Machine", "StepTime", "TunerConfig", "ZeroOption", "estimate", "inventory",
-           "recommend", "run"]  # fmt: skip
+__all__ = [
+    "KNOWN_TARGETS",
+    "OPTIONS",
+    "OPTION_NAMES",
+    "ClusterConfig",
+    "Estimate",
+    "Inventory",
+    "Machine",
+    "StepTime",
+    "TunerConfig",
+    "ZeroOption",
+    "estimate",
+    "inventory",
+    "recommend",
+    "run",
+]
 
 
 def _here(cfg: TunerConfig, run_cfg) -> tuple[TunerConfig, torch.device]:
@@ -134,10 +147,14 @@ def _calibrate_and_measure(
                 first = len(cal.samples) if cal is not None else 0
                 at = point_config(run_cfg, **_batch(points[option.name]))
                 out.measured[option.name] = measure(
-                    option, at, cfg.measure_steps, tmp, memory=cfg.measure_memory,
+                    option,
+                    at,
+                    cfg.measure_steps,
+                    tmp,
+                    memory=cfg.measure_memory,
                     between=(lambda w=window: cal.sample(w)) if window else None,
                     blocks=cfg.cluster.samples,
-                )  # fmt: skip
+                )
                 if window is not None:
                     window.close()
                     spans[option.name] = (first, len(cal.samples))
@@ -159,8 +176,11 @@ def _calibrate_and_measure(
             read = measure_read(run_cfg.data.cache_dir)
             if read is not None:
                 values["cache_read_bytes_per_s"] = read[0] / read[1]
-                out.meta["cache_read"] = {"dir": run_cfg.data.cache_dir, "bytes": read[0],
-                                          "seconds": read[1]}  # fmt: skip
+                out.meta["cache_read"] = {
+                    "dir": run_cfg.data.cache_dir,
+                    "bytes": read[0],
+                    "seconds": read[1],
+                }
         out.machine = resolve(cfg.cluster, measured=values, measured_source=source)
         if cfg.cluster.save_profile and distributed.is_rank0():
             save_profile(out.machine, cfg.cluster.save_profile, out.meta, only_from=source)
@@ -184,17 +204,22 @@ def _host_work(run_cfg, options: list[ZeroOption], device: str, machine: Machine
     torch.set_num_threads(1)  # NOTE: tiny ops; more threads only contend with the launcher's
     try:
         return host_work(
-            run_cfg, _stages(run_cfg, options, device), device,
+            run_cfg,
+            _stages(run_cfg, options, device),
+            device,
             timed=not machine.dispatch_overlaps_compute,
-        )  # fmt: skip
+        )
     finally:
         torch.set_num_threads(threads)
 
 
 def _batch(point: dict) -> dict:
     """`point_config`'s arguments of a searched point."""
-    return {"micro_batch": point["micro_batch"], "global_batch": point["global_batch"],
-            "recompute": point.get("recompute", False)}  # fmt: skip
+    return {
+        "micro_batch": point["micro_batch"],
+        "global_batch": point["global_batch"],
+        "recompute": point.get("recompute", False),
+    }
 
 
 def _measure_points(cfg: TunerConfig, run_cfg, inv: Inventory, options) -> dict[str, dict]:
@@ -226,32 +251,40 @@ def _measure_points(cfg: TunerConfig, run_cfg, inv: Inventory, options) -> dict[
 
 
 def at_points(
-    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, options, points: dict,
-    ops: dict,
-) -> list[Estimate]:  # fmt: skip
+    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, options, points: dict, ops: dict
+) -> list[Estimate]:
     """Each option predicted at its given point on one node (what `--measure` ran)."""
     out = []
     for option in options:
         point = points[option.name]
-        est = predict_one(cfg, point_config(run_cfg, **_batch(point)), inv, machine, option, 1,
-                          ops)  # fmt: skip
+        est = predict_one(cfg, point_config(run_cfg, **_batch(point)), inv, machine, option, 1, ops)
         est.point = dict(point, accum=est.step["accum"])
         out.append(est)
     return out
 
 
 def predict(
-    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, options: list[ZeroOption],
-    nodes: int, ops: dict,
-) -> list[Estimate]:  # fmt: skip
+    cfg: TunerConfig,
+    run_cfg,
+    inv: Inventory,
+    machine: Machine,
+    options: list[ZeroOption],
+    nodes: int,
+    ops: dict,
+) -> list[Estimate]:
     """Memory and step time of each option on `nodes` nodes."""
     return [predict_one(cfg, run_cfg, inv, machine, o, nodes, ops) for o in options]
 
 
 def predict_one(
-    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, option: ZeroOption,
-    nodes: int, ops: dict,
-) -> Estimate:  # fmt: skip
+    cfg: TunerConfig,
+    run_cfg,
+    inv: Inventory,
+    machine: Machine,
+    option: ZeroOption,
+    nodes: int,
+    ops: dict,
+) -> Estimate:
     """Memory and step time of one option on `nodes` nodes."""
     est = estimate(option, inv, run_cfg, cfg, machine, nodes)
     est.step = step_time(option_step(cfg, run_cfg, inv, machine, option, nodes, ops)).as_dict()
@@ -259,9 +292,14 @@ def predict_one(
 
 
 def option_step(
-    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, option: ZeroOption,
-    nodes: int, ops: dict,
-) -> Step:  # fmt: skip
+    cfg: TunerConfig,
+    run_cfg,
+    inv: Inventory,
+    machine: Machine,
+    option: ZeroOption,
+    nodes: int,
+    ops: dict,
+) -> Step:
     """What the step-time model reads for one option on `nodes` nodes."""
     device = cfg.device or "cuda"
     world = nodes * machine.gpus_per_node
@@ -272,12 +310,23 @@ def option_step(
     )
     accum, sequences, note = accumulation(run_cfg, world)
     return Step(
-        option=option.name, zero=zero, dtype_bytes=b, inv=inv, machine=machine, nodes=nodes,
-        workload=wl, persistent_numels=tuple(persistent), accum=accum, sequences=sequences,
-        tokens_per_sequence=run_cfg.data.max_length, in_job=target_in_job(run_cfg), note=note,
+        option=option.name,
+        zero=zero,
+        dtype_bytes=b,
+        inv=inv,
+        machine=machine,
+        nodes=nodes,
+        workload=wl,
+        persistent_numels=tuple(persistent),
+        accum=accum,
+        sequences=sequences,
+        tokens_per_sequence=run_cfg.data.max_length,
+        in_job=target_in_job(run_cfg),
+        note=note,
         read_bytes_per_micro=run_cfg.data.batch_size * sequence_bytes(run_cfg, inv),
-        loader_workers=run_cfg.data.num_workers, recompute=run_cfg.perf.activation_checkpointing,
-    )  # fmt: skip
+        loader_workers=run_cfg.data.num_workers,
+        recompute=run_cfg.perf.activation_checkpointing,
+    )
 
 
 def _from_run(cfg: TunerConfig, machine: Machine) -> tuple[Machine, dict]:
@@ -305,8 +354,11 @@ def _from_run(cfg: TunerConfig, machine: Machine) -> tuple[Machine, dict]:
 
     fraction = fromrun.fraction_for(log, predict)
     record = fromrun.summary(log, point, option.name, step.accum, peak, fraction, predict(fraction))
-    values = {"peak_flops": peak, "sustained_fraction": fraction,
-              "target_sustained_fraction": fraction}  # fmt: skip
+    values = {
+        "peak_flops": peak,
+        "sustained_fraction": fraction,
+        "target_sustained_fraction": fraction,
+    }
     return with_values(machine, values, source), record
 
 
@@ -342,8 +394,9 @@ def run(cfg: TunerConfig) -> dict:
         machine, from_run = _from_run(cfg, machine)
         if cfg.cluster.save_profile and is_rank0():  # what was measured here or in the run
             meta = dict(found.meta, from_run=from_run)
-            save_profile(machine, cfg.cluster.save_profile, meta,
-                         only_from=("calibrated", "profile", "run "))  # fmt: skip
+            save_profile(
+                machine, cfg.cluster.save_profile, meta, only_from=("calibrated", "profile", "run ")
+            )
     if points is not None:  # the points measured
         scaling = {1: at_points(cfg, run_cfg, inv, machine, options, points, work)}
     else:
@@ -361,8 +414,8 @@ def run(cfg: TunerConfig) -> dict:
     warnings = ds_config_warnings(run_cfg)
     data = data_lines(recommend(estimates), run_cfg, inv, machine)
     data_warnings = [ln.removeprefix("warning: ") for ln in data if ln.startswith("warning: ")]
-    text = report(estimates, cfg, inv, run_cfg, machine, measured, scaling, found.meta,
-                  at_measurement, warnings, as_given, data)  # fmt: skip
+    findings = (measured, scaling, found.meta, at_measurement)
+    text = report(estimates, cfg, inv, run_cfg, machine, *findings, warnings, as_given, data)
     if from_run is not None:
         from dspark_ds.tune.fromrun import lines
 
@@ -412,7 +465,7 @@ def run(cfg: TunerConfig) -> dict:
                     fits=e.fits,
                     micro_batch=e.point["micro_batch"],
                     recompute=e.point.get("recompute", False),
-                )  # fmt: skip
+                )
                 for e in ests
             ]
             for n, ests in scaling.items()
@@ -434,9 +487,10 @@ def run(cfg: TunerConfig) -> dict:
         else:
             from dspark_ds.tune.write import write_recipe
 
-            line = write_recipe(cfg.write_recipe, best, run_cfg,
-                                node_counts[0] * machine.gpus_per_node, node_counts[0],
-                                cfg.device or "cuda")  # fmt: skip
+            gpus = node_counts[0] * machine.gpus_per_node
+            line = write_recipe(
+                cfg.write_recipe, best, run_cfg, gpus, node_counts[0], cfg.device or "cuda"
+            )
         text += "\n" + line
         result["text"] = text
     if is_rank0():
@@ -444,10 +498,10 @@ def run(cfg: TunerConfig) -> dict:
         if tracking_on(cfg):
             from dspark_ds.tune.sweep_runs import log_sweep
 
+            recommended = result["recommended"]
             result["mlflow_run_id"] = log_sweep(
-                cfg, run_cfg, estimates, scaling, measured, at_measurement,
-                result["recommended"], text,
-            )  # fmt: skip
+                cfg, run_cfg, estimates, scaling, measured, at_measurement, recommended, text
+            )
         if cfg.output_json:
             Path(cfg.output_json).write_text(json.dumps(result, indent=1, default=float))
     return result

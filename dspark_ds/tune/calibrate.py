@@ -57,9 +57,16 @@ from dspark_ds.tune.cluster import ENGINE_MODES, GIB, TUPLE_FIELDS
 from dspark_ds.tune.config import OPTIONS
 from dspark_ds.tune.workload import NarrowCopies, OpCounter, stand_in_model
 
-ENGINE_OPTIONS = dict(zip(ENGINE_MODES, ("zero0", "zero1", "zero2", "zero2+offload_opt",
-                                         "zero3", "zero3+offload_opt",
-                                         "zero3+offload_opt+param")))  # fmt: skip
+_MODE_OPTIONS = (
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero2+offload_opt",
+    "zero3",
+    "zero3+offload_opt",
+    "zero3+offload_opt+param",
+)
+ENGINE_OPTIONS = dict(zip(ENGINE_MODES, _MODE_OPTIONS))
 REPEATS = 3
 """Timings of a host-bound workload per sample (the median is kept)."""
 NVME_PROBE_BYTES = 32 * 2**20
@@ -96,11 +103,11 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int = 1) -> f
 # layers, each size at least REFERENCE_FLOOR (below it the step is all host time, which the
 # 32-wide copy takes out, and the difference is noise) and at most the device's cap, so that a
 # sample stays short; the FLOP model carries the rates to the recipe's full depth and length.
-REFERENCE_FLOOR = dict(hidden=192, intermediate=512, heads=4, head_dim=48, vocab=12000, layers=4,
-                       seq_len=192, anchors=24, draft_layers=1)  # fmt: skip
+REFERENCE_FLOOR = dict(hidden=192,  intermediate=512,   heads=4,  head_dim=48,  vocab=12000,
+                       layers=4, seq_len=192,  anchors=24,  draft_layers=1)  # fmt: skip
 REFERENCE_CAPS = {
-    "cpu": dict(hidden=512, intermediate=1536, heads=8, head_dim=128, vocab=32768, layers=4,
-                seq_len=256, anchors=32, draft_layers=1),
+    "cpu":  dict(hidden=512,  intermediate=1536,  heads=8,  head_dim=128, vocab=32768,
+                 layers=4, seq_len=256,  anchors=32,  draft_layers=1),
     "cuda": dict(hidden=8192, intermediate=32768, heads=64, head_dim=256, vocab=262144,
                  layers=4, seq_len=2048, anchors=256, draft_layers=1),
 }  # fmt: skip
@@ -137,10 +144,14 @@ def _reference_config(run_cfg, shape: dict[str, int], narrow: bool):
 
     r = shape
     config = resized_config(
-        target_config_of(run_cfg.target.path), hidden=r["hidden"],
-        intermediate=r["intermediate"], heads=r["heads"], head_dim=r["head_dim"],
-        vocab=r["vocab"], layers=r["layers"],
-    )  # fmt: skip
+        target_config_of(run_cfg.target.path),
+        hidden=r["hidden"],
+        intermediate=r["intermediate"],
+        heads=r["heads"],
+        head_dim=r["head_dim"],
+        vocab=r["vocab"],
+        layers=r["layers"],
+    )
     return narrow_config(config) if narrow else config
 
 
@@ -179,19 +190,26 @@ class Compute:
                     zero3=False,
                     device=device,
                     dtype=dtype,
-                )  # fmt: skip
+                )
             )
             self.target.append(TargetForward(config, layer_ids, 1, r["seq_len"], device, dtype))
         text = text_config(_reference_config(run_cfg, r, False))
         kind = get_kind(model.kind)
         shape = StepShape(
-            batch=1, seq_len=r["seq_len"], hidden=r["hidden"], intermediate=r["intermediate"],
-            vocab=r["vocab"], heads=r["heads"], kv_heads=int(global_attr(text, "num_key_value_heads")),
-            head_dim=r["head_dim"], draft_layers=r["draft_layers"], taps=len(layer_ids),
+            batch=1,
+            seq_len=r["seq_len"],
+            hidden=r["hidden"],
+            intermediate=r["intermediate"],
+            vocab=r["vocab"],
+            heads=r["heads"],
+            kv_heads=int(global_attr(text, "num_key_value_heads")),
+            head_dim=r["head_dim"],
+            draft_layers=r["draft_layers"],
+            taps=len(layer_ids),
             drafter=kind.step_part(model),
             compute_bytes=torch.tensor([], dtype=dtype).element_size(),
             feature_bytes=torch.tensor([], dtype=dtype).element_size(),
-        )  # fmt: skip
+        )
         self.drafter_flops = sum(kind.step_flops(shape, perf, device.type, 0).values())
         layer_params = sum(p.numel() for p in self.target[0].target.decoder.layers.parameters())
         attention = [(r["heads"] * r["head_dim"], None)] * r["layers"]
@@ -427,11 +445,14 @@ class EngineWindow:
         world, B = distributed.world_size(), run_cfg.data.batch_size
         option = {o.name: o for o in OPTIONS}[ENGINE_OPTIONS[ENGINE_MODES[mode]]]
         ds_config = build_ds_config(
-            replace(run_cfg.deepspeed, config=option.config,
-                    overrides=option_overrides(option, run_cfg)),
+            replace(
+                run_cfg.deepspeed, config=option.config, overrides=option_overrides(option, run_cfg)
+            ),
             replace(run_cfg.train, global_batch_size=B * world),
-            micro_batch_size=B, world_size=world, use_gpu=host.device.type == "cuda",
-        )  # fmt: skip
+            micro_batch_size=B,
+            world_size=world,
+            use_gpu=host.device.type == "cuda",
+        )
         self.engine = plain_engine(self.step.make, ds_config)
         self.plain_opt = torch.optim.AdamW(
             [p for p in self.step.model.parameters() if p.requires_grad], lr=1e-4
@@ -517,9 +538,13 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-ENGINE_KEYS = {"micro": "engine_micro_s", "step": "engine_step_s",
-               "fwd_call": "engine_module_fwd_s", "bwd_call": "engine_module_bwd_s",
-               "target_call": "engine_target_module_s"}  # fmt: skip
+ENGINE_KEYS = {
+    "micro": "engine_micro_s",
+    "step": "engine_step_s",
+    "fwd_call": "engine_module_fwd_s",
+    "bwd_call": "engine_module_bwd_s",
+    "target_call": "engine_target_module_s",
+}
 
 
 class Calibration:

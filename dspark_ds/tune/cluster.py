@@ -99,8 +99,13 @@ class Machine:
         return self.collective_latency_s, bw
 
 
-TUPLE_FIELDS = ("engine_module_fwd_s", "engine_module_bwd_s", "engine_target_module_s",
-                "engine_micro_s", "engine_step_s")  # fmt: skip
+TUPLE_FIELDS = (
+    "engine_module_fwd_s",
+    "engine_module_bwd_s",
+    "engine_target_module_s",
+    "engine_micro_s",
+    "engine_step_s",
+)
 
 # Engine modes the calibration measures (what DeepSpeed runs differently): ZeRO stage, optimizer
 # offload, parameter offload. NVMe options run the parameter-offload engine plus the NVMe terms.
@@ -158,9 +163,17 @@ _HOPPER = dict(
     comm_overlap=0.8,
     cache_read_bytes_per_s=2 * GB,
 )
-_PUBLISHED = ("gpus_per_node", "host_memory_bytes", "peak_flops", "all_reduce_bytes_per_s",
-              "all_gather_bytes_per_s", "reduce_scatter_bytes_per_s", "inter_node_bytes_per_s",
-              "host_device_bytes_per_s", "gpu_memory_bytes")  # fmt: skip
+_PUBLISHED = (
+    "gpus_per_node",
+    "host_memory_bytes",
+    "peak_flops",
+    "all_reduce_bytes_per_s",
+    "all_gather_bytes_per_s",
+    "reduce_scatter_bytes_per_s",
+    "inter_node_bytes_per_s",
+    "host_device_bytes_per_s",
+    "gpu_memory_bytes",
+)
 _DERIVED = (
     "nvme_read_bytes_per_s",
     "nvme_write_bytes_per_s",
@@ -327,9 +340,17 @@ class ClusterConfig:
             raise ConfigError(f"cluster.samples: must be >= 1, got {self.samples}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ConfigError(f"cluster.gpus_per_node: must be >= 1, got {self.gpus_per_node}")
-        for name in ("gpu_memory_gb", "host_memory_gb", "peak_tflops", "intra_node_gb_per_s",
-                     "inter_node_gb_per_s", "host_device_gb_per_s", "nvme_read_gb_per_s",
-                     "nvme_write_gb_per_s", "cache_read_gb_per_s"):  # fmt: skip
+        for name in (
+            "gpu_memory_gb",
+            "host_memory_gb",
+            "peak_tflops",
+            "intra_node_gb_per_s",
+            "inter_node_gb_per_s",
+            "host_device_gb_per_s",
+            "nvme_read_gb_per_s",
+            "nvme_write_gb_per_s",
+            "cache_read_gb_per_s",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"cluster.{name}: must be > 0, got {value}")
@@ -369,11 +390,13 @@ class ClusterConfig:
         if self.intra_node_gb_per_s is not None:
             for op in ("all_reduce", "all_gather", "reduce_scatter"):
                 out[f"{op}_bytes_per_s"] = self.intra_node_gb_per_s * GB
-        for name, key in (("inter_node_gb_per_s", "inter_node_bytes_per_s"),
-                          ("host_device_gb_per_s", "host_device_bytes_per_s"),
-                          ("nvme_read_gb_per_s", "nvme_read_bytes_per_s"),
-                          ("nvme_write_gb_per_s", "nvme_write_bytes_per_s"),
-                          ("cache_read_gb_per_s", "cache_read_bytes_per_s")):  # fmt: skip
+        for name, key in (
+            ("inter_node_gb_per_s", "inter_node_bytes_per_s"),
+            ("host_device_gb_per_s", "host_device_bytes_per_s"),
+            ("nvme_read_gb_per_s", "nvme_read_bytes_per_s"),
+            ("nvme_write_gb_per_s", "nvme_write_bytes_per_s"),
+            ("cache_read_gb_per_s", "cache_read_bytes_per_s"),
+        ):
             if getattr(self, name) is not None:
                 out[key] = getattr(self, name) * GB
         if self.collective_latency_us is not None:

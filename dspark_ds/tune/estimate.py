@@ -127,37 +127,57 @@ def resolved_ds_config(
 
 
 # ---- the DeepSpeed keys the model reads --------------------------------------------------------
-READ_KEYS = frozenset({
-    # the batch shape (filled from the run; an explicit value must agree with it)
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "bf16.enabled",
-    # zero_settings (engine/config.py), under DeepSpeed's field names and their aliases
-    "zero_optimization.stage", "zero_optimization.overlap_comm",
-    "zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
-    "zero_optimization.allgather_bucket_size", "zero_optimization.prefetch_bucket_size",
-    "zero_optimization.stage3_prefetch_bucket_size",
-    "zero_optimization.param_persistence_threshold",
-    "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.model_persistence_threshold",
-    "zero_optimization.stage3_model_persistence_threshold",
-    "zero_optimization.offload_optimizer.device", "zero_optimization.offload_optimizer.buffer_count",
-    "zero_optimization.offload_param.device", "zero_optimization.offload_param.buffer_count",
-    "zero_optimization.offload_param.buffer_size",
-    # where NVMe offload swaps and how (the calibration measures that directory with them)
-    "zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path",
-    "aio.block_size", "aio.queue_depth", "aio.thread_count", "aio.single_submit",
-    "aio.overlap_events",
-    # ZeRO++ hpZ: its gathers within the node-local group, its secondary partition
-    "zero_optimization.zero_hpz_partition_size",
-})  # fmt: skip
+READ_KEYS = frozenset(
+    {
+        # the batch shape (filled from the run; an explicit value must agree with it)
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "bf16.enabled",
+        # zero_settings (engine/config.py), under DeepSpeed's field names and their aliases
+        "zero_optimization.stage",
+        "zero_optimization.overlap_comm",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.prefetch_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.param_persistence_threshold",
+        "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.model_persistence_threshold",
+        "zero_optimization.stage3_model_persistence_threshold",
+        "zero_optimization.offload_optimizer.device",
+        "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_param.device",
+        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_param.buffer_size",
+        # where NVMe offload swaps and how (the calibration measures that directory with them)
+        "zero_optimization.offload_optimizer.nvme_path",
+        "zero_optimization.offload_param.nvme_path",
+        "aio.block_size",
+        "aio.queue_depth",
+        "aio.thread_count",
+        "aio.single_submit",
+        "aio.overlap_events",
+        # ZeRO++ hpZ: its gathers within the node-local group, its secondary partition
+        "zero_optimization.zero_hpz_partition_size",
+    }
+)
 """Dotted keys of a DeepSpeed config that the memory estimate or the step-time model reads."""
 
-NO_EFFECT_KEYS = frozenset({
-    "optimizer.type", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
-    "optimizer.params.weight_decay", "gradient_clipping", "steps_per_print",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-    "zero_optimization.gather_16bit_weights_on_model_save",
-})  # fmt: skip
+NO_EFFECT_KEYS = frozenset(
+    {
+        "optimizer.type",
+        "optimizer.params.lr",
+        "optimizer.params.betas",
+        "optimizer.params.eps",
+        "optimizer.params.weight_decay",
+        "gradient_clipping",
+        "steps_per_print",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.gather_16bit_weights_on_model_save",
+    }
+)
 """Keys that change neither a step's memory nor its time (the optimizer's hyperparameters, the
 clipping threshold, logging, what a checkpoint saves)."""
 
@@ -382,9 +402,14 @@ def estimate(
     est.device.update(peak_phase(acts, target))
     if b == 2 and zero.stage in (2, 3):  # DeepSpeed's estimators assume bf16 / fp16
         cpu_mem, gpu_mem = deepspeed_model_states_estimate(
-            zero.stage, inv.trainable, inv.largest_module, machine.gpus_per_node, nodes,
-            zero.offload_optimizer is not None, zero.offload_param is not None,
-        )  # fmt: skip
+            zero.stage,
+            inv.trainable,
+            inv.largest_module,
+            machine.gpus_per_node,
+            nodes,
+            zero.offload_optimizer is not None,
+            zero.offload_param is not None,
+        )
         est.deepspeed_states, est.deepspeed_host_per_node = float(gpu_mem), float(cpu_mem)
     judge_fit(est, cfg, machine)
     return est

@@ -92,14 +92,19 @@ def read_run(run_dir: str | Path) -> RunLog:
             "records the run's config (checkpoint.save_final true keeps one)"
         )
     tag_dir = run / "checkpoints" / tag
-    run_cfg = parse(TrainRunConfig, ["--config", str(tag_dir / "run_config.yaml")],
-                    prog="dspark-ds tune")  # fmt: skip
+    run_cfg = parse(
+        TrainRunConfig, ["--config", str(tag_dir / "run_config.yaml")], prog="dspark-ds tune"
+    )
     meta = json.loads((tag_dir / "meta.json").read_text())
     per_window = [r["system/tflops_per_gpu"] * 1e12 * r["system/step_s"] for r in used]
-    peaks = [r["system/tflops_per_gpu"] * 1e12 / r["system/mfu"] for r in used
-             if r.get("system/mfu")]  # fmt: skip
-    tokens = [r["system/tokens_per_s"] / r["system/samples_per_s"] for r in used
-              if r.get("system/samples_per_s")]  # fmt: skip
+    peaks = [
+        r["system/tflops_per_gpu"] * 1e12 / r["system/mfu"] for r in used if r.get("system/mfu")
+    ]
+    tokens = [
+        r["system/tokens_per_s"] / r["system/samples_per_s"]
+        for r in used
+        if r.get("system/samples_per_s")
+    ]
     return RunLog(
         run_dir=str(run),
         run_cfg=run_cfg,
@@ -157,8 +162,9 @@ def fraction_for(log: RunLog, predict: Callable[[float], Prediction]) -> float:
     return (lo * hi) ** 0.5
 
 
-def summary(log: RunLog, point, option: str, accum: int, peak: float, fraction: float,
-            pred: Prediction) -> dict:  # fmt: skip
+def summary(
+    log: RunLog, point, option: str, accum: int, peak: float, fraction: float, pred: Prediction
+) -> dict:
     """The JSON record of the calibration (the report's lines read it)."""
     return {
         "run_dir": log.run_dir,
@@ -193,8 +199,10 @@ def lines(rec: dict) -> list[str]:
     peak = f"{rec['peak_flops'] / 1e12:.4g} TFLOP/s ({whose}'s peak)"
     capped = []
     if rec["capped"]:
-        capped = ["  NOTE: the model's other terms alone reach the measured step: the fraction "
-                  "is capped at 1 (their figures are too slow for this machine: calibrate them)"]  # fmt: skip
+        capped = [
+            "  NOTE: the model's other terms alone reach the measured step: the fraction "
+            "is capped at 1 (their figures are too slow for this machine: calibrate them)"
+        ]
     return [
         f"from run {rec['run_dir']}: {rec['option']}, {rec['world']} rank(s), micro-batch "
         f"{rec['micro_batch']} × {rec['accum']}, {shape} per sequence (medians of "

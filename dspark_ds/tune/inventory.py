@@ -82,8 +82,8 @@ def module_params(model: torch.nn.Module) -> tuple[ModuleParams, ...]:
             continue
         trainable = any(p.requires_grad for p in params)
         frozen_lookup = not trainable and isinstance(mod, torch.nn.Embedding)
-        out.append(ModuleParams(tuple(p.numel() for p in params), trainable, not frozen_lookup,
-                                name.startswith("layers.")))  # fmt: skip
+        numels = tuple(p.numel() for p in params)
+        out.append(ModuleParams(numels, trainable, not frozen_lookup, name.startswith("layers.")))
     return tuple(out)
 
 

@@ -59,9 +59,14 @@ def option_run_config(option: ZeroOption, run_cfg, steps: int, workdir: str):
 
 
 def measure(
-    option: ZeroOption, run_cfg, steps: int, workdir: str, memory: bool = True,
-    between: Callable[[], object] | None = None, blocks: int = 1,
-) -> dict:  # fmt: skip
+    option: ZeroOption,
+    run_cfg,
+    steps: int,
+    workdir: str,
+    memory: bool = True,
+    between: Callable[[], object] | None = None,
+    blocks: int = 1,
+) -> dict:
     """Builds the trainer for this option and runs 1 + `steps` optimizer steps: peak memory of
     the build + first step (CUDA: max_memory_allocated; CPU: the profiler's allocation timeline;
     None without `memory`), then the median time of the next `steps` and of each of their
@@ -120,8 +125,10 @@ def measure(
     grad_accum = trainer.grad_accum
     hpz = int(trainer.engine.ds.zero_hpz_partition_size()) if trainer.engine.zero_stage == 3 else 1
     # read after the timed steps (a host sync each on a GPU)
-    per_step = [float(sum(losses[i : i + grad_accum])) / grad_accum
-                for i in range(0, len(losses), grad_accum)]  # fmt: skip
+    per_step = [
+        float(sum(losses[i : i + grad_accum])) / grad_accum
+        for i in range(0, len(losses), grad_accum)
+    ]
     world = distributed.world_size()
     step_losses = [v / world for v in distributed.all_reduce_values(per_step)]
     _release(trainer)

@@ -10,8 +10,20 @@ from dspark_ds.tune.estimate import GB, Estimate, batch_mismatch, recommend
 from dspark_ds.tune.inventory import Inventory
 
 MB = 1024**2
-HEADER = ["option", "micro-batch", "recompute", "accum", "per GPU", "host/node", "states", "DeepSpeed est.", "activations", "fits",
-          "step s", "tokens/s"]  # fmt: skip
+HEADER = [
+    "option",
+    "micro-batch",
+    "recompute",
+    "accum",
+    "per GPU",
+    "host/node",
+    "states",
+    "DeepSpeed est.",
+    "activations",
+    "fits",
+    "step s",
+    "tokens/s",
+]
 MEASURED_HEADER = ["measured peak", "est/meas", "measured step s", "pred/meas"]
 
 
@@ -166,8 +178,11 @@ def scaling_table(scaling: dict[int, list[Estimate]]) -> list[str]:
                 f"{fmt_s(e.step['predicted_step_s'])} / {e.step['tokens_per_s']:.0f} @{micro}{mark}"
             )
         rows.append(cells)
-    lines = ["", "scaling (the global batch held; each option at its searched micro-batch; "
-                 "+rc = recomputing the draft layers; * = does not fit):"]  # fmt: skip
+    lines = [
+        "",
+        "scaling (the global batch held; each option at its searched micro-batch; "
+        "+rc = recomputing the draft layers; * = does not fit):",
+    ]
     lines += table(rows, header)
     for n in counts:
         best = recommend(scaling[n])

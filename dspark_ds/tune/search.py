@@ -92,9 +92,15 @@ def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, op
             continue
         at = point_config(run_cfg, micro, plan.global_batch, recompute)
         est = predict_one(cfg, at, inv, machine, option, nodes, ops)
-        tried.append({"micro_batch": micro, "recompute": recompute, "accum": est.step["accum"],
-                      "fits": est.fits, "predicted_step_s": est.step["predicted_step_s"],
-                      "device_bytes": est.device_total})  # fmt: skip
+        point = {
+            "micro_batch": micro,
+            "recompute": recompute,
+            "accum": est.step["accum"],
+            "fits": est.fits,
+            "predicted_step_s": est.step["predicted_step_s"],
+            "device_bytes": est.device_total,
+        }
+        tried.append(point)
         first = first or (micro, recompute, est)
         # NOTE: equal up to rounding (an I/O-bound step is the read time whatever the
         # micro-batch) counts as equal: the larger micro-batch

@@ -124,10 +124,12 @@ def accumulation(run_cfg, world: int) -> tuple[int, int, str]:
             ),
         )
     accum = global_batch // per_pass
-    note = "" if global_batch % per_pass == 0 else (
-        f"global batch {global_batch} is not a multiple of {per_pass}: {accum * per_pass} "
-        "sequences per step"
-    )  # fmt: skip
+    note = ""
+    if global_batch % per_pass != 0:
+        note = (
+            f"global batch {global_batch} is not a multiple of {per_pass}: {accum * per_pass} "
+            "sequences per step"
+        )
     return accum, accum * per_pass, note
 
 
@@ -147,9 +149,13 @@ def partitioned_elements(module: ModuleParams, threshold: int) -> int:
 
 
 def zero3_gathers(
-    inv: Inventory, zero: ZeroSettings, in_job: bool, min_numel: int = 0,
-    first_forward: bool | None = None, recompute: bool = False,
-) -> tuple[int, float]:  # fmt: skip
+    inv: Inventory,
+    zero: ZeroSettings,
+    in_job: bool,
+    min_numel: int = 0,
+    first_forward: bool | None = None,
+    recompute: bool = False,
+) -> tuple[int, float]:
     """(all-gather calls, elements gathered) of one micro-batch under ZeRO-3: each module with
     partitioned parameters once in forward and, where its backward needs them, once in
     backward; the in-job target's modules once (its forward). `min_numel`: only parameters of
@@ -425,8 +431,9 @@ def nvme(s: Step) -> Term:
         seconds += s.accum * swapped / world * b * read_s
         updated = sum(
             partitioned_elements(mod, max(z.param_persistence_threshold, swapped_min))
-            for mod in s.inv.drafter_param_modules if mod.trainable
-        )  # fmt: skip
+            for mod in s.inv.drafter_param_modules
+            if mod.trainable
+        )
         in_step += updated / world * b * write_s
         seconds += updated / world * b * write_s
     if z.offload_optimizer == "nvme":
@@ -473,8 +480,13 @@ def step_time(s: Step) -> StepTime:
     """The option's step (see the module docstring): the sum of its terms."""
     terms = {name: term(s) for name, term in TERM_FUNCTIONS.items()}
     return StepTime(
-        option=s.option, nodes=s.nodes, world=s.world, accum=s.accum, sequences=s.sequences,
+        option=s.option,
+        nodes=s.nodes,
+        world=s.world,
+        accum=s.accum,
+        sequences=s.sequences,
         tokens_per_sequence=s.tokens_per_sequence,
         terms={name: t.seconds for name, t in terms.items()},
-        in_step={name: t.in_step for name, t in terms.items()}, note=s.note,
-    )  # fmt: skip
+        in_step={name: t.in_step for name, t in terms.items()},
+        note=s.note,
+    )

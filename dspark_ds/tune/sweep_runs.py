@@ -43,13 +43,21 @@ def _step_metrics(step: dict) -> dict:
         "predicted/step_s": step["predicted_step_s"],
         "predicted/tokens_per_s": step["tokens_per_s"],
     }
-    out.update({f"predicted/{k}_s": v for k, v in step.get("terms", {}).items()
-                if isinstance(v, int | float)})  # fmt: skip
+    terms = step.get("terms", {})
+    out.update({f"predicted/{k}_s": v for k, v in terms.items() if isinstance(v, int | float)})
     return out
 
 
-def log_sweep(cfg, run_cfg, estimates, scaling: dict, measured: dict, at_measurement: dict,
-              recommended: str, text: str) -> str | None:  # fmt: skip
+def log_sweep(
+    cfg,
+    run_cfg,
+    estimates,
+    scaling: dict,
+    measured: dict,
+    at_measurement: dict,
+    recommended: str,
+    text: str,
+) -> str | None:
     """Rank 0: the sweep's parent and children; returns the parent's run id."""
     from dspark_ds.config import flatten
     from dspark_ds.drafters.registry import get_kind
@@ -68,30 +76,44 @@ def log_sweep(cfg, run_cfg, estimates, scaling: dict, measured: dict, at_measure
         series = {}
         for nodes, ests in scaling.items():
             at = next(e for e in ests if e.option == est.option)
-            series[int(nodes)] = {"scaling/step_s": at.step["predicted_step_s"],
-                                  "scaling/tokens_per_s": at.step["tokens_per_s"],
-                                  "scaling/micro_batch": at.point.get("micro_batch", 0)}  # fmt: skip
-        points.append(Point(
-            name=est.option,
-            params={"option": est.option, "micro_batch": est.point.get("micro_batch"),
-                    "accum": est.step["accum"],
-                    "perf.activation_checkpointing": bool(est.point.get("recompute")),
-                    "deepspeed.config": option.config,
-                    "deepspeed.overrides": option.overrides or {},
-                    **{f"zero.{k}": v for k, v in est.zero.items()}},
-            tags={"zero": est.option, "fits": est.fits, "why": est.why or None},
-            metrics={**figures, **_step_metrics(est.step)}, series=series,
-        ))  # fmt: skip
+            series[int(nodes)] = {
+                "scaling/step_s": at.step["predicted_step_s"],
+                "scaling/tokens_per_s": at.step["tokens_per_s"],
+                "scaling/micro_batch": at.point.get("micro_batch", 0),
+            }
+        params = {
+            "option": est.option,
+            "micro_batch": est.point.get("micro_batch"),
+            "accum": est.step["accum"],
+            "perf.activation_checkpointing": bool(est.point.get("recompute")),
+            "deepspeed.config": option.config,
+            "deepspeed.overrides": option.overrides or {},
+            **{f"zero.{k}": v for k, v in est.zero.items()},
+        }
+        tags = {"zero": est.option, "fits": est.fits, "why": est.why or None}
+        metrics = {**figures, **_step_metrics(est.step)}
+        points.append(Point(est.option, params=params, tags=tags, metrics=metrics, series=series))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return log_points(
-        kind="tune", name=t.run_name or f"tune-{recipe}",
-        uri=resolve_uri(t.uri, run_cfg.output_dir), experiment=t.experiment,
+        kind="tune",
+        name=t.run_name or f"tune-{recipe}",
+        uri=resolve_uri(t.uri, run_cfg.output_dir),
+        experiment=t.experiment,
         run_dir=Path(run_cfg.output_dir) / "tune" / f"{run_cfg.name}-{stamp}",
         artifact_location=default_artifact_location(run_cfg.output_dir),
-        tags={**t.tags, "recipe": recipe, "drafter_kind": get_kind(run_cfg.model.kind).name,
-              "target": run_cfg.target.path, "cluster": cfg.cluster.preset,
-              "measured": cfg.measure, "recommended": recommended},
+        tags={
+            **t.tags,
+            "recipe": recipe,
+            "drafter_kind": get_kind(run_cfg.model.kind).name,
+            "target": run_cfg.target.path,
+            "cluster": cfg.cluster.preset,
+            "measured": cfg.measure,
+            "recommended": recommended,
+        },
         params={f"tune.{k}": v for k, v in flatten(cfg).items() if not k.startswith("tracking.")},
-        text={"tune.txt": text}, points=points, timeout_s=t.timeout_s,
-        flush_timeout_s=t.flush_timeout_s, parent_run_id=t.parent_run_id,
-    )  # fmt: skip
+        text={"tune.txt": text},
+        points=points,
+        timeout_s=t.timeout_s,
+        flush_timeout_s=t.flush_timeout_s,
+        parent_run_id=t.parent_run_id,
+    )

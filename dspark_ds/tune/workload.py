@@ -190,9 +190,13 @@ def resized_config(config, *, hidden, intermediate, heads, head_dim, vocab, laye
 
 def narrow_config(config):
     return resized_config(
-        config, hidden=NARROW["hidden"], intermediate=NARROW["intermediate"],
-        heads=NARROW["heads"], head_dim=NARROW["head_dim"], vocab=NARROW["vocab"],
-    )  # fmt: skip
+        config,
+        hidden=NARROW["hidden"],
+        intermediate=NARROW["intermediate"],
+        heads=NARROW["heads"],
+        head_dim=NARROW["head_dim"],
+        vocab=NARROW["vocab"],
+    )
 
 
 class KindStep:
@@ -202,9 +206,19 @@ class KindStep:
     runs the step's forward + loss through `m` (the drafter or a DeepSpeed engine around one);
     calling the step runs forward, loss and backward on its own drafter."""
 
-    def __init__(self, model_section, perf, target_config, layer_ids, batch_size: int,
-                 seq_len: int, zero3: bool, device: torch.device | None = None,
-                 dtype: torch.dtype = torch.float32, target_path: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model_section,
+        perf,
+        target_config,
+        layer_ids,
+        batch_size: int,
+        seq_len: int,
+        zero3: bool,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        target_path: str | None = None,
+    ):
         from dspark_ds.drafters.common.target_config import text_config
         from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
         from dspark_ds.drafters.registry import get_kind
@@ -214,9 +228,12 @@ class KindStep:
         text = text_config(target_config)
         vocab, hidden = int(text.vocab_size), int(text.hidden_size)
         self.draft_config = kind.build_config(
-            target_config, model_section, target_layer_ids=layer_ids,
-            mask_token_id=vocab - 1, target_path=target_path,
-        )  # fmt: skip
+            target_config,
+            model_section,
+            target_layer_ids=layer_ids,
+            mask_token_id=vocab - 1,
+            target_path=target_path,
+        )
         self.device, self.dtype, self.perf = device, dtype, perf
         self.model = self.make()
         path = kind.prepare(self.model, perf, zero_stage=3 if zero3 else 0)
@@ -263,8 +280,15 @@ class TargetForward:
     """The frozen target's forward over B × S tokens as training calls it (`FrozenTarget`, no
     gradient), built from a target config."""
 
-    def __init__(self, config, layer_ids, batch_size: int, seq_len: int,
-                 device: torch.device | None = None, dtype: torch.dtype = torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        layer_ids,
+        batch_size: int,
+        seq_len: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         from dspark_ds.drafters.common.target_config import text_config
 
         self.config, self.layer_ids = config, layer_ids
@@ -302,9 +326,15 @@ def stand_in_model(layers: int, dtype: torch.dtype = torch.float32):
     from transformers import Qwen3Config, Qwen3Model
 
     config = Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
 
     def make():
         torch.manual_seed(0)
@@ -366,9 +396,14 @@ class NarrowCopies:
     loss all-reduces its denominators, every rank runs the copy in step), in `dtype` (the
     calibration's: the run's compute dtype, which its engines train in)."""
 
-    def __init__(self, run_cfg, stages: tuple[int, ...], device: str = "cpu",
-                 run_on: torch.device | None = None,
-                 dtype: torch.dtype = torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        run_cfg,
+        stages: tuple[int, ...],
+        device: str = "cpu",
+        run_on: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         from dspark_ds.drafters.common.target_config import text_config
         from dspark_ds.drafters.registry import get_kind
         from dspark_ds.target import default_layer_ids
@@ -397,7 +432,7 @@ class NarrowCopies:
                     device=run_on,
                     dtype=dtype,
                     target_path=run_cfg.target.path,
-                )  # fmt: skip
+                )
                 for model, seq_len in copies
             ]
             for stage in stages

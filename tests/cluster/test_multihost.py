@@ -35,13 +35,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.multihost]
 
 def train_args(target: str, out: Path, name: str, steps: int = STEPS) -> list[str]:
     """The tiny recipe under ZeRO-3, 4 ranks x 1 sequence x 2 micro-batches per step."""
-    return [
-        "--config", str(TINY), "--target.path", target, "--output_dir", str(out),
-        "--name", name, "--deepspeed.config", "zero3", "--data.batch_size", "1",
-        "--train.global_batch_size", "8", "--train.max_steps", str(steps),
-        "--checkpoint.every_steps", str(CKPT_EVERY), "--validation.every_steps", "0",
-        "--train.progress_bar", "false", "--train.log_every", "1",
-    ]  # fmt: skip
+    argv = ["--config", str(TINY), "--target.path", target, "--output_dir", str(out)]
+    argv += ["--name", name, "--deepspeed.config", "zero3", "--data.batch_size", "1"]
+    argv += ["--train.global_batch_size", "8", "--train.max_steps", str(steps)]
+    argv += ["--checkpoint.every_steps", str(CKPT_EVERY), "--validation.every_steps", "0"]
+    argv += ["--train.progress_bar", "false", "--train.log_every", "1"]
+    return argv
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -60,15 +59,21 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
 class Job:
     """`sbatch --wait` in the background on the head host; its log file and state."""
 
-    def __init__(self, cluster, tmp: Path, name: str, sbatch_args: list[str], script: str,
-                 args: list[str], env: dict[str, str]):  # fmt: skip
+    def __init__(
+        self,
+        cluster,
+        tmp: Path,
+        name: str,
+        sbatch_args: list[str],
+        script: str,
+        args: list[str],
+        env: dict[str, str],
+    ):
         self.cluster, self.name = cluster, f"{name}-{os.getpid()}"
         self.log_pattern = tmp / "%x-%j.out"
-        self.proc = cluster.sbatch_popen(
-            ["--wait", f"--job-name={self.name}", f"--output={self.log_pattern}", "--time=20",
-             "--gpus-per-node=0", *sbatch_args, script, *args],
-            env=env, cwd=str(tmp),
-        )  # fmt: skip
+        argv = ["--wait", f"--job-name={self.name}", f"--output={self.log_pattern}", "--time=20"]
+        argv += ["--gpus-per-node=0", *sbatch_args, script, *args]
+        self.proc = cluster.sbatch_popen(argv, env=env, cwd=str(tmp))
         self.tmp = tmp
         self.id = self._wait_id()
 
@@ -142,8 +147,8 @@ def test_interface_and_head_address_on_each_host(multihost_cluster):
         assert net(host, "head-address", *cluster.hosts) == "198.18.0.1"
         assert net(host, "ifname", "dsn1", *cluster.hosts) == "eth0"
     assert net("dsn1", "ifname", "dsn1") == "lo"  # alone, loopback is right
-    proc = cluster.exec("dsn2", sys.executable, "-m", "dspark_ds.network", "check", "dsn1",
-                        "1", "--timeout_s", "2", env=env)  # fmt: skip
+    probe = [sys.executable, "-m", "dspark_ds.network", "check", "dsn1", "1", "--timeout_s", "2"]
+    proc = cluster.exec("dsn2", *probe, env=env)
     assert proc.returncode == 1
     assert "host dsn2: the rendezvous dsn1:1 (198.18.0.1) did not answer within 2 s" in proc.stderr
 
@@ -179,10 +184,14 @@ def test_train_across_hosts_survives_a_crash_and_a_partition(
 
     def lose(how: str, after_step: int) -> tuple[int, str]:
         job = Job(cluster, tmp_path, f"lost-{how}", sbatch_args, script, args, job_env(tmp_path))
-        job.wait_for(lambda: max(logged_steps(run_dir), default=0) >= after_step,
-                     f"step {after_step}")  # fmt: skip
-        newest = max(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")
-                     if (p / "COMPLETE").exists())  # fmt: skip
+        job.wait_for(
+            lambda: max(logged_steps(run_dir), default=0) >= after_step, f"step {after_step}"
+        )
+        newest = max(
+            int(p.name[5:])
+            for p in (run_dir / "checkpoints").glob("step_*")
+            if (p / "COMPLETE").exists()
+        )
         t0 = time.monotonic()
         if how == "crash":
             cluster.crash("dsn2")
@@ -202,21 +211,33 @@ def test_train_across_hosts_survives_a_crash_and_a_partition(
         if how == "crash":
             cluster.restart("dsn2")
         assert info["JobState"] in ("FAILED", "CANCELLED", "NODE_FAIL"), (info, job.text()[-4000:])
-        print(f"{how}: the ranks on dsn1 stopped after {notice[how]:.1f} s, the job after "
-              f"{ended:.1f} s ({info['JobState']})")  # fmt: skip
+        print(
+            f"{how}: the ranks on dsn1 stopped after {notice[how]:.1f} s, the job after "
+            f"{ended:.1f} s ({info['JobState']})"
+        )
         return newest, job.text()
 
     newest_at_crash, _ = lose("crash", after_step=CKPT_EVERY + 1)
     newest_at_cut, text = lose("cut", after_step=newest_at_crash + CKPT_EVERY + 1)
     assert f"step_{newest_at_crash:08d} at step {newest_at_crash}" in text, text[-4000:]
-    fault = [{"kind": "nonfinite_loss", "steps": [STEPS], "micro_batch": 1, "rank": 0,
-              "once_file": str(tmp_path / "fault_fired")}]  # fmt: skip
-    env = job_env(tmp_path, DSPARK_LAUNCHER="torchrun", DSPARK_NPROC_PER_NODE="2",
-                  DSPARK_TEST_FAULTS=json.dumps(fault))  # fmt: skip
+    fault = [
+        {
+            "kind": "nonfinite_loss",
+            "steps": [STEPS],
+            "micro_batch": 1,
+            "rank": 0,
+            "once_file": str(tmp_path / "fault_fired"),
+        }
+    ]
+    env = job_env(
+        tmp_path,
+        DSPARK_LAUNCHER="torchrun",
+        DSPARK_NPROC_PER_NODE="2",
+        DSPARK_TEST_FAULTS=json.dumps(fault),
+    )
     env["PYTHONPATH"] = os.pathsep.join([str(FAULTS_SITE), env["PYTHONPATH"]])
-    final = Job(cluster, tmp_path, "lost-final",
-                ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"], script, args,
-                env)  # fmt: skip
+    one_task_per_host = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
+    final = Job(cluster, tmp_path, "lost-final", one_task_per_host, script, args, env)
     info = final.finish()
     text = final.text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-6000:])
@@ -242,8 +263,10 @@ def test_train_across_hosts_survives_a_crash_and_a_partition(
     assert len(runs) == 1  # rank 0 only, the same run after each resume
     assert runs[0].data.params["derived.world_size"] == "4"
     assert runs[0].data.tags["slurm_job_id"] == str(final.id)
-    print(f"survivors stopped after: crash {notice['crash']:.1f} s, link cut "
-          f"{notice['cut']:.1f} s (distributed.timeout_s {timeout_s})")  # fmt: skip
+    print(
+        f"survivors stopped after: crash {notice['crash']:.1f} s, link cut "
+        f"{notice['cut']:.1f} s (distributed.timeout_s {timeout_s})"
+    )
     assert notice["cut"] <= timeout_s + 30
 
 
@@ -291,10 +314,15 @@ def test_regenerate_and_build_cache_across_hosts(multihost_cluster, tiny_target,
     out = tmp_path / "multi"
     script = tmp_path / "data.sbatch"
     script.write_text(DATA_JOB)
-    env = job_env(tmp_path, DSPARK_SLURM_DIR=str(REPO / "slurm"), CHAT=str(chat),
-                  TARGET=tiny_target, OUT=str(out))  # fmt: skip
-    job = Job(multihost_cluster, tmp_path, "data", ["--nodes=2", "--ntasks-per-node=2",
-              "--cpus-per-task=1"], str(script), [], env)  # fmt: skip
+    env = job_env(
+        tmp_path,
+        DSPARK_SLURM_DIR=str(REPO / "slurm"),
+        CHAT=str(chat),
+        TARGET=tiny_target,
+        OUT=str(out),
+    )
+    sbatch_args = ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"]
+    job = Job(multihost_cluster, tmp_path, "data", sbatch_args, str(script), [], env)
     info = job.finish()
     text = job.text()
     assert info["JobState"] == "COMPLETED", text[-6000:]
@@ -303,14 +331,29 @@ def test_regenerate_and_build_cache_across_hosts(multihost_cluster, tiny_target,
     # one host, one process
     one = tmp_path / "one"
     target = TargetConfig(path=tiny_target, dtype="float32", device="cpu")
-    regenerate(RegenerateConfig(data=DataConfig(paths=[str(chat)]), target=target,
-                                output=str(one / "regen.jsonl"), batch_size=1,
-                                max_new_tokens=12, seed=3))  # fmt: skip
+    regenerate(
+        RegenerateConfig(
+            data=DataConfig(paths=[str(chat)]),
+            target=target,
+            output=str(one / "regen.jsonl"),
+            batch_size=1,
+            max_new_tokens=12,
+            seed=3,
+        )
+    )
     assert (out / "regen.jsonl").read_bytes() == (one / "regen.jsonl").read_bytes()
-    build_cache(BuildCacheConfig(
-        data=DataConfig(paths=[str(one / "regen.jsonl")], cache_dir=str(one / "cache"),
-                        samples_per_shard=5, max_length=128),
-        target=TargetConfig(path=tiny_target), batch_size=2))  # fmt: skip
+    build_cache(
+        BuildCacheConfig(
+            data=DataConfig(
+                paths=[str(one / "regen.jsonl")],
+                cache_dir=str(one / "cache"),
+                samples_per_shard=5,
+                max_length=128,
+            ),
+            target=TargetConfig(path=tiny_target),
+            batch_size=2,
+        )
+    )
     want = _files(one / "cache")
     assert len([k for k in want if k.endswith(".safetensors")]) >= 3
     assert _files(out / "cache") == want
@@ -326,13 +369,14 @@ def test_mpirun_across_hosts(multihost_cluster, tiny_target, reference, tmp_path
     env = cluster.env | job_env(tmp_path, MASTER_PORT="29512")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         env.pop(key, None)
-    cmd = ["mpirun", "--allow-run-as-root", "-np", "4", "-H", "dsn1:2,dsn2:2",
-           "--mca", "plm_rsh_agent", str(cluster.rsh_agent), "--mca", "btl", "self,tcp",
-           "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
-           *(x for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "PYTHONPATH", "MASTER_PORT",
-                         "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM") for x in ("-x", k)),
-           sys.executable, "-m", "dspark_ds.cli", "train",
-           *train_args(tiny_target, out, "mpi", steps=STEPS)]  # fmt: skip
+    cmd = ["mpirun", "--allow-run-as-root", "-np", "4", "-H", "dsn1:2,dsn2:2"]
+    cmd += ["--mca", "plm_rsh_agent", str(cluster.rsh_agent), "--mca", "btl", "self,tcp"]
+    cmd += ["--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0"]
+    exported = ["DS_ACCELERATOR", "OMP_NUM_THREADS", "PYTHONPATH", "MASTER_PORT"]
+    exported += ["HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"]
+    cmd += [x for k in exported for x in ("-x", k)]
+    cmd += [sys.executable, "-m", "dspark_ds.cli", "train"]
+    cmd += train_args(tiny_target, out, "mpi", steps=STEPS)
     proc = cluster.exec("dsn1", *cmd, env=env, cwd=str(tmp_path), timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
     text = proc.stdout + proc.stderr
@@ -368,14 +412,13 @@ def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp
     script = tmp_path / "job.sbatch"
     script.write_text(GENERIC_JOB)
     result = tmp_path / "tune.json"
-    args = ["tune", "--recipe", str(TINY), "--target.path", tiny_target, "--measure", "true",
-            "--measure_steps", "2", "--output_json", str(result), "--cluster.calibrate", "false",
-            "--options", json.dumps(ALL_OPTION_NAMES),
-            "--overrides", '["--data.batch_size", "1", "--train.global_batch_size", "4"]']  # fmt: skip
+    args = ["tune", "--recipe", str(TINY), "--target.path", tiny_target, "--measure", "true"]
+    args += ["--measure_steps", "2", "--output_json", str(result), "--cluster.calibrate", "false"]
+    args += ["--options", json.dumps(ALL_OPTION_NAMES)]
+    args += ["--overrides", '["--data.batch_size", "1", "--train.global_batch_size", "4"]']
     env = job_env(tmp_path, DSPARK_SLURM_DIR=str(REPO / "slurm"))
-    job = Job(multihost_cluster, tmp_path, "zero-options",
-              ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"], str(script), args,
-              env)  # fmt: skip
+    sbatch_args = ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"]
+    job = Job(multihost_cluster, tmp_path, "zero-options", sbatch_args, str(script), args, env)
     info = job.finish()
     assert info["JobState"] == "COMPLETED", job.text()[-6000:]
     measured = json.loads(result.read_text())["measured"]
@@ -394,9 +437,10 @@ def test_node_local_run_directory_is_refused(multihost_cluster, tiny_target, tmp
     collectives)."""
     cluster = multihost_cluster
     out = cluster.node_local / f"runs-{os.getpid()}"
-    job = Job(cluster, tmp_path, "nodelocal", ["--nodes=2", "--ntasks-per-node=1",
-              "--cpus-per-task=1"], str(REPO / "slurm" / "train.sbatch"),
-              train_args(tiny_target, out, "local"), job_env(tmp_path))  # fmt: skip
+    sbatch_args = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"]
+    script = str(REPO / "slurm" / "train.sbatch")
+    args = train_args(tiny_target, out, "local")
+    job = Job(cluster, tmp_path, "nodelocal", sbatch_args, script, args, job_env(tmp_path))
     info = job.finish()
     text = job.text()
     assert info["JobState"] == "FAILED", text[-4000:]
@@ -436,16 +480,22 @@ def test_each_task_gets_its_cpus_and_head(multihost_cluster, tmp_path, launcher)
     (bin_dir / "srun").write_text(SRUN_WITHOUT_INHERIT.format(srun=which("srun")))
     for path in bin_dir.iterdir():
         path.chmod(0o755)
-    env = job_env(tmp_path, PYTHON=str(probe), REAL_PYTHON=sys.executable,
-                  PATH=f"{bin_dir}:{cluster.env['PATH']}",
-                  DSPARK_LAUNCHER=launcher.removesuffix("-narrowed"))  # fmt: skip
+    env = job_env(
+        tmp_path,
+        PYTHON=str(probe),
+        REAL_PYTHON=sys.executable,
+        PATH=f"{bin_dir}:{cluster.env['PATH']}",
+        DSPARK_LAUNCHER=launcher.removesuffix("-narrowed"),
+    )
     if launcher == "srun-narrowed":
         env["DSPARK_SRUN_ARGS"] = "-w dsn2 -N1 -n1"
     env["OMP_NUM_THREADS"] = ""  # the batch script decides
     env["DSPARK_NPROC_PER_NODE"] = "2"  # torchrun: 2 workers share the task's 2 CPUs
-    job = Job(cluster, tmp_path, f"cpus-{launcher}",
-              ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"],
-              str(REPO / "slurm" / "train.sbatch"), ["--config", "x.yaml"], env)  # fmt: skip
+    sbatch_args = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
+    script = str(REPO / "slurm" / "train.sbatch")
+    job = Job(
+        cluster, tmp_path, f"cpus-{launcher}", sbatch_args, script, ["--config", "x.yaml"], env
+    )
     info = job.finish(timeout_s=120)
     text = job.text()
     assert info["JobState"] == "COMPLETED", text

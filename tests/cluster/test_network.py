@@ -162,12 +162,10 @@ def test_cli_names_the_rendezvous_it_cannot_reach(tmp_path, tiny_target):
 
     target = tiny_target
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "dspark_ds.cli", "train", "--config", "tiny_cpu",
-         "--target.path", target, "--output_dir", str(tmp_path / "runs"),
-         "--distributed.timeout_s", "3"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "dspark_ds.cli", "train", "--config", "tiny_cpu"]
+    argv += ["--target.path", target, "--output_dir", str(tmp_path / "runs")]
+    argv += ["--distributed.timeout_s", "3"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dspark-ds: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

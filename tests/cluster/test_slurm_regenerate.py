@@ -64,12 +64,13 @@ def listening(port: int) -> bool:
 def sbatch(cluster, tmp_path: Path, env: dict, args: list[str]) -> tuple[dict, str]:
     """Submit, wait for the job to end, return (its `scontrol show job` fields, its log)."""
     name = f"dspark-regen-{os.getpid()}-{len(list(tmp_path.glob('*.out')))}"
-    cmd = ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks-per-node=2",
-           "--cpus-per-task=1", "--gpus-per-node=0", "--time=10",
-           f"--output={tmp_path / '%x-%j.out'}", str(REPO / "slurm" / "regenerate.sbatch"),
-           *args]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=cluster.env | env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    cmd = ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks-per-node=2"]
+    cmd += ["--cpus-per-task=1", "--gpus-per-node=0"]
+    cmd += ["--time=10", f"--output={tmp_path / '%x-%j.out'}"]
+    cmd += [str(REPO / "slurm" / "regenerate.sbatch"), *args]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=cluster.env | env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     job_id = int(proc.stdout.strip().split(";")[0])
     # NOTE: polled here: `sbatch --wait` checks with growing pauses, ~20 s late on a 20 s job
@@ -85,13 +86,17 @@ def test_regenerate_sbatch_starts_servers_and_stops_them(slurm_cluster, inputs, 
     target, src = inputs
     out = tmp_path / "regen.jsonl"
     port = two_free_ports()
-    env = job_env(tmp_path, DSPARK_SERVE="transformers", DSPARK_SERVERS_PER_NODE="2",
-                  DSPARK_SERVE_PORT=str(port), DSPARK_SERVE_ARGS="--device cpu")  # fmt: skip
-    info, log = sbatch(slurm_cluster, tmp_path, env, [
-        "--data.paths", f"[{src}]", "--target.path", target, "--output", str(out),
-        "--temperature", "0", "--max_new_tokens", "8", "--data.max_length", "256",
-        "--server.concurrency", "4",
-    ])  # fmt: skip
+    env = job_env(
+        tmp_path,
+        DSPARK_SERVE="transformers",
+        DSPARK_SERVERS_PER_NODE="2",
+        DSPARK_SERVE_PORT=str(port),
+        DSPARK_SERVE_ARGS="--device cpu",
+    )
+    args = ["--data.paths", f"[{src}]", "--target.path", target, "--output", str(out)]
+    args += ["--temperature", "0", "--max_new_tokens", "8", "--data.max_length", "256"]
+    args += ["--server.concurrency", "4"]
+    info, log = sbatch(slurm_cluster, tmp_path, env, args)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log)
     assert "2 server(s) answer /health" in log and "stopping 2 server(s)" in log, log
     assert "[launch] slurm: world_size=1" in log, log  # one client over both servers
@@ -107,10 +112,9 @@ def test_regenerate_sbatch_drives_running_servers(slurm_cluster, inputs, tmp_pat
     target, src = inputs
     out = tmp_path / "regen.jsonl"
     with MisbehavingServer("ok", model="tiny") as server:
-        info, log = sbatch(slurm_cluster, tmp_path, job_env(tmp_path), [
-            "--data.paths", f"[{src}]", "--target.path", target, "--output", str(out),
-            "--server.urls", f"[{server.url}]",
-        ])  # fmt: skip
+        args = ["--data.paths", f"[{src}]", "--target.path", target, "--output", str(out)]
+        args += ["--server.urls", f"[{server.url}]"]
+        info, log = sbatch(slurm_cluster, tmp_path, job_env(tmp_path), args)
     assert info["JobState"] == "COMPLETED", (info, log)
     assert "[launch] slurm: world_size=1" in log, log
     rows = rows_of(out)

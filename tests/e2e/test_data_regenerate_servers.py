@@ -133,9 +133,9 @@ def test_greedy_answers_through_servers_equal_the_local_paths(env, servers, tmp_
 def test_transformers_serve_refuses_sampling_fields_exit_2(env, servers, tmp_path, capsys):
     # transformers serve rejects top_k / min_p (HTTP 422): found by the start-up request
     out = tmp_path / "x.jsonl"
-    rc = cli.main(["regenerate", "--data.paths", f"[{env['src']}]", "--target.path",
-                   env["target"], "--output", str(out), "--server.urls", f"[{servers[0].url}]",
-                   "--temperature", "0.7"])  # fmt: skip
+    argv = ["regenerate", "--data.paths", f"[{env['src']}]", "--target.path", env["target"]]
+    argv += ["--output", str(out), "--server.urls", f"[{servers[0].url}]", "--temperature", "0.7"]
+    rc = cli.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert servers[0].url in err[0] and "422" in err[0] and "top_k" in err[0], err
@@ -145,8 +145,15 @@ def test_transformers_serve_refuses_sampling_fields_exit_2(env, servers, tmp_pat
 @pytest.mark.slow
 def test_server_killed_mid_run_its_rows_finish_on_the_other(env, servers, tmp_path):
     out = tmp_path / "killed.jsonl"
-    cfg = server_cfg(env, out, [s.url for s in servers], src=env["long"], concurrency=4,
-                     retry_backoff_s=0.2, probe_interval_s=0.5)  # fmt: skip
+    cfg = server_cfg(
+        env,
+        out,
+        [s.url for s in servers],
+        src=env["long"],
+        concurrency=4,
+        retry_backoff_s=0.2,
+        probe_interval_s=0.5,
+    )
     cfg = dataclasses.replace(cfg, max_new_tokens=24)
     result: dict = {}
     thread = threading.Thread(target=lambda: result.update(regenerate(cfg)))
@@ -175,10 +182,10 @@ def test_server_killed_mid_run_its_rows_finish_on_the_other(env, servers, tmp_pa
 @pytest.mark.slow
 def test_ctrl_c_keeps_finished_rows_and_a_rerun_resumes(env, servers, tmp_path):
     out = tmp_path / "interrupted.jsonl"
-    argv = ["regenerate", "--data.paths", f"[{env['long']}]", "--target.path", env["target"],
-            "--output", str(out), "--server.urls", f"[{servers[0].url},{servers[1].url}]",
-            "--server.concurrency", "1", "--temperature", "0", "--max_new_tokens", "64",
-            "--data.max_length", "256"]  # fmt: skip
+    argv = ["regenerate", "--data.paths", f"[{env['long']}]", "--target.path", env["target"]]
+    argv += ["--output", str(out), "--server.urls", f"[{servers[0].url},{servers[1].url}]"]
+    argv += ["--server.concurrency", "1", "--temperature", "0", "--max_new_tokens", "64"]
+    argv += ["--data.max_length", "256"]
     # NOTE: one request at a time and longer answers: the whole run takes several seconds
     # after its fifth row (at concurrency 2 and 24 tokens it took 2 s, and once in CI it had
     # finished before the signal arrived)
@@ -188,9 +195,14 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_resumes(env, servers, tmp_path):
     # NOTE: a shell without job control starts its background jobs with SIGINT ignored, and a
     # child inherits that (Python then installs no Ctrl-C handler): as a terminal would, the
     # child gets SIGINT's default disposition whatever started the test run
-    proc = subprocess.Popen([sys.executable, "-m", "dspark_ds.cli", *argv], env=env_vars,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dspark_ds.cli", *argv],
+        env=env_vars,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while rows_in(part_of(out)) < 5 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -215,8 +227,13 @@ def test_ctrl_c_keeps_finished_rows_and_a_rerun_resumes(env, servers, tmp_path):
 
 
 def quick(env, out: Path, urls: list[str], **server) -> RegenerateConfig:
-    settings = {"timeout_s": 0.5, "max_retries": 2, "retry_backoff_s": 0.02,
-                "probe_interval_s": 0.05, "give_up_s": 5.0} | server  # fmt: skip
+    settings = {
+        "timeout_s": 0.5,
+        "max_retries": 2,
+        "retry_backoff_s": 0.02,
+        "probe_interval_s": 0.05,
+        "give_up_s": 5.0,
+    } | server
     cfg = server_cfg(env, out, urls, **settings)
     src = env["root"] / "three.jsonl"
     if not src.exists():
@@ -230,7 +247,7 @@ def quick(env, out: Path, urls: list[str], **server) -> RegenerateConfig:
         ("500", "HTTP 500 (boom)"),
         ("garbage", "not an OpenAI chat completion"),
         ("slow", "no answer within 0.25 s"),
-    ],  # fmt: skip
+    ],
 )
 def test_misbehaving_server_is_retried_then_rows_go_to_failed_jsonl(env, tmp_path, mode, reason):
     out = tmp_path / "out.jsonl"
@@ -291,8 +308,8 @@ def test_bad_servers_at_start_exit_2_naming_the_url(env, tmp_path, capsys):
     out.write_text("earlier output\n")
 
     def run(*urls, extra=()):
-        argv = ["regenerate", "--data.paths", f"[{env['src']}]", "--target.path", env["target"],
-                "--output", str(out), "--server.urls", f"[{','.join(urls)}]", *extra]  # fmt: skip
+        argv = ["regenerate", "--data.paths", f"[{env['src']}]", "--target.path", env["target"]]
+        argv += ["--output", str(out), "--server.urls", f"[{','.join(urls)}]", *extra]
         rc = cli.main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1, (rc, err)
@@ -303,9 +320,11 @@ def test_bad_servers_at_start_exit_2_naming_the_url(env, tmp_path, capsys):
         MisbehavingServer("ok", model="tiny") as good,
         MisbehavingServer("ok", model="other") as other,
         MisbehavingServer("ok", models_body=b"<html>hello</html>") as html,
-        MisbehavingServer("ok", models_body=b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}]}') as two,
+        MisbehavingServer(
+            "ok", models_body=b'{"object": "list", "data": [{"id": "a"}, {"id": "b"}]}'
+        ) as two,
         MisbehavingServer("garbage", good_chats=0) as garbage,
-    ):  # fmt: skip
+    ):
         msg = run(good.url, dead)
         assert f"server.urls[1] {dead}: unreachable" in msg, msg
         msg = run(good.url, other.url)

@@ -22,20 +22,20 @@ from dspark_ds.demo.summary import build_summary, format_summary
 
 # A tiny target (seconds to train) and a budget of a few steps: the smoke checks that every
 # stage runs and fits together, not what the drafters learn.
-SMOKE_ARGS = [
-    "--target.num_train_rows", "200", "--target.vocab_size", "320",
-    "--target.hidden_size", "32", "--target.num_hidden_layers", "3",
-    "--target.num_attention_heads", "2", "--target.num_key_value_heads", "1",
-    "--target.intermediate_size", "64", "--target.max_steps", "30", "--target.batch_size", "8",
-    "--target.lr", "1e-2", "--target.warmup_steps", "2", "--target.num_probe_rows", "8",
-    "--target.num_threads", "1",
-    "--data.num_train_prompts", "24", "--data.num_heldout_prompts", "4",
-    "--data.max_new_tokens", "24", "--data.regenerate_batch_size", "12",
-    "--drafter.num_draft_layers", "1", "--drafter.block_size", "4", "--drafter.markov_rank", "8",
-    "--budget.max_steps", "3", "--budget.global_batch_size", "4",
-    "--budget.micro_batch_size", "2",
-    "--eval.max_new_tokens", "12", "--budget.zero", "zero3",
-]  # fmt: skip
+SMOKE_ARGS = """
+    --target.num_train_rows 200 --target.vocab_size 320
+    --target.hidden_size 32 --target.num_hidden_layers 3
+    --target.num_attention_heads 2 --target.num_key_value_heads 1
+    --target.intermediate_size 64 --target.max_steps 30 --target.batch_size 8
+    --target.lr 1e-2 --target.warmup_steps 2 --target.num_probe_rows 8
+    --target.num_threads 1
+    --data.num_train_prompts 24 --data.num_heldout_prompts 4
+    --data.max_new_tokens 24 --data.regenerate_batch_size 12
+    --drafter.num_draft_layers 1 --drafter.block_size 4 --drafter.markov_rank 8
+    --budget.max_steps 3 --budget.global_batch_size 4
+    --budget.micro_batch_size 2
+    --eval.max_new_tokens 12 --budget.zero zero3
+""".split()
 
 
 @pytest.mark.slow
@@ -87,9 +87,18 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     assert 0.0 <= runs["dspark"]["T1"]["calibration"]["raw"]["ece"] <= 1.0
     assert "calibration" not in runs["dflash"]["T1"]
     stages = summary["stage_seconds"]
-    for name in ("corpus", "target", "regenerate-s0", "prepare-s0", "build-cache-s0",
-                 "train-dspark-s0", "train-dflash-s0", "train-eagle3-s0", "eval-dspark-T0-s0",
-                 "eval-eagle3-T1-s0"):  # fmt: skip
+    for name in (
+        "corpus",
+        "target",
+        "regenerate-s0",
+        "prepare-s0",
+        "build-cache-s0",
+        "train-dspark-s0",
+        "train-dflash-s0",
+        "train-eagle3-s0",
+        "eval-dspark-T0-s0",
+        "eval-eagle3-T1-s0",
+    ):
         assert stages[name] >= 0.0, name
     assert summary["target"]["from_cache"] is False
     assert set(summary["ratios"]["tau_dspark_over_dflash"]) == {"T0", "T1"}
@@ -243,8 +252,13 @@ def test_demo_bad_config_exits_2_naming_the_field(argv, field, capsys):
 
 
 def _row(tau: float, speedup: float) -> dict:
-    return {"tau": tau, "speedup": speedup, "accept_rate_by_position": [0.9, 0.5, None],
-            "prompts": 3, "rounds": 10}  # fmt: skip
+    return {
+        "tau": tau,
+        "speedup": speedup,
+        "accept_rate_by_position": [0.9, 0.5, None],
+        "prompts": 3,
+        "rounds": 10,
+    }
 
 
 def test_summary_spread_ratios_and_claims_over_seeds():
@@ -252,13 +266,17 @@ def test_summary_spread_ratios_and_claims_over_seeds():
     worst seed (seed 1 breaks the T = 0 claim; seed 0 alone would pass it)."""
     cfg = parse_config("demo", ["--output_dir", "x", "--seeds", "[0,1]"])
     results = {
-        0: {"dspark": {"T0": _row(2.2, 1.5), "T1": _row(1.8, 1.3), "train": {}},
+        0: {
+            "dspark": {"T0": _row(2.2, 1.5), "T1": _row(1.8, 1.3), "train": {}},
             "dflash": {"T0": _row(2.0, 1.4), "T1": _row(1.5, 1.2), "train": {}},
-            "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}}},
-        1: {"dspark": {"T0": _row(1.9, 1.5), "T1": _row(1.7, 1.1), "train": {}},
+            "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}},
+        },
+        1: {
+            "dspark": {"T0": _row(1.9, 1.5), "T1": _row(1.7, 1.1), "train": {}},
             "dflash": {"T0": _row(2.0, 1.4), "T1": _row(1.5, 1.2), "train": {}},
-            "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}}},
-    }  # fmt: skip
+            "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}},
+        },
+    }
     target = SimpleNamespace(path="t", from_cache=True, report={})
     summary = build_summary(cfg, results, {"corpus": 0.1}, 9.0, target, 2, "sqlite:///x")
     r = summary["ratios"]["tau_dspark_over_dflash"]
@@ -279,17 +297,19 @@ def test_summary_spread_ratios_and_claims_over_seeds():
 
 
 def test_format_summary_table():
-    cfg = parse_config(
-        "demo", ["--output_dir", "x", "--seeds", "[0,1]", "--drafters", "[dspark,dflash]",
-                 "--eval.temperatures", "[1.0]"],
-    )  # fmt: skip
+    argv = ["--output_dir", "x", "--seeds", "[0,1]", "--drafters", "[dspark,dflash]"]
+    cfg = parse_config("demo", [*argv, "--eval.temperatures", "[1.0]"])
     dspark = {**_row(2.5, 1.4), "calibration": {"raw": {"ece": 0.05, "auroc": 0.8}}}
     results = {
-        s: {"dspark": {"T1": dspark, "train": {"num_anchors": 40 + s,
-                                               "anchored_share_of_valid": 1.0}},
-            "dflash": {"T1": _row(2.0 + s, 1.2), "train": {}}}
+        s: {
+            "dspark": {
+                "T1": dspark,
+                "train": {"num_anchors": 40 + s, "anchored_share_of_valid": 1.0},
+            },
+            "dflash": {"T1": _row(2.0 + s, 1.2), "train": {}},
+        }
         for s in (0, 1)
-    }  # fmt: skip
+    }
     target = SimpleNamespace(path="t", from_cache=True, report={})
     stages = {"corpus": 0.1, "train-dspark-s0": 12.0, "train-dspark-s1": 13.0}
     text = format_summary(build_summary(cfg, results, stages, 20.0, target, 2, "sqlite:///x"))

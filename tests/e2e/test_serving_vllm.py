@@ -93,8 +93,14 @@ def tiny(tmp_path_factory):
     prompts = [
         encode_prompt(tokenizer, t, {"enable_thinking": False})[0].tolist() for t in evaluated
     ]
-    return SimpleNamespace(root=root, target=str(target_dir), bench=bench, exports=exports,
-                           prompts=prompts, answers=answers)  # fmt: skip
+    return SimpleNamespace(
+        root=root,
+        target=str(target_dir),
+        bench=bench,
+        exports=exports,
+        prompts=prompts,
+        answers=answers,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +122,17 @@ def _spec(tiny, name: str) -> dict:
 
 def _eval(tiny, name: str, url: str, **kw) -> EvalConfig:
     base = dict(
-        target=TargetPathConfig(path=tiny.target), drafter=str(tiny.exports[name]),
-        benchmarks=["chat"], data_dir=str(tiny.bench), max_new_tokens=MAX_NEW_TOKENS,
-        temperature=0.0, output_dir=str(tiny.root / "runs"), name=f"eval-{name}", seed=0,
+        target=TargetPathConfig(path=tiny.target),
+        drafter=str(tiny.exports[name]),
+        benchmarks=["chat"],
+        data_dir=str(tiny.bench),
+        max_new_tokens=MAX_NEW_TOKENS,
+        temperature=0.0,
+        output_dir=str(tiny.root / "runs"),
+        name=f"eval-{name}",
+        seed=0,
         engine=EngineConfig(url=url),
-    )  # fmt: skip
+    )
     return EvalConfig(**{**base, **kw})
 
 
@@ -147,8 +159,9 @@ class TestDFlash:
     def server(self, tiny, reference):
         spec = _spec(tiny, "dflash")
         assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 4
-        with VllmServer(tiny.target, speculative=spec, api_key=KEY,
-                        log=tiny.root / "dflash.log") as server:  # fmt: skip
+        with VllmServer(
+            tiny.target, speculative=spec, api_key=KEY, log=tiny.root / "dflash.log"
+        ) as server:
             print(f"[serving] DFlash: vLLM started in {server.start_s:.1f} s")
             yield server
 
@@ -173,9 +186,9 @@ class TestDFlash:
     ):
         monkeypatch.delenv("OPENAI_API_KEY", raising=False)
         capsys.readouterr()
-        argv = ["eval", "--target.path", tiny.target, "--drafter", str(tiny.exports["dflash"]),
-                "--benchmarks", "[chat]", "--data_dir", str(tiny.bench),
-                "--output_dir", str(tiny.root / "runs"), "--engine.url", server.url]  # fmt: skip
+        argv = ["eval", "--target.path", tiny.target, "--drafter", str(tiny.exports["dflash"])]
+        argv += ["--benchmarks", "[chat]", "--data_dir", str(tiny.bench)]
+        argv += ["--output_dir", str(tiny.root / "runs"), "--engine.url", server.url]
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [
@@ -185,9 +198,9 @@ class TestDFlash:
         ]
         chats = write_chat_jsonl(tiny.root / "chats.jsonl", 4, seed=3)
         out = tiny.root / "regen" / "answers.jsonl"
-        regen = ["regenerate", "--data.paths", f"[{chats}]", "--target.path", tiny.target,
-                 "--server.urls", f"[{server.url}]", "--output", str(out),
-                 "--max_new_tokens", "8", "--temperature", "0"]  # fmt: skip
+        regen = ["regenerate", "--data.paths", f"[{chats}]", "--target.path", tiny.target]
+        regen += ["--server.urls", f"[{server.url}]", "--output", str(out), "--max_new_tokens", "8"]
+        regen += ["--temperature", "0"]
         assert cli.main(regen) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert (

@@ -60,23 +60,20 @@ def runs(tmp_path_factory):
     for family in TRAINED:
         build = build_tiny_hybrid_target if family in HYBRID_FAMILIES else build_tiny_family_target
         target = targets[family] = build(root / family, family)
-        common = [
-            "--config", RECIPE, f"--target.path={target}",
-            f"--target.layer_ids={json.dumps(LAYER_IDS)}", f"--output_dir={root / 'runs'}",
-            f"--train.max_steps={STEPS}", "--train.progress_bar=false", "--tracking.enabled=false",
-        ]  # fmt: skip
+        layer_ids = f"--target.layer_ids={json.dumps(LAYER_IDS)}"
+        common = ["--config", RECIPE, f"--target.path={target}", layer_ids]
+        common += [f"--output_dir={root / 'runs'}", f"--train.max_steps={STEPS}"]
+        common += ["--train.progress_bar=false", "--tracking.enabled=false"]
         cache = root / family / "cache"
-        assert cli_main([
-            "build-cache", f"--data.paths=[{data}]", f"--data.cache_dir={cache}",
-            "--data.max_length=64", "--data.num_workers=0", "--data.samples_per_shard=8",
-            f"--target.path={target}", f"--target.layer_ids={json.dumps(LAYER_IDS)}",
-            "--target.dtype=float32", "--target.device=cpu", "--batch_size=4",
-        ]) == 0  # fmt: skip
+        cache_argv = ["build-cache", f"--data.paths=[{data}]", f"--data.cache_dir={cache}"]
+        cache_argv += ["--data.max_length=64", "--data.num_workers=0", "--data.samples_per_shard=8"]
+        cache_argv += [f"--target.path={target}", layer_ids, "--target.dtype=float32"]
+        cache_argv += ["--target.device=cpu", "--batch_size=4"]
+        assert cli_main(cache_argv) == 0
         argvs.append([*common, f"--name={family}_online", "--deepspeed.config=zero3"])
-        argvs.append([
-            *common, f"--name={family}_offline", "--deepspeed.config=zero2",
-            "--data.mode=offline", f"--data.cache_dir={cache}", "--train.synthetic_samples=0",
-        ])  # fmt: skip
+        offline = [f"--name={family}_offline", "--deepspeed.config=zero2", "--data.mode=offline"]
+        offline += [f"--data.cache_dir={cache}", "--train.synthetic_samples=0"]
+        argvs.append([*common, *offline])
     spec, result = root / "spec.json", root / "result.json"
     spec.write_text(json.dumps({"runs": argvs, "result_file": str(result)}))
     check(torchrun([str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(spec)]))
@@ -110,14 +107,20 @@ def test_family_trains_online_and_offline_exports_and_decodes_losslessly(family,
         assert torch.equal(drafter.lm_head.weight, target.get_output_embeddings().weight)
         for text in prompts:
             ids = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True,
-                return_tensors="pt", return_dict=True,
-            )["input_ids"]  # fmt: skip
+                [{"role": "user", "content": text}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )["input_ids"]
             want = greedy_without_cache(target, ids, 12, {int(tok.eos_token_id)})
             got, stats = speculative_generate(
-                target, drafter, ids, max_new_tokens=12, temperature=0.0,
+                target,
+                drafter,
+                ids,
+                max_new_tokens=12,
+                temperature=0.0,
                 stop_token_ids=[int(tok.eos_token_id)],
-            )  # fmt: skip
+            )
             assert got.tolist() == want.tolist(), f"{family}: {text!r}"
             assert stats.rounds >= 1
 
@@ -147,8 +150,14 @@ def test_sampled_speculative_decoding_has_the_family_targets_distribution(family
     prompt = torch.tensor([[1, 2, 3]])
     exact = exact_continuation_probs(target, prompt, NUM_NEW)
     if kind == "dspark":
-        cfg = build_draft_config(target.config, target_layer_ids=[0], mask_token_id=7,
-                                 block_size=3, markov_rank=4, num_draft_layers=1)  # fmt: skip
+        cfg = build_draft_config(
+            target.config,
+            target_layer_ids=[0],
+            mask_token_id=7,
+            block_size=3,
+            markov_rank=4,
+            num_draft_layers=1,
+        )
     else:
         cfg = build_eagle3_config(target.config, target_layer_ids=[0], ttt_length=2)
     torch.manual_seed(1)
@@ -159,9 +168,13 @@ def test_sampled_speculative_decoding_has_the_family_targets_distribution(family
     counts, accepted = torch.zeros([8] * NUM_NEW), 0
     for seed in range(NUM_SAMPLES):
         out, stats = speculative_generate(
-            target, drafter.eval(), prompt, max_new_tokens=NUM_NEW, temperature=1.0,
+            target,
+            drafter.eval(),
+            prompt,
+            max_new_tokens=NUM_NEW,
+            temperature=1.0,
             generator=torch.Generator().manual_seed(seed),
-        )  # fmt: skip
+        )
         counts[tuple(out[0, 3:].tolist())] += 1
         accepted += sum(stats.accepted_per_round)
     assert accepted > 0.1 * NUM_SAMPLES, (kind, accepted)  # both verifier outcomes happen
@@ -184,10 +197,20 @@ DS_CONFIG = {
 
 def _nvme_config(swap_dir: str) -> dict:
     """DS_CONFIG with the parameters swapped to NVMe (a partition of 1 MiB or more is)."""
-    nvme = {"device": "nvme", "nvme_path": swap_dir, "pin_memory": False,
-            "buffer_count": 5, "buffer_size": 1e6}  # fmt: skip
-    aio = {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
-           "single_submit": False, "overlap_events": True}  # fmt: skip
+    nvme = {
+        "device": "nvme",
+        "nvme_path": swap_dir,
+        "pin_memory": False,
+        "buffer_count": 5,
+        "buffer_size": 1e6,
+    }
+    aio = {
+        "block_size": 1048576,
+        "queue_depth": 8,
+        "thread_count": 1,
+        "single_submit": False,
+        "overlap_events": True,
+    }
     return {**DS_CONFIG, "zero_optimization": {"stage": 3, "offload_param": nvme}, "aio": aio}
 
 
@@ -243,9 +266,10 @@ def test_zero3_target_loaded_partition_by_partition_equals_the_whole_load(tmp_pa
     ).save_pretrained(tmp_path / "llama_nvme")
     paths["llama_nvme"] = str(tmp_path / "llama_nvme")
     run_distributed(
-        _partitioned_equals_whole, 2,
+        _partitioned_equals_whole,
+        2,
         args=(paths, ["llama", "qwen3_moe", "qwen3"], str(tmp_path / "swap")),
-    )  # fmt: skip
+    )
 
 
 def _rss() -> dict[str, int]:
@@ -283,9 +307,15 @@ def test_zero3_loading_holds_at_most_0_6x_of_the_target_per_rank(tmp_path, monke
     policy, not what the code holds)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=2048, hidden_size=384, intermediate_size=1024,
-                      num_hidden_layers=24, num_attention_heads=6, num_key_value_heads=6,
-                      max_position_embeddings=256)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -298,6 +328,8 @@ def test_zero3_loading_holds_at_most_0_6x_of_the_target_per_rank(tmp_path, monke
     out = tmp_path / "growth"
     run_distributed(_host_memory_of_a_load, 2, args=(small, str(tmp_path / "big"), str(out)))
     growth = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
-    print(f"[memory] target {size / 2**20:.0f} MiB, peak growth per rank "
-          f"{[f'{g / 2**20:.0f} MiB ({g / size:.2f}x)' for g in growth]}")  # fmt: skip
+    print(
+        f"[memory] target {size / 2**20:.0f} MiB, peak growth per rank "
+        f"{[f'{g / 2**20:.0f} MiB ({g / size:.2f}x)' for g in growth]}"
+    )
     assert all(g <= 0.6 * size for g in growth), growth

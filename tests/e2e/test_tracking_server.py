@@ -70,18 +70,21 @@ def trained(served, tiny_target):
     root, server, proxy = served
     target = tiny_target
     out = root / "runs"
-    args = [
-        "--config", RECIPE, "--target.path", target, "--output_dir", str(out), "--name", "tr",
-        "--train.max_steps", str(STEPS), "--train.log_every", "1", "--train.progress_bar",
-        "false", "--validation.every_steps", "12", "--checkpoint.every_steps", "0",
-        "--tracking.uri", proxy.uri, "--tracking.experiment", "server",
-        "--tracking.timeout_s", str(TIMEOUT_S), "--tracking.flush_timeout_s", "120",
-        "--tracking.register_as", "tiny-drafter", "--tracking.system_interval_s", "0.5",
-    ]  # fmt: skip
+    args = ["--config", RECIPE, "--target.path", target, "--output_dir", str(out), "--name", "tr"]
+    args += ["--train.max_steps", str(STEPS), "--train.log_every", "1"]
+    args += ["--train.progress_bar", "false", "--validation.every_steps", "12"]
+    args += ["--checkpoint.every_steps", "0", "--tracking.uri", proxy.uri]
+    args += ["--tracking.experiment", "server", "--tracking.timeout_s", str(TIMEOUT_S)]
+    args += ["--tracking.flush_timeout_s", "120", "--tracking.register_as", "tiny-drafter"]
+    args += ["--tracking.system_interval_s", "0.5"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dspark_ds.cli", "train", *args], cwd=root, env=_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "dspark_ds.cli", "train", *args],
+        cwd=root,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = out / "tr" / "train_log.jsonl"
     try:
         _wait_rows(log, SLOW_FROM - 1, proc)
@@ -98,9 +101,18 @@ def trained(served, tiny_target):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stderr[-4000:]
-    return {"root": root, "out": out, "run": out / "tr", "stdout": stdout, "stderr": stderr,
-            "rows": _rows(log), "killed_at_row": killed_at_row, "back_at_row": back_at_row,
-            "delayed": proxy.delayed, "target": target}  # fmt: skip
+    return {
+        "root": root,
+        "out": out,
+        "run": out / "tr",
+        "stdout": stdout,
+        "stderr": stderr,
+        "rows": _rows(log),
+        "killed_at_row": killed_at_row,
+        "back_at_row": back_at_row,
+        "delayed": proxy.delayed,
+        "target": target,
+    }
 
 
 def test_slow_then_dead_server_loses_nothing_and_never_slows_the_step(served, trained):
@@ -131,8 +143,10 @@ def test_slow_then_dead_server_loses_nothing_and_never_slows_the_step(served, tr
     fast = _step_times(rows, 3, SLOW_FROM - 1)
     slow = _step_times(rows, SLOW_FROM + 1, DOWN_AT - 1)
     fast_s, slow_s = statistics.median(fast), statistics.median(slow)
-    print(f"median step: {fast_s:.3f} s direct, {slow_s:.3f} s with every request delayed "
-          f"{DELAY_S} s ({len(fast)} / {len(slow)} steps)")  # fmt: skip
+    print(
+        f"median step: {fast_s:.3f} s direct, {slow_s:.3f} s with every request delayed "
+        f"{DELAY_S} s ({len(fast)} / {len(slow)} steps)"
+    )
     assert slow_s < 1.5 * fast_s + 0.1 and slow_s < fast_s + DELAY_S / 2, (fast, slow)
 
 
@@ -151,8 +165,11 @@ def test_training_run_tags_data_and_model(served, trained):
     assert set(inputs) == {"training", "validation"} and inputs["training"].digest
     # the export: the run's model, registered, recording the run that trained it
     record = json.loads((trained["run"] / "export" / "mlflow_run.json").read_text())
-    assert record == {"run_id": run_id, "experiment_id": run.info.experiment_id,
-                      "tracking_uri": served[2].uri}  # fmt: skip
+    assert record == {
+        "run_id": run_id,
+        "experiment_id": run.info.experiment_id,
+        "tracking_uri": served[2].uri,
+    }
     model = client.get_logged_model(tags["model_id"])
     assert model.source_run_id == run_id and model.status.to_proto() == 2  # READY
     files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
@@ -179,11 +196,18 @@ def test_evaluation_nests_under_its_training_run(served, trained):
         "".join(json.dumps({"turns": [f"Say hello {i}"]}) + "\n" for i in range(3))
     )
     cfg = EvalConfig(
-        target=TargetPathConfig(path=trained["target"]), drafter=str(trained["run"] / "export"),
-        benchmarks=["chat"], data_dir=str(data), max_samples=3, max_new_tokens=8,
-        temperature=0.0, output_dir=str(root / "evals"), name="eval-tr", seed=0,
+        target=TargetPathConfig(path=trained["target"]),
+        drafter=str(trained["run"] / "export"),
+        benchmarks=["chat"],
+        data_dir=str(data),
+        max_samples=3,
+        max_new_tokens=8,
+        temperature=0.0,
+        output_dir=str(root / "evals"),
+        name="eval-tr",
+        seed=0,
         tracking=TrackingConfig(uri=proxy.uri, experiment="server"),
-    )  # fmt: skip
+    )
     payload = run_eval(cfg)
     client = MlflowClient(tracking_uri=server.uri)
     train_id = (trained["run"] / "mlflow_run_id").read_text().strip()
@@ -200,8 +224,8 @@ def test_evaluation_nests_under_its_training_run(served, trained):
     assert "average/tau" in attached and "chat/tau" in attached
 
     # compare: the training and its evaluation, selected as the training run's children + itself
-    assert cli_main(["compare", "--tracking_uri", server.uri, "--experiment", "[server]",
-                     "--parent", train_id, "--out_dir", "null"]) == 0  # fmt: skip
+    argv = ["compare", "--tracking_uri", server.uri, "--experiment", "[server]"]
+    assert cli_main([*argv, "--parent", train_id, "--out_dir", "null"]) == 0
 
 
 def test_tune_sweep_is_a_parent_with_one_child_per_option(served, capsys):
@@ -213,10 +237,13 @@ def test_tune_sweep_is_a_parent_with_one_child_per_option(served, capsys):
 
     root, server, proxy = served
     recipe = str(REPO / "dspark_ds" / "recipes" / "dspark_qwen3_8b.yaml")
-    result = tune.run(tune.TunerConfig(
-        recipe=recipe, overrides=["--output_dir", str(root / "tune")],
-        tracking=TrackingConfig(uri=proxy.uri, experiment="server"),
-    ))  # fmt: skip
+    result = tune.run(
+        tune.TunerConfig(
+            recipe=recipe,
+            overrides=["--output_dir", str(root / "tune")],
+            tracking=TrackingConfig(uri=proxy.uri, experiment="server"),
+        )
+    )
     parent_id = result["mlflow_run_id"]
     client = MlflowClient(tracking_uri=server.uri)
     parent = client.get_run(parent_id)
@@ -230,8 +257,8 @@ def test_tune_sweep_is_a_parent_with_one_child_per_option(served, capsys):
         assert child.data.metrics["predicted/step_s"] == pytest.approx(row["predicted_step_s"])
         assert child.data.metrics["fits"] == float(row["fits"])
     capsys.readouterr()
-    assert cli_main(["compare", "--tracking_uri", server.uri, "--experiment", "[server]",
-                     "--kind", "[tune]", "--out_dir", "null"]) == 0  # fmt: skip
+    argv = ["compare", "--tracking_uri", server.uri, "--experiment", "[server]"]
+    assert cli_main([*argv, "--kind", "[tune]", "--out_dir", "null"]) == 0
     text = capsys.readouterr().out
     assert f"sweep tune-dspark_qwen3_8b ({parent_id[:8]})" in text, text
     table = text.split(parent_id[:8], 1)[1]

@@ -23,11 +23,17 @@ def tiny_target(
     """A random fp32 Qwen3 causal LM; `logit_scale` sharpens its next-token distributions."""
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=hidden_size // 4, max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
         **overrides,
-    )  # fmt: skip
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
@@ -50,12 +56,17 @@ def random_drafter(
     torch.manual_seed(seed)
     vocab = target.config.vocab_size
     cfg = build_draft_config(
-        target.config, target_layer_ids=list(layer_ids), mask_token_id=vocab - 1,
-        num_draft_layers=num_draft_layers, block_size=block_size, num_anchors=8,
-        markov_rank=markov_rank, markov_head_type=markov_head_type,
+        target.config,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=vocab - 1,
+        num_draft_layers=num_draft_layers,
+        block_size=block_size,
+        num_anchors=8,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type,
         confidence_head_alpha=1.0 if confidence else 0.0,
         confidence_head_with_markov=confidence and markov_rank > 0,
-    )  # fmt: skip
+    )
     drafter = build_draft_model(cfg).eval()
     drafter.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
     if markov_std is not None:

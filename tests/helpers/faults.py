@@ -82,8 +82,15 @@ def install(faults: list[dict]) -> None:
             Trainer.train_step = train_step
             for drafter_kind in KINDS.values():
 
-                def training_step(model, batch, ctx, _real=drafter_kind.training_step,
-                                  _fault=fault, _seen=seen, _now=now):  # fmt: skip
+                def training_step(
+                    model,
+                    batch,
+                    ctx,
+                    _real=drafter_kind.training_step,
+                    _fault=fault,
+                    _seen=seen,
+                    _now=now,
+                ):
                     out = _real(model, batch, ctx)
                     if not ctx.training:  # validation
                         return out

@@ -32,14 +32,18 @@ class MlflowServer:
         self.uri = f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 90) -> None:
+        argv = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--workers", "1"]
+        argv += ["--backend-store-uri", f"sqlite:///{self.root / 'server.db'}"]
+        argv += ["--artifacts-destination", str(self.root / "artifacts")]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}",
-             "--artifacts-destination", str(self.root / "artifacts")],
-            cwd=self.root, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            argv,
+            cwd=self.root,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, "the MLflow server exited"

@@ -297,8 +297,8 @@ class MultiHostCluster(SlurmCluster):
         for i, h in enumerate(self.hosts, start=1):
             ns = self.namespaces[h]
             _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}",
-                "netns", self.switch)  # fmt: skip
+            veth = ["eth0", "type", "veth", "peer", "name", f"p{i}", "netns", self.switch]
+            _ip("-n", ns, "link", "add", *veth)
             _ip("-n", ns, "addr", "add", f"{self.addrs[h]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "link", "set", "eth0", "up")

@@ -52,9 +52,9 @@ class TransformersServe:
     def launch(self) -> None:
         """Start the process (returns at once; `wait_ready` waits for it)."""
         env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model_dir,
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
-               "--log-level", "warning"]  # fmt: skip
+        cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.model_dir]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu"]
+        cmd += ["--log-level", "warning"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -113,9 +113,13 @@ class MisbehavingServer:
     """A small real HTTP server that answers well, then misbehaves (module docstring)."""
 
     def __init__(
-        self, mode: str, model: str = "tiny", good_chats: int = 1, delay_s: float = 2.0,
+        self,
+        mode: str,
+        model: str = "tiny",
+        good_chats: int = 1,
+        delay_s: float = 2.0,
         models_body: bytes | None = None,
-    ):  # fmt: skip
+    ):
         self.mode, self.model, self.good_chats, self.delay_s = mode, model, good_chats, delay_s
         self.models_body = models_body
         self.chats = 0

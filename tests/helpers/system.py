@@ -24,8 +24,10 @@ def which(name: str) -> str | None:
 
 
 def missing_message(missing: list[str], apt_packages: tuple[str, ...] = (), pip: str = "") -> str:
-    how = [f"apt-get install {' '.join(apt_packages)}" if apt_packages else "",
-           f"pip install '{pip}'" if pip else ""]  # fmt: skip
+    how = [
+        f"apt-get install {' '.join(apt_packages)}" if apt_packages else "",
+        f"pip install '{pip}'" if pip else "",
+    ]
     detail = "; ".join(h for h in how if h)
     return f"{', '.join(missing)} not installed: run `{INSTALL}` as root ({detail})"
 

@@ -203,34 +203,59 @@ FAMILIES: dict[str, dict] = {
     "qwen2": dict(),  # q/k/v biases, no head_dim field
     "mistral": dict(head_dim=8, tie_word_embeddings=True),
     "qwen3_moe": dict(
-        head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        decoder_sparse_step=1, norm_topk_prob=True,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
     ),
     "gpt_oss": dict(
-        head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
         layer_types=["sliding_attention", "full_attention"] * 2,
         rope_parameters={
-            "rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0,
-            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+            "rope_type": "yarn",
+            "rope_theta": 150_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
             "truncate": False,
         },
     ),
     "deepseek_v3": dict(
-        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
-        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-        n_group=1, topk_group=1,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
     ),
-}  # fmt: skip
+}
 
 
 def _tiny_widths(vocab_size: int) -> dict:
     """The widths every tiny family and hybrid config starts from (hidden 32, 4 layers, 4 heads)."""
     return dict(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
 
 
 def family_config(family: str, vocab_size: int, **overrides):
@@ -250,9 +275,12 @@ def build_tiny_family_target(out_dir: str | Path, family: str, *, seed: int = 0)
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir)
     cfg = family_config(
-        family, len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        family,
+        len(tok),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
         bos_token_id=None,
-    )  # fmt: skip
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(out_dir)
@@ -286,11 +314,14 @@ HYBRID_FAMILIES: dict[str, dict] = {
     "qwen3_5_moe_text": {**_DELTANET, **_MOE},
     "qwen3_next": {**_DELTANET, **_MOE},
     "granitemoehybrid": dict(
-        layer_types=["mamba"] * 3 + ["attention"], num_local_experts=4, num_experts_per_tok=2,
-        shared_intermediate_size=32, **_MAMBA,
+        layer_types=["mamba"] * 3 + ["attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+        **_MAMBA,
     ),
     "falcon_h1": dict(head_dim=8, mamba_d_ssm=64, **_MAMBA),
-}  # fmt: skip
+}
 HEAD_SHARPENING = 8.0
 
 
@@ -323,9 +354,13 @@ def build_tiny_hybrid_target(out_dir: str | Path, family: str, *, seed: int = 0)
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir)
     model = tiny_hybrid_model(
-        family, len(tok), seed=seed, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        family,
+        len(tok),
+        seed=seed,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     model.save_pretrained(out_dir)
     return str(out_dir)
 

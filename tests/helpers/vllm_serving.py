@@ -46,8 +46,9 @@ def require_vllm() -> str:
 
 
 class VllmServer:
-    def __init__(self, target, *, speculative: dict | None = None, api_key: str | None = None,
-                 log: Path):  # fmt: skip
+    def __init__(
+        self, target, *, speculative: dict | None = None, api_key: str | None = None, log: Path
+    ):
         self.target, self.speculative, self.api_key, self.log = (
             str(target),
             speculative,
@@ -60,11 +61,9 @@ class VllmServer:
         self.start_s = 0.0
 
     def __enter__(self) -> VllmServer:
-        argv = [
-            require_vllm(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.target,
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-            "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8",
-        ]  # fmt: skip
+        argv = [require_vllm(), "-m", "vllm.entrypoints.openai.api_server", "--model", self.target]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
+        argv += ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8"]
         if self.speculative:
             argv += ["--speculative-config", json.dumps(self.speculative)]
         if self.api_key:
@@ -127,8 +126,13 @@ class VllmServer:
         self.proc = None
 
     def complete(self, prompt_ids: list[int], max_tokens: int, key: str | None = None) -> list[int]:
-        body = {"model": self.target, "prompt": prompt_ids, "max_tokens": max_tokens,
-                "temperature": 0.0, "return_token_ids": True}  # fmt: skip
+        body = {
+            "model": self.target,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
         headers = {"Content-Type": "application/json"}
         if key:
             headers["Authorization"] = f"Bearer {key}"
@@ -175,8 +179,17 @@ def greedy_sequences(target, tokenizer, rows, max_new_tokens: int):
     return out
 
 
-def train_tiny_drafter(target, model_cfg, sequences, *, layer_ids, mask_token_id, steps: int,
-                       seed: int = 0, lr: float = 3e-3):  # fmt: skip
+def train_tiny_drafter(
+    target,
+    model_cfg,
+    sequences,
+    *,
+    layer_ids,
+    mask_token_id,
+    steps: int,
+    seed: int = 0,
+    lr: float = 3e-3,
+):
     """A drafter of `model_cfg` (a DrafterConfig) trained `steps` Adam steps on `sequences`
     (`greedy_sequences`), one sequence per step, features from the target; in eval mode."""
     from dspark_ds.drafters import build_draft_model
@@ -202,8 +215,15 @@ def train_tiny_drafter(target, model_cfg, sequences, *, layer_ids, mask_token_id
         hidden, last = tapped(ids)
         mask = torch.zeros_like(ids, dtype=torch.float32)
         mask[:, prompt_len:] = 1.0
-        batches.append(dict(input_ids=ids, target_hidden_states=hidden, loss_mask=mask,
-                            target_last_hidden_states=last, sample_ids=torch.tensor([i])))  # fmt: skip
+        batches.append(
+            dict(
+                input_ids=ids,
+                target_hidden_states=hidden,
+                loss_mask=mask,
+                target_last_hidden_states=last,
+                sample_ids=torch.tensor([i]),
+            )
+        )
     opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=lr)
     drafter.train()
     for step in range(steps):

@@ -32,8 +32,14 @@ from helpers.evaluation import random_drafter
 
 def test_packaged_benchmarks_load():
     sizes = {name: len(load_benchmark(benchmark_path(name, None))) for name in DEFAULT_BENCHMARKS}
-    assert sizes == {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 257,
-                     "mt-bench": 80, "aime25": 30}  # fmt: skip
+    assert sizes == {
+        "gsm8k": 1319,
+        "math500": 500,
+        "humaneval": 164,
+        "mbpp": 257,
+        "mt-bench": 80,
+        "aime25": 30,
+    }
 
 
 def test_packaged_benchmarks_are_the_recorded_copies():
@@ -83,8 +89,14 @@ def test_paper_protocol_is_the_default():
     assert (cfg.max_new_tokens, cfg.seed, cfg.max_samples) == (2048, 980406, None)
     assert cfg.temperature == 1.0 and cfg.budget_accounting == "exact"
     sizes = {name: num_prompts(name, None) for name in DEFAULT_BENCHMARKS}
-    assert sizes == {"gsm8k": 500, "math500": 500, "humaneval": 164, "mbpp": 256,
-                     "mt-bench": 80, "aime25": 30}  # fmt: skip
+    assert sizes == {
+        "gsm8k": 500,
+        "math500": 500,
+        "humaneval": 164,
+        "mbpp": 256,
+        "mt-bench": 80,
+        "aime25": 30,
+    }
     assert num_prompts("my-set", None) is None and num_prompts("gsm8k", 7) == 7
     for name in ("gsm8k", "mbpp"):
         rows = load_benchmark(benchmark_path(name, None))
@@ -132,9 +144,17 @@ def setup(tmp_path_factory, tiny_target):
 
 
 def _cfg(root, target_dir, **kw) -> EvalConfig:
-    base = dict(target=TargetPathConfig(path=str(target_dir)), drafter=str(root / "draft"), benchmarks=["chat", "math"],
-                data_dir=str(root / "data"), max_samples=5, max_new_tokens=16, temperature=0.0,
-                output_dir=str(root / "runs"), seed=0)  # fmt: skip
+    base = dict(
+        target=TargetPathConfig(path=str(target_dir)),
+        drafter=str(root / "draft"),
+        benchmarks=["chat", "math"],
+        data_dir=str(root / "data"),
+        max_samples=5,
+        max_new_tokens=16,
+        temperature=0.0,
+        output_dir=str(root / "runs"),
+        seed=0,
+    )
     base.update(kw)
     return EvalConfig(**base)
 
@@ -152,9 +172,16 @@ def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
     assert {p.name: p.read_bytes() for p in (root / "draft").iterdir()} == drafter_files
     assert "written_to" not in payload["calibration"]
     out_dir = root / "runs" / "greedy"
-    for name in ("results.json", "results.csv", "results.txt", "acceptance_by_position.png",
-                 "tau_by_benchmark.png", "reliability_diagram.png", "threshold_sweep.png",
-                 "confidence_temperatures.json"):  # fmt: skip
+    for name in (
+        "results.json",
+        "results.csv",
+        "results.txt",
+        "acceptance_by_position.png",
+        "tau_by_benchmark.png",
+        "reliability_diagram.png",
+        "threshold_sweep.png",
+        "confidence_temperatures.json",
+    ):
         assert (out_dir / name).stat().st_size > 0, name
     assert "average" in capsys.readouterr().out
 
@@ -165,8 +192,9 @@ def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
     committed = rounds = 0
     for turns in rows:
         ids = encode_prompt(tok, turns, {"enable_thinking": False})
-        _, st = speculative_generate(target, drafter, ids, max_new_tokens=16,
-                                     stop_token_ids=stop_token_ids(target, tok))  # fmt: skip
+        _, st = speculative_generate(
+            target, drafter, ids, max_new_tokens=16, stop_token_ids=stop_token_ids(target, tok)
+        )
         committed += sum(st.committed_per_round)
         rounds += st.rounds
     chat = payload["benchmarks"][0]
@@ -202,8 +230,12 @@ def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
     assert "confidence_raw/ece" in run.data.metrics and "confidence_sts/ece" in run.data.metrics
     assert run.data.params["max_new_tokens"] == "16" and run.data.tags["kind"] == "eval"
     artifacts = set(list_artifacts(uri, payload["mlflow_run_id"]))
-    assert {"results.json", "acceptance_by_position.png", "tau_by_benchmark.png",
-            "reliability_diagram.png"} <= artifacts  # fmt: skip
+    assert {
+        "results.json",
+        "acceptance_by_position.png",
+        "tau_by_benchmark.png",
+        "reliability_diagram.png",
+    } <= artifacts
 
 
 def test_sts_written_to_the_drafter_and_threshold_run(setup, tmp_path):
@@ -212,8 +244,15 @@ def test_sts_written_to_the_drafter_and_threshold_run(setup, tmp_path):
     root, target_dir, _ = setup
     drafter_copy = tmp_path / "draft"
     shutil.copytree(root / "draft", drafter_copy)
-    cfg = _cfg(root, target_dir, name="sts", drafter=str(drafter_copy), temperature=1.0,
-               benchmarks=["chat"], tracking=TrackingConfig(enabled=False))  # fmt: skip
+    cfg = _cfg(
+        root,
+        target_dir,
+        name="sts",
+        drafter=str(drafter_copy),
+        temperature=1.0,
+        benchmarks=["chat"],
+        tracking=TrackingConfig(enabled=False),
+    )
     cfg.calibration.write_to_drafter = True
     payload = run_eval(cfg)
     written = json.loads((drafter_copy / "config.json").read_text())["confidence_temperatures"]
@@ -266,11 +305,20 @@ def test_batched_run_reports_speedup_and_policies(setup, capsys):
     # a drafter without a confidence head cannot be scheduled
     dflash = random_drafter(
         __import__("transformers").AutoModelForCausalLM.from_pretrained(target_dir),
-        layer_ids=(0, 2), markov_rank=0, confidence=False,
-    )  # fmt: skip
+        layer_ids=(0, 2),
+        markov_rank=0,
+        confidence=False,
+    )
     save_draft_model(dflash, root / "dflash")
-    cfg = _cfg(root, target_dir, name="b3", drafter=str(root / "dflash"), batch_size=2,
-               benchmarks=["chat"], tracking=off)  # fmt: skip
+    cfg = _cfg(
+        root,
+        target_dir,
+        name="b3",
+        drafter=str(root / "dflash"),
+        batch_size=2,
+        benchmarks=["chat"],
+        tracking=off,
+    )
     cfg.scheduler.enabled = True
     with pytest.raises(ValueError, match="eval.scheduler needs a drafter with a confidence head"):
         run_eval(cfg)
@@ -278,11 +326,13 @@ def test_batched_run_reports_speedup_and_policies(setup, capsys):
 
 def test_bad_options_name_the_field(setup):
     root, target_dir, _ = setup
-    for kw, field in ((dict(temperature=-1.0), "eval.temperature"),
-                      (dict(benchmarks=[]), "eval.benchmarks"),
-                      (dict(dtype="int8"), "eval.dtype"),
-                      (dict(drafter=""), "eval.drafter"),
-                      (dict(batch_size=0), "eval.batch_size")):  # fmt: skip
+    for kw, field in (
+        (dict(temperature=-1.0), "eval.temperature"),
+        (dict(benchmarks=[]), "eval.benchmarks"),
+        (dict(dtype="int8"), "eval.dtype"),
+        (dict(drafter=""), "eval.drafter"),
+        (dict(batch_size=0), "eval.batch_size"),
+    ):
         with pytest.raises(ValueError, match=field):
             run_eval(_cfg(root, target_dir, **kw))
 
@@ -295,11 +345,12 @@ def test_two_ranks_split_the_prompts_through_the_cli(setup):
     root, target_dir, _ = setup
     single = run_eval(_cfg(root, target_dir, name="one", tracking=TrackingConfig(enabled=False)))
     # under the device guard (helpers/device_guard.py): no host-made tensor reaches a collective
-    check(torchrun([*GUARDED, "-m", "dspark_ds.cli", "eval", f"--target.path={target_dir}",
-                    f"--drafter={root / 'draft'}", "--benchmarks=[chat, math]",
-                    f"--data_dir={root / 'data'}", "--max_samples=5", "--max_new_tokens=16",
-                    "--temperature=0.0", f"--output_dir={root / 'runs'}", "--name=two",
-                    "--tracking.enabled=false"], env=guarded_env(root / "guard")))  # fmt: skip
+    argv = [*GUARDED, "-m", "dspark_ds.cli", "eval", f"--target.path={target_dir}"]
+    argv += [f"--drafter={root / 'draft'}", "--benchmarks=[chat, math]"]
+    argv += [f"--data_dir={root / 'data'}", "--max_samples=5", "--max_new_tokens=16"]
+    argv += ["--temperature=0.0", f"--output_dir={root / 'runs'}", "--name=two"]
+    argv += ["--tracking.enabled=false"]
+    check(torchrun(argv, env=guarded_env(root / "guard")))
     assert [s["policed"] > 0 for s in guard_stats(root / "guard")] == [True, True]
     two = json.loads((root / "runs" / "two" / "results.json").read_text())
     for a, b in zip(single["benchmarks"], two["benchmarks"]):

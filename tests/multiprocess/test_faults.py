@@ -35,11 +35,10 @@ def target(tmp_path_factory, tiny_target) -> Path:
 
 
 def train_args(target: Path, out: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "--config", RECIPE, "--target.path", str(target), "--output_dir", str(out),
-        "--name", name, "--train.progress_bar", "false", "--tracking.enabled", "false",
-        "--validation.every_steps", "0", *extra,
-    ]  # fmt: skip
+    argv = ["--config", RECIPE, "--target.path", str(target), "--output_dir", str(out)]
+    argv += ["--name", name, "--train.progress_bar", "false", "--tracking.enabled", "false"]
+    argv += ["--validation.every_steps", "0", *extra]
+    return argv
 
 
 def with_faults(faults: list[dict], args: list[str]) -> list[str]:
@@ -83,8 +82,9 @@ def assert_same_losses(got: list[dict], ref: list[dict], steps) -> None:
 def test_kill9_of_one_rank_during_a_save(target, tmp_path):
     """2 ranks, ZeRO-2: rank 1 is SIGKILLed while writing checkpoint step 8. The resume skips
     the incomplete tag, continues from step 4, and recomputes steps 5-8 exactly."""
-    args = train_args(target, tmp_path, "k9", "--train.max_steps", "8",
-                      "--checkpoint.every_steps", "4")  # fmt: skip
+    args = train_args(
+        target, tmp_path, "k9", "--train.max_steps", "8", "--checkpoint.every_steps", "4"
+    )
     proc = torchrun(with_faults([{"kind": "kill_during_save", "step": 8, "rank": 1}], args))
     assert proc.returncode != 0
     ckpts = tmp_path / "k9" / "checkpoints"
@@ -109,8 +109,9 @@ def test_kill9_of_one_rank_during_a_save(target, tmp_path):
 def test_disk_full_during_a_save(target, tmp_path):
     """The file size limit a full disk imposes (RLIMIT_FSIZE) hits checkpoint step 8: one line,
     exit 1, the partial tag removed, step 4 intact and resumable to the same losses."""
-    args = train_args(target, tmp_path, "full", "--train.max_steps", "8",
-                      "--checkpoint.every_steps", "4")  # fmt: skip
+    args = train_args(
+        target, tmp_path, "full", "--train.max_steps", "8", "--checkpoint.every_steps", "4"
+    )
     proc = python(with_faults([{"kind": "fsize_limit", "step": 5, "bytes": 64 * 1024}], args))
     assert proc.returncode == 1, proc.stderr[-3000:]
     line = error_line(proc)
@@ -131,8 +132,8 @@ def test_disk_full_during_a_save(target, tmp_path):
 def test_nonfinite_losses_are_skipped_then_stop_the_run(target, tmp_path):
     """NaN in the first micro-batch of step 3: skipped in place (no update). NaN at steps 6, 7,
     8: three in a row stop the run (exit 1) with a checkpoint of the last finite weights."""
-    args = train_args(target, tmp_path, "nan", "--train.max_steps", "10",
-                      "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "20")  # fmt: skip
+    steps = ["--train.max_steps", "10", "--checkpoint.every_steps", "1"]
+    args = train_args(target, tmp_path, "nan", *steps, "--checkpoint.keep_last", "20")
     fault = {"kind": "nonfinite_loss", "steps": [3, 6, 7, 8], "micro_batch": 0}
     proc = python(with_faults([fault], args))
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -155,8 +156,8 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(target, tmp_path):
 def test_nonfinite_loss_after_accumulated_micro_batches(target, tmp_path):
     """NaN in the second micro-batch (the first is already back-propagated): checkpoint with
     the step skipped, exit 75; the restart continues without that update, never NaN."""
-    args = train_args(target, tmp_path, "nan2", "--train.max_steps", "6",
-                      "--checkpoint.every_steps", "1", "--checkpoint.keep_last", "20")  # fmt: skip
+    steps = ["--train.max_steps", "6", "--checkpoint.every_steps", "1"]
+    args = train_args(target, tmp_path, "nan2", *steps, "--checkpoint.keep_last", "20")
     proc = python(with_faults([{"kind": "nonfinite_loss", "steps": [3], "micro_batch": 1}], args))
     assert proc.returncode == 75, proc.stderr[-3000:]
     run = tmp_path / "nan2"
@@ -184,14 +185,28 @@ def cache_env(target, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("cache")
     jsonl = write_chat_jsonl(root / "chat.jsonl", 14, seed=3)
-    prepare(PrepareConfig(data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=64),
-                          output_dir=str(root / "prep")))  # fmt: skip
+    prepare(
+        PrepareConfig(
+            data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=64),
+            output_dir=str(root / "prep"),
+        )
+    )
 
     def build(cache_dir: Path, repair: bool = False, on_shard_written=None):
-        data = DataConfig(paths=[str(root / "prep")], mode="offline", cache_dir=str(cache_dir),
-                          samples_per_shard=4, num_workers=0, max_length=64)  # fmt: skip
-        cfg = BuildCacheConfig(data=data, target=TargetConfig(path=str(target), dtype="float32"),
-                               batch_size=4, repair=repair)  # fmt: skip
+        data = DataConfig(
+            paths=[str(root / "prep")],
+            mode="offline",
+            cache_dir=str(cache_dir),
+            samples_per_shard=4,
+            num_workers=0,
+            max_length=64,
+        )
+        cfg = BuildCacheConfig(
+            data=data,
+            target=TargetConfig(path=str(target), dtype="float32"),
+            batch_size=4,
+            repair=repair,
+        )
         return build_cache(cfg, on_shard_written=on_shard_written)
 
     build(root / "cache")
@@ -199,10 +214,11 @@ def cache_env(target, tmp_path_factory):
 
 
 def offline_args(target: Path, out: Path, name: str, cache: Path, *extra: str) -> list[str]:
-    return train_args(target, out, name, "--train.synthetic_samples", "0", "--data.mode",
-                      "offline", "--data.cache_dir", str(cache), "--train.max_steps", "null",
-                      "--train.num_epochs", "2", "--checkpoint.every_steps", "0",
-                      "--data.max_length", "64", *extra)  # fmt: skip
+    offline = ["--train.synthetic_samples", "0", "--data.mode", "offline"]
+    offline += ["--data.cache_dir", str(cache), "--train.max_steps", "null"]
+    offline += ["--train.num_epochs", "2", "--checkpoint.every_steps", "0"]
+    offline += ["--data.max_length", "64"]
+    return train_args(target, out, name, *offline, *extra)
 
 
 def test_cache_shard_corrupted_between_epochs(target, cache_env, tmp_path):
@@ -277,16 +293,23 @@ def test_ctrl_c_checkpoints_and_a_damaged_checkpoint_falls_back(target, tmp_path
     intact one and recomputes the same losses. Status lines carry the time and the rank, and
     stdout being a pipe gives plain progress lines instead of a bar."""
     run = tmp_path / "int"
-    args = [*train_args(target, tmp_path, "int", "--train.max_steps", "40",
-                        "--checkpoint.every_steps", "3", "--train.log_every", "1")]  # fmt: skip
+    steps = ["--train.max_steps", "40", "--checkpoint.every_steps", "3", "--train.log_every", "1"]
+    args = [*train_args(target, tmp_path, "int", *steps)]
     args.remove("--train.progress_bar")
     args.remove("false")
     log = tmp_path / "int.out"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, *cli_train(args)], cwd=REPO, env=_env(),
-                                stdout=out, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        _wait_for(lambda: (run / "train_log.jsonl").exists()
-                  and len(rows(run)) >= 4, proc, "4 steps")  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, *cli_train(args)],
+            cwd=REPO,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        _wait_for(
+            lambda: (run / "train_log.jsonl").exists() and len(rows(run)) >= 4, proc, "4 steps"
+        )
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=300)
     text = log.read_text()
@@ -320,14 +343,19 @@ def test_second_ctrl_c_stops_at_once(target, tmp_path):
     """A second Ctrl-C during the (slowed) checkpoint ends the process at once, by SIGINT; the
     half-written checkpoint is never taken for a complete one."""
     run = tmp_path / "int2"
-    args = train_args(target, tmp_path, "int2", "--train.max_steps", "60",
-                      "--checkpoint.every_steps", "0")  # fmt: skip
+    args = train_args(
+        target, tmp_path, "int2", "--train.max_steps", "60", "--checkpoint.every_steps", "0"
+    )
     log = tmp_path / "int2.out"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, *with_faults([{"kind": "sleep_in_save", "seconds": 120}], args)],
-            cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            cwd=REPO,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         _wait_for(lambda: (run / "train_log.jsonl").exists() and rows(run), proc, "a step")
         proc.send_signal(signal.SIGINT)
         _wait_for(lambda: "Ctrl-C: finishing this step" in log.read_text(), proc, "the handler")

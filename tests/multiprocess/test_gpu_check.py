@@ -19,19 +19,19 @@ def test_every_part_passes_on_cpu(tmp_path):
     from helpers.vllm_serving import require_vllm
 
     require_vllm()
-    proc = check(
-        python(
-            ["-m", "dspark_ds.cli", "gpu-check", "--device", "cpu", "--output_dir", str(tmp_path),
-             "--bench_repeats", "1", "--num_prompts", "2"],
-            timeout_s=600,
-        )
-    )  # fmt: skip
+    argv = ["-m", "dspark_ds.cli", "gpu-check", "--device", "cpu", "--output_dir", str(tmp_path)]
+    argv += ["--bench_repeats", "1", "--num_prompts", "2"]
+    proc = check(python(argv, timeout_s=600))
     lines = proc.stdout.splitlines()
     status = {line.split()[1]: line.split()[0] for line in lines if line[:4] in ("PASS", "FAIL")}
     # vllm: the export through vLLM's config validation and loader (tools/install.sh's vLLM)
     assert status == {
-        "bench": "PASS", "train": "PASS", "export": "PASS", "decode": "PASS", "vllm": "PASS"
-    }, proc.stdout[-3000:]  # fmt: skip
+        "bench": "PASS",
+        "train": "PASS",
+        "export": "PASS",
+        "decode": "PASS",
+        "vllm": "PASS",
+    }, proc.stdout[-3000:]
     assert "gpu-check: 5/5 parts passed" in lines[-1]
     vllm = next(line for line in lines if line.startswith("PASS  vllm"))
     assert "Qwen3DSparkForCausalLM took all" in vllm and "needs a GPU (V2 runner)" in vllm

@@ -22,13 +22,11 @@ STEPS = 20
 def test_two_collectives_per_step_and_one_per_log_step(tmp_path, tiny_target):
     target = tiny_target
     result = tmp_path / "collectives.json"
-    args = [
-        COUNTER, str(result), "--config", "tiny_cpu", "--target.path", str(target),
-        "--output_dir", str(tmp_path / "runs"), "--name", "hot", "--tracking.enabled", "false",
-        "--train.progress_bar", "false", "--deepspeed.config", "zero2",
-        "--train.max_steps", str(STEPS), "--train.log_every", "10",
-        "--validation.every_steps", "10",
-    ]  # fmt: skip
+    args = [COUNTER, str(result), "--config", "tiny_cpu", "--target.path", str(target)]
+    args += ["--output_dir", str(tmp_path / "runs"), "--name", "hot", "--tracking.enabled", "false"]
+    args += ["--train.progress_bar", "false", "--deepspeed.config", "zero2"]
+    args += ["--train.max_steps", str(STEPS), "--train.log_every", "10"]
+    args += ["--validation.every_steps", "10"]
     check(torchrun(args))
     data = json.loads(result.read_text())
     assert data["steps"] == STEPS and sorted(map(int, data["losses"])) == list(range(1, 21))

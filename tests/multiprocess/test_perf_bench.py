@@ -19,13 +19,12 @@ from dspark_ds.perf.train_bench import (
 @pytest.mark.slow  # a subprocess per variant
 def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = [
-        "--hidden_size=32", "--num_attention_heads=4", "--num_key_value_heads=2",
-        "--intermediate_size=64", "--num_target_layers=2", "--vocab_size=128", "--seq_len=48",
-        "--num_anchors=6", "--block_size=4", "--markov_rank=8", "--repeats=1",
-        "--variants=[dense/reference, blockwise/chunked]", "--loss_chunk_anchors=2",
-        f"--json={out}", f"--tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-    ]  # fmt: skip
+    argv = ["--hidden_size=32", "--num_attention_heads=4", "--num_key_value_heads=2"]
+    argv += ["--intermediate_size=64", "--num_target_layers=2", "--vocab_size=128", "--seq_len=48"]
+    argv += ["--num_anchors=6", "--block_size=4", "--markov_rank=8", "--repeats=1"]
+    argv += ["--variants=[dense/reference, blockwise/chunked]"]
+    argv += ["--loss_chunk_anchors=2", f"--json={out}"]
+    argv += [f"--tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
     assert main(["bench", *argv]) == 0
     results = json.loads(out.read_text())
     assert [r["variant"] for r in results] == ["dense/reference", "blockwise/chunked"]

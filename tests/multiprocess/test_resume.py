@@ -20,11 +20,10 @@ RECIPE = str(REPO / "dspark_ds" / "recipes" / "tiny_cpu.yaml")
 
 
 def args(target, out: Path, *extra: str) -> list[str]:
-    return [
-        "-m", "dspark_ds.cli", "train", "--config", RECIPE, "--target.path", str(target),
-        "--output_dir", str(out), "--name", "run", "--train.progress_bar", "false",
-        "--validation.every_steps", "0", "--checkpoint.every_steps", "3", *extra,
-    ]  # fmt: skip
+    argv = ["-m", "dspark_ds.cli", "train", "--config", RECIPE, "--target.path", str(target)]
+    argv += ["--output_dir", str(out), "--name", "run", "--train.progress_bar", "false"]
+    argv += ["--validation.every_steps", "0", "--checkpoint.every_steps", "3", *extra]
+    return argv
 
 
 def rows(out: Path) -> list[dict]:
@@ -61,10 +60,10 @@ def test_changes_of_meaning_are_refused(copy, tmp_path):
     out, target = copy
     chat = write_chat_jsonl(tmp_path / "chat.jsonl", 8, seed=0)
     before = sorted(p.name for p in (out / "run" / "checkpoints").iterdir())
-    change = ["--model.block_size", "1", "--model.markov_rank", "8",
-              "--train.synthetic_samples", "0", "--data.paths", f"[{chat}]"]  # fmt: skip
-    proc = python(args(target, out, "--train.max_steps", "6", "--checkpoint.resume", "auto",
-                       *change))  # fmt: skip
+    change = ["--model.block_size", "1", "--model.markov_rank", "8"]
+    change += ["--train.synthetic_samples", "0", "--data.paths", f"[{chat}]"]
+    argv = args(target, out, "--train.max_steps", "6", "--checkpoint.resume", "auto", *change)
+    proc = python(argv)
     line = one_error_line(proc)
     assert "step_00000006 was trained with other settings" in line, line
     for named in (

@@ -141,19 +141,24 @@ def test_train_into_a_busy_run_directory_is_refused(tmp_path, monkeypatch, tiny_
     env = {"SLURM_JOB_ID": "4711"}
     holder = _holder(run_dir, env)
     try:
+        argv = [sys.executable, "-m", "dspark_ds.cli", "train", "--config", "tiny_cpu"]
+        argv += ["--target.path", target, "--output_dir", str(tmp_path / "runs"), "--name", "busy"]
+        argv += ["--checkpoint.resume", "auto"]
         proc = subprocess.run(
-            [sys.executable, "-m", "dspark_ds.cli", "train", "--config", "tiny_cpu",
-             "--target.path", target, "--output_dir", str(tmp_path / "runs"), "--name", "busy",
-             "--checkpoint.resume", "auto"],
-            capture_output=True, text=True, timeout=300,
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=300,
             env={**os.environ, "PYTHONPATH": str(REPO), "SLURM_CONF": "/nonexistent"},
-        )  # fmt: skip
+        )
     finally:
         holder.kill()
         holder.wait()
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("dspark-ds: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert f"another job is training in this run directory (host {socket.gethostname()} " \
-           f"pid {holder.pid}, Slurm job 4711" in errors[0]  # fmt: skip
+    assert (
+        f"another job is training in this run directory (host {socket.gethostname()} "
+        f"pid {holder.pid}, Slurm job 4711" in errors[0]
+    )
     assert sorted(p.name for p in run_dir.iterdir()) == ["RUNNING"]

@@ -110,14 +110,11 @@ def runs(tmp_path_factory, tiny_target):
     # 87 s of inductor's C++ builds here: tests/unit/test_perf_compile.py holds inductor's own
     # kernels to the eager loss and gradients); test_stages_agree holds it to the eager ZeRO-0
     # losses
+    compiled = ["--perf.compile", "layers", "--perf.compile_backend", "aot_eager"]
     one = [
-        base_args(
-            target, out, f"a_{k}", "--deepspeed.config", v,
-            *(["--perf.compile", "layers", "--perf.compile_backend", "aot_eager"]
-              if k == "z3" else []),
-        )
+        base_args(target, out, f"a_{k}", "--deepspeed.config", v, *(compiled if k == "z3" else []))
         for k, v in STAGES.items()
-    ]  # fmt: skip
+    ]
     one.append(
         base_args(
             target, out, "eq_ref", "--deepspeed.config", "zero0", "--data.batch_size", "4", *EQ
@@ -173,14 +170,13 @@ def runs(tmp_path_factory, tiny_target):
     # cuts a different count of dummy blocks; with chunks of 4 blocks the ranks must agree on
     # one count, or their ZeRO-3 gathers part ways (a hang). Held to 64 blocks on one rank.
     drop = ["--model.num_anchors", "64", "--perf.loss_chunk_anchors", "4", *EQ]
+    all_blocks = ["--data.batch_size", "4", "--perf.drop_empty_blocks", "off", *drop]
     one.append(
-        base_args(target, out, "eq_ref_all_blocks", "--deepspeed.config", "zero0",
-                  "--data.batch_size", "4", "--perf.drop_empty_blocks", "off", *drop)
-    )  # fmt: skip
-    two.append(
-        base_args(target, out, "eq_z3_drop", "--deepspeed.config", "zero3", *NO_PERSIST,
-                  "--data.batch_size", "2", "--perf.drop_empty_blocks", "on", *drop)
-    )  # fmt: skip
+        base_args(target, out, "eq_ref_all_blocks", "--deepspeed.config", "zero0", *all_blocks)
+    )
+    dropped = ["--data.batch_size", "2", "--perf.drop_empty_blocks", "on", *drop]
+    zero3 = ["--deepspeed.config", "zero3", *NO_PERSIST]
+    two.append(base_args(target, out, "eq_z3_drop", *zero3, *dropped))
     res = train_many(out, one, nproc=1)
     res.update(train_many(out, two, nproc=2))
     return {"root": root, "target": target, "tied": tied, "out": out, "res": res}
@@ -308,15 +304,19 @@ def test_log_throughput_and_the_tuner_calibrated_from_a_finished_run(runs, tmp_p
     assert [r["step"] for r in rows if "system/tflops_per_gpu" in r] == list(range(1, STEPS + 1))
     for r in rows:  # log_every 1: each window is one step
         s = r["system/step_s"]
-        count = flops(r["system/samples_per_s"] * s, r["system/tokens_per_s"] * s,
-                      r["train/sampled_anchors_abs"])  # fmt: skip
+        count = flops(
+            r["system/samples_per_s"] * s,
+            r["system/tokens_per_s"] * s,
+            r["train/sampled_anchors_abs"],
+        )
         assert r["system/tflops_per_gpu"] * 1e12 == pytest.approx(count / 2 / s, rel=1e-6)
         assert "system/mfu" not in r
 
     run, out, profile = runs["out"] / "a_z0", tmp_path / "tune.json", tmp_path / "profile.json"
-    assert cli_main(["tune", "--recipe", RECIPE, "--target.path", str(runs["target"]),
-                     "--device", "cpu", "--options", "[zero0]", "--cluster.from_run", str(run),
-                     "--cluster.save_profile", str(profile), "--output_json", str(out)]) == 0  # fmt: skip
+    argv = ["tune", "--recipe", RECIPE, "--target.path", str(runs["target"]), "--device", "cpu"]
+    argv += ["--options", "[zero0]", "--cluster.from_run", str(run)]
+    argv += ["--cluster.save_profile", str(profile), "--output_json", str(out)]
+    assert cli_main(argv) == 0
     rec = json.loads(out.read_text())["from_run"]
     assert (rec["option"], rec["world"], rec["micro_batch"], rec["accum"]) == ("zero0", 1, 2, 2)
     log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
@@ -502,8 +502,10 @@ def test_export_cli(runs):
     assert all(torch.equal(live[k], got[k]) for k in live)
     # the export names the run that trained it (the checkpoint's run directory holds its id)
     assert sorted(p.name for p in other.iterdir()) == [
-        "config.json", "mlflow_run.json", "model.safetensors"
-    ]  # fmt: skip
+        "config.json",
+        "mlflow_run.json",
+        "model.safetensors",
+    ]
     record = json.loads((other / "mlflow_run.json").read_text())
     assert record["run_id"] == runs["res"]["b_z3"]["mlflow_run_id"]
 
@@ -637,10 +639,11 @@ def test_zero3_nvme_with_a_target_in_the_job(tmp_path):
             "offload_optimizer": {"nvme_path": str(nvme)},
         }
     }
-    args = base_args(target, tmp_path / "runs", "nvme", "--deepspeed.config",
-                     "zero3_offload_nvme", "--deepspeed.overrides", json.dumps(overrides),
-                     "--train.max_steps", "2", "--checkpoint.every_steps", "0",
-                     "--tracking.enabled", "false")  # fmt: skip
+    offload = ["--deepspeed.config", "zero3_offload_nvme"]
+    offload += ["--deepspeed.overrides", json.dumps(overrides)]
+    short = ["--train.max_steps", "2", "--checkpoint.every_steps", "0"]
+    short += ["--tracking.enabled", "false"]
+    args = base_args(target, tmp_path / "runs", "nvme", *offload, *short)
     check(python(["-m", "dspark_ds.cli", "train", *args], timeout_s=600))
     assert list((nvme / "target").rglob("*_param.tensor.swp")), "no target parameter swapped"
     log = [json.loads(line) for line in (tmp_path / "runs" / "nvme" / "train_log.jsonl").open()]

@@ -128,22 +128,11 @@ def test_bad_option_names_the_field(capsys):
         == 2
     )
     assert "options: unknown ['zero9']" in capsys.readouterr().err
-    assert (
-        cli_main(
-            [
-                "tune",
-                "--recipe",
-                str(RECIPES / "dspark_qwen3_8b.yaml"),
-                "--cluster.gpus_per_node",
-                "0",
-            ]  # fmt: skip
-        )
-        == 2
-    )
+    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml")]
+    assert cli_main([*argv, "--cluster.gpus_per_node", "0"]) == 2
     assert "cluster.gpus_per_node: must be >= 1" in capsys.readouterr().err
     # the cluster's shape is under --cluster: a top-level --gpus_per_node is refused by name
-    assert cli_main(["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"),
-                     "--gpus_per_node", "4"]) == 2  # fmt: skip
+    assert cli_main([*argv, "--gpus_per_node", "4"]) == 2
     assert "unrecognized arguments: --gpus_per_node 4" in capsys.readouterr().err
     recipe = str(RECIPES / "dspark_qwen3_8b.yaml")
     assert cli_main(["tune", "--recipe", recipe, "--device", "cuda:0"]) == 2
@@ -167,8 +156,9 @@ def _small_trainable_params(recipe: str, threshold: int) -> int:
 
     run_cfg = parse(TrainRunConfig, ["--config", str(RECIPES / recipe)])
     target = Qwen3Config(**tune.KNOWN_TARGETS["Qwen/Qwen3-8B"])
-    config = dspark_config(target, run_cfg.model, target_layer_ids=[1, 9, 17, 25, 33],
-                           mask_token_id=0)  # fmt: skip
+    config = dspark_config(
+        target, run_cfg.model, target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=0
+    )
     with torch.device("meta"):
         model = build_draft_model(config)
     shared = set(model.shared_parameter_names())
@@ -201,8 +191,10 @@ def test_deepspeed_values_come_from_the_resolved_config():
     # ZeRO-1 / 2: the reduce bucket, twice with overlap_comm (DeepSpeed's default: off below
     # ZeRO-3), fp32 at ZeRO-1, bf16 at ZeRO-2
     for option, config, elem_bytes in (
-        ("zero1", "zero1", 4), ("zero2", "zero2", bf16), ("zero2+offload_opt", "zero2", bf16)
-    ):  # fmt: skip
+        ("zero1", "zero1", 4),
+        ("zero2", "zero2", bf16),
+        ("zero2+offload_opt", "zero2", bf16),
+    ):
         shipped = _shipped_zero(config)
         before = shipped["reduce_bucket_size"] * (2 if shipped.get("overlap_comm") else 1)
         want = (changed["reduce_bucket_size"] - before) * elem_bytes
@@ -259,8 +251,8 @@ def test_nvme_swap_buffers_are_host_memory():
 
 def test_a_bad_deepspeed_value_is_refused_by_name(capsys):
     bad = json.dumps({"zero_optimization": {"reduce_bucket_size": "large"}})
-    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"),
-            "--overrides", json.dumps(["--deepspeed.overrides", bad])]  # fmt: skip
+    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml")]
+    argv += ["--overrides", json.dumps(["--deepspeed.overrides", bad])]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert "deepspeed.config: zero_optimization.reduce_bucket_size" in err and "\n" not in (
@@ -289,10 +281,9 @@ SMALL_BUCKETS = (
 def _estimate_and_measure(tmp_path, recipe: str, overrides: list[str], options=None) -> dict:
     target = build_tiny_target(tmp_path / "tiny_target")
     out = tmp_path / "tuner.json"
-    argv = ["-m", "dspark_ds.cli", "tune", "--recipe", str(RECIPES / recipe),
-            "--target.path", target, "--overrides", json.dumps(overrides),
-            "--measure", "true", "--measure_steps", "2", "--output_json", str(out),
-            "--cluster.calibrate", "false"]  # fmt: skip
+    argv = ["-m", "dspark_ds.cli", "tune", "--recipe", str(RECIPES / recipe)]
+    argv += ["--target.path", target, "--overrides", json.dumps(overrides), "--measure", "true"]
+    argv += ["--measure_steps", "2", "--output_json", str(out), "--cluster.calibrate", "false"]
     if options:
         argv += ["--options", json.dumps(options)]
     proc = check(python(argv, timeout_s=900, cwd=tmp_path))
@@ -403,13 +394,29 @@ def test_measured_steps_run_past_the_end_of_the_data():
     from dspark_ds.train.batches import SyntheticSource
     from dspark_ds.tune.measure import epochs
 
-    source = SyntheticSource(num_samples=8, seq_len=16, vocab_size=50, batch_size=2, rank=0,
-                             world_size=2, seed=0, provider=None)  # fmt: skip
+    source = SyntheticSource(
+        num_samples=8,
+        seq_len=16,
+        vocab_size=50,
+        batch_size=2,
+        rank=0,
+        world_size=2,
+        seed=0,
+        provider=None,
+    )
     batches = epochs(source)
     got = [next(batches)["input_ids"] for _ in range(5)]  # 2 per epoch
     assert source.epoch == 2
     assert not torch.equal(got[0], got[2])  # each epoch in its own order, as training's
-    empty = SyntheticSource(num_samples=2, seq_len=16, vocab_size=50, batch_size=2, rank=0,
-                            world_size=2, seed=0, provider=None)  # fmt: skip
+    empty = SyntheticSource(
+        num_samples=2,
+        seq_len=16,
+        vocab_size=50,
+        batch_size=2,
+        rank=0,
+        world_size=2,
+        seed=0,
+        provider=None,
+    )
     with pytest.raises(ConfigError, match="yields no micro-batch"):
         next(epochs(empty))

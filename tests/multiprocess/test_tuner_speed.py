@@ -65,10 +65,18 @@ def test_dspark_flops_match_torch_counter(loss):
     from dspark_ds.perf.train_bench import TrainBenchConfig, build_batch, build_model, loss_args_for
 
     cfg = TrainBenchConfig(
-        hidden_size=64, num_draft_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=160, num_target_layers=3, vocab_size=3000, seq_len=256,
-        num_anchors=48, block_size=5, markov_rank=16,
-    )  # fmt: skip
+        hidden_size=64,
+        num_draft_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        num_target_layers=3,
+        vocab_size=3000,
+        seq_len=256,
+        num_anchors=48,
+        block_size=5,
+        markov_rank=16,
+    )
     torch.manual_seed(0)
     model = build_model(cfg)
     model.attn_implementation = "blockwise"
@@ -92,16 +100,26 @@ def test_eagle3_flops_match_torch_counter(loss):
     from dspark_ds.drafters.perf import PerfConfig
     from dspark_ds.drafters.registry import get_kind
 
-    target = Qwen3Config(vocab_size=3000, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    target = Qwen3Config(
+        vocab_size=3000,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = build_draft_model(build_eagle3_config(target, target_layer_ids=[0, 1, 2], ttt_length=4))
     model.freeze_shared()
     B, S = 1, 128
-    batch = dict(input_ids=torch.randint(0, 2999, (B, S)), loss_mask=torch.ones(B, S),
-                 target_hidden_states=torch.randn(B, S, 3 * 64),
-                 target_last_hidden_states=torch.randn(B, S, 64))  # fmt: skip
+    batch = dict(
+        input_ids=torch.randint(0, 2999, (B, S)),
+        loss_mask=torch.ones(B, S),
+        target_hidden_states=torch.randn(B, S, 3 * 64),
+        target_last_hidden_states=torch.randn(B, S, 64),
+    )
     with MatmulFlops() as counted:
         out, _ = eagle3_forward_and_loss(model, batch, impl=loss, chunk_rows=64)
         out.backward()
@@ -233,8 +251,8 @@ def test_scaling_over_node_counts(tmp_path, capsys):
     held at every size and point (micro-batch × accumulation × GPUs = 512: fewer micro-batches
     per rank as the cluster grows) and tokens/s grows with it."""
     out = tmp_path / "scaling.json"
-    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"),
-            "--cluster.nodes", "1,2,8,64", "--output_json", str(out)]  # fmt: skip
+    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_8b.yaml")]
+    argv += ["--cluster.nodes", "1,2,8,64", "--output_json", str(out)]
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "64 node(s): s / tokens/s @micro-batch" in text and "scaling (the global batch" in text
@@ -264,11 +282,19 @@ def build_bench_target(out_dir: Path) -> str:
 
     tok = build_tiny_tokenizer(out_dir)
     config = Qwen3Config(
-        vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).eval().save_pretrained(out_dir)
     return str(out_dir)
@@ -276,10 +302,10 @@ def build_bench_target(out_dir: Path) -> str:
 
 # The bench's drafter (2 layers, γ 7, Markov rank 64) on its target widths; the sequence and
 # anchors shortened (192, 16) so that seven options × several steps fit the test's time.
-BENCH_OVERRIDES = ["--model.num_draft_layers", "2", "--model.block_size", "7",
-                   "--model.num_anchors", "16", "--model.markov_rank", "64",
-                   "--data.max_length", "192", "--data.batch_size", "1",
-                   "--train.global_batch_size", "2", "--target.layer_ids", "[0, 1, 2, 3, 4]"]  # fmt: skip
+BENCH_OVERRIDES = ["--model.num_draft_layers", "2", "--model.block_size", "7"]
+BENCH_OVERRIDES += ["--model.num_anchors", "16", "--model.markov_rank", "64"]
+BENCH_OVERRIDES += ["--data.max_length", "192", "--data.batch_size", "1"]
+BENCH_OVERRIDES += ["--train.global_batch_size", "2", "--target.layer_ids", "[0, 1, 2, 3, 4]"]
 TOLERANCE = 0.30
 TIE = 0.20
 """Options predicted within 20 % of the fastest are tied with it (the noise between options
@@ -288,10 +314,9 @@ measured a minute apart on a shared 2-core machine, after the load factor)."""
 
 def _tune(tmp_path: Path, name: str, target: str, overrides: list[str], extra: list[str]) -> dict:
     out = tmp_path / f"{name}.json"
-    argv = ["-m", "dspark_ds.cli", "tune", "--recipe", str(RECIPES / "tiny_cpu.yaml"),
-            "--target.path", target, "--overrides", json.dumps(overrides),
-            "--measure", "true", "--measure_memory", "false", "--output_json", str(out),
-            *extra]  # fmt: skip
+    argv = ["-m", "dspark_ds.cli", "tune", "--recipe", str(RECIPES / "tiny_cpu.yaml")]
+    argv += ["--target.path", target, "--overrides", json.dumps(overrides), "--measure", "true"]
+    argv += ["--measure_memory", "false", "--output_json", str(out), *extra]
     proc = check(torchrun(argv, timeout_s=900, cwd=tmp_path))
     print(proc.stdout[-6000:], file=sys.stderr)
     return json.loads(out.read_text())
@@ -305,8 +330,10 @@ def _speeds(rows: dict) -> dict[str, float]:
     """Each option's measured step per unit of the conditions it was measured under (its
     measurement x the prediction from all samples over the prediction from its own), so that
     options measured under different loads compare."""
-    return {n: r["measured_step_s"] * r["predicted_step_s"] / r["predicted_at_measurement_s"]
-            for n, r in rows.items()}  # fmt: skip
+    return {
+        n: r["measured_step_s"] * r["predicted_step_s"] / r["predicted_at_measurement_s"]
+        for n, r in rows.items()
+    }
 
 
 def _tied(rows: dict) -> set[str]:
@@ -344,8 +371,8 @@ def _remeasure_outliers(
     if not outliers:
         return result
     print(f"{name}: measuring {outliers} once more", file=sys.stderr)
-    again = _tune(tmp_path, f"{name}-again", target, overrides,
-                  [*extra, "--options", json.dumps(outliers)])  # fmt: skip
+    only_those = [*extra, "--options", json.dumps(outliers)]
+    again = _tune(tmp_path, f"{name}-again", target, overrides, only_those)
     rows = {r["option"]: r for r in again["options"]}
     result["options"] = [rows.get(r["option"], r) for r in result["options"]]
     return result
@@ -380,32 +407,29 @@ def test_predicted_step_within_30_percent_of_measured(tmp_path):
     of its measured median; a later run predicts from the saved profile."""
     tiny = build_tiny_target(tmp_path / "tiny_target")
     profile = tmp_path / "profile.json"
-    first = _tune(tmp_path, "tiny", tiny, [],
-                  ["--measure_steps", "96", "--cluster.samples", "4",
-                   "--cluster.save_profile", str(profile)])  # fmt: skip
+    tiny_steps = ["--measure_steps", "96", "--cluster.samples", "4"]
+    bench_steps = ["--measure_steps", "12", "--cluster.samples", "4"]
+    first = _tune(tmp_path, "tiny", tiny, [], [*tiny_steps, "--cluster.save_profile", str(profile)])
     assert first["calibration"]["ranks"] == 2
     assert first["calibration"]["samples"] == 4 * len(tune.OPTION_NAMES)
     assert first["calibration"]["nvme_measured"]
     saved = json.loads(profile.read_text())["machine"]
     assert saved["gpus_per_node"] == 2 and "inter_node_bytes_per_s" not in saved  # not measured
     bench = build_bench_target(tmp_path / "bench_target")
-    second = _tune(tmp_path, "bench", bench, BENCH_OVERRIDES,
-                   ["--measure_steps", "12", "--cluster.samples", "4"])  # fmt: skip
+    second = _tune(tmp_path, "bench", bench, BENCH_OVERRIDES, bench_steps)
     assert second["calibration"]["compute_shape"]["vocab"] == 32000  # the recipe's widths
     # the saved profile: a later prediction uses its figures, and calibrates nothing
     out = tmp_path / "later.json"
-    argv = ["tune", "--recipe", str(RECIPES / "tiny_cpu.yaml"), "--target.path", tiny,
-            "--cluster.profile", str(profile), "--output_json", str(out)]  # fmt: skip
+    argv = ["tune", "--recipe", str(RECIPES / "tiny_cpu.yaml"), "--target.path", tiny]
+    argv += ["--cluster.profile", str(profile), "--output_json", str(out)]
     assert cli_main(argv) == 0
     later = json.loads(out.read_text())
     assert later["calibration"] == {}
     for key in ("peak_flops", "op_overhead_s", "engine_micro_s", "nvme_read_bytes_per_s"):
         assert later["machine"][key] == pytest.approx(first["machine"][key]), key
         assert later["machine_sources"][key] == f"profile {profile}", key
-    first = _remeasure_outliers(tmp_path, "tiny", tiny, [],
-                                ["--measure_steps", "96", "--cluster.samples", "4"], first)  # fmt: skip
-    second = _remeasure_outliers(tmp_path, "bench", bench, BENCH_OVERRIDES,
-                                 ["--measure_steps", "12", "--cluster.samples", "4"], second)  # fmt: skip
+    first = _remeasure_outliers(tmp_path, "tiny", tiny, [], tiny_steps, first)
+    second = _remeasure_outliers(tmp_path, "bench", bench, BENCH_OVERRIDES, bench_steps, second)
     _check_predictions(first)
     _check_predictions(second)
     # compute shows: ZeRO-3 (the recompute loss, the gathers) measured well behind ZeRO-2

@@ -11,6 +11,7 @@ import ast
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,51 @@ def test_ruff(args):
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- the formatter trusted: switched off only for a table ------------------------------------
+
+FORMATTER_OFF_BUDGET = 30
+"""`# fmt: skip` (or `# fmt: off`) comments allowed in each tree, dspark_ds/ and tests/: each
+one on a table whose column alignment is the point; everything else is as ruff writes it."""
+FMT_OFF = re.compile(r"\bfmt:\s*(skip|off)\b")
+
+
+def formatter_off(root: Path) -> dict[str, int]:
+    """Per file under `root`, its comments that switch the formatter off (a string that names
+    one is not one)."""
+    counts = {}
+    for path in sorted(root.rglob("*.py")):
+        with path.open("rb") as f:
+            tokens = list(tokenize.tokenize(f.readline))
+        found = [t for t in tokens if t.type == tokenize.COMMENT and FMT_OFF.search(t.string)]
+        if found:
+            counts[str(path.relative_to(root.parent))] = len(found)
+    return counts
+
+
+@pytest.mark.parametrize("tree", ["dspark_ds", "tests"])
+def test_the_formatter_is_switched_off_only_for_tables(tree):
+    counts = formatter_off(REPO / tree)
+    total = sum(counts.values())
+    listed = "\n".join(
+        f"  {n:3d}  {path}" for path, n in sorted(counts.items(), key=lambda x: -x[1])
+    )
+    assert total <= FORMATTER_OFF_BUDGET, (
+        f"{tree}/: {total} comments switch ruff off, at most {FORMATTER_OFF_BUDGET} (a table "
+        f"whose alignment is the point; else let ruff format it, or restructure):\n{listed}"
+    )
+
+
+def test_a_formatter_off_comment_is_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text(
+        "ROWS = [(1,  2),\n        (10, 20)]  # fmt: skip\n"
+        'TEXT = "# fmt: skip"  # a string is not one\n'
+        "# fmt: off\nX = [1,2]\n# fmt: on\n"
+    )
+    (tmp_path / "pkg" / "b.py").write_text("Y = 1\n")
+    assert formatter_off(tmp_path / "pkg") == {"pkg/a.py": 2}
 
 
 def deepspeed_imports_before_the_guard(path: Path) -> list[str]:

@@ -123,8 +123,8 @@ def test_missing_or_empty_files_are_one_line_errors(capsys, tmp_path):
     build_tiny_tokenizer(tmp_path / "tok")
     blank = tmp_path / "blank.jsonl"
     blank.write_text("\n \n")
-    line = _one_line_exit_2(capsys, "prepare", "--data.paths", f"[{blank}]", "--data.tokenizer",
-                            str(tmp_path / "tok"), "--output_dir", str(tmp_path / "p"))  # fmt: skip
+    argv = ["--data.paths", f"[{blank}]", "--data.tokenizer", str(tmp_path / "tok")]
+    line = _one_line_exit_2(capsys, "prepare", *argv, "--output_dir", str(tmp_path / "p"))
     assert "holds no rows (empty)" in line
     assert not (tmp_path / "p").exists()
     # eval: a missing benchmark fails before any model loads; so does a missing drafter
@@ -150,8 +150,8 @@ def test_local_looking_target_paths_fail_at_once(capsys, tmp_path, monkeypatch):
     # and refused at once, instead of after ~25 s of hub retries
     line = _one_line_exit_2(capsys, "train", "--config", str(REPO / RECIPE))
     assert "target.path: runs/tiny_target does not exist (a local path" in line
-    line = _one_line_exit_2(capsys, "build-cache", "--data.paths", "[x]", "--data.cache_dir",
-                            "c", "--target.path", "./missing")  # fmt: skip
+    argv = ["--data.paths", "[x]", "--data.cache_dir", "c", "--target.path", "./missing"]
+    line = _one_line_exit_2(capsys, "build-cache", *argv)
     assert "target.path: ./missing does not exist" in line
 
 
@@ -244,7 +244,8 @@ def test_the_command_ends_without_interpreter_finalization():
         "from dspark_ds.cli import entry\n"
         "sys.exit(entry(['tune', '--recipe', 'dspark_ds/recipes/dspark_qwen3_8b.yaml']))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "recommended:" in proc.stdout and "finalized" not in proc.stdout

@@ -107,11 +107,16 @@ def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
     target_dir = build_tiny_target(tmp_path / "target")  # same seed: the fixture's weights
     save_draft_model(make_drafter(target, seed=6), tmp_path / "eagle3")
     cfg = EvalConfig(
-        target=TargetPathConfig(path=target_dir), drafter=str(tmp_path / "eagle3"),
+        target=TargetPathConfig(path=target_dir),
+        drafter=str(tmp_path / "eagle3"),
         benchmarks=["gsm8k"],
-        max_samples=2, max_new_tokens=8, temperature=0.0, output_dir=str(tmp_path / "runs"),
-        dtype="float32", device="cpu",
-    )  # fmt: skip
+        max_samples=2,
+        max_new_tokens=8,
+        temperature=0.0,
+        output_dir=str(tmp_path / "runs"),
+        dtype="float32",
+        device="cpu",
+    )
     cfg.tracking.enabled = False
     payload = run_eval(cfg)
     (row,) = payload["benchmarks"]

@@ -59,12 +59,25 @@ def test_config_names_and_round_trip(tmp_path, wrapped):
     assert cfg.target_model_type == ("gemma4" if wrapped else "gemma4_text")
     model = gemma4_eagle3(target_config=target)
     names = set(model.state_dict())
-    layer = {f"layers.0.{n}" for n in (
-        "hidden_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-        "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight", "layer_scalar",
-        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}  # fmt: skip
+    layer = {
+        f"layers.0.{n}"
+        for n in (
+            "hidden_norm.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "pre_feedforward_layernorm.weight",
+            "post_feedforward_layernorm.weight",
+            "layer_scalar",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        )
+    }
     assert names == layer | {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight"}
     # k_eq_v: no v_proj; the full-attention head shape (global_head_dim 16, 1 K/V head).
     assert model.state_dict()["layers.0.self_attn.k_proj.weight"].shape == (16, 64)

@@ -29,9 +29,9 @@ def test_eagle3_config_section_checks_its_own_fields():
 def test_eagle3_run_refuses_a_perf_option_it_cannot_honour(tmp_path, capsys, option, value):
     from dspark_ds.cli import main
 
-    argv = ["train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml",
-            "--target.path", str(tmp_path / "target"), "--output_dir", str(tmp_path),
-            f"--perf.{option}", value]  # fmt: skip
+    argv = ["train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml"]
+    argv += ["--target.path", str(tmp_path / "target"), "--output_dir", str(tmp_path)]
+    argv += [f"--perf.{option}", value]
     assert main(argv) == 2
     assert f"perf.{option}: '{value}' is not available for eagle3" in capsys.readouterr().err
 
@@ -40,13 +40,12 @@ def test_eagle3_run_refuses_a_perf_option_it_cannot_honour(tmp_path, capsys, opt
 def test_tiny_eagle3_trains_exports_and_logs(tmp_path, tiny_target):
     target = tiny_target
     out = tmp_path / "runs"
-    argv = [
-        "-m", "dspark_ds.cli", "train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml",
-        "--target.path", target, "--target.layer_ids", "[0, 1, 2]", "--output_dir", str(out),
-        "--train.max_steps", "4", "--train.synthetic_samples", "32",
-        "--checkpoint.every_steps", "2", "--validation.every_steps", "2", "--train.progress_bar", "false",
-        "--perf.loss_impl", "reference", "--perf.attn_implementation", "dense",
-    ]  # fmt: skip
+    argv = ["-m", "dspark_ds.cli", "train", "--config", "dspark_ds/recipes/eagle3_tiny_cpu.yaml"]
+    argv += ["--target.path", target, "--target.layer_ids", "[0, 1, 2]", "--output_dir", str(out)]
+    argv += ["--train.max_steps", "4", "--train.synthetic_samples", "32"]
+    argv += ["--checkpoint.every_steps", "2", "--validation.every_steps", "2"]
+    argv += ["--train.progress_bar", "false", "--perf.loss_impl", "reference"]
+    argv += ["--perf.attn_implementation", "dense"]
     check(python(argv, timeout_s=900))
     run = out / "eagle3_tiny_cpu"
     losses = [
@@ -63,8 +62,8 @@ def test_tiny_eagle3_trains_exports_and_logs(tmp_path, tiny_target):
     assert isinstance(live, Qwen3Eagle3Model)
 
     # `dspark-ds export` from the last DeepSpeed checkpoint gives the same weights.
-    check(python(["-m", "dspark_ds.cli", "export", "--checkpoint", str(run),
-                  "--output_dir", str(tmp_path / "exported")], timeout_s=600))  # fmt: skip
+    export = ["-m", "dspark_ds.cli", "export", "--checkpoint", str(run)]
+    check(python([*export, "--output_dir", str(tmp_path / "exported")], timeout_s=600))
     exported = load_draft_model(tmp_path / "exported")
     for name, tensor in live.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], tensor, msg=name)

@@ -69,9 +69,12 @@ def test_greedy_batched_equals_greedy_target_and_batch_one(target, kind, monkeyp
         drafter = _eagle3(target)
     else:
         drafter = random_drafter(
-            target, markov_rank=8 if kind == "dspark" else 0, confidence=kind == "dspark",
-            block_size=4, markov_std=0.5 if kind == "dspark" else None,
-        )  # fmt: skip
+            target,
+            markov_rank=8 if kind == "dspark" else 0,
+            confidence=kind == "dspark",
+            block_size=4,
+            markov_std=0.5 if kind == "dspark" else None,
+        )
     prompts = _prompts([5, 11, 3, 8, 14, 6])
     budget = 24
     single = {}
@@ -116,9 +119,13 @@ def test_sliding_window_target_with_ragged_acceptance():
             layer.post_attention_layernorm.weight.fill_(0.1)
             layer.post_feedforward_layernorm.weight.fill_(0.1)
     dcfg = build_draft_config(
-        cfg, target_layer_ids=[0, 1, 2], mask_token_id=VOCAB - 1, num_draft_layers=2,
-        block_size=4, markov_rank=VOCAB,
-    )  # fmt: skip
+        cfg,
+        target_layer_ids=[0, 1, 2],
+        mask_token_id=VOCAB - 1,
+        num_draft_layers=2,
+        block_size=4,
+        markov_rank=VOCAB,
+    )
     drafter = build_draft_model(dcfg).eval()
     drafter.initialize_embeddings_and_head(
         target.get_input_embeddings().weight, target.get_output_embeddings().weight
@@ -162,9 +169,14 @@ def test_scheduler_is_lossless_greedy(target):
     drafter = random_drafter(target, markov_rank=8, block_size=4, markov_std=0.5)
     prompts = _prompts([5, 11, 3, 8])
     results = batched_generate(
-        target, drafter, prompts, batch_size=4, max_new_tokens=20, policy="scheduler",
+        target,
+        drafter,
+        prompts,
+        batch_size=4,
+        max_new_tokens=20,
+        policy="scheduler",
         sps=_sps_cliff,
-    )  # fmt: skip
+    )
     for r in results:
         assert (
             r.output_ids.tolist()
@@ -174,9 +186,14 @@ def test_scheduler_is_lossless_greedy(target):
     assert 0 in proposed and max(proposed) >= 1  # it cut some rounds and kept others
     with pytest.raises(ValueError, match="confidence head"):
         batched_generate(
-            target, random_drafter(target, markov_rank=0, confidence=False), prompts,
-            batch_size=2, max_new_tokens=4, policy="scheduler", sps=_sps_cliff,
-        )  # fmt: skip
+            target,
+            random_drafter(target, markov_rank=0, confidence=False),
+            prompts,
+            batch_size=2,
+            max_new_tokens=4,
+            policy="scheduler",
+            sps=_sps_cliff,
+        )
 
 
 # ---- T = 1: the target's distribution -------------------------------------------------------
@@ -198,9 +215,15 @@ def _pvalues(small, **kwargs) -> tuple[list[float], int]:
     target, drafter, prompts, exact = small
     queue = [prompts[i % 2] for i in range(2 * PER_PROMPT)]
     results = batched_generate(
-        target, drafter, queue, batch_size=5, max_new_tokens=NUM_NEW, temperature=1.0,
-        generator=torch.Generator().manual_seed(0), **kwargs,
-    )  # fmt: skip
+        target,
+        drafter,
+        queue,
+        batch_size=5,
+        max_new_tokens=NUM_NEW,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+        **kwargs,
+    )
     pvalues, accepted = [], 0
     for k in range(2):
         counts = torch.zeros([8] * NUM_NEW)

@@ -39,9 +39,13 @@ def _greedy_acceptances(drafts: list[list[int]], proposed: list[int], new_tokens
 def _hf_greedy(target, prompt, n):
     # An independent reference: Hugging Face's own greedy generate (no EOS, exactly n tokens).
     return target.generate(
-        prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+        prompt,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
         pad_token_id=0,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
@@ -59,9 +63,13 @@ def test_greedy_speculative_equals_greedy_target(
     target, markov_head_type, markov_rank, confidence, threshold, monkeypatch
 ):
     drafter = random_drafter(
-        target, markov_rank=markov_rank, markov_head_type=markov_head_type, confidence=confidence,
-        block_size=4, markov_std=0.5 if markov_rank else None,
-    )  # fmt: skip
+        target,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type,
+        confidence=confidence,
+        block_size=4,
+        markov_std=0.5 if markov_rank else None,
+    )
     drafts = record_proposals(monkeypatch, drafter)
     rounds_cut = accepted = 0
     for seed in range(3):
@@ -142,8 +150,14 @@ def test_bad_arguments_are_refused(target):
 def test_train_serve_parity(target, markov_head_type):
     """Draft logits of an inference round at start = p equal the training block at anchor p,
     with the drafter's KV cache filled by an earlier round (so cache appends are exercised)."""
-    drafter = random_drafter(target, markov_rank=8, markov_head_type=markov_head_type, block_size=4,
-                             markov_std=0.5, num_draft_layers=2)  # fmt: skip
+    drafter = random_drafter(
+        target,
+        markov_rank=8,
+        markov_head_type=markov_head_type,
+        block_size=4,
+        markov_std=0.5,
+        num_draft_layers=2,
+    )
     prefix = _prompt(3, length=14)
     p1, p = 6, 11
     block = 4
@@ -168,18 +182,23 @@ def test_train_serve_parity(target, markov_head_type):
             context_features=feats[:, p1:p], block_input_ids=ids, start=p, cache=cache
         )
         drafts, serve_logits = drafter.sample_draft_tokens(
-            drafter.compute_logits(hidden), first_prev_token_ids=ids[:, 0], hidden_states=hidden,
+            drafter.compute_logits(hidden),
+            first_prev_token_ids=ids[:, 0],
+            hidden_states=hidden,
             temperature=0.0,
-        )  # fmt: skip
+        )
         serve_conf = drafter.predict_confidence(hidden, torch.cat([ids[:, :1], drafts[:, :-1]], 1))
 
         # The training sequence continues with the drafter's own greedy tokens, so teacher forcing
         # feeds the Markov head exactly what inference sampled.
         seq = torch.cat([prefix[:, : p + 1], drafts], dim=1)
         out = drafter(
-            seq, features(seq), torch.ones_like(seq),
-            anchor_positions=torch.tensor([[p]]), block_keep_mask=torch.tensor([[True]]),
-        )  # fmt: skip
+            seq,
+            features(seq),
+            torch.ones_like(seq),
+            anchor_positions=torch.tensor([[p]]),
+            block_keep_mask=torch.tensor([[True]]),
+        )
     torch.testing.assert_close(out.draft_logits[0, 0], serve_logits[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.confidence_pred[0, 0], serve_conf[0], atol=1e-4, rtol=1e-4)
     assert out.target_ids[0, 0].tolist() == drafts[0].tolist()
@@ -196,8 +215,9 @@ def test_target_decoder_rollback_matches_fresh_forward(target):
     with torch.no_grad():
         full = target(prompt[:, :10], output_hidden_states=True)
     torch.testing.assert_close(step.logits_LV, full.logits[0, 7:10], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(step.features_LnH, tap_layers(full.hidden_states, [0, 1])[:, 7:10],
-                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        step.features_LnH, tap_layers(full.hidden_states, [0, 1])[:, 7:10], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_golden_reference_drafter_decodes(golden_dir):
@@ -205,9 +225,11 @@ def test_golden_reference_drafter_decodes(golden_dir):
     drafter = load_draft_model(golden_dir / "qwen3_vanilla" / "draft")
     cfg = drafter.config
     target = tiny_target(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_target_layers,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_target_layers,
         logit_scale=8.0,
-    )  # fmt: skip
+    )
     assert target.config.num_hidden_layers == 6 and target.config.hidden_size == 64
     # The drafter shares the target's embedding and lm_head, as after training.
     with torch.no_grad():

@@ -112,8 +112,13 @@ GENERATE_DIFFERS = {"granitemoehybrid", "falcon_h1"}
 def _greedy(target, prompt, family):
     want = greedy_without_cache(target, prompt, NEW, set())
     if family not in GENERATE_DIFFERS:
-        generated = target.generate(prompt, max_new_tokens=NEW, do_sample=False,
-                                    min_new_tokens=NEW, attention_mask=torch.ones_like(prompt))  # fmt: skip
+        generated = target.generate(
+            prompt,
+            max_new_tokens=NEW,
+            do_sample=False,
+            min_new_tokens=NEW,
+            attention_mask=torch.ones_like(prompt),
+        )
         assert generated.tolist() == want.tolist()
     return want
 
@@ -144,8 +149,9 @@ def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, 
         dict(policy="scheduler", sps=_sps_cliff),
     ]
     for kwargs in policies:
-        results = batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW,
-                                   **kwargs)  # fmt: skip
+        results = batched_generate(
+            target, drafter, prompts, batch_size=2, max_new_tokens=NEW, **kwargs
+        )
         for r in results:
             assert r.output_ids.tolist() == want[r.index].tolist(), (family, kwargs)
             proposed += sum(r.stats.proposed_per_round)
@@ -172,9 +178,14 @@ def test_sampled_speculative_decoding_has_the_hybrid_targets_distribution(family
     prompt = torch.tensor([[1, 2, 3, 5]])
     exact = exact_continuation_probs(target, prompt, NUM_NEW)
     results = batched_generate(
-        target, drafter, [prompt] * SAMPLES, batch_size=50, max_new_tokens=NUM_NEW,
-        temperature=1.0, generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+        target,
+        drafter,
+        [prompt] * SAMPLES,
+        batch_size=50,
+        max_new_tokens=NUM_NEW,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     counts = torch.zeros([8] * NUM_NEW)
     accepted = 0
     for r in results:
@@ -331,10 +342,19 @@ def test_a_multimodal_qwen3_5_checkpoint_is_read_as_its_text_target(tmp_path):
     from dspark_ds.target_weights import TargetWeights, fill_plan
 
     text = hybrid_config("qwen3_5_text", 384).to_dict()
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                  patch_size=2, temporal_patch_size=1, spatial_merge_size=1)  # fmt: skip
-    cfg = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision,
-                               tie_word_embeddings=False)  # fmt: skip
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=2,
+        temporal_patch_size=1,
+        spatial_merge_size=1,
+    )
+    cfg = AutoConfig.for_model(
+        "qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=False
+    )
     torch.manual_seed(0)
     whole = Qwen3_5ForConditionalGeneration(cfg).eval()
     whole.save_pretrained(tmp_path)

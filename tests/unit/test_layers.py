@@ -13,8 +13,11 @@ LAYERS = ("unit", "multiprocess", "cluster", "e2e")
 
 
 def test_every_test_file_is_in_a_layer():
-    stray = [p.relative_to(TESTS) for p in TESTS.rglob("test_*.py")
-             if p.relative_to(TESTS).parts[0] not in LAYERS]  # fmt: skip
+    stray = [
+        p.relative_to(TESTS)
+        for p in TESTS.rglob("test_*.py")
+        if p.relative_to(TESTS).parts[0] not in LAYERS
+    ]
     assert not stray, f"test files outside {LAYERS}: {stray}"
     for layer in LAYERS:
         assert list((TESTS / layer).glob("test_*.py")), layer
@@ -58,8 +61,11 @@ def test_a_launching_test_without_its_markers_fails(pytester):
     before = len(helpers.dist.LAUNCHES)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     del helpers.dist.LAUNCHES[before:]  # the small files' pretend launches are not this test's
-    outcomes = {r.nodeid: r.outcome for r in result.reprec.getreports("pytest_runtest_logreport")
-                if r.when == "call"}  # fmt: skip
+    outcomes = {
+        r.nodeid: r.outcome
+        for r in result.reprec.getreports("pytest_runtest_logreport")
+        if r.when == "call"
+    }
     assert outcomes == {
         "multiprocess/test_launching.py::test_unmarked": "failed",
         "multiprocess/test_launching.py::test_marked": "passed",
@@ -71,8 +77,10 @@ def test_a_launching_test_without_its_markers_fails(pytester):
         "unit/test_launching_unit.py::test_in_process": "passed",
     }
     text = result.stdout.str()
-    assert "test_unmarked launched 1 multi-process run(s) (first: torchrun --nproc_per_node=2 fake)" \
-        " but is not marked 'distributed'; not marked 'slow'" in text  # fmt: skip
+    assert (
+        "test_unmarked launched 1 multi-process run(s) (first: torchrun --nproc_per_node=2 fake)"
+        " but is not marked 'distributed'; not marked 'slow'" in text
+    )
     assert "in tests/unit/, which is in-process only" in text
 
 

@@ -163,10 +163,10 @@ def test_dropping_empty_blocks_changes_nothing_but_the_work(kind, impl):
     assert cut_anchors.shape == (3, 6) and cut_keep.any(dim=0).all()
     assert torch.equal(cut_anchors[cut_keep], anchors[keep])
     args = DSPARK_ARGS if kind == "dspark" else DFLASH_ARGS
-    full = _run(model, {**batch, "anchor_positions": anchors, "block_keep_mask": keep}, args,
-                impl, 4)  # fmt: skip
-    cut = _run(model, {**batch, "anchor_positions": cut_anchors, "block_keep_mask": cut_keep},
-               args, impl, 4)  # fmt: skip
+    full_batch = {**batch, "anchor_positions": anchors, "block_keep_mask": keep}
+    full = _run(model, full_batch, args, impl, 4)
+    cut_batch = {**batch, "anchor_positions": cut_anchors, "block_keep_mask": cut_keep}
+    cut = _run(model, cut_batch, args, impl, 4)
     torch.testing.assert_close(cut[0], full[0], rtol=1e-6, atol=1e-7)
     assert cut[1] == pytest.approx(full[1], rel=1e-6, abs=1e-7)
     assert set(cut[2]) == set(full[2])

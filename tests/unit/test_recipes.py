@@ -74,8 +74,9 @@ def test_the_qwen3_5_recipe_builds_its_drafter_from_a_qwen3_5_9b_config(algo):
     assert (text.num_hidden_layers, text.hidden_size, text.head_dim) == (32, 4096, 256)
     assert text.layer_types.count("linear_attention") == 24
     assert cfg.target.layer_ids == default_layer_ids(text.num_hidden_layers)
-    drafter = build_draft_config(target, target_layer_ids=cfg.target.layer_ids,
-                                 mask_token_id=cfg.model.mask_token_id)  # fmt: skip
+    drafter = build_draft_config(
+        target, target_layer_ids=cfg.target.layer_ids, mask_token_id=cfg.model.mask_token_id
+    )
     assert drafter.target_model_type == "qwen3_5" and drafter.model_type == "qwen3"
     assert (drafter.hidden_size, drafter.head_dim, drafter.vocab_size) == (4096, 256, 248320)
     assert "partial_rotary_factor" not in drafter.rope_parameters

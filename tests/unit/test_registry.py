@@ -94,14 +94,24 @@ def test_each_kind_gives_its_step_shape_part_and_its_tags(name):
     # `model` section (read by its activation and FLOP terms), its eval tags from a drafter
     model = preset(name, num_draft_layers=1, num_anchors=8, block_size=4, ttt_length=3)
     kind = get_kind(model.kind)
-    shape = StepShape(batch=1, seq_len=32, hidden=64, intermediate=160, vocab=1000, heads=4,
-                      kv_heads=2, head_dim=16, draft_layers=1, taps=3,
-                      drafter=kind.step_part(model))  # fmt: skip
+    shape = StepShape(
+        batch=1,
+        seq_len=32,
+        hidden=64,
+        intermediate=160,
+        vocab=1000,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        draft_layers=1,
+        taps=3,
+        drafter=kind.step_part(model),
+    )
     for stage in (0, 3):
         assert sum(kind.activation_bytes(shape, PerfConfig(), "cpu", stage).values()) > 0
         assert sum(kind.step_flops(shape, PerfConfig(), "cpu", stage).values()) > 0
-    bigger = StepShape(**{**shape.__dict__, "drafter": kind.step_part(replace(
-        model, num_anchors=16, block_size=8, ttt_length=6))})  # fmt: skip
+    bigger_part = kind.step_part(replace(model, num_anchors=16, block_size=8, ttt_length=6))
+    bigger = StepShape(**{**shape.__dict__, "drafter": bigger_part})
     assert sum(kind.step_flops(bigger, PerfConfig(), "cpu", 0).values()) > sum(
         kind.step_flops(shape, PerfConfig(), "cpu", 0).values()
     )
@@ -160,8 +170,8 @@ def test_host_work_grows_in_what_the_kind_says(name):
 
     def ops(count: int) -> int:
         copy, seq_len = kind.host_copy(model, 256, count, SCALE_POINTS[-1])
-        step = KindStep(copy, perf, tiny_qwen3_config(max_position_embeddings=512), LAYER_IDS,
-                        1, seq_len, zero3=False)  # fmt: skip
+        target_cfg = tiny_qwen3_config(max_position_embeddings=512)
+        step = KindStep(copy, perf, target_cfg, LAYER_IDS, 1, seq_len, zero3=False)
         with OpCounter() as counter:
             step()
         return counter.ops
@@ -328,9 +338,18 @@ def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tm
     assert inventory(run_cfg).step_shape(run_cfg).drafter == kind.step_part(run_cfg.model)
     assert host_work(run_cfg, (0,), "cuda", timed=False)["ops"]["drafter"][0] > 0
     # the bench: its variants, its step
-    bench = TrainBenchConfig(drafter="toy", hidden_size=32, intermediate_size=64, vocab_size=64,
-                             num_target_layers=2, seq_len=24, block_size=3, repeats=1,
-                             matmul_size=32, num_threads=0)  # fmt: skip
+    bench = TrainBenchConfig(
+        drafter="toy",
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=64,
+        num_target_layers=2,
+        seq_len=24,
+        block_size=3,
+        repeats=1,
+        matmul_size=32,
+        num_threads=0,
+    )
     assert bench.variants == ["dense/reference"]
     result = run_variant(bench, "dense/reference")
     assert result["loss_first_step"] > 0 and result["flops_per_step"] > 0

@@ -146,8 +146,8 @@ def test_what_no_engine_serves_is_said_by_name(tmp_path):
     # serve-check stops before any engine: its one line names the field
     (tmp_path / "t").mkdir()
     tiny_qwen3_config().save_pretrained(tmp_path / "t")
-    rc = cli.main(["serve-check", "--drafter", str(tmp_path / "g"), "--target.path",
-                   str(tmp_path / "t")])  # fmt: skip
+    argv = ["serve-check", "--drafter", str(tmp_path / "g"), "--target.path", str(tmp_path / "t")]
+    rc = cli.main(argv)
     assert rc == 2
 
 
@@ -170,11 +170,10 @@ def test_a_damaged_export_stops_loading_in_one_line_naming_the_file(tmp_path, ca
 
     Qwen3ForCausalLM(tiny_qwen3_config()).save_pretrained(tmp_path / "t")
     capsys.readouterr()
-    for argv in (
-        ["serve-check", "--drafter", str(tmp_path / "d"), "--target.path", str(tmp_path / "t")],
-        ["eval", "--drafter", str(tmp_path / "d"), "--target.path", str(tmp_path / "t"),
-         "--output_dir", str(tmp_path / "runs"), "--tracking.enabled", "false"],
-    ):  # fmt: skip
+    paths = ["--drafter", str(tmp_path / "d"), "--target.path", str(tmp_path / "t")]
+    evaluate = ["eval", *paths, "--output_dir", str(tmp_path / "runs")]
+    evaluate += ["--tracking.enabled", "false"]
+    for argv in (["serve-check", *paths], evaluate):
         assert cli.main(argv) == 2
         err = capsys.readouterr().err
         lines = [x for x in err.splitlines() if x.startswith("dspark-ds: error")]

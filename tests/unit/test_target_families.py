@@ -42,9 +42,14 @@ def _random_drafter(target, kind: str, seed: int = 0):
     """A drafter of `kind` for `target` with weights large enough that drafts vary."""
     if kind == "dspark":
         cfg = build_draft_config(
-            target.config, target_layer_ids=LAYER_IDS, mask_token_id=3, num_draft_layers=1,
-            block_size=4, num_anchors=8, markov_rank=8,
-        )  # fmt: skip
+            target.config,
+            target_layer_ids=LAYER_IDS,
+            mask_token_id=3,
+            num_draft_layers=1,
+            block_size=4,
+            num_anchors=8,
+            markov_rank=8,
+        )
     else:
         cfg = build_eagle3_config(target.config, target_layer_ids=LAYER_IDS, ttt_length=3)
     torch.manual_seed(seed)
@@ -184,8 +189,14 @@ def test_greedy_speculative_decoding_equals_greedy_target(family, family_dirs):
     ],
 )
 def test_a_family_with_other_logits_is_refused_naming_the_field(family, field, value):
-    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                               num_attention_heads=4, **{field: value})  # fmt: skip
+    cfg = AutoConfig.for_model(
+        family,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        **{field: value},
+    )
     with pytest.raises(ConfigError, match=f"^{field}: {family} targets with {field}={value}"):
         build_draft_config(cfg, target_layer_ids=[0], mask_token_id=1)
 
@@ -211,8 +222,14 @@ def test_a_head_the_config_does_not_announce_is_refused_when_the_target_runs(fam
     model.forward = scaled_logits
     with pytest.raises(ConfigError, match="llama target's logits differ from lm_head"):
         target.check_head()
-    phi_cfg = AutoConfig.for_model("phi", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4)  # fmt: skip
+    phi_cfg = AutoConfig.for_model(
+        "phi",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
     phi = AutoModelForCausalLM.from_config(phi_cfg)
     with pytest.raises(ConfigError, match="phi target's lm_head has a bias"):
         FrozenTarget(phi, [0]).check_head()
@@ -221,12 +238,18 @@ def test_a_head_the_config_does_not_announce_is_refused_when_the_target_runs(fam
 def test_train_names_the_target_option_for_a_refused_family(tmp_path, capsys):
     from dspark_ds.cli import main as cli_main
 
-    cfg = AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                               num_attention_heads=4, final_logit_softcapping=30.0)  # fmt: skip
+    cfg = AutoConfig.for_model(
+        "gemma2",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        final_logit_softcapping=30.0,
+    )
     cfg.save_pretrained(tmp_path / "gemma2")
-    argv = ["train", "--config", "dspark_ds/recipes/tiny_cpu.yaml", "--target.path",
-            str(tmp_path / "gemma2"), "--model.mask_token_id", "1",
-            f"--output_dir={tmp_path / 'runs'}"]  # fmt: skip
+    argv = ["train", "--config", "dspark_ds/recipes/tiny_cpu.yaml"]
+    argv += ["--target.path", str(tmp_path / "gemma2"), "--model.mask_token_id", "1"]
+    argv += [f"--output_dir={tmp_path / 'runs'}"]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert "target.path: final_logit_softcapping: gemma2 targets" in err

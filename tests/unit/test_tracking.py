@@ -72,19 +72,34 @@ def test_unreachable_server_keeps_everything_for_sync(tmp_path, capfd):
     run.mkdir()
     log = run / "train_log.jsonl"
     t = Tracker.for_rank(
-        0, enabled=True, uri=f"http://127.0.0.1:{free_port()}", experiment="e", run_name="r",
-        run_dir=str(run), artifact_location=default_artifact_location(str(tmp_path)),
-        timeout_s=1, kind="train", replay_log=log, flush_timeout_s=0.5, max_queued_values=1000,
-    )  # fmt: skip
+        0,
+        enabled=True,
+        uri=f"http://127.0.0.1:{free_port()}",
+        experiment="e",
+        run_name="r",
+        run_dir=str(run),
+        artifact_location=default_artifact_location(str(tmp_path)),
+        timeout_s=1,
+        kind="train",
+        replay_log=log,
+        flush_timeout_s=0.5,
+        max_queued_values=1000,
+    )
     assert t.enabled and t.run_id is None
     t.log_params({"train.lr": 0.1})
     rows = []
     for step in range(1, 61):  # 60 x 30 values: past the bound of 1000 values
-        row = {"step": step, "time": 1.7e9 + step, "loss": 1.0 / step, "train/loss": 1.0 / step,
-               **{f"train/m{i}": float(i) for i in range(28)}, "val/accept_rate@0": 0.5}  # fmt: skip
+        row = {
+            "step": step,
+            "time": 1.7e9 + step,
+            "loss": 1.0 / step,
+            "train/loss": 1.0 / step,
+            **{f"train/m{i}": float(i) for i in range(28)},
+            "val/accept_rate@0": 0.5,
+        }
         rows.append(row)
-        t.log_metrics({k: v for k, v in row.items() if "/" in k}, step=step,
-                      timestamp=row["time"], in_log=True)  # fmt: skip
+        metrics = {k: v for k, v in row.items() if "/" in k}
+        t.log_metrics(metrics, step=step, timestamp=row["time"], in_log=True)
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     left = t.finish()
     assert left and left[0].kind == "start" and left[-1].kind == "end"
@@ -117,8 +132,14 @@ def test_mlflow_run_id_in_the_environment(tmp_path, monkeypatch):
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("e", artifact_location=default_artifact_location(str(tmp_path)))
     theirs = client.create_run(exp).info.run_id
-    kw = dict(enabled=True, uri=uri, experiment="e", run_name="r",
-              artifact_location=default_artifact_location(str(tmp_path)), kind="train")  # fmt: skip
+    kw = dict(
+        enabled=True,
+        uri=uri,
+        experiment="e",
+        run_name="r",
+        artifact_location=default_artifact_location(str(tmp_path)),
+        kind="train",
+    )
     monkeypatch.setenv("MLFLOW_RUN_ID", theirs)
     t = Tracker(run_dir=str(tmp_path / "a"), **kw)
     assert t.run_id == theirs
@@ -186,8 +207,9 @@ def test_node_layout_and_monitor():
         metrics = nodes.metrics(part.view(-1).tolist())
     finally:
         nodes.close()
-    assert set(metrics) == {f"system/node0/{f}" for f in
-                            ("cpu_percent", "host_memory_used_gb", "host_memory_percent")}  # fmt: skip
+    assert set(metrics) == {
+        f"system/node0/{f}" for f in ("cpu_percent", "host_memory_used_gb", "host_memory_percent")
+    }
     assert 0 <= metrics["system/node0/cpu_percent"] <= 100
     assert 0 < metrics["system/node0/host_memory_used_gb"]
     # a rank that is not its node's leader contributes zeros

@@ -31,9 +31,19 @@ def reference_flops(tokens: float, anchors: float, stage: int) -> float:
     from dspark_ds.drafters.dspark.memory import DSparkShape
     from dspark_ds.drafters.perf import PerfConfig
 
-    shape = StepShape(batch=1, seq_len=tokens, hidden=H, intermediate=F, vocab=V, heads=HEADS,
-                      kv_heads=KV, head_dim=D, draft_layers=5, taps=5,
-                      drafter=DSparkShape(num_anchors=anchors, block_size=7, markov_rank=256))  # fmt: skip
+    shape = StepShape(
+        batch=1,
+        seq_len=tokens,
+        hidden=H,
+        intermediate=F,
+        vocab=V,
+        heads=HEADS,
+        kv_heads=KV,
+        head_dim=D,
+        draft_layers=5,
+        taps=5,
+        drafter=DSparkShape(num_anchors=anchors, block_size=7, markov_rank=256),
+    )
     drafter = sum(get_kind("dspark").step_flops(shape, PerfConfig(), "cuda", stage).values())
     target = 2 * tokens * LAYERS * LAYER_PARAMS + 4 * (tokens**2 / 2) * HEADS * D * LAYERS
     return drafter + target
@@ -45,12 +55,28 @@ def run_cfg() -> TrainRunConfig:
 
 
 def logger_for(tmp_path, flops, peak: float | None, world: int = 1) -> MetricsLogger:
-    tracker = Tracker.for_rank(1, enabled=False, uri="", experiment=None, run_name="r",
-                               run_dir=str(tmp_path), artifact_location="")  # fmt: skip
-    return MetricsLogger(tmp_path, tracker, rank=0, log_every=2, total_steps=4,
-                         progress_bar=False, device=torch.device("cpu"),
-                         to_metrics=lambda sums: {"loss": sums["loss"]}, flops=flops,
-                         peak_flops=peak, world=world)  # fmt: skip
+    tracker = Tracker.for_rank(
+        1,
+        enabled=False,
+        uri="",
+        experiment=None,
+        run_name="r",
+        run_dir=str(tmp_path),
+        artifact_location="",
+    )
+    return MetricsLogger(
+        tmp_path,
+        tracker,
+        rank=0,
+        log_every=2,
+        total_steps=4,
+        progress_bar=False,
+        device=torch.device("cpu"),
+        to_metrics=lambda sums: {"loss": sums["loss"]},
+        flops=flops,
+        peak_flops=peak,
+        world=world,
+    )
 
 
 def micro_batch(lengths: list[int], anchors: list[int]):
@@ -136,8 +162,8 @@ def test_a_gemma4_run_counts_its_full_attention_drafter_and_its_sliding_layers(t
 
     config = Gemma4Config(text_config=tiny_gemma4_text())
     config.save_pretrained(tmp_path)
-    argv = ["--config", "dspark_ds/recipes/dspark_gemma4_12b.yaml", "--target.path",
-            str(tmp_path), "--target.layer_ids", "[0, 1, 2]"]  # fmt: skip
+    argv = ["--config", "dspark_ds/recipes/dspark_gemma4_12b.yaml", "--target.path", str(tmp_path)]
+    argv += ["--target.layer_ids", "[0, 1, 2]"]
     run_cfg = parse(TrainRunConfig, argv, prog="dspark-ds train")
     inv = inventory(run_cfg)
     assert (inv.heads, inv.kv_heads, inv.head_dim) == (4, 1, 16)  # global_head_dim, K = V
@@ -148,10 +174,21 @@ def test_a_gemma4_run_counts_its_full_attention_drafter_and_its_sliding_layers(t
     layer_params = sum(p.numel() for p in layers.parameters())
     T, anchors = 64, 8
     model = run_cfg.model
-    shape = StepShape(batch=1, seq_len=T, hidden=32, intermediate=64, vocab=inv.vocab, heads=4,
-                      kv_heads=1, head_dim=16, draft_layers=model.num_draft_layers, taps=3,
-                      drafter=DSparkShape(num_anchors=anchors, block_size=model.block_size,
-                                          markov_rank=model.markov_rank))  # fmt: skip
+    shape = StepShape(
+        batch=1,
+        seq_len=T,
+        hidden=32,
+        intermediate=64,
+        vocab=inv.vocab,
+        heads=4,
+        kv_heads=1,
+        head_dim=16,
+        draft_layers=model.num_draft_layers,
+        taps=3,
+        drafter=DSparkShape(
+            num_anchors=anchors, block_size=model.block_size, markov_rank=model.markov_rank
+        ),
+    )
     drafter = sum(get_kind("dspark").step_flops(shape, PerfConfig(), "cuda", 3).values())
     sliding_pairs, full_pairs = 8 * T - 8 * 8 / 2, T * T / 2
     target = 2 * T * layer_params + 4 * 2 * (32 * sliding_pairs + 64 * full_pairs)
@@ -178,8 +215,8 @@ def gemma4_run(tmp_path, **text) -> TrainRunConfig:
     from helpers.gemma4 import tiny_gemma4_text
 
     Gemma4Config(text_config=tiny_gemma4_text(**text)).save_pretrained(tmp_path)
-    argv = ["--config", "dspark_ds/recipes/dspark_gemma4_12b.yaml", "--target.path",
-            str(tmp_path), "--target.layer_ids", "[0, 1, 2]"]  # fmt: skip
+    argv = ["--config", "dspark_ds/recipes/dspark_gemma4_12b.yaml", "--target.path", str(tmp_path)]
+    argv += ["--target.layer_ids", "[0, 1, 2]"]
     return parse(TrainRunConfig, argv, prog="dspark-ds tune")
 
 
@@ -188,9 +225,15 @@ def test_the_calibration_reference_shape_reads_a_gemma4_config(tmp_path):
     (a plain read of Gemma4's per-layer head_dim trips transformers' guard)."""
     from dspark_ds.tune.calibrate import reference_shape
 
-    run_cfg = gemma4_run(tmp_path, hidden_size=256, intermediate_size=1024,
-                         num_attention_heads=6, head_dim=64, global_head_dim=128,
-                         vocab_size=16000)  # fmt: skip
+    run_cfg = gemma4_run(
+        tmp_path,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=6,
+        head_dim=64,
+        global_head_dim=128,
+        vocab_size=16000,
+    )
     shape = reference_shape(run_cfg, "cpu")
     assert {k: shape[k] for k in ("hidden", "intermediate", "heads", "head_dim", "vocab")} == dict(
         hidden=256, intermediate=1024, heads=6, head_dim=64, vocab=16000

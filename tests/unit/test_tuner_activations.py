@@ -167,13 +167,17 @@ def test_eagle3_recomputed_layers_save_what_the_model_says():
     batch = random_batch(model, batch=2, seq_len=20, seed=1)
     batch["sample_ids"] = torch.arange(2)
     c = config
-    shape = StepShape(2, 20, c.hidden_size, c.intermediate_size, c.vocab_size,
-                      c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                      c.num_hidden_layers, 3, Eagle3Shape(3), 4, 4)  # fmt: skip
+    widths = (c.hidden_size, c.intermediate_size, c.vocab_size)
+    heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+    shape = StepShape(2, 20, *widths, *heads, c.num_hidden_layers, 3, Eagle3Shape(3), 4, 4)
     peaks, models = [], []
     for recompute in (False, True):
-        perf = PerfConfig(attn_implementation="dense", loss_impl="chunked",
-                          loss_chunk_anchors=4, activation_checkpointing=recompute)  # fmt: skip
+        perf = PerfConfig(
+            attn_implementation="dense",
+            loss_impl="chunked",
+            loss_chunk_anchors=4,
+            activation_checkpointing=recompute,
+        )
         impl = kind.prepare(model, perf, "cpu")
         context = StepContext(section, perf, impl, seed=3)
 

@@ -17,14 +17,14 @@ from dspark_ds.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "dspark_ds" / "recipes"
-CLUSTER_32B = ["--cluster.gpus_per_node", "8", "--cluster.gpu_memory_gb", "80",
-               "--cluster.host_memory_gb", "1024"]  # fmt: skip
+CLUSTER_32B = ["--cluster.gpus_per_node", "8", "--cluster.gpu_memory_gb", "80"]
+CLUSTER_32B += ["--cluster.host_memory_gb", "1024"]
 
 
 def _tune(tmp_path: Path, recipe: str, *argv: str) -> dict:
     out = tmp_path / "tune.json"
-    assert cli_main(["tune", "--recipe", str(RECIPES / recipe), *argv,
-                     "--output_json", str(out)]) == 0  # fmt: skip
+    cmd = ["tune", "--recipe", str(RECIPES / recipe), *argv, "--output_json", str(out)]
+    assert cli_main(cmd) == 0
     return json.loads(out.read_text())
 
 
@@ -34,8 +34,8 @@ def test_search_takes_the_largest_micro_batch_that_fits(tmp_path, capsys):
     sequences per rank, its memory grows with them, its point is the fastest (= the largest)
     that fits, the global batch held; ZeRO-0/1/2 fit at none and show micro-batch 1; the
     recommendation is the fastest point over all options (hpZ's, listed on 2 nodes)."""
-    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2,1", *CLUSTER_32B,
-                   "--recompute", "false")  # fmt: skip
+    argv = ["--cluster.nodes", "2,1", *CLUSTER_32B, "--recompute", "false"]
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv)
     text = capsys.readouterr().out
     rows = {r["option"]: r for r in result["options"]}
     est = {e["option"]: e for e in result["estimates"]}
@@ -83,8 +83,8 @@ def test_recomputation_lets_a_larger_micro_batch_fit_and_wins(tmp_path, capsys):
     from dspark_ds.engine.config import build_ds_config
 
     path = tmp_path / "tuned.yaml"
-    argv = ["--cluster.nodes", "2", "--cluster.gpus_per_node", "8", "--cluster.gpu_memory_gb",
-            "40", "--options", "[zero3]"]  # fmt: skip
+    argv = ["--cluster.nodes", "2", "--cluster.gpus_per_node", "8", "--cluster.gpu_memory_gb", "40"]
+    argv += ["--options", "[zero3]"]
     result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--write_recipe", str(path))
     text = capsys.readouterr().out
     (est,) = result["estimates"]
@@ -109,8 +109,9 @@ def test_recomputation_lets_a_larger_micro_batch_fit_and_wins(tmp_path, capsys):
     # the recipe: the flag, and the DeepSpeed config training builds from it
     cfg = parse(TrainRunConfig, ["--config", str(path)])
     assert cfg.perf.activation_checkpointing is True and cfg.data.batch_size == 8
-    built = build_ds_config(cfg.deepspeed, cfg.train, micro_batch_size=8, world_size=16,
-                            use_gpu=True)  # fmt: skip
+    built = build_ds_config(
+        cfg.deepspeed, cfg.train, micro_batch_size=8, world_size=16, use_gpu=True
+    )
     assert built == cfg.deepspeed.overrides and built["gradient_accumulation_steps"] == 4
     assert "recomputing the draft layers" in path.read_text().splitlines()[0]
 
@@ -120,8 +121,8 @@ def test_recomputation_is_not_chosen_where_it_does_not_help(tmp_path):
     fit, but the 4 gathers it saves cost less than the layers' second forward: the point stays
     8 without recomputation. And where the plain points fit (ZeRO-3 with hpZ at micro-batch 1 and
     2) recomputation is not tried."""
-    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2", *CLUSTER_32B,
-                   "--options", "[zero3, zero3+hpz]")  # fmt: skip
+    argv = ["--cluster.nodes", "2", *CLUSTER_32B, "--options", "[zero3, zero3+hpz]"]
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv)
     zero3, hpz = result["estimates"]
     recomputed = {t["micro_batch"]: t for t in zero3["point"]["tried"] if t["recompute"]}
     assert recomputed[16]["fits"]
@@ -138,9 +139,8 @@ def test_a_global_batch_the_cluster_cannot_split_is_held_near(tmp_path, capsys):
     result = _tune(tmp_path, "dspark_qwen3_8b.yaml", "--cluster.nodes", "3")
     text = capsys.readouterr().out
     for e in result["estimates"]:
-        assert [t["micro_batch"] for t in e["point"]["tried"] if not t["recompute"]] == [
-            1, 3, 7, 21
-        ]  # fmt: skip
+        tried = [t["micro_batch"] for t in e["point"]["tried"] if not t["recompute"]]
+        assert tried == [1, 3, 7, 21]
         assert e["point"]["global_batch"] == 504
     for r in result["options"]:
         assert r["micro_batch"] * r["accum"] * 24 == 504
@@ -153,24 +153,31 @@ def test_unread_deepspeed_keys_are_named_in_a_warning(tmp_path, capsys):
     hpZ's partition size) or that change neither memory nor time (the clipping threshold) are
     not named; a recipe's own deepspeed.config file, which the options replace by the shipped
     ones, is said too."""
-    unread = {"zero_hpz_partition_size": 8, "zero_quantized_weights": True,
-              "zero_quantized_gradients": True, "offload_optimizer": {"ratio": 0.3}}  # fmt: skip
-    overrides = {"zero_optimization": {**unread, "reduce_bucket_size": 10**8},
-                 "gradient_clipping": 1.0}  # fmt: skip
+    unread = {
+        "zero_hpz_partition_size": 8,
+        "zero_quantized_weights": True,
+        "zero_quantized_gradients": True,
+        "offload_optimizer": {"ratio": 0.3},
+    }
+    overrides = {
+        "zero_optimization": {**unread, "reduce_bucket_size": 10**8},
+        "gradient_clipping": 1.0,
+    }
     argv = ["--options", "[zero3, zero3+offload_opt]", "--cluster.nodes", "2"]
     plain = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv)
     assert plain["warnings"] == [] and "warning:" not in capsys.readouterr().out
-    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--overrides",
-                   json.dumps(["--deepspeed.overrides", json.dumps(overrides)]))  # fmt: skip
+    deepspeed = json.dumps(["--deepspeed.overrides", json.dumps(overrides)])
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--overrides", deepspeed)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("warning:")]
     assert len(lines) == 1 and lines == [f"warning: {w}" for w in result["warnings"]]
     named = lines[0].split(": ")[-1].split(", ")
     assert named == [
-        "zero_optimization.zero_quantized_weights", "zero_optimization.zero_quantized_gradients",
+        "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_quantized_gradients",
         "zero_optimization.offload_optimizer.ratio",
-    ]  # fmt: skip
-    custom = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--overrides",
-                   json.dumps(["--deepspeed.config", str(REPO / "ds_configs" / "zero2.json")]))  # fmt: skip
+    ]
+    deepspeed = json.dumps(["--deepspeed.config", str(REPO / "ds_configs" / "zero2.json")])
+    custom = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv, "--overrides", deepspeed)
     assert (
         len(custom["warnings"]) == 1
         and "the tuner compares the shipped configs" in (custom["warnings"][0])
@@ -186,8 +193,9 @@ def test_written_recipe_is_the_config_training_builds(tmp_path, capsys):
     from dspark_ds.engine.config import build_ds_config, zero_settings
 
     path = tmp_path / "tuned.yaml"
-    result = _tune(tmp_path, "dspark_qwen3_8b.yaml", "--cluster.nodes", "3",
-                   "--write_recipe", str(path))  # fmt: skip
+    result = _tune(
+        tmp_path, "dspark_qwen3_8b.yaml", "--cluster.nodes", "3", "--write_recipe", str(path)
+    )
     assert f"wrote {path}: {result['recommended']}" in capsys.readouterr().out
     best = next(r for r in result["options"] if r["option"] == result["recommended"])
     cfg = parse(TrainRunConfig, ["--config", str(path)])
@@ -195,8 +203,9 @@ def test_written_recipe_is_the_config_training_builds(tmp_path, capsys):
     assert cfg.train.global_batch_size == 504 == best["micro_batch"] * best["accum"] * 24
     option = next(o for o in tune.OPTIONS if o.name == best["option"])
     assert cfg.deepspeed.config == option.config
-    built = build_ds_config(cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size,
-                            world_size=24, use_gpu=True)  # fmt: skip
+    built = build_ds_config(
+        cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size, world_size=24, use_gpu=True
+    )
     assert built == cfg.deepspeed.overrides
     assert "auto" not in json.dumps(built)
     assert built["gradient_accumulation_steps"] == best["accum"]
@@ -207,8 +216,13 @@ def test_written_recipe_is_the_config_training_builds(tmp_path, capsys):
     )
     assert written["overlap_comm"] == zero.overlap_comm
     with pytest.raises(ConfigError, match="train_batch_size|global_batch_size"):
-        build_ds_config(cfg.deepspeed, cfg.train, micro_batch_size=cfg.data.batch_size,
-                        world_size=8, use_gpu=True)  # fmt: skip
+        build_ds_config(
+            cfg.deepspeed,
+            cfg.train,
+            micro_batch_size=cfg.data.batch_size,
+            world_size=8,
+            use_gpu=True,
+        )
 
 
 def test_hpz_gathers_within_a_node(tmp_path, capsys):
@@ -222,9 +236,9 @@ def test_hpz_gathers_within_a_node(tmp_path, capsys):
     from dspark_ds.tune.config import default_options
 
     path = tmp_path / "hpz.yaml"
-    two = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2,1", "--micro_batches",
-                "[1]", *CLUSTER_32B, "--options", "[zero3, zero3+hpz]", "--write_recipe",
-                str(path))  # fmt: skip
+    argv = ["--cluster.nodes", "2,1", "--micro_batches", "[1]", *CLUSTER_32B]
+    argv += ["--options", "[zero3, zero3+hpz]", "--write_recipe", str(path)]
+    two = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv)
     plain, hpz = ({k: e[k] for k in ("step", "device")} for e in two["estimates"])
     assert hpz["step"]["predicted_step_s"] < 0.6 * plain["step"]["predicted_step_s"]
     assert hpz["step"]["terms"]["compute"] == plain["step"]["terms"]["compute"]
@@ -282,13 +296,13 @@ def test_the_docs_tune_commands_parse(tmp_path, monkeypatch):
 def test_micro_batches_restrict_the_search(tmp_path, capsys):
     """`--micro_batches [1, 4]` searches those alone; one that divides nothing is refused by
     name, with the ones that would."""
-    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", "--cluster.nodes", "2", "--options",
-                   "[zero3]", "--micro_batches", "[1, 4]")  # fmt: skip
+    argv = ["--cluster.nodes", "2", "--options", "[zero3]", "--micro_batches", "[1, 4]"]
+    result = _tune(tmp_path, "dspark_qwen3_32b.yaml", *argv)
     (est,) = result["estimates"]
     assert [t["micro_batch"] for t in est["point"]["tried"]] == [1, 4]
     assert est["point"]["micro_batch"] == 4
-    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_32b.yaml"), "--cluster.nodes", "2",
-            "--options", "[zero3]", "--micro_batches", "[3]"]  # fmt: skip
+    argv = ["tune", "--recipe", str(RECIPES / "dspark_qwen3_32b.yaml"), "--cluster.nodes", "2"]
+    argv += ["--options", "[zero3]", "--micro_batches", "[3]"]
     capsys.readouterr()
     assert cli_main(argv) == 2
     assert "micro_batches: none of [3] divides the 32 sequences per rank on 16 ranks" in (
@@ -306,8 +320,8 @@ def test_measure_runs_a_recompute_point_with_activation_checkpointing(tmp_path):
     from dspark_ds.tune.measure import option_run_config
     from dspark_ds.tune.search import point_config
 
-    argv = ["--recipe", str(RECIPES / "dspark_qwen3_8b.yaml"), "--overrides",
-            '["--perf.activation_checkpointing", "true"]']  # fmt: skip
+    argv = ["--recipe", str(RECIPES / "dspark_qwen3_8b.yaml")]
+    argv += ["--overrides", '["--perf.activation_checkpointing", "true"]']
     run_cfg = load_recipe(parse_config("tune", argv))
     (zero3,) = [o for o in tune.OPTIONS if o.name == "zero3"]
     for recompute in (True, False):

@@ -179,13 +179,13 @@ class _BlockwiseAttention(torch.autograd.Function):
         dk_ctx, dv_ctx = dk[:, :, : lay.S], dv[:, :, : lay.S]
         dk_own = dk[:, :, lay.S :].view(lay.own_shape)[:, :, 0]  # [B, Hkv, A, G, D]
         dv_own = dv[:, :, lay.S :].view(lay.own_shape)[:, :, 0]
+        qkv, grads = (qr, k_ctx, v_ctx, k_own, v_own), (dk_ctx, dv_ctx, dk_own, dv_own)
         for a0, a1, L in lay.chunks:
             # NOTE: one call per chunk, so that a chunk's scores, probabilities and their
             # gradients are freed before the next chunk's exist (loop variables would keep them)
             dq[:, :, :, a0:a1] = _chunk_backward(
-                lay, (qr, k_ctx, v_ctx, k_own, v_own), (dk_ctx, dv_ctx, dk_own, dv_own),
-                d_out, out, lse, a0, a1, L, scaling,
-            )  # fmt: skip
+                lay, qkv, grads, d_out, out, lse, a0, a1, L, scaling
+            )
         return dq.view(lay.q_shape), dk, dv, None, None, None
 
 

@@ -106,8 +106,9 @@ class DSparkFields:
 
 
 def _blocks(d) -> dict[str, Any]:
-    return dict(num_draft_layers=d.num_draft_layers, block_size=d.block_size,
-                num_anchors=d.num_anchors)  # fmt: skip
+    return dict(
+        num_draft_layers=d.num_draft_layers, block_size=d.block_size, num_anchors=d.num_anchors
+    )
 
 
 PRESETS: dict[str, Preset] = {
@@ -151,7 +152,7 @@ REGISTRATION = Registration(
             "Gemma4DSparkModel",
             GEMMA4_CONFIG,
         ),
-    },  # fmt: skip
+    },
     architectures={
         "qwen3": "Qwen3DSparkModel",
         "gemma4": "Gemma4DSparkModel",

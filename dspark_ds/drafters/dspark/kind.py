@@ -67,9 +67,12 @@ class DSpark(DrafterKind):
         sampler = None
         if ctx.training:
             sampler = sampler_stat_sums(
-                loss_mask, anchors, keep,
-                num_anchors=drafter.num_anchors, block_size=drafter.block_size,
-            )  # fmt: skip
+                loss_mask,
+                anchors,
+                keep,
+                num_anchors=drafter.num_anchors,
+                block_size=drafter.block_size,
+            )
         all_blocks = 0
         if ctx.perf.drops_empty_blocks(device):
             all_blocks = anchors.numel()  # what every rank's chunks pad to (ZeRO-3)

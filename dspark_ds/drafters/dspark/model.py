@@ -142,11 +142,9 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
     def backbone(self, h, ctx, ctx_pos, draft_pos, mask, cache: DraftKVCache | None = None):
         rope_ctx = self.rotary_emb(h, ctx_pos)
         rope_draft = self.rotary_emb(h, draft_pos)
+        recompute = self.activation_checkpointing and cache is None
         for i, layer in enumerate(self.layers):
-            h = run_layer(
-                layer, h, ctx, rope_ctx, rope_draft, mask, cache, i,
-                recompute=self.activation_checkpointing and cache is None,
-            )  # fmt: skip
+            h = run_layer(layer, h, ctx, rope_ctx, rope_draft, mask, cache, i, recompute=recompute)
         return self.norm(h)
 
     def resolve_attn_implementation(self, device: torch.device) -> str:

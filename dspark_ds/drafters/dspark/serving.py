@@ -89,9 +89,12 @@ def serving_format(data: dict) -> dict:
     gamma = int(data["block_size"])
     if _is_dflash(data):
         return dict(
-            name="DFlash", architecture=DFLASH, vllm_method="dflash",
-            num_speculative_tokens=gamma, sglang_algorithm="DFLASH",
-        )  # fmt: skip
+            name="DFlash",
+            architecture=DFLASH,
+            vllm_method="dflash",
+            num_speculative_tokens=gamma,
+            sglang_algorithm="DFLASH",
+        )
     rank = int(data.get("markov_rank") or 0)
     head = data.get("markov_head_type", "vanilla")
     why = None
@@ -105,10 +108,13 @@ def serving_format(data: dict) -> dict:
     elif head != "vanilla":  # vLLM's loader has no place for the gate / GRU weights
         why = f"markov_head_type: vLLM's DSpark has the vanilla Markov head, not {head!r}"
     return dict(
-        name="DeepSpec DSpark", architecture=data["architectures"][0],
-        vllm_method=None if why else "dspark", num_speculative_tokens=gamma,
-        vllm_v2_runner=True, warnings=[why] if why else [],
-    )  # fmt: skip
+        name="DeepSpec DSpark",
+        architecture=data["architectures"][0],
+        vllm_method=None if why else "dspark",
+        num_speculative_tokens=gamma,
+        vllm_v2_runner=True,
+        warnings=[why] if why else [],
+    )
 
 
 def parity_suspects(data: dict) -> list[str]:

@@ -57,7 +57,7 @@ REGISTRATION = Registration(
             "Gemma4Eagle3Model",
             GEMMA4_CONFIG,
         ),
-    },  # fmt: skip
+    },
     architectures={
         "qwen3": "Qwen3Eagle3Model",
         "gemma4": "Gemma4Eagle3Model",

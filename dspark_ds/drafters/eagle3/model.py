@@ -390,9 +390,12 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         row's output at its last kept position in `cache.last_hidden`, where the next chain
         starts."""
         hidden = self.extend(
-            self.project_context(c.features), c.next_ids, c.cache,
-            positions=c.positions, key_mask=c.key_mask,
-        )  # fmt: skip
+            self.project_context(c.features),
+            c.next_ids,
+            c.cache,
+            positions=c.positions,
+            key_mask=c.key_mask,
+        )
         if c.num_kept is None:
             c.cache.last_hidden = hidden[:, -1]
         else:

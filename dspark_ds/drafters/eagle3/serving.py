@@ -95,9 +95,11 @@ def serving_format(data: dict) -> dict:
     steps = int(data["ttt_length"])
     if _servable(data):
         return dict(
-            name="Eagle3", architecture=VLLM_QWEN3, vllm_method="eagle3",
+            name="Eagle3",
+            architecture=VLLM_QWEN3,
+            vllm_method="eagle3",
             num_speculative_tokens=steps,
-        )  # fmt: skip
+        )
     why = (
         f"{data['num_hidden_layers']} layers: vLLM's Eagle3 feeds the 2H-wide input to its "
         "first layer only"
@@ -105,9 +107,12 @@ def serving_format(data: dict) -> dict:
         else f"{data['architectures'][0]}: no engine has this Eagle3 backbone"
     )
     return dict(
-        name="Eagle3 (reference)", architecture=data["architectures"][0], vllm_method=None,
-        num_speculative_tokens=steps, warnings=(why,),
-    )  # fmt: skip
+        name="Eagle3 (reference)",
+        architecture=data["architectures"][0],
+        vllm_method=None,
+        num_speculative_tokens=steps,
+        warnings=(why,),
+    )
 
 
 def parity_suspects(data: dict) -> list[str]:

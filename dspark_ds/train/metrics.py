@@ -164,7 +164,7 @@ class MetricsLogger:
         """`to_metrics`: a micro-batch's metric sums (over the ranks) -> its metrics (the
         drafter kind's `metrics`). `nodes`: every node's monitor figures (tracking/system.py
         `NodeMetrics`), reduced with the log step's counts. `flops(sequences, tokens,
-        anchors_per_sequence)`: the model FLOPs of a window over every rank (train/flops.py
+        anchors_per_sequence)`: the model FLOPs of a window over every rank (cost/flops.py
         `WindowFlops`), shared by the `world` ranks; `peak_flops`: one rank's peak, for MFU
         (None: no MFU). `fleet_counts()`: the sequences and tokens a served target's fleet has
         delivered to this rank so far (served mode)."""

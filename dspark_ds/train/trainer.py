@@ -42,6 +42,8 @@ import torch
 
 from dspark_ds import distributed
 from dspark_ds.config import TrainRunConfig, dump_config, to_plain
+from dspark_ds.cost.devices import peak_flops
+from dspark_ds.cost.flops import WindowFlops
 from dspark_ds.data.cache import CacheError
 from dspark_ds.data.served import DataUnavailable
 from dspark_ds.distributed import print0
@@ -59,7 +61,6 @@ from dspark_ds.target import target_shared_weights
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source, served_client
 from dspark_ds.train.checkpoint import CheckpointManager
-from dspark_ds.train.flops import WindowFlops, peak_flops
 from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.rng import seed_everything

@@ -116,8 +116,8 @@ REFERENCE_CAPS = {
 def reference_shape(run_cfg, device_type: str) -> dict[str, int]:
     """The shape the compute rates are measured at: the recipe's target widths and its
     sequence and anchors, each between REFERENCE_FLOOR and the device type's REFERENCE_CAPS."""
+    from dspark_ds.cost.inventory import target_config_of
     from dspark_ds.drafters.common.target_config import global_attr, text_config
-    from dspark_ds.tune.inventory import target_config_of
 
     text = text_config(target_config_of(run_cfg.target.path))
     heads = int(global_attr(text, "num_attention_heads"))  # per-layer on Gemma4: its global
@@ -139,7 +139,7 @@ def reference_shape(run_cfg, device_type: str) -> dict[str, int]:
 
 
 def _reference_config(run_cfg, shape: dict[str, int], narrow: bool):
-    from dspark_ds.tune.inventory import target_config_of
+    from dspark_ds.cost.inventory import target_config_of
     from dspark_ds.tune.workload import narrow_config, resized_config
 
     r = shape
@@ -161,11 +161,12 @@ class Compute:
     32 wide (their host time, taken out)."""
 
     def __init__(self, run_cfg, device: torch.device, dtype: torch.dtype):
+        from dspark_ds.cost.flops import forward_flops
         from dspark_ds.drafters.common.memory import StepShape
         from dspark_ds.drafters.common.target_config import global_attr, text_config
         from dspark_ds.drafters.registry import get_kind
         from dspark_ds.target import default_layer_ids
-        from dspark_ds.tune.workload import KindStep, TargetForward, counted_perf, forward_flops
+        from dspark_ds.tune.workload import KindStep, TargetForward, counted_perf
 
         r = self.shape = reference_shape(run_cfg, device.type)
         self.device = device
@@ -553,7 +554,7 @@ class Calibration:
     into Machine fields and host work."""
 
     def __init__(self, run_cfg, device: torch.device, stages: tuple[int, ...]):
-        from dspark_ds.tune.workload import target_in_job
+        from dspark_ds.cost.flops import target_in_job
 
         self.run_cfg, self.device, self.stages = run_cfg, device, stages
         self.dtype = torch.bfloat16 if run_cfg.train.precision == "bf16" else torch.float32

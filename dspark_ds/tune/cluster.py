@@ -13,10 +13,10 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+from dspark_ds.cost.devices import GIB, GPUS, Gpu
 from dspark_ds.errors import ConfigError
 
 GB = 1e9
-GIB = 1024**3
 PRESET_NAMES = ("8xH100-80GB", "8xH200-141GB")
 PROFILE_VERSION = 2
 
@@ -124,45 +124,55 @@ def engine_mode(stage: int, offload_optimizer: str | None, offload_param: str | 
 
 
 # ---- presets --------------------------------------------------------------------------------
-# Published figures (docs/tuner.md has the sources): NVIDIA H100 / H200 SXM datasheets (989 dense
-# bf16 TFLOP/s, NVLink 900 GB/s total = 450 GB/s per direction, PCIe Gen5 x16 128 GB/s total =
-# 64 GB/s per direction, 80 / 141 GB), the DGX H100 / H200 system specification (8 GPUs, 2 TB
-# DDR5, eight 400 Gb/s ConnectX-7 = 50 GB/s per GPU, eight U.2 NVMe drives), Samsung PM1733
-# U.2 (6.4 GB/s read, 3.8 GB/s write per drive; the drive model is an assumption), Intel Xeon
-# Platinum 8480C (8 DDR5-4800 channels = 307 GB/s per socket, two sockets).
+# Published figures (docs/tuner.md has the sources): the GPUs' datasheets (cost/devices.py: dense
+# bf16 FLOP/s, memory and its bandwidth), NVIDIA H100 / H200 SXM (NVLink 900 GB/s total = 450 GB/s
+# per direction, PCIe Gen5 x16 128 GB/s total = 64 GB/s per direction), the DGX H100 / H200
+# system specification (8 GPUs, 2 TB DDR5, eight 400 Gb/s ConnectX-7 = 50 GB/s per GPU, eight
+# U.2 NVMe drives), Samsung PM1733 U.2 (6.4 GB/s read, 3.8 GB/s write per drive; the drive model
+# is an assumption), Intel Xeon Platinum 8480C (8 DDR5-4800 channels = 307 GB/s per socket, two
+# sockets).
 # NOTE: the remaining values are ASSUMPTIONS, not measurements (no GPU was available): MFU 0.40,
 # collective latency, host-side costs; docs/tuner.md says so. `--cluster.calibrate` on a node
 # replaces all of them with measured ones.
 _HOST_BW = 2 * 307.2 * GB
 _ADAM_BYTES = 32.0  # fp32 param, grad, m, v read; param, m, v written; a 16-bit copy out (+2)
-_HOPPER = dict(
-    gpus_per_node=8,
-    host_memory_bytes=2048 * GIB,
-    peak_flops=989e12,
-    sustained_fraction=0.40,
-    target_sustained_fraction=0.40,
-    all_reduce_bytes_per_s=450 * GB,
-    all_gather_bytes_per_s=450 * GB,
-    reduce_scatter_bytes_per_s=450 * GB,
-    collective_latency_s=30e-6,
-    inter_node_bytes_per_s=50 * GB,
-    inter_node_latency_s=60e-6,
-    host_device_bytes_per_s=64 * GB,
-    nvme_read_bytes_per_s=8 * 6.4 * GB,
-    nvme_write_bytes_per_s=8 * 3.8 * GB,
-    # memory bound: half the node's DRAM bandwidth shared by 8 ranks, 32 bytes per update
-    cpu_adam_params_per_s=0.5 * _HOST_BW / 8 / _ADAM_BYTES,
-    device_adam_tensor_s=20e-6,
-    op_overhead_s=10e-6,
-    dispatch_overlaps_compute=True,
-    engine_module_fwd_s=(0.0, 0.0, 0.0, 0.0, 100e-6, 100e-6, 150e-6),
-    engine_module_bwd_s=(0.0, 0.0, 0.0, 0.0, 150e-6, 150e-6, 200e-6),
-    engine_target_module_s=(0.0, 0.0, 0.0, 0.0, 100e-6, 100e-6, 150e-6),
-    engine_micro_s=(1e-3,) * 7,
-    engine_step_s=(5e-3,) * 7,
-    comm_overlap=0.8,
-    cache_read_bytes_per_s=2 * GB,
-)
+
+
+def _hopper_node(gpu: Gpu) -> dict:
+    """The figures of a DGX node of 8 `gpu`s (H100 or H200)."""
+    return dict(
+        gpus_per_node=8,
+        host_memory_bytes=2048 * GIB,
+        peak_flops=gpu.peak_flops,
+        sustained_fraction=0.40,
+        target_sustained_fraction=0.40,
+        all_reduce_bytes_per_s=450 * GB,
+        all_gather_bytes_per_s=450 * GB,
+        reduce_scatter_bytes_per_s=450 * GB,
+        collective_latency_s=30e-6,
+        inter_node_bytes_per_s=50 * GB,
+        inter_node_latency_s=60e-6,
+        host_device_bytes_per_s=64 * GB,
+        nvme_read_bytes_per_s=8 * 6.4 * GB,
+        nvme_write_bytes_per_s=8 * 3.8 * GB,
+        # memory bound: half the node's DRAM bandwidth shared by 8 ranks, 32 bytes per update
+        cpu_adam_params_per_s=0.5 * _HOST_BW / 8 / _ADAM_BYTES,
+        device_adam_tensor_s=20e-6,
+        op_overhead_s=10e-6,
+        dispatch_overlaps_compute=True,
+        engine_module_fwd_s=(0.0, 0.0, 0.0, 0.0, 100e-6, 100e-6, 150e-6),
+        engine_module_bwd_s=(0.0, 0.0, 0.0, 0.0, 150e-6, 150e-6, 200e-6),
+        engine_target_module_s=(0.0, 0.0, 0.0, 0.0, 100e-6, 100e-6, 150e-6),
+        engine_micro_s=(1e-3,) * 7,
+        engine_step_s=(5e-3,) * 7,
+        comm_overlap=0.8,
+        cache_read_bytes_per_s=2 * GB,
+        gpu_memory_bytes=gpu.memory_bytes,
+        # FusedAdam is memory bound: the HBM bandwidth over the 32 bytes of an update
+        device_adam_params_per_s=gpu.memory_bytes_per_s / 32,
+    )
+
+
 _PUBLISHED = (
     "gpus_per_node",
     "host_memory_bytes",
@@ -181,22 +191,9 @@ _DERIVED = (
     "device_adam_params_per_s",
 )
 PRESETS: dict[str, dict] = {
-    # FusedAdam is memory bound: 3.35 / 4.8 TB/s HBM over the 32 bytes of an update
-    "8xH100-80GB": dict(_HOPPER, gpu_memory_bytes=80 * GIB, device_adam_params_per_s=3.35e12 / 32),
-    "8xH200-141GB": dict(_HOPPER, gpu_memory_bytes=141 * GIB, device_adam_params_per_s=4.8e12 / 32),
+    "8xH100-80GB": _hopper_node(GPUS["NVIDIA H100 80GB HBM3"]),
+    "8xH200-141GB": _hopper_node(GPUS["NVIDIA H200"]),
 }
-
-
-# The GPUs whose peak a training run knows without --train.peak_tflops: torch.cuda's device name
-# -> the preset with that GPU's datasheet figure (dense bf16; the SXM parts only: the PCIe and
-# NVL parts run at lower clocks and peaks).
-DEVICE_PRESETS = {"NVIDIA H100 80GB HBM3": "8xH100-80GB", "NVIDIA H200": "8xH200-141GB"}
-
-
-def device_peak_flops(device_name: str) -> float | None:
-    """The dense bf16 FLOP/s of a known GPU (`DEVICE_PRESETS`), or None."""
-    preset = DEVICE_PRESETS.get(device_name)
-    return None if preset is None else float(PRESETS[preset]["peak_flops"])
 
 
 def preset_machine(name: str) -> Machine:

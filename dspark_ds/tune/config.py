@@ -1,11 +1,12 @@
-"""`dspark-ds tune`'s options and the ZeRO stage × offload options it compares."""
+"""`dspark-ds tune`'s options, the ZeRO stage × offload options it compares, and the recipe it
+tunes (`load_recipe`)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from dspark_ds.config import TrackingConfig
+from dspark_ds.config import TrackingConfig, TrainRunConfig, parse
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetPathConfig
 from dspark_ds.tune.cluster import ClusterConfig
@@ -133,3 +134,11 @@ class TunerConfig:
         if bad:
             raise ConfigError(f"options: unknown {bad}; choose from {ALL_OPTION_NAMES}")
         return self
+
+
+def load_recipe(cfg: TunerConfig):
+    """The recipe as `dspark-ds train` would parse it, with the tuner's overrides."""
+    argv = ["--config", cfg.recipe, *cfg.overrides]
+    if cfg.target.path:
+        argv += ["--target.path", cfg.target.path]
+    return parse(TrainRunConfig, argv, prog="dspark-ds tune")

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from dspark_ds.cost.flops import target_in_job
+from dspark_ds.cost.inventory import DTYPE_BYTES, Inventory
 from dspark_ds.engine.config import ZeroSettings, build_ds_config, merge_config, zero_settings
 from dspark_ds.engine.probes import deepspeed_model_states_estimate
 from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import ALL_OPTION_NAMES, TunerConfig, ZeroOption
-from dspark_ds.tune.inventory import DTYPE_BYTES, Inventory
-from dspark_ds.tune.workload import target_in_job
 
 GB = 1024**3
 STATE_KEYS = ("params", "params_working_set", "grads", "optimizer_states")

@@ -8,7 +8,7 @@ the figures are upper bounds):
                          per token (vLLM's aux ids: the taps, always with the last layer's) and
                          the int64 token ids
     consumption          sequences per step / predicted step s of the recommended point
-    prefill              the target's forward over T tokens (`workload.forward_flops`): 2 · T ·
+    prefill              the target's forward over T tokens (`cost.flops.forward_flops`): 2 · T ·
                          active parameters (a MoE layer's routed experts at top-k of E) + attention
     one serving GPU      peak FLOP/s · prefill MFU / prefill FLOPs per token
     serving GPUs         consumption tokens/s / one GPU's, up to whole servers of
@@ -26,11 +26,11 @@ import copy
 import math
 from dataclasses import dataclass, replace
 
+from dspark_ds.cost.flops import forward_flops
+from dspark_ds.cost.inventory import DTYPE_BYTES, Inventory
 from dspark_ds.serve.hidden_states import ServedLayout
 from dspark_ds.tune.cluster import GB, Machine
-from dspark_ds.tune.inventory import DTYPE_BYTES, Inventory
 from dspark_ds.tune.report import table
-from dspark_ds.tune.workload import forward_flops
 
 TOKEN_ID_BYTES = 8
 """A token id in a hidden-states file (int64, as vLLM's connector writes them)."""

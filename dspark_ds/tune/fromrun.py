@@ -1,10 +1,11 @@
 """`--cluster.from_run RUN_DIR`: the compute rate of the step-time model taken from a finished
-training run, so that the model predicts that run's own step as it was measured.
+training run, so that the model predicts that run's own step as it was measured
+(`machine_from_run`).
 
 From the run directory:
 
 - `train_log.jsonl`: on every log step the window's mean step (`system/step_s`), its model
-  FLOP/s per GPU (`system/tflops_per_gpu`: the kind's count, train/flops.py), MFU when the run
+  FLOP/s per GPU (`system/tflops_per_gpu`: the kind's count, cost/flops.py), MFU when the run
   knew its peak (`system/mfu`), tokens and kept anchor blocks per sequence
   (`system/tokens_per_s` / `system/samples_per_s`, `train/sampled_anchors_abs`). The first log
   window (the first step's warm-up) is left out; the step and its FLOPs are the medians of the
@@ -31,7 +32,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dspark_ds.cost.inventory import inventory
 from dspark_ds.errors import ConfigError
+from dspark_ds.train.lineage import zero_option
+from dspark_ds.tune.cluster import Machine, with_values
+from dspark_ds.tune.config import TunerConfig, ZeroOption
+from dspark_ds.tune.prediction import option_step, options_host_work
+from dspark_ds.tune.steptime import step_time
 
 LOG_FILE = "train_log.jsonl"  # train/metrics.py's
 
@@ -217,3 +224,33 @@ def lines(rec: dict) -> list[str]:
         f"{rec['model_flops_per_step'] / rec['logged_flops_per_step']:.3f}× the log's)",
         *capped,
     ]
+
+
+def machine_from_run(cfg: TunerConfig, machine: Machine) -> tuple[Machine, dict]:
+    """`--cluster.from_run`: `machine` with the sustained fraction (and peak) for which the model
+    predicts the run's measured step, and the record of it (`summary`)."""
+    log = read_run(cfg.cluster.from_run)
+    point = run_point(log)
+    source = f"run {log.run_dir}"
+    peak = cfg.cluster.flag_values().get("peak_flops") or log.peak_flops or machine.peak_flops
+    nodes, per_node = 1, log.world  # the run's ranks: one node unless they fill several
+    if log.world > machine.gpus_per_node and log.world % machine.gpus_per_node == 0:
+        nodes, per_node = log.world // machine.gpus_per_node, machine.gpus_per_node
+    here = with_values(machine, {"gpus_per_node": per_node, "peak_flops": peak}, source)
+    option = ZeroOption(zero_option(log.ds_config), point.deepspeed.config)
+    work = options_host_work(point, [option], cfg.device or "cuda", here)
+    step = option_step(cfg, point, inventory(point), here, option, nodes, work)
+
+    def predict(fraction: float) -> Prediction:
+        rates = {"sustained_fraction": fraction, "target_sustained_fraction": fraction}
+        at = step_time(replace(step, machine=with_values(here, rates, source)))
+        return Prediction(at.seconds, at.terms["compute"], step.accum * step.workload.flops)
+
+    fraction = fraction_for(log, predict)
+    record = summary(log, point, option.name, step.accum, peak, fraction, predict(fraction))
+    values = {
+        "peak_flops": peak,
+        "sustained_fraction": fraction,
+        "target_sustained_fraction": fraction,
+    }
+    return with_values(machine, values, source), record

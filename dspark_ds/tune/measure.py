@@ -1,4 +1,5 @@
-"""Real steps of one ZeRO option on this machine: peak memory and step time (`--measure`)."""
+"""Real steps of one ZeRO option on this machine: peak memory and step time (`--measure`), run
+through training's public entry point for it (train/timed.py's `TimedSteps`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from dspark_ds.errors import ConfigError
+from dspark_ds import distributed
+from dspark_ds.train.timed import PHASES, TimedSteps
 from dspark_ds.tune.config import ZeroOption
 from dspark_ds.tune.estimate import option_overrides
 
@@ -74,64 +77,16 @@ def measure(
     every step (its micro-batches' and ranks' mean: two options' runs see the same data). With
     `between` (a calibration sample), the timed steps are split into `blocks` blocks and
     `between` runs before each: what it measures sees the same conditions as the steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from dspark_ds import distributed
-    from dspark_ds.train.trainer import Trainer
-
     cfg = option_run_config(option, run_cfg, steps, workdir)
-    gc.collect()
-    cuda = torch.cuda.is_available()
-    base = 0
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    prof_ctx = (
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        if memory and not cuda
-        else contextlib.nullcontext()
-    )
     losses: list[torch.Tensor] = []
-    with prof_ctx as prof:
-        trainer = Trainer(cfg)
-        batches = epochs(trainer.source)
-        _one_step(trainer, batches, losses=losses)
-    peak = 0.0
-    if memory:
-        peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
-    times, cpu_times, phases, waited = [], [], [], []
-    blocks = max(1, min(blocks, steps)) if between is not None else 1
-    starts = {round(i * steps / blocks) for i in range(blocks)}
-    for i in range(steps):
-        if between is not None and i in starts:
-            between()
-        if cuda:
-            torch.cuda.synchronize()
-        distributed.barrier()
-        parts = [0.0] * len(PHASES)
-        w0 = waited_s()
-        t0, c0 = time.perf_counter(), time.process_time()
-        _one_step(trainer, batches, parts, losses)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
-        waited.append(waited_s() - w0)
-        phases.append(parts)
+    run, peak = _built(cfg, memory, losses)
+    times, cpu_times, waited, phases = _timed(run, steps, losses, between, blocks)
     summary = [statistics.median(times), statistics.median(cpu_times), statistics.median(waited)]
     summary += [statistics.median(p[i] for p in phases) for i in range(len(PHASES))]
     peak, *summary = distributed.all_reduce_values([peak, *summary], op="max")
-    grad_accum = trainer.grad_accum
-    hpz = int(trainer.engine.ds.zero_hpz_partition_size()) if trainer.engine.zero_stage == 3 else 1
-    # read after the timed steps (a host sync each on a GPU)
-    per_step = [
-        float(sum(losses[i : i + grad_accum])) / grad_accum
-        for i in range(0, len(losses), grad_accum)
-    ]
-    world = distributed.world_size()
-    step_losses = [v / world for v in distributed.all_reduce_values(per_step)]
-    _release(trainer)
+    grad_accum, hpz = run.grad_accum, run.hpz_partition_size
+    step_losses = _step_losses(losses, grad_accum)
+    run.close()
     return {
         "micro_batch": cfg.data.batch_size,
         "grad_accum": grad_accum,
@@ -146,6 +101,74 @@ def measure(
     }
 
 
+def _built(cfg, memory: bool, losses: list) -> tuple[TimedSteps, float]:
+    """The trainer of `cfg` built and its first step run: (its steps, the peak memory of both;
+    0 without `memory`)."""
+    gc.collect()
+    cuda = torch.cuda.is_available()
+    base = 0
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    prof_ctx = (
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        if memory and not cuda
+        else contextlib.nullcontext()
+    )
+    with prof_ctx as prof:
+        run = TimedSteps(cfg)
+        run.step(losses=losses)
+    peak = 0.0
+    if memory:
+        peak = (torch.cuda.max_memory_allocated() - base) if cuda else cpu_peak(prof)
+    return run, peak
+
+
+def _timed(
+    run: TimedSteps,
+    steps: int,
+    losses: list,
+    between: Callable[[], object] | None,
+    blocks: int,
+) -> tuple[list[float], list[float], list[float], list[list[float]]]:
+    """`steps` steps, each started together on every rank: (the wall seconds of each, its CPU
+    seconds, its seconds waiting for a core, its PHASES' seconds); `between` before each of
+    `blocks` blocks of them."""
+    cuda = torch.cuda.is_available()
+    times, cpu_times, phases, waited = [], [], [], []
+    blocks = max(1, min(blocks, steps)) if between is not None else 1
+    starts = {round(i * steps / blocks) for i in range(blocks)}
+    for i in range(steps):
+        if between is not None and i in starts:
+            between()
+        if cuda:
+            torch.cuda.synchronize()
+        distributed.barrier()
+        parts = [0.0] * len(PHASES)
+        w0 = waited_s()
+        t0, c0 = time.perf_counter(), time.process_time()
+        run.step(parts, losses)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+        waited.append(waited_s() - w0)
+        phases.append(parts)
+    return times, cpu_times, waited, phases
+
+
+def _step_losses(losses: list[torch.Tensor], grad_accum: int) -> list[float]:
+    """Each step's loss: the mean of its micro-batches' and of the ranks'."""
+    # read after the timed steps (a host sync each on a GPU)
+    per_step = [
+        float(sum(losses[i : i + grad_accum])) / grad_accum
+        for i in range(0, len(losses), grad_accum)
+    ]
+    world = distributed.world_size()
+    return [v / world for v in distributed.all_reduce_values(per_step)]
+
+
 def waited_s() -> float:
     """Seconds this thread has spent runnable but waiting for a core (other processes on the
     machine; Linux's schedstat), or 0 where the kernel does not say."""
@@ -154,61 +177,3 @@ def waited_s() -> float:
             return int(f.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-PHASES = ("batch", "forward", "backward", "engine_step")
-"""A measured step's parts: the next batch (with an in-job target, its forward), the drafter's
-forward + loss, the backward, DeepSpeed's step."""
-
-
-def epochs(source):
-    """The source's micro-batches, epoch after epoch: a recipe with little data (the tiny one's
-    64 synthetic samples) runs out before many measured steps do."""
-    epoch = source.epoch
-    while True:
-        source.set_epoch(epoch)
-        empty = True
-        for batch in source:
-            empty = False
-            yield batch
-        if empty:
-            raise ConfigError("measure: the recipe's data yields no micro-batch on this rank")
-        epoch += 1
-
-
-def _one_step(
-    trainer, batches, phases: list[float] | None = None, losses: list | None = None
-) -> None:
-    """One optimizer step; `phases` (if given) gets the seconds of each of PHASES added
-    (summed over the micro-batches), `losses` each micro-batch's loss (a detached tensor)."""
-    ctx = trainer.step_context(training=True)
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(trainer.grad_accum):
-        t = [time.perf_counter()]
-        batch = trainer.on_device(next(batches))
-        sync()
-        t.append(time.perf_counter())
-        out = trainer.kind.training_step(trainer.engine, batch, ctx)
-        sync()
-        t.append(time.perf_counter())
-        if losses is not None:
-            losses.append(out.loss.detach())
-        trainer.engine.ds.backward(out.loss)
-        sync()
-        t.append(time.perf_counter())
-        trainer.engine.ds.step()
-        sync()
-        t.append(time.perf_counter())
-        if phases is not None:
-            for i in range(len(PHASES)):
-                phases[i] += t[i + 1] - t[i]
-
-
-def _release(trainer) -> None:
-    trainer.release_run_dir()
-    ds = trainer.engine.ds
-    if hasattr(ds, "destroy"):
-        ds.destroy()
-    trainer.engine = None
-    trainer.target = None
-    gc.collect()

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+from dspark_ds.cost.inventory import Inventory
 from dspark_ds.tune.cluster import GB as DECIMAL_GB
 from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import OPTIONS, TunerConfig
 from dspark_ds.tune.estimate import GB, Estimate, batch_mismatch, recommend
-from dspark_ds.tune.inventory import Inventory
 
 MB = 1024**2
 HEADER = [

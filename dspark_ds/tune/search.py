@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from dspark_ds.errors import ConfigError
 from dspark_ds.tune.config import ZeroOption
+from dspark_ds.tune.prediction import predict_one
 
 
 @dataclass(frozen=True)
@@ -63,14 +64,21 @@ def point_config(run_cfg, micro_batch: int, global_batch: int, recompute: bool =
     return cfg
 
 
+def point_args(point: dict) -> dict:
+    """`point_config`'s arguments of a searched point."""
+    return {
+        "micro_batch": point["micro_batch"],
+        "global_batch": point["global_batch"],
+        "recompute": point.get("recompute", False),
+    }
+
+
 def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, ops):
-    """The option's point on `nodes` nodes: an `Estimate` (from `tune.predict_one`) at the
+    """The option's point on `nodes` nodes: an `Estimate` (from `prediction.predict_one`) at the
     fastest predicted micro-batch that fits (among equal times, the larger), or at micro-batch
     1 when none fits; a micro-batch that does not fit as it is is tried again recomputing the
     draft layers (unless `cfg.recompute` is false). Its `point` holds the micro-batch, whether
     it recomputes, the accumulation, the global batch held, the note and every point tried."""
-    from dspark_ds.tune import predict_one
-
     world = nodes * machine.gpus_per_node
     plan = batch_plan(run_cfg, world)
     micro_batches = [

@@ -58,10 +58,10 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from dspark_ds.cost.inventory import Inventory, ModuleParams
 from dspark_ds.drafters.common.memory import LAYERS_RECOMPUTE
 from dspark_ds.engine.config import ZeroSettings
 from dspark_ds.tune.cluster import Machine, engine_mode
-from dspark_ds.tune.inventory import Inventory, ModuleParams
 from dspark_ds.tune.workload import Workload
 
 SWAP_MIN_BYTES = 2**20

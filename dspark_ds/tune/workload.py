@@ -1,7 +1,7 @@
 """What one micro-batch of a recipe costs, independent of the machine: its matmul FLOPs (the
-drafter kind's own count, `DrafterKind.step_flops`, and the in-job target's forward), its host
-work in units of one tensor op of a stand-in model, and how often its modules run (ZeRO-3
-hooks each module call).
+drafter kind's own count and the in-job target's forward: cost/flops.py), its host work in units
+of one tensor op of a stand-in model, and how often its modules run (ZeRO-3 hooks each module
+call).
 
 Host work matters where tensors are small (every op costs host time whatever its size: the
 tiny CPU recipe is all such time); the FLOPs where they are large. A copy of the drafter 32
@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dspark_ds.tune.inventory import Inventory
+from dspark_ds.cost.flops import drafter_flops, target_forward_flops, target_in_job
+from dspark_ds.cost.inventory import Inventory, target_config_of
 
 NARROW = dict(hidden=32, intermediate=64, heads=2, head_dim=8, vocab=256)
 """The widths of the copy whose host work is timed."""
@@ -105,47 +106,6 @@ class Workload:
     @property
     def flops(self) -> float:
         return sum(self.drafter_flops.values()) + self.target_flops
-
-
-def target_served(run_cfg) -> bool:
-    """Whether a vLLM fleet computes the features (data.mode served, or hybrid with
-    data.served.urls: its first epoch)."""
-    return run_cfg.data.from_servers
-
-
-def target_in_job(run_cfg) -> bool:
-    """Whether the job runs the target's forward: online and hybrid runs and synthetic data; not
-    offline ones (the cache) nor served ones (`target_served`)."""
-    in_job = run_cfg.data.mode != "offline" and not target_served(run_cfg)
-    return in_job or bool(run_cfg.train.synthetic_samples)
-
-
-def attention_pairs(S: int, window: int | None) -> float:
-    """(query, key) pairs of causal attention over S tokens, each query seeing at most `window`
-    keys (a sliding-window layer; None: all before it)."""
-    if window is None or S <= window:
-        return S * S / 2
-    return window * S - window * window / 2
-
-
-def forward_flops(layer_params: int, attention, B: int, S: int) -> float:
-    """A decoder's forward over B × S tokens: its layers' matmuls and the causal attention (QK^T
-    and PV over the pairs each layer computes); no lm_head (FrozenTarget taps states).
-    `attention`: each layer's (query width = heads × head size, sliding window or None)."""
-    scores = sum(width * attention_pairs(S, window) for width, window in attention)
-    return 2.0 * B * S * layer_params + 4.0 * B * scores
-
-
-def target_forward_flops(inv: Inventory, run_cfg) -> float:
-    B, S = run_cfg.data.batch_size, run_cfg.data.max_length
-    return forward_flops(inv.target_layer_params, inv.target_attention, B, S)
-
-
-def drafter_flops(inv: Inventory, run_cfg, device: str, stage: int) -> dict[str, float]:
-    from dspark_ds.drafters.registry import get_kind
-
-    kind = get_kind(run_cfg.model.kind)
-    return kind.step_flops(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
 
 
 # ---- a drafter kind's training step and the target's forward, built for timing -------------
@@ -407,7 +367,6 @@ class NarrowCopies:
         from dspark_ds.drafters.common.target_config import text_config
         from dspark_ds.drafters.registry import get_kind
         from dspark_ds.target import default_layer_ids
-        from dspark_ds.tune.inventory import target_config_of
 
         run_on = run_on or torch.device("cpu")
         perf = counted_perf(run_cfg.perf, device)

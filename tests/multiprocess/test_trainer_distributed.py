@@ -295,7 +295,7 @@ def test_log_throughput_and_the_tuner_calibrated_from_a_finished_run(runs, tmp_p
     fraction at which the model predicts that run's measured step, and saves it as a profile."""
     from dspark_ds.cli import main as cli_main
     from dspark_ds.config import TrainRunConfig, parse
-    from dspark_ds.train.flops import WindowFlops
+    from dspark_ds.cost.flops import WindowFlops
 
     b_z3 = runs["out"] / "b_z3"
     config = b_z3 / "checkpoints" / "step_00000008" / "run_config.yaml"

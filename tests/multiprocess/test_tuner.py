@@ -12,7 +12,6 @@ import torch
 
 from dspark_ds import tune
 from dspark_ds.cli import main as cli_main
-from dspark_ds.errors import ConfigError
 
 from helpers.dist import GUARDED, check, guard_stats, guarded_env, python, torchrun
 from helpers.tiny_models import build_tiny_target
@@ -95,7 +94,6 @@ def test_memory_pressure_moves_to_zero3():
 def test_eagle3_recipe_is_estimated_as_eagle3():
     """An Eagle3 recipe is sized as the Eagle3 drafter it trains (it used to be sized as a
     1-layer DSpark drafter with a rank-256 Markov head: 354.6 M parameters)."""
-    import torch
     from transformers import Qwen3Config
 
     from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
@@ -148,7 +146,6 @@ def _shipped_zero(name: str) -> dict:
 def _small_trainable_params(recipe: str, threshold: int) -> int:
     """Elements of the recipe's trainable drafter parameters of at most `threshold` elements,
     counted here on a drafter built on the meta device."""
-    import torch
     from transformers import Qwen3Config
 
     from dspark_ds.config import TrainRunConfig, parse
@@ -385,38 +382,3 @@ def test_two_rank_measure_under_the_device_guard(tmp_path, tiny_target):
         assert 0.7 <= estimate / m["peak_bytes"] <= 1.3, (name, estimate, m, result["text"])
         assert m["step_s"] > 0
     assert [s["policed"] > 0 for s in guard_stats(tmp_path / "guard")] == [True, True]
-
-
-def test_measured_steps_run_past_the_end_of_the_data():
-    """`--measure_steps` more than the recipe's data holds (the tiny recipe's 64 synthetic
-    samples: 16 micro-batches of 2 per rank on 2 ranks) starts the data over, epoch after epoch,
-    as training does, instead of stopping the measurement."""
-    from dspark_ds.train.batches import SyntheticSource
-    from dspark_ds.tune.measure import epochs
-
-    source = SyntheticSource(
-        num_samples=8,
-        seq_len=16,
-        vocab_size=50,
-        batch_size=2,
-        rank=0,
-        world_size=2,
-        seed=0,
-        provider=None,
-    )
-    batches = epochs(source)
-    got = [next(batches)["input_ids"] for _ in range(5)]  # 2 per epoch
-    assert source.epoch == 2
-    assert not torch.equal(got[0], got[2])  # each epoch in its own order, as training's
-    empty = SyntheticSource(
-        num_samples=2,
-        seq_len=16,
-        vocab_size=50,
-        batch_size=2,
-        rank=0,
-        world_size=2,
-        seed=0,
-        provider=None,
-    )
-    with pytest.raises(ConfigError, match="yields no micro-batch"):
-        next(epochs(empty))

@@ -178,7 +178,8 @@ def _machine(**changes) -> Machine:
 @pytest.fixture(scope="module")
 def qwen3_8b():
     """The Qwen3-8B DSpark recipe's inventory and host work (the GPU preset counts ops)."""
-    from dspark_ds.tune.inventory import inventory, load_recipe
+    from dspark_ds.cost.inventory import inventory
+    from dspark_ds.tune.config import load_recipe
     from dspark_ds.tune.workload import host_work
 
     cfg = tune.TunerConfig(recipe=str(RECIPES / "dspark_qwen3_8b.yaml"))
@@ -187,7 +188,7 @@ def qwen3_8b():
 
 
 def _steps(qwen3_8b, machine: Machine, nodes: int) -> dict:
-    from dspark_ds.tune import predict
+    from dspark_ds.tune.prediction import predict
 
     cfg, run_cfg, inv, work = qwen3_8b
     return {

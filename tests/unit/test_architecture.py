@@ -2,7 +2,10 @@
 
 The import graph counts every `import` statement of a module, the ones inside functions too
 (a lazy import still ties two modules together), resolved to modules of `dspark_ds`; not those
-under `if TYPE_CHECKING:`, which never run (a type a module only names in its annotations).
+under `if TYPE_CHECKING:`, which never run (a type a module only names in its annotations). A
+module's import of its own parent package is an edge of the graph `import_graph(parents=True)`
+only: the parent is imported first anyway, but its names may not be there yet when the parent
+imports the module (a loop through the parent).
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dspark_ds"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+def module_name(path: Path, repo: Path = REPO) -> str:
+    parts = path.relative_to(repo).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> set[str]:
-    """The dspark_ds modules `path` imports (a package import counts as its __init__)."""
+def imports_of(path: Path, modules: set[str], repo: Path = REPO, parents: bool = False) -> set[str]:
+    """The modules of `modules` that `path` imports (a package import counts as its __init__;
+    its own parent packages only with `parents`)."""
     tree = ast.parse(path.read_text())
-    name = module_name(path)
+    name = module_name(path, repo)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     typing_only = {
         id(inner)
@@ -58,16 +62,29 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
             # the longest known module that the dotted name starts with
             while cand and cand not in modules:
                 cand = cand.rpartition(".")[0]
-            # a parent package is always imported before its modules: not an edge
-            if cand and cand != name and not name.startswith(cand + "."):
+            # a parent package is always imported before its modules: an edge with `parents`
+            if cand and cand != name and (parents or not name.startswith(cand + ".")):
                 found.add(cand)
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = sorted(PACKAGE.rglob("*.py"))
-    modules = {module_name(f) for f in files}
-    return {module_name(f): imports_of(f, modules) for f in files}
+def import_graph(package: Path = PACKAGE, parents: bool = False) -> dict[str, set[str]]:
+    repo = package.parent
+    files = sorted(package.rglob("*.py"))
+    modules = {module_name(f, repo) for f in files}
+    return {module_name(f, repo): imports_of(f, modules, repo, parents) for f in files}
+
+
+def reachable(graph: dict[str, set[str]], package: str) -> set[str]:
+    """Every module the modules of `package` import, directly or through others."""
+    todo = [m for m in graph if m == package or m.startswith(package + ".")]
+    seen: set[str] = set()
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -126,6 +143,44 @@ def test_a_cycle_is_found():
     # the detector itself: a -> b -> c -> a is reported, d -> a is not part of it
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_its_parent_package_while_the_parent_imports_it():
+    # a package's __init__ is its face: its modules import each other, never the package they
+    # are in while it imports them (the tuner's stages import the stages, not dspark_ds.tune)
+    assert cycles(import_graph(parents=True)) == []
+
+
+def test_imports_inside_functions_and_of_a_parent_package_are_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from pkg.stage import go\n")
+    (pkg / "stage.py").write_text("def go():\n    from pkg import helper\n    import pkg.low\n")
+    (pkg / "low.py").write_text("X = 1\n")
+    assert import_graph(pkg)["pkg.stage"] == {"pkg.low"}
+    assert import_graph(pkg, parents=True)["pkg.stage"] == {"pkg", "pkg.low"}
+    assert cycles(import_graph(pkg)) == []
+    assert cycles(import_graph(pkg, parents=True)) == [["pkg", "pkg.stage"]]
+
+
+def test_training_never_imports_the_tuner():
+    # the tuner drives training through train/timed.py (TimedSteps); the figures both need
+    # (inventory, FLOPs, device peaks) are the cost layer's
+    graph = import_graph()
+    assert "dspark_ds.train.timed" in graph
+    up = sorted(d for d in reachable(graph, "dspark_ds.train") if d.startswith("dspark_ds.tune"))
+    assert up == []
+
+
+def test_the_cost_layer_sits_below_training_and_the_tuner():
+    graph = import_graph()
+    costs = reachable(graph, "dspark_ds.cost")
+    assert "dspark_ds.drafters.registry" in costs  # the kinds count their own FLOPs
+    up = sorted(d for d in costs if d.startswith(("dspark_ds.train", "dspark_ds.tune")))
+    assert up == []
+    # both use it
+    assert "dspark_ds.cost.flops" in graph["dspark_ds.train.trainer"]
+    assert "dspark_ds.cost.inventory" in graph["dspark_ds.tune.estimate"]
 
 
 def test_cli_is_a_leaf():
@@ -193,6 +248,40 @@ def test_ruff(args):
         text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- function sizes ---------------------------------------------------------------------------
+
+FUNCTION_LINES = 80
+"""The longest a function (or method) may be, from its `def` to its last line."""
+FUNCTION_LIMITED = ("cost", "tune")
+"""The packages held to FUNCTION_LINES (a stage too long for a screen is split into steps)."""
+
+
+def long_functions(root: Path, limit: int) -> dict[str, int]:
+    """`file:function` -> its lines, for each function under `root` longer than `limit`."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found[f"{path.relative_to(root.parent)}:{node.name}"] = lines
+    return found
+
+
+@pytest.mark.parametrize("package", FUNCTION_LIMITED)
+def test_functions_fit_on_a_screen(package):
+    assert long_functions(PACKAGE / package, FUNCTION_LINES) == {}
+
+
+def test_a_long_function_is_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    body = "".join(f"        x{i} = {i}\n" for i in range(5))
+    (tmp_path / "pkg" / "a.py").write_text(
+        f"def short():\n    pass\n\n\nclass C:\n    def long(self):\n{body}"
+    )
+    assert long_functions(tmp_path / "pkg", 5) == {"pkg/a.py:long": 6}
 
 
 # ---- the formatter trusted: switched off only for a table ------------------------------------

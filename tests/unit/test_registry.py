@@ -305,13 +305,14 @@ def package_with_a_toy_kind(tmp_path):
 
 def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tmp_path):
     from dspark_ds.cli import parse_config
+    from dspark_ds.cost.inventory import inventory
     from dspark_ds.drafters.io import build_draft_model, load_draft_model, save_draft_model
     from dspark_ds.drafters.presets import PRESETS, preset
     from dspark_ds.drafters.registry import get_kind, kind_of
     from dspark_ds.errors import ConfigError
     from dspark_ds.perf.train_bench import TrainBenchConfig, run_variant
     from dspark_ds.tune import TunerConfig
-    from dspark_ds.tune.inventory import inventory, load_recipe
+    from dspark_ds.tune.config import load_recipe
     from dspark_ds.tune.workload import host_work
 
     from helpers.drafters import tiny_qwen3_config

@@ -9,16 +9,17 @@ import pytest
 import torch
 
 from dspark_ds.config import TrainRunConfig, parse
+from dspark_ds.cost.devices import peak_flops
+from dspark_ds.cost.flops import WindowFlops
 from dspark_ds.drafters.common.blocks import SAMPLER_STATS
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.kind import StepOutput
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.tracking.mlflow import Tracker
-from dspark_ds.train.flops import WindowFlops, peak_flops
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 
 RECIPE = "dspark_ds/recipes/dspark_qwen3_8b.yaml"
-# Qwen3-8B's published config (tune/inventory.py KNOWN_TARGETS): 36 layers, H 4096, F 12288,
+# Qwen3-8B's published config (cost/inventory.py KNOWN_TARGETS): 36 layers, H 4096, F 12288,
 # 32 query / 8 key-value heads of 128
 H, F, LAYERS, HEADS, KV, D, V = 4096, 12288, 36, 32, 8, 128, 151936
 LAYER_PARAMS = H * HEADS * D + 2 * H * KV * D + HEADS * D * H + 3 * H * F + 2 * H + 2 * D
@@ -142,7 +143,7 @@ def test_the_peak_is_the_flag_or_a_known_gpus_under_bf16():
     cpu = torch.device("cpu")
     assert peak_flops(312.0, "fp32", cpu) == 312e12
     assert peak_flops(None, "bf16", cpu) is None
-    from dspark_ds.tune.cluster import device_peak_flops
+    from dspark_ds.cost.devices import device_peak_flops
 
     assert device_peak_flops("NVIDIA H200") == device_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert device_peak_flops("NVIDIA H100 PCIe") is None
@@ -154,9 +155,9 @@ def test_a_gemma4_run_counts_its_full_attention_drafter_and_its_sliding_layers(t
     sliding-window layers at the (query, key) pairs their window leaves."""
     from transformers import AutoModelForCausalLM, Gemma4Config
 
+    from dspark_ds.cost.inventory import inventory
     from dspark_ds.drafters.dspark.memory import DSparkShape
     from dspark_ds.drafters.perf import PerfConfig
-    from dspark_ds.tune.inventory import inventory
 
     from helpers.gemma4 import tiny_gemma4_text
 
@@ -200,7 +201,7 @@ def test_a_gemma4_run_counts_its_full_attention_drafter_and_its_sliding_layers(t
 def test_attention_pairs_are_the_masks_area(S, window):
     """The causal (sliding-window) mask's entries, counted naively, against the closed form
     (which counts the diagonal as half, as the full causal S²/2 does)."""
-    from dspark_ds.tune.workload import attention_pairs
+    from dspark_ds.cost.flops import attention_pairs
 
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
     mask = (j <= i) & ((i - j < window) if window else True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspark_ds.cli import main as cli_main
-from dspark_ds.tune.inventory import KNOWN_TARGETS, active_params
+from dspark_ds.cost.inventory import KNOWN_TARGETS, active_params
 
 from helpers.tiny_models import family_config
 

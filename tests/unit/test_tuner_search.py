@@ -279,7 +279,7 @@ def test_the_docs_tune_commands_parse(tmp_path, monkeypatch):
     of its --overrides), so that a renamed flag fails here rather than for a reader."""
     from dspark_ds.cli import parse_config
     from dspark_ds.tune.cluster import preset_machine, save_profile
-    from dspark_ds.tune.inventory import load_recipe
+    from dspark_ds.tune.config import load_recipe
 
     commands = _doc_commands()
     assert len(commands) >= 8
@@ -315,10 +315,9 @@ def test_measure_runs_a_recompute_point_with_activation_checkpointing(tmp_path):
     short run with perf.activation_checkpointing on (and one that does not, off, whatever the
     recipe says), at the point's micro-batch and global batch."""
     from dspark_ds.cli import parse_config
-    from dspark_ds.tune import _batch
-    from dspark_ds.tune.inventory import load_recipe
+    from dspark_ds.tune.config import load_recipe
     from dspark_ds.tune.measure import option_run_config
-    from dspark_ds.tune.search import point_config
+    from dspark_ds.tune.search import point_args, point_config
 
     argv = ["--recipe", str(RECIPES / "dspark_qwen3_8b.yaml")]
     argv += ["--overrides", '["--perf.activation_checkpointing", "true"]']
@@ -326,7 +325,7 @@ def test_measure_runs_a_recompute_point_with_activation_checkpointing(tmp_path):
     (zero3,) = [o for o in tune.OPTIONS if o.name == "zero3"]
     for recompute in (True, False):
         point = {"micro_batch": 4, "global_batch": 64, "recompute": recompute, "accum": 2}
-        at = point_config(run_cfg, **_batch(point))
+        at = point_config(run_cfg, **point_args(point))
         cfg = option_run_config(zero3, at, 2, str(tmp_path))
         assert cfg.perf.activation_checkpointing is recompute
         assert (cfg.data.batch_size, cfg.train.global_batch_size) == (4, 64)

@@ -1,5 +1,6 @@
-"""What a run holds: the recipe's drafter (built by its kind, `DrafterKind.build_config`) and target,
-built on the meta device and counted, and the shapes one micro-batch flows through."""
+"""What a run holds: the run config's drafter (built by its kind, `DrafterKind.build_config`) and
+target, built on the meta device and counted, and the shapes one micro-batch flows through (the
+input of the kinds' FLOP and activation counts: cost/flops.py, the tuner)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.common.target_config import global_attr
+from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
-from dspark_ds.tune.config import TunerConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -153,8 +154,6 @@ class Inventory:
     def step_shape(self, run_cfg) -> StepShape:
         """One micro-batch of the run through these sizes (the kind's activation input; its own
         part from the kind, `DrafterKind.step_part`)."""
-        from dspark_ds.drafters.registry import get_kind
-
         return StepShape(
             batch=run_cfg.data.batch_size,
             seq_len=run_cfg.data.max_length,
@@ -170,16 +169,6 @@ class Inventory:
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
         )
-
-
-def load_recipe(cfg: TunerConfig):
-    """The recipe as `dspark-ds train` would parse it, with the tuner's overrides."""
-    from dspark_ds.config import TrainRunConfig, parse
-
-    argv = ["--config", cfg.recipe, *cfg.overrides]
-    if cfg.target.path:
-        argv += ["--target.path", cfg.target.path]
-    return parse(TrainRunConfig, argv, prog="dspark-ds tune")
 
 
 def target_config_of(path: str):
@@ -198,8 +187,6 @@ def target_config_of(path: str):
 
 def _draft_config(run_cfg, target_config, layer_ids: list[int]):
     """The drafter's config, built by the recipe's kind as training builds it."""
-    from dspark_ds.drafters.registry import get_kind
-
     m = run_cfg.model
     return get_kind(m.kind).build_config(
         target_config,

@@ -35,7 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "build-cache": (
         "dspark_ds.data.config:BuildCacheConfig",
-        "dspark_ds.data.cache:build_cache",
+        "dspark_ds.data.cache_writer:build_cache",
         "run the target once and store its features (offline mode)",
     ),
     "train": (
@@ -60,7 +60,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "estimate": (
         "dspark_ds.data.config:EstimateCacheConfig",
-        "dspark_ds.data.cache:estimate_cache",
+        "dspark_ds.data.cache_writer:estimate_cache",
         "estimate the size of a target cache before building it (`estimate cache`)",
     ),
     "bench": (

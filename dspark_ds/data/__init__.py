@@ -28,9 +28,9 @@ __all__ = [
 
 def __getattr__(name):  # lazy: importing the configs must not load transformers
     if name in ("build_cache", "estimate_cache"):
-        from dspark_ds.data import cache
+        from dspark_ds.data import cache_writer
 
-        return getattr(cache, name)
+        return getattr(cache_writer, name)
     if name == "build_train_loader":
         from dspark_ds.data.loader import build_train_loader
 

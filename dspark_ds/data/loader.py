@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from dspark_ds import distributed as dist
 from dspark_ds.data import cache as cache_lib
+from dspark_ds.data import cache_writer
 from dspark_ds.data.collate import Collator, split_batch
 from dspark_ds.data.config import DataConfig
 from dspark_ds.data.served import ServedFeatures, ServedTarget
@@ -90,7 +91,7 @@ class HybridCacheWriter:
         self.cache_dir, self.storage, self.num_taps = cache_dir, storage, num_taps
         self.per_shard = samples_per_shard
         self.rank, self.world = dist.rank_and_world()
-        self.complete = cache_lib.begin_build(cache_dir, header)
+        self.complete = cache_writer.begin_build(cache_dir, header)
         mine = [
             n for n in cache_lib.completed_shards(cache_dir) if n.startswith(f"h{self.rank:05d}-")
         ]
@@ -107,7 +108,7 @@ class HybridCacheWriter:
     def flush(self) -> None:
         if self.buffer:
             self.buffer.sort(key=lambda s: s["sample_id"])
-            cache_lib.write_shard(
+            cache_writer.write_shard(
                 self.cache_dir,
                 f"h{self.rank:05d}-{self.next_shard:06d}",
                 self.buffer,
@@ -131,12 +132,12 @@ class HybridCacheWriter:
             # NOTE: the same number of target forwards on every rank (the short share padded
             # with a repeat): a ZeRO-3 partitioned target all-gathers weights in each forward.
             even = missing + todo[:1] * (-(-len(todo) // self.world) - len(missing))
-            feats = cache_lib.compute_features(provider, store, even, batch_size, pad_token_id)
+            feats = cache_writer.compute_features(provider, store, even, batch_size, pad_token_id)
             self.buffer = [feats[i] for i in missing]
             self.flush()
         dist.barrier()
         if self.rank == 0:
-            cache_lib.finalize(self.cache_dir)
+            cache_writer.finalize(self.cache_dir)
         dist.barrier()
         self.complete = True
 
@@ -338,7 +339,7 @@ def build_train_loader(
                 if cfg.cache_dtype != "auto"
                 else str(target.dtype).removeprefix("torch.")
             )
-            header = cache_lib.make_header(target, samples, storage)
+            header = cache_writer.make_header(target, samples, storage)
             writer = HybridCacheWriter(
                 cfg.cache_dir, header, cfg.samples_per_shard, storage, len(target.layer_ids)
             )

@@ -40,7 +40,7 @@ PRELOAD = (
     "dspark_ds.train.trainer",
     "dspark_ds.tracking.mlflow",
     "dspark_ds.data.regeneration",
-    "dspark_ds.data.cache",
+    "dspark_ds.data.cache_writer",
 )
 """What the demo's stages import that the demo process itself would not: imported once before the
 first fork, so the forked ranks start with them (the time torchrun's ranks spend importing)."""

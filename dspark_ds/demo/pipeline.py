@@ -114,7 +114,7 @@ class DemoPipeline:
         self.runs_dir = self.out / "runs"
         self.conf_dir = self.out / "configs"
         self.log_dir = self.out / "logs"
-        from dspark_ds.tracking.mlflow import resolve_uri
+        from dspark_ds.tracking.store import resolve_uri
 
         self.uri = resolve_uri(cfg.tracking_uri, str(self.out))
         self.tracker = None

@@ -31,6 +31,13 @@ from dspark_ds.eval.benchmarks import (
 from dspark_ds.eval.config import EvalConfig
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.rounds import DecodeStats, sync
+from dspark_ds.tracking.store import (
+    default_artifact_location,
+    git_sha,
+    read_export_record,
+    resolve_uri,
+    run_exists,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -372,14 +379,7 @@ def log_to_tracking(
     run id (None when tracking is off, or the run could not be made yet)."""
     from dspark_ds.config import flatten
     from dspark_ds.drafters.registry import kind_of
-    from dspark_ds.tracking.mlflow import (
-        Tracker,
-        default_artifact_location,
-        git_sha,
-        read_export_record,
-        resolve_uri,
-        run_exists,
-    )
+    from dspark_ds.tracking.mlflow import Tracker
 
     t = cfg.tracking
     uri = resolve_uri(t.uri, cfg.output_dir)

@@ -8,20 +8,20 @@ FLOP/s per variant, each next to the drafter kind's reference variant of the sam
 
 The drafter is a preset (`--drafter`: drafters/presets.py) sized by the bench's fields as the demo
 sizes it (`Preset.sized`), built for a random Qwen3 target of the bench's widths; one step is its
-kind's `training_step` (drafters/kind.py: what training runs, its anchors drawn in the step),
-its backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss
-path of the kind (`perf.attn_implementation`, `perf.loss_impl`; `DrafterKind.attn_impls`,
-`loss_impls`), compile off (default) | layers | model (perf.compile); without `--variants`, the
-kind's `bench_variants`, whose first is its reference (the straight-line path the ratio columns
-compare with). Each variant runs in its own subprocess, so peak memory is that variant's alone
-(CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated after the model is built). The
-peak is split into what stays resident — weights, gradients and optimizer state, counted
-exactly from the tensors — and the step's working memory: peak minus resident minus the process
-before the model existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs are the
+kind's `training_step` (drafters/kind.py: what training runs, its anchors drawn in the step), its
+backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss path of
+the kind (`perf.attn_implementation`, `perf.loss_impl`; `DrafterKind.attn_impls`, `loss_impls`),
+compile off (default) | layers | model (perf.compile); without `--variants`, the kind's
+`bench_variants`, whose first is its reference (the straight-line path the ratio columns compare
+with). Each variant runs in its own subprocess (perf/bench_variant.py), so peak memory is that
+variant's alone (CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated after the model is
+built). The peak is split into what stays resident — weights, gradients and optimizer state,
+counted exactly from the tensors — and the step's working memory: peak minus resident minus the
+process before the model existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs are the
 kind's count for the variant's paths (`DrafterKind.step_flops`, the tuner's compute term: the
 matmuls the paths run, so dense attention counts the masked pairs it computes and the recompute
-loss its logits twice). The achieved rate is compared with a plain [n x n] matmul of the run's
-own dtype timed in the same process (n = 8192 on CUDA, 2048 on CPU).
+loss its logits twice). The achieved rate is compared with a plain [n x n] matmul of the run's own
+dtype timed in the same process (n = 8192 on CUDA, 2048 on CPU).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -204,270 +203,6 @@ class TrainBenchConfig:
         return 8192 if self.device.startswith("cuda") else 2048
 
 
-# ---- what runs inside one variant's process ------------------------------------------------
-def target_config(cfg: TrainBenchConfig):
-    """The random target the drafter is built for (a Qwen3 of the bench's widths)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_target_layers + 1,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        max_position_embeddings=max(4096, 2 * cfg.seq_len),
-        tie_word_embeddings=False,
-    )
-
-
-def build_model(cfg: TrainBenchConfig):
-    import torch
-
-    from dspark_ds.drafters import build_draft_model
-
-    draft_cfg = cfg.kind.build_config(
-        target_config(cfg),
-        cfg.model,
-        target_layer_ids=list(range(cfg.num_target_layers)),
-        mask_token_id=cfg.vocab_size - 1,
-    )
-    torch.manual_seed(cfg.seed)
-    # NOTE: built on its device: a 2.3 B-parameter drafter built on the CPU and moved costs
-    # ~40 s per variant on a GPU node. The fp32 build before the cast is not in the peak
-    # (run_variant resets the peak statistics after it).
-    with torch.device(cfg.device):
-        model = build_draft_model(draft_cfg)
-    model.freeze_shared()
-    return model.to(dtype=getattr(torch, cfg.dtype)).train()
-
-
-def build_batch(cfg: TrainBenchConfig, device: str):
-    """A training batch of B random sequences: `TRAIN_KEYS` on `device` (the target's features
-    in the run's dtype, as a bf16 target gives them), `sample_ids` on the host."""
-    import torch
-
-    from dspark_ds.drafters.kind import TRAIN_KEYS
-
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    B, S, H = cfg.batch_size, cfg.seq_len, cfg.hidden_size
-    loss_mask = torch.ones(B, S)
-    loss_mask[:, : min(16, S - 2)] = 0  # a short unsupervised prompt, like chat data
-    batch = dict(
-        input_ids=torch.randint(0, cfg.vocab_size - 1, (B, S), generator=g),
-        loss_mask=loss_mask,
-        target_hidden_states=torch.randn(B, S, cfg.num_target_layers * H, generator=g),
-        target_last_hidden_states=torch.randn(B, S, H, generator=g),
-    )
-    dtype = getattr(torch, cfg.dtype)
-    for key in ("target_hidden_states", "target_last_hidden_states"):
-        batch[key] = batch[key].to(dtype)
-    out = {k: batch[k].to(device) for k in TRAIN_KEYS}
-    out["sample_ids"] = torch.arange(B)
-    return out
-
-
-def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
-    """The loss weights of the benched section (a DSpark / DFlash section's `loss_weights`)."""
-    from dataclasses import asdict
-
-    return asdict(cfg.model.loss_weights)
-
-
-def step_shape(cfg: TrainBenchConfig):
-    """The `StepShape` of the bench's micro-batch (what the kind's FLOP count reads)."""
-    import torch
-
-    from dspark_ds.drafters.common.memory import StepShape
-
-    width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
-    return StepShape(
-        batch=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        hidden=cfg.hidden_size,
-        intermediate=cfg.intermediate_size,
-        vocab=cfg.vocab_size,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        draft_layers=cfg.model.num_draft_layers,
-        taps=cfg.num_target_layers,
-        drafter=cfg.kind.step_part(cfg.model),
-        compute_bytes=width,
-        feature_bytes=width,
-    )
-
-
-def step_flops(cfg: TrainBenchConfig, variant: str) -> float:
-    """FLOPs of one training step (forward + backward) of `variant`: the kind's count."""
-    flops = cfg.kind.step_flops(step_shape(cfg), cfg.perf(variant), cfg.device, 0)
-    return sum(flops.values())
-
-
-def matmul_flops_per_s(device: str, dtype: str, size: int, repeats: int = 5) -> float:
-    """A plain [size x size] @ [size x size] rate in `dtype`, median of `repeats`."""
-    import torch
-
-    a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
-    b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
-    times = []
-    for i in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        if i:  # the first one warms up
-            times.append(time.perf_counter() - t0)
-    return 2.0 * size**3 / statistics.median(times)
-
-
-def resident_bytes(model, optimizer) -> dict[str, int]:
-    """What stays allocated across steps, counted from the tensors: weights (parameters and
-    buffers), gradients, optimizer state."""
-    import torch
-
-    def nbytes(t) -> int:
-        return t.numel() * t.element_size()
-
-    weights = sum(nbytes(p) for p in model.parameters()) + sum(nbytes(b) for b in model.buffers())
-    grads = sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None)
-    state = sum(
-        nbytes(v)
-        for per_param in optimizer.state.values()
-        for v in per_param.values()
-        if isinstance(v, torch.Tensor)
-    )
-    return {"weights_bytes": weights, "grads_bytes": grads, "optimizer_state_bytes": state}
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
-def _rss_bytes(field_name: str) -> int:
-    """VmRSS / VmHWM of this process from /proc (Linux), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field_name}")
-
-
-def _memory_now(cuda: bool) -> int:
-    import torch
-
-    return torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
-
-
-def _training_step(cfg: TrainBenchConfig, variant: str):
-    """The variant's drafter, batch and optimizer, and its training step (the kind's
-    `training_step`, backward, AdamW) -> (model, batch, optimizer, step)."""
-    import torch
-
-    from dspark_ds.drafters.kind import StepContext
-
-    kind, section, perf = cfg.kind, cfg.model, cfg.perf(variant)
-    model = build_model(cfg)
-    path = kind.prepare(model, perf, cfg.device)  # the attention, compile, the loss path
-    ctx = StepContext(section, perf, path, seed=cfg.seed)
-    batch = build_batch(cfg, cfg.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=6e-4, weight_decay=0.0)
-
-    def step():
-        # NOTE: gradients are cleared before the step, not after: they stay allocated between
-        # steps, as a DeepSpeed engine's gradient buffers do, and count as resident.
-        opt.zero_grad(set_to_none=True)
-        out = kind.training_step(model, batch, ctx)
-        out.loss.backward()
-        opt.step()
-        sums = dict(zip(out.names, out.sums.tolist()))
-        return out.loss.item(), kind.metrics(sums, section)
-
-    return model, batch, opt, step
-
-
-def _timed_steps(cfg: TrainBenchConfig, step):
-    """Warm-up steps, then `repeats` timed ones -> (first loss, last metrics, wall times, CPU
-    times)."""
-    first_loss, metrics = None, {}
-    for _ in range(cfg.warmup_steps):
-        first_loss, metrics = step()
-    times, cpu_times = [], []
-    for _ in range(cfg.repeats):
-        _sync(cfg.device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss, metrics = step()
-        _sync(cfg.device)
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
-        first_loss = loss if first_loss is None else first_loss
-    return first_loss, metrics, times, cpu_times
-
-
-def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
-    """Builds, warms up and times one variant in this process."""
-    import torch
-
-    if cfg.num_threads > 0:
-        torch.set_num_threads(cfg.num_threads)
-    device = cfg.device
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(torch.device(device))
-    # the process before the model: nothing on a GPU, interpreter + libraries in RSS
-    baseline = _memory_now(cuda)
-    model, batch, opt, step = _training_step(cfg, variant)
-    matmul_rate = matmul_flops_per_s(device, cfg.dtype, cfg.matmul_n)
-    if cuda:  # the peak of the steps only (not the fp32 build, not the matmul's inputs)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    # The idle process: imports, model, batch, optimizer (its state appears in step 1).
-    idle = _memory_now(cuda)
-    first_loss, metrics, times, cpu_times = _timed_steps(cfg, step)
-    # NOTE: the peak covers warm-up and timed steps (the process high-water mark), so a
-    # variant cannot look smaller because freed-but-retained heap hides its first step.
-    peak = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")
-    resident = resident_bytes(model, opt)
-    resident_total = sum(resident.values())
-    step_time = statistics.median(times)
-    flops = step_flops(cfg, variant)
-    achieved = flops / step_time
-    return {
-        "variant": variant,
-        "step_time_s": step_time,
-        "step_times_s": times,
-        # CPU seconds of this process per step: less sensitive than wall time to other
-        # processes sharing the cores (wall time is the headline number).
-        "step_cpu_time_s": statistics.median(cpu_times),
-        "peak_memory_bytes": int(peak),
-        "peak_memory_kind": "cuda_max_allocated" if cuda else "process_peak_rss",
-        "idle_memory_bytes": int(idle),
-        # What the steps add on top of the idle process (activations, logits, gradients).
-        "step_peak_memory_bytes": int(peak - idle),
-        "baseline_memory_bytes": int(baseline),
-        **resident,
-        "resident_bytes": resident_total,
-        # peak minus what stays allocated (weights, gradients, optimizer state) and minus the
-        # process before the model: activations, logits, the batch, transients
-        "working_memory_bytes": int(peak - baseline - resident_total),
-        "tokens_per_s": metrics["supervised_tokens"] / step_time,
-        "supervised_tokens": metrics["supervised_tokens"],
-        "flops_per_step": flops,
-        "achieved_flops": achieved,
-        "matmul_flops": matmul_rate,
-        "matmul_size": cfg.matmul_n,
-        "matmul_dtype": cfg.dtype,
-        "achieved_flops_ratio": achieved / matmul_rate,
-        "loss_chunk_anchors": cfg.chunk_anchors,
-        "loss_first_step": first_loss,
-        "num_threads": torch.get_num_threads(),
-    }
-
-
 # ---- the driver ---------------------------------------------------------------------------
 def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
     """Runs every variant in a fresh subprocess, prints the table, writes --json."""
@@ -479,7 +214,7 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
     for variant in tqdm(cfg.variants, desc="bench variants", unit="variant"):
         child_cfg = dataclasses.replace(cfg, variants=[variant], json=None)
         proc = subprocess.run(
-            [sys.executable, "-m", "dspark_ds.perf.train_bench", "--_child"],
+            [sys.executable, "-m", "dspark_ds.perf.bench_variant", "--_child"],
             input=json.dumps(dataclasses.asdict(child_cfg)),
             capture_output=True,
             text=True,
@@ -508,7 +243,7 @@ def log_bench(cfg: TrainBenchConfig, results: list[dict], text: str) -> str | No
     child per variant (its numbers as metrics, a failed variant's error as a tag)."""
     import tempfile
 
-    from dspark_ds.tracking.mlflow import resolve_uri
+    from dspark_ds.tracking.store import resolve_uri
     from dspark_ds.tracking.sweeps import Point, log_sweep
 
     shape = {
@@ -598,19 +333,3 @@ def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
         f"model; t/ref, work/ref: step time and working memory / {cfg.reference_variant}'s"
     )
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m dspark_ds.perf.train_bench --_child`: one variant, its config as JSON on stdin, the
-    result JSON on stdout (what `run_train_bench` starts per variant)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv != ["--_child"]:
-        print("the benchmark runs as `dspark-ds bench` (see --help)", file=sys.stderr)
-        return 2
-    cfg = TrainBenchConfig(**json.loads(sys.stdin.read()))
-    print(json.dumps(run_variant(cfg, cfg.variants[0])), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,7 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from dspark_ds.errors import ConfigError
-from dspark_ds.tracking.mlflow import KIND_TAG, PARENT_TAG, resolve_experiment
+from dspark_ds.tracking.store import KIND_TAG, PARENT_TAG, resolve_experiment
 
 DEFAULT_METRICS = [
     "train/tau_probabilistic",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dspark_ds.errors import ConfigError
 from dspark_ds.network import NetworkError
-from dspark_ds.tracking.mlflow import RUN_ID_FILE, Delivery, rows_as_ops
+from dspark_ds.tracking.delivery import Delivery, rows_as_ops
 from dspark_ds.tracking.sender import (
     UNDELIVERED_FILE,
     Sender,
@@ -27,6 +27,7 @@ from dspark_ds.tracking.sender import (
     summarize,
     write_undelivered,
 )
+from dspark_ds.tracking.store import RUN_ID_FILE
 
 
 @dataclass

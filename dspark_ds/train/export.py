@@ -72,7 +72,7 @@ def export_checkpoint(
     out = save_draft_model(model, output_dir, {k: v.to(dtype) for k, v in state.items()})
     run_id_file = tag_dir.parent.parent / "mlflow_run_id"  # <run>/checkpoints/<tag>
     if run_id_file.is_file():  # the export names the run that trained it (tracking.md)
-        from dspark_ds.tracking.mlflow import write_export_record
+        from dspark_ds.tracking.store import write_export_record
 
         write_export_record(out, run_id_file.read_text().strip(), None)
     return out

@@ -22,6 +22,7 @@ from pathlib import Path
 from dspark_ds import distributed
 from dspark_ds.config import flatten
 from dspark_ds.errors import ConfigError
+from dspark_ds.tracking.store import EXPORT_RECORD, default_artifact_location, git_sha, resolve_uri
 
 
 def zero_option(ds_config: dict) -> str:
@@ -111,8 +112,6 @@ def start_tracking(trainer):
     """Collective: the training run's tracker (rank 0 logs; a no-op elsewhere), with its tags,
     params, the DeepSpeed config and the data inputs queued. A refused MLFLOW_RUN_ID is a
     ConfigError on every rank."""
-    from dspark_ds.tracking.mlflow import git_sha
-
     cfg, t = trainer.cfg, trainer.cfg.tracking
     tags = {
         **t.tags,
@@ -150,7 +149,7 @@ def start_tracking(trainer):
 
 
 def _tracker(trainer, tags: dict):
-    from dspark_ds.tracking.mlflow import Tracker, default_artifact_location, resolve_uri
+    from dspark_ds.tracking.mlflow import Tracker
 
     cfg, t = trainer.cfg, trainer.cfg.tracking
     return Tracker.for_rank(
@@ -205,8 +204,6 @@ def _log_run(trainer, tracker) -> None:
 
 def log_export(trainer, export_dir: Path) -> None:
     """Rank 0: the export records its run and becomes the run's MLflow model."""
-    from dspark_ds.tracking.mlflow import EXPORT_RECORD
-
     tracker, cfg = trainer.tracker, trainer.cfg
     tracker.record_run(export_dir / EXPORT_RECORD)
     tracker.log_model(

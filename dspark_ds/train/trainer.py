@@ -1,12 +1,14 @@
 """The training loop. `train(cfg)` is the whole of `dspark-ds train`; `Trainer.run` is the loop,
 and each concern it calls on is a component with a small interface:
 
-    CheckpointManager  train/checkpoint.py  the resume (chosen, verified, its rules checked),
-                                           load(), save(step) over engine, data, RNG, run state
-    Validator          train/validator.py   should_validate(step), validate()
-    MetricsLogger      train/metrics.py     train_log.jsonl, MLflow, progress, the summary
-    Signals            train/signals.py     SIGTERM / SIGUSR1 → exit 75 (requeue), Ctrl-C → 130
-    Schedule           train/schedule.py    warmup + cosine, and what a changed length does
+    CheckpointManager  train/checkpoint.py    the resume (chosen, verified, its rules checked),
+                                              load(), save(step) over engine, data, RNG, run state
+    StepBatches        train/step_batches.py  a step's micro-batches (served: fetched a step
+                                              ahead); a checkpoint, then a stop, when they fail
+    Validator          train/validator.py     should_validate(step), validate()
+    MetricsLogger      train/metrics.py       train_log.jsonl, MLflow, progress, the summary
+    Signals            train/signals.py       SIGTERM / SIGUSR1 → exit 75 (requeue), Ctrl-C → 130
+    Schedule           train/schedule.py      warmup + cosine, and what a changed length does
 
 The trainer is itself one of the parts a checkpoint holds (`state_dict` / `load_state_dict`: step,
 epoch, schedule, the non-finite counters).
@@ -35,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,14 +45,11 @@ import torch
 from dspark_ds import distributed
 from dspark_ds.config import TrainRunConfig, dump_config, to_plain
 from dspark_ds.cost.devices import peak_flops
-from dspark_ds.cost.flops import WindowFlops
-from dspark_ds.data.cache import CacheError
-from dspark_ds.data.served import DataUnavailable
+from dspark_ds.cost.flops import WindowFlops, target_in_job
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.io import draft_config_dict
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext, StepOutput
-from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.engine.checkpoint import full_fp32_state_dict
 from dspark_ds.engine.config import build_ds_config
@@ -61,62 +60,14 @@ from dspark_ds.target import target_shared_weights
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source, served_client
 from dspark_ds.train.checkpoint import CheckpointManager
+from dspark_ds.train.draft_config import make_draft_config
 from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.rng import seed_everything
 from dspark_ds.train.schedule import Schedule
 from dspark_ds.train.signals import REQUEUE_EXIT_CODE, Signals, exit_code_for
+from dspark_ds.train.step_batches import StepBatches, StepStart
 from dspark_ds.train.validator import Validator
-
-
-def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
-    if cfg.model.mask_token_id is not None:
-        return int(cfg.model.mask_token_id)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
-    mask_id = tok.convert_tokens_to_ids("<|mask|>")
-    if mask_id is None or mask_id == tok.unk_token_id:
-        raise ConfigError("model.mask_token_id: the tokenizer has no <|mask|> token; set the id")
-    return int(mask_id)
-
-
-def make_draft_config(cfg: TrainRunConfig):
-    """The drafter's transformers config for this run's target (its kind's `build_config`)."""
-    from transformers import AutoConfig
-
-    from dspark_ds.target import default_layer_ids, text_config
-
-    try:
-        target_config = AutoConfig.from_pretrained(
-            cfg.target.path, trust_remote_code=cfg.target.trust_remote_code
-        )
-    except OSError as err:
-        raise ConfigError(
-            f"target.path: cannot read a model config from {cfg.target.path!r} "
-            f"({str(err).splitlines()[0]})"
-        ) from err
-    num_layers = int(text_config(target_config).num_hidden_layers)
-    layer_ids = cfg.target.layer_ids or default_layer_ids(num_layers)
-    kind = get_kind(cfg.model.kind)
-    mask_token_id = resolve_mask_token_id(cfg) if kind.uses_mask_token else None
-    try:
-        return kind.build_config(
-            target_config,
-            cfg.model,
-            target_layer_ids=layer_ids,
-            mask_token_id=mask_token_id,
-            target_path=cfg.target.path,
-        )
-    except ConfigError as err:
-        # the builders name the drafter config's field (the run's `model` option) or the
-        # target config's (set by the target the run names)
-        field, _, why = str(err).partition(":")
-        if field == "target_layer_ids":
-            raise ConfigError(f"target.layer_ids:{why}") from err
-        if field in {f.name for f in fields(DrafterConfig)}:
-            raise ConfigError(f"model.{field}:{why}") from err
-        raise ConfigError(f"target.path: {field}:{why}") from err
 
 
 @dataclass
@@ -153,9 +104,7 @@ class Trainer:
         self.draft_config = make_draft_config(cfg)
         # the target runs in the job (features online, synthetic data) and then lends the
         # drafter its embedding and lm_head (engine/target.py); a served one runs elsewhere
-        self.needs_target = (
-            cfg.data.mode != "offline" and not cfg.data.from_servers
-        ) or cfg.train.synthetic_samples > 0
+        self.needs_target = target_in_job(cfg)
         if self.needs_target:
             check_target_dtype(cfg.target.torch_dtype, cfg.train.precision)
         self.rank, self.world, _ = distributed.init(cfg.deepspeed.backend, settings=cfg.distributed)
@@ -276,10 +225,6 @@ class Trainer:
         )
         self.source = build_batch_source(cfg, **kwargs)
         self.val_source = build_batch_source(cfg, **kwargs, split="val")
-        # served: the step's micro-batches are fetched before it starts, and every rank agrees
-        # that all of them arrived (one flag), so that a fleet failure stops every rank at the
-        # same step, after a checkpoint
-        self.fetch_ahead = self.served is not None
 
     def _build_engine(self) -> DrafterEngine:
         init_state = None
@@ -351,6 +296,13 @@ class Trainer:
         self.metrics.sync()  # the log's rows of these steps reach the disk first
         return self.checkpoints.save(self.step)
 
+    def save_from(self, at_start: StepStart) -> Path:
+        """Checkpoints the finished steps, the data rewound to the start of the step that could
+        not run (`at_start`: its epoch and the batch source's state)."""
+        self.epoch = at_start[0]
+        self.source.load_state_dict(at_start[1])
+        return self.save()
+
     def export(self) -> Path:
         """Collective: the live weights (fp32 master copies) as an interchange directory."""
         from dspark_ds.drafters import save_draft_model
@@ -387,20 +339,20 @@ class Trainer:
             # NOTE: a step never spans two epochs; the tail that is shorter than one step is
             # dropped (every rank drops the same number of batches).
             self.epoch += 1
-            self.source.set_epoch(self.epoch)
-            self._iter = iter(self.source)
+            self.batches.start(self.epoch)
         ctx = self.step_context(training=True)
         outputs: list[StepOutput] = []
-        ahead = self._fetch_step(at_start) if self.fetch_ahead else None
+        batches = self.batches
+        ahead = batches.fetch_step(at_start) if batches.fetch_ahead else None
         for i in range(self.grad_accum):
-            batch = ahead[i] if ahead else self._next_batch(i, at_start)
+            batch = ahead[i] if ahead else batches.next_batch(i, at_start)
             out = self.kind.training_step(self.engine, self.on_device(batch), ctx)
             self.metrics.add_sampler_sums(out.sampler_sums)
             finite, stop = self._control(out.loss)
             if not finite:
                 self._report_nonfinite(i, batch, out.loss)
-                for _ in range(i + 1, self.grad_accum if ahead is None else 0):
-                    next(self._iter)  # the step's other batches go with it
+                if ahead is None:
+                    batches.skip(self.grad_accum - i - 1)  # the step's other batches go with it
                 self.engine.skip_step()
                 return StepResult(None, clean=i == 0, stop=stop)
             self.engine.ds.backward(out.loss)
@@ -408,53 +360,6 @@ class Trainer:
             outputs.append(out)
             self.metrics.add_micro_batch(batch)
         return StepResult(outputs, clean=True, stop=stop)
-
-    def _next_batch(self, i: int, at_start: tuple[int, dict]) -> dict:
-        """The step's micro-batch `i`; the time it kept the step waiting goes to the metrics."""
-        t0 = time.perf_counter()
-        try:
-            batch = next(self._iter)
-        except CacheError as err:  # every rank (the cache's checks are collective)
-            if i > 0:
-                raise
-            self._save_before_data_error(at_start, err)
-        self.metrics.add_data_wait(time.perf_counter() - t0)
-        return batch
-
-    def _fetch_step(self, at_start: tuple[int, dict]) -> list[dict]:
-        """Collective (served features): the step's micro-batches, once every rank has all of
-        its own; when a rank could not get one, every rank checkpoints the finished steps and
-        stops with the reason (`DataUnavailable`), exit 1."""
-        t0 = time.perf_counter()
-        batches, failure = [], None
-        try:
-            for _ in range(self.grad_accum):
-                batches.append(next(self._iter))
-        except DataUnavailable as err:
-            failure = err
-        flag = torch.tensor([float(failure is not None)], device=distributed.collective_device())
-        if distributed.all_reduce_(flag, op="max").item():
-            self._stop_for_data(at_start, failure)
-        self.metrics.add_data_wait(time.perf_counter() - t0)
-        return batches
-
-    def _stop_for_data(self, at_start: tuple[int, dict], failure: Exception | None) -> None:
-        self.epoch = at_start[0]
-        self._close_data()
-        self.source.load_state_dict(at_start[1])
-        tag = self.save()
-        why = str(failure) if failure is not None else "[data] served: another rank's data failed"
-        raise DataUnavailable(
-            f"{why} (checkpoint {tag} holds every finished step; once the servers are back, "
-            "--checkpoint.resume auto continues from it)"
-        )
-
-    def _close_data(self) -> None:
-        """Ends the batch iterator (a served one lets its requests in flight finish and deletes
-        their files)."""
-        close = getattr(getattr(self, "_iter", None), "close", None)
-        if close is not None:
-            close()
 
     def step_context(self, training: bool) -> StepContext:
         cfg = self.cfg
@@ -485,17 +390,6 @@ class Trainer:
         bad, request = flags.tolist()
         return bad == 0, exit_code_for(int(request))
 
-    def _save_before_data_error(self, at_start: tuple[int, dict], err: Exception) -> None:
-        """A cache found damaged when a step begins (e.g. at an epoch start): checkpoint the
-        finished steps (data rewound to this step's start), then the one-line error."""
-        self.epoch = at_start[0]
-        self.source.load_state_dict(at_start[1])
-        tag = self.save()
-        raise CacheError(
-            f"{err} (checkpoint {tag} holds every finished step; after the repair, "
-            "--checkpoint.resume auto continues from it)"
-        ) from None
-
     def _report_nonfinite(self, i: int, batch: dict, loss: torch.Tensor) -> None:
         self.nonfinite_total += 1
         self.nonfinite_in_row += 1
@@ -521,8 +415,16 @@ class Trainer:
         result = TrainResult(
             steps=self.step, run_dir=str(self.run_dir), mlflow_run_id=self.tracker.run_id
         )
-        self.source.set_epoch(self.epoch)  # continue where the checkpoint left the data
-        self._iter = iter(self.source)
+        # served: a step's micro-batches are fetched before it starts, and every rank agrees
+        # that all of them arrived (a fleet failure stops every rank at the same step)
+        self.batches = StepBatches(
+            self.source,
+            self.grad_accum,
+            self.metrics,
+            fetch_ahead=self.served is not None,
+            save_from=self.save_from,
+        )
+        self.batches.start(self.epoch)  # continue where the checkpoint left the data
         self.metrics.start(self.step)
         self.signals.install()
         self.engine.ds.train()
@@ -568,7 +470,7 @@ class Trainer:
             self._finish("FAILED", None, None)
             raise
         finally:
-            self._close_data()
+            self.batches.close()
             if self.served is not None:
                 self.served[0].close()
             self.signals.restore()

@@ -61,7 +61,7 @@ def log_sweep(
     """Rank 0: the sweep's parent and children; returns the parent's run id."""
     from dspark_ds.config import flatten
     from dspark_ds.drafters.registry import get_kind
-    from dspark_ds.tracking.mlflow import default_artifact_location, resolve_uri
+    from dspark_ds.tracking.store import default_artifact_location, resolve_uri
     from dspark_ds.tracking.sweeps import Point
     from dspark_ds.tracking.sweeps import log_sweep as log_points
     from dspark_ds.tune.config import OPTIONS

@@ -305,7 +305,7 @@ def _files(root: Path) -> dict[str, bytes]:
 def test_regenerate_and_build_cache_across_hosts(multihost_cluster, tiny_target, tmp_path):
     """The answers and the cache made on 2 hosts x 2 ranks are byte for byte those of one
     process on one host."""
-    from dspark_ds.data.cache import build_cache
+    from dspark_ds.data.cache_writer import build_cache
     from dspark_ds.data.config import BuildCacheConfig, DataConfig, RegenerateConfig
     from dspark_ds.data.regeneration import regenerate
     from dspark_ds.target import TargetConfig

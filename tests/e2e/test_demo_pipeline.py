@@ -46,7 +46,7 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     from dspark_ds.drafters import load_draft_model
     from dspark_ds.eval.benchmarks import encode_prompt, load_benchmark
     from dspark_ds.eval.decoding import speculative_generate, target_generate
-    from dspark_ds.tracking.mlflow import child_runs, read_run
+    from dspark_ds.tracking.store import child_runs, read_run
 
     monkeypatch.setenv("DSPARK_DS_CACHE", str(tmp_path / "cache"))
     cwd = tmp_path / "cwd"

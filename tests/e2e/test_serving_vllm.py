@@ -166,7 +166,7 @@ class TestDFlash:
             yield server
 
     def test_served_as_written_with_our_acceptance(self, tiny, reference, server, monkeypatch):
-        from dspark_ds.tracking.mlflow import read_run
+        from dspark_ds.tracking.store import read_run
 
         monkeypatch.setenv("OPENAI_API_KEY", KEY)
         outputs = [server.complete(p, MAX_NEW_TOKENS, key=KEY) for p in tiny.prompts]

@@ -233,7 +233,7 @@ def test_tune_sweep_is_a_parent_with_one_child_per_option(served, capsys):
 
     from dspark_ds import tune
     from dspark_ds.config import TrackingConfig
-    from dspark_ds.tracking.mlflow import child_runs
+    from dspark_ds.tracking.store import child_runs
 
     root, server, proxy = served
     recipe = str(REPO / "dspark_ds" / "recipes" / "dspark_qwen3_8b.yaml")

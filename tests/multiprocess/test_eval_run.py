@@ -162,7 +162,7 @@ def _cfg(root, target_dir, **kw) -> EvalConfig:
 def test_run_eval_writes_the_report_and_logs_mlflow(setup, capsys):
     from transformers import AutoTokenizer
 
-    from dspark_ds.tracking.mlflow import list_artifacts, read_run
+    from dspark_ds.tracking.store import list_artifacts, read_run
 
     root, target_dir, target = setup
     cfg = _cfg(root, target_dir, name="greedy", measure_baseline=True)

@@ -178,7 +178,7 @@ def test_nonfinite_loss_after_accumulated_micro_batches(target, tmp_path):
 @pytest.fixture(scope="module")
 def cache_env(target, tmp_path_factory):
     """Prepared chat data (14 samples) and its offline cache, 4 samples per shard."""
-    from dspark_ds.data.cache import build_cache
+    from dspark_ds.data.cache_writer import build_cache
     from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig
     from dspark_ds.data.tokens import prepare
     from dspark_ds.target import TargetConfig

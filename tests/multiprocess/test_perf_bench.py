@@ -7,13 +7,8 @@ import json
 import pytest
 
 from dspark_ds.cli import main
-from dspark_ds.perf.train_bench import (
-    TrainBenchConfig,
-    parse_variant,
-    resident_bytes,
-    step_flops,
-    step_shape,
-)
+from dspark_ds.perf.bench_variant import resident_bytes, step_flops, step_shape
+from dspark_ds.perf.train_bench import TrainBenchConfig, parse_variant
 
 
 @pytest.mark.slow  # a subprocess per variant

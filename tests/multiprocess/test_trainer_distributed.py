@@ -185,7 +185,7 @@ def runs(tmp_path_factory, tiny_target):
 def mlflow_client(out: Path):
     from mlflow.tracking import MlflowClient
 
-    from dspark_ds.tracking.mlflow import default_uri
+    from dspark_ds.tracking.store import default_uri
 
     return MlflowClient(tracking_uri=default_uri(str(out)))
 

@@ -62,7 +62,8 @@ def test_dspark_flops_match_torch_counter(loss):
     from dspark_ds.drafters.common.memory import StepShape
     from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.perf.train_bench import TrainBenchConfig, build_batch, build_model, loss_args_for
+    from dspark_ds.perf.bench_variant import build_batch, build_model, loss_args_for
+    from dspark_ds.perf.train_bench import TrainBenchConfig
 
     cfg = TrainBenchConfig(
         hidden_size=64,

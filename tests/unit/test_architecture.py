@@ -1,4 +1,5 @@
-"""The package's shape: no import cycles, the boundaries of docs/architecture.md, formatting.
+"""The package's shape: no import cycles, the boundaries of docs/architecture.md, sizes,
+formatting.
 
 The import graph counts every `import` statement of a module, the ones inside functions too
 (a lazy import still ties two modules together), resolved to modules of `dspark_ds`; not those
@@ -250,40 +251,6 @@ def test_ruff(args):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-# ---- function sizes ---------------------------------------------------------------------------
-
-FUNCTION_LINES = 80
-"""The longest a function (or method) may be, from its `def` to its last line."""
-FUNCTION_LIMITED = ("cost", "tune")
-"""The packages held to FUNCTION_LINES (a stage too long for a screen is split into steps)."""
-
-
-def long_functions(root: Path, limit: int) -> dict[str, int]:
-    """`file:function` -> its lines, for each function under `root` longer than `limit`."""
-    found = {}
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > limit:
-                    found[f"{path.relative_to(root.parent)}:{node.name}"] = lines
-    return found
-
-
-@pytest.mark.parametrize("package", FUNCTION_LIMITED)
-def test_functions_fit_on_a_screen(package):
-    assert long_functions(PACKAGE / package, FUNCTION_LINES) == {}
-
-
-def test_a_long_function_is_found(tmp_path):
-    (tmp_path / "pkg").mkdir()
-    body = "".join(f"        x{i} = {i}\n" for i in range(5))
-    (tmp_path / "pkg" / "a.py").write_text(
-        f"def short():\n    pass\n\n\nclass C:\n    def long(self):\n{body}"
-    )
-    assert long_functions(tmp_path / "pkg", 5) == {"pkg/a.py:long": 6}
-
-
 # ---- the formatter trusted: switched off only for a table ------------------------------------
 
 FORMATTER_OFF_BUDGET = 30
@@ -327,6 +294,75 @@ def test_a_formatter_off_comment_is_found(tmp_path):
     )
     (tmp_path / "pkg" / "b.py").write_text("Y = 1\n")
     assert formatter_off(tmp_path / "pkg") == {"pkg/a.py": 2}
+
+
+# ---- sizes: a file a reader can hold, a function that fits on a screen ----------------------
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+
+def long_files(root: Path, limit: int) -> dict[str, int]:
+    """Per file under `root` of more than `limit` lines, its lines."""
+    counts = {
+        str(path.relative_to(root.parent)): len(path.read_text().splitlines())
+        for path in sorted(root.rglob("*.py"))
+    }
+    return {path: n for path, n in counts.items() if n > limit}
+
+
+def long_functions(root: Path, limit: int) -> dict[str, int]:
+    """Per function under `root` of more than `limit` lines (its `def` to its last line; a
+    nested function counts on its own too), "path:Class.name" -> its lines."""
+    found = {}
+
+    def visit(node, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                visit(child, path, prefix)
+                continue
+            lines = child.end_lineno - child.lineno + 1
+            if not isinstance(child, ast.ClassDef) and lines > limit:
+                found[f"{path}:{prefix}{child.name}"] = lines
+            visit(child, path, f"{prefix}{child.name}.")
+
+    for path in sorted(root.rglob("*.py")):
+        visit(ast.parse(path.read_text()), str(path.relative_to(root.parent)), "")
+    return found
+
+
+def _listed(counts: dict[str, int]) -> str:
+    return "\n".join(f"  {n:4d}  {what}" for what, n in sorted(counts.items(), key=lambda x: -x[1]))
+
+
+def test_no_package_file_is_over_600_lines():
+    # a file past this holds more than one job: split it by concern, each module named for what
+    # it holds
+    found = long_files(PACKAGE, MAX_FILE_LINES)
+    assert found == {}, f"over {MAX_FILE_LINES} lines:\n{_listed(found)}"
+
+
+def test_no_package_function_is_over_80_lines():
+    # a stage too long for a screen is split into steps
+    found = long_functions(PACKAGE, MAX_FUNCTION_LINES)
+    assert found == {}, f"over {MAX_FUNCTION_LINES} lines:\n{_listed(found)}"
+
+
+def test_a_long_file_and_function_are_found(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    statements = "        x = 1\n" * 4
+    (tmp_path / "pkg" / "a.py").write_text(
+        f"class A:\n    def long(self):\n{statements}\n\n"
+        "def short():\n    return 1\n\n\n"
+        f"def outer():\n    def inner():\n{statements}    return inner\n"
+    )
+    (tmp_path / "pkg" / "b.py").write_text("Y = 1\n")
+    assert long_files(tmp_path / "pkg", 10) == {"pkg/a.py": 19}
+    assert long_functions(tmp_path / "pkg", 4) == {
+        "pkg/a.py:A.long": 5,
+        "pkg/a.py:outer": 7,
+        "pkg/a.py:outer.inner": 5,
+    }
 
 
 def deepspeed_imports_before_the_guard(path: Path) -> list[str]:

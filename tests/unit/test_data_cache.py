@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark_ds.data.cache import (
-    CacheError,
-    TargetCache,
-    build_cache,
-    bytes_per_token,
-    estimate_cache,
-)
+from dspark_ds.data.cache import CacheError, TargetCache, bytes_per_token
+from dspark_ds.data.cache_writer import build_cache, estimate_cache
 from dspark_ds.data.config import BuildCacheConfig, DataConfig, EstimateCacheConfig, PrepareConfig
 from dspark_ds.data.loader import build_train_loader
 from dspark_ds.data.tokens import TokenStore, prepare

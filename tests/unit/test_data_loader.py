@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from dspark_ds.data.cache import CacheError, TargetCache, build_cache
+from dspark_ds.data.cache import CacheError, TargetCache
+from dspark_ds.data.cache_writer import build_cache
 from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig
 from dspark_ds.data.loader import build_train_loader, epoch_batches
 from dspark_ds.data.tokens import prepare

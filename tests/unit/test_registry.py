@@ -310,7 +310,8 @@ def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tm
     from dspark_ds.drafters.presets import PRESETS, preset
     from dspark_ds.drafters.registry import get_kind, kind_of
     from dspark_ds.errors import ConfigError
-    from dspark_ds.perf.train_bench import TrainBenchConfig, run_variant
+    from dspark_ds.perf.bench_variant import run_variant
+    from dspark_ds.perf.train_bench import TrainBenchConfig
     from dspark_ds.tune import TunerConfig
     from dspark_ds.tune.config import load_recipe
     from dspark_ds.tune.workload import host_work

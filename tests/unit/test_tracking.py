@@ -8,8 +8,8 @@ import pytest
 
 from dspark_ds.cli import main as cli_main
 from dspark_ds.errors import ConfigError
-from dspark_ds.tracking.mlflow import (
-    Tracker,
+from dspark_ds.tracking.mlflow import Tracker
+from dspark_ds.tracking.store import (
     default_artifact_location,
     default_uri,
     list_artifacts,

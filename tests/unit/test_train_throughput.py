@@ -224,7 +224,7 @@ def gemma4_run(tmp_path, **text) -> TrainRunConfig:
 def test_the_calibration_reference_shape_reads_a_gemma4_config(tmp_path):
     """tune --cluster.calibrate: the compute rates' shape from the config's global head fields
     (a plain read of Gemma4's per-layer head_dim trips transformers' guard)."""
-    from dspark_ds.tune.calibrate import reference_shape
+    from dspark_ds.tune.calibrate_compute import reference_shape
 
     run_cfg = gemma4_run(
         tmp_path,
@@ -260,7 +260,7 @@ def test_a_gemma4_calibration_copy_runs_under_a_bf16_engine(tmp_path):
 def test_the_calibration_copies_are_built_in_the_runs_dtype(tmp_path, monkeypatch):
     """The engine windows build their drafter from the host work's copies: in the run's bf16
     (an fp32 copy under a bf16 ZeRO-3 engine with offloaded parameters kept fp32 weights)."""
-    from dspark_ds.tune import calibrate
+    from dspark_ds.tune import calibrate_host
     from dspark_ds.tune.workload import NarrowCopies
 
     run_cfg = gemma4_run(tmp_path)
@@ -276,7 +276,7 @@ def test_the_calibration_copies_are_built_in_the_runs_dtype(tmp_path, monkeypatc
     def made(*args, **kwargs):  # HostWork's copies, before their timings
         raise Built(args[4] if len(args) > 4 else kwargs.get("dtype"))
 
-    monkeypatch.setattr(calibrate, "NarrowCopies", made)
+    monkeypatch.setattr(calibrate_host, "NarrowCopies", made)
     with pytest.raises(Built) as built:
-        calibrate.HostWork(run_cfg, (0,), torch.device("cpu"), torch.bfloat16)
+        calibrate_host.HostWork(run_cfg, (0,), torch.device("cpu"), torch.bfloat16)
     assert built.value.args[0] == torch.bfloat16

@@ -1,0 +1,61 @@
+"""The drafter's transformers config for a run's target: the kind's `build_config` over the
+target's own config, its errors named by the run's options (`model.*`, `target.*`)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from dspark_ds.config import TrainRunConfig
+from dspark_ds.drafters.presets import DrafterConfig
+from dspark_ds.drafters.registry import get_kind
+from dspark_ds.errors import ConfigError
+
+
+def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
+    if cfg.model.mask_token_id is not None:
+        return int(cfg.model.mask_token_id)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
+    mask_id = tok.convert_tokens_to_ids("<|mask|>")
+    if mask_id is None or mask_id == tok.unk_token_id:
+        raise ConfigError("model.mask_token_id: the tokenizer has no <|mask|> token; set the id")
+    return int(mask_id)
+
+
+def make_draft_config(cfg: TrainRunConfig):
+    """The drafter's transformers config for this run's target (its kind's `build_config`)."""
+    from transformers import AutoConfig
+
+    from dspark_ds.target import default_layer_ids, text_config
+
+    try:
+        target_config = AutoConfig.from_pretrained(
+            cfg.target.path, trust_remote_code=cfg.target.trust_remote_code
+        )
+    except OSError as err:
+        raise ConfigError(
+            f"target.path: cannot read a model config from {cfg.target.path!r} "
+            f"({str(err).splitlines()[0]})"
+        ) from err
+    num_layers = int(text_config(target_config).num_hidden_layers)
+    layer_ids = cfg.target.layer_ids or default_layer_ids(num_layers)
+    kind = get_kind(cfg.model.kind)
+    mask_token_id = resolve_mask_token_id(cfg) if kind.uses_mask_token else None
+    try:
+        return kind.build_config(
+            target_config,
+            cfg.model,
+            target_layer_ids=layer_ids,
+            mask_token_id=mask_token_id,
+            target_path=cfg.target.path,
+        )
+    except ConfigError as err:
+        # the builders name the drafter config's field (the run's `model` option) or the
+        # target config's (set by the target the run names)
+        field, _, why = str(err).partition(":")
+        if field == "target_layer_ids":
+            raise ConfigError(f"target.layer_ids:{why}") from err
+        if field in {f.name for f in fields(DrafterConfig)}:
+            raise ConfigError(f"model.{field}:{why}") from err
+        raise ConfigError(f"target.path: {field}:{why}") from err

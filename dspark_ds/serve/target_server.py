@@ -257,7 +257,15 @@ def run_foreground(argv: list[str], env: dict[str, str], stop_wait_s: float = 30
         print(f"[serve-target] vLLM pid {proc.pid} (process group {proc.pid})", flush=True)
         if received:  # a signal that came while it started
             _signal_group(proc.pid, received[0])
-        code = proc.wait()
+        code = None
+        while code is None:
+            # NOTE: not one blocking wait: a signal the kernel hands to another thread of this
+            # process would not interrupt it, and Python runs its handler in this thread only
+            # when it runs bytecode again
+            try:
+                code = proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

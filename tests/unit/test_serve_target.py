@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -263,6 +264,29 @@ def test_sigterm_goes_to_vllms_group_and_handlers_come_back(tmp_path, base_env):
     assert (tmp_path / "out").read_text().strip() == "TERM"
     assert not group_running(int((tmp_path / "out.pgid").read_text()))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_another_thread_receives_is_forwarded_too(tmp_path, base_env):
+    # the kernel hands a process's signal to any thread that does not block it: with this one
+    # blocking SIGTERM, a thread of the process (as a test worker's or a library's) takes it,
+    # and the main thread's wait must still wake up to forward it (a plain proc.wait() slept on
+    # until the stand-in's `sleep 30` ended)
+    script = fake_vllm(
+        tmp_path,
+        "trap 'echo TERM > \"$OUT\"; exit 7' TERM\nsleep 0.5\nkill -TERM $PPID\nsleep 30 &\nwait",
+    )
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        t0 = time.monotonic()
+        assert run_foreground([str(script)], dict(os.environ)) == 7
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        stop.set()
+    assert time.monotonic() - t0 < 10
+    assert (tmp_path / "out").read_text().strip() == "TERM"
 
 
 def test_a_second_signal_kills_and_leftovers_are_reaped(tmp_path, base_env):

@@ -614,6 +614,20 @@ def test_the_architecture_doc_lists_the_package():
     assert layout_problems(text, REPO) == []
 
 
+def test_the_architecture_doc_names_the_test_layers_and_the_tools():
+    # its "Tests and tools" part: a folder of tests/ or a file of tools/ it does not name is one
+    # a reader of this page does not know is there
+    text = (REPO / "docs" / "architecture.md").read_text()
+    part = text.split("## Tests and tools", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([\w.-]+/?)`", part))
+    tests = {p.name + "/" for p in (REPO / "tests").iterdir() if p.is_dir()} - {"__pycache__/"}
+    tests |= {p.name for p in (REPO / "tests").glob("*.py") if p.name != "conftest.py"}
+    tools = {p.name for p in (REPO / "tools").iterdir() if p.is_file()}
+    assert sorted((tests | tools) - named) == []
+    for section in ("## The training step", "## The tune loop", "## Tests and tools"):
+        assert section in text, section
+
+
 def test_a_layout_problem_is_found(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)

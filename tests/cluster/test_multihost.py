@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from helpers.dist import check, torchrun
-from helpers.slurm_cluster import job_env
+from helpers.slurm_cluster import ENDED_STATES, job_env
 from helpers.tiny_models import write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -105,13 +105,23 @@ class Job:
             time.sleep(0.1)
         pytest.fail(f"timed out waiting for {what}:\n{self.text()[-6000:]}")
 
-    def finish(self, timeout_s: float = 600) -> dict[str, str]:
+    def ended(self, timeout_s: float = 600) -> None:
+        """`sbatch --wait` returned: the batch script is over."""
         try:
             self.proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             pytest.fail(f"job {self.id} did not finish:\n{self.text()[-6000:]}")
-        return self.cluster.job(self.id)
+
+    def settled(self, timeout_s: float = 120) -> dict[str, str]:
+        """The job's record once slurmctld has closed it. `sbatch --wait` can return while the
+        job still reads COMPLETING: a node lost mid-step holds it there until slurmctld hears
+        from the node again or marks it down."""
+        return self.cluster.wait_state(self.id, ENDED_STATES, timeout_s=timeout_s)
+
+    def finish(self, timeout_s: float = 600) -> dict[str, str]:
+        self.ended(timeout_s)
+        return self.settled()
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -206,10 +216,11 @@ def test_train_across_hosts_survives_a_crash_and_a_partition(
             assert not left, f"dsn1's ranks still run {notice[how]:.0f} s after the {how}: {left}"
         finally:
             cluster.link("dsn2", up=True)
-        info = job.finish(timeout_s=180)
+        job.ended(timeout_s=180)
         ended = time.monotonic() - t0
         if how == "crash":
             cluster.restart("dsn2")
+        info = job.settled()
         assert info["JobState"] in ("FAILED", "CANCELLED", "NODE_FAIL"), (info, job.text()[-4000:])
         print(
             f"{how}: the ranks on dsn1 stopped after {notice[how]:.1f} s, the job after "

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers.openai_servers import MisbehavingServer
-from helpers.slurm_cluster import slurm_cluster  # noqa: F401 - the fixture
+from helpers.slurm_cluster import ENDED_STATES, slurm_cluster  # noqa: F401 - the fixture
 from helpers.tiny_models import write_chat_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def sbatch(cluster, tmp_path: Path, env: dict, args: list[str]) -> tuple[dict, s
     assert proc.returncode == 0, proc.stderr
     job_id = int(proc.stdout.strip().split(";")[0])
     # NOTE: polled here: `sbatch --wait` checks with growing pauses, ~20 s late on a 20 s job
-    info = cluster.wait_state(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    info = cluster.wait_state(job_id, ENDED_STATES)
     return info, (tmp_path / f"{name}-{job_id}.out").read_text()
 
 

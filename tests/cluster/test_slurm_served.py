@@ -39,7 +39,7 @@ from helpers.multihost import (
     _kill_namespace_processes,
     require_multihost,
 )
-from helpers.slurm_cluster import job_env, serve
+from helpers.slurm_cluster import ENDED_STATES, job_env, serve
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slurm" / "train_served.sbatch"
@@ -192,7 +192,7 @@ def submit(cluster: HetCluster, tmp_path: Path, **env: str) -> tuple[dict, str, 
         env=env,
         cwd=str(tmp_path),
     )
-    info = cluster.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 120)
+    info = cluster.wait_state(job, ENDED_STATES, 120)
     return info, (tmp_path / f"served-{job}.out").read_text(), records
 
 
@@ -390,7 +390,7 @@ def test_real_vllm_on_one_host_trains_two_ranks_on_the_other(het_cluster, tmp_pa
             env=env,
             cwd=str(tmp_path),
         )
-        info = het_cluster.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
+        info = het_cluster.wait_state(job, ENDED_STATES, 300)
         reference = online.communicate(timeout=300)[0]
     finally:
         online.kill()

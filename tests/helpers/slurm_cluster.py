@@ -268,6 +268,12 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
         raise TimeoutError(f"job {job_id} not in {states} after {timeout_s}s: {info}")
 
 
+# the states slurmctld leaves a job in once it is over (COMPLETING is not one of them)
+ENDED_STATES = tuple(
+    "COMPLETED FAILED CANCELLED NODE_FAIL TIMEOUT PREEMPTED OUT_OF_MEMORY BOOT_FAIL DEADLINE".split()
+)
+
+
 def _terminate(pid: int, timeout_s: float = 15) -> None:
     try:
         os.kill(pid, signal.SIGTERM)

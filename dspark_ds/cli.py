@@ -21,6 +21,9 @@ import argparse
 import importlib
 import sys
 
+from dspark_ds import __version__
+from dspark_ds.errors import ConfigError, TrainingStopped
+
 # name -> (config class, entry function, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "prepare": (
@@ -116,7 +119,7 @@ def _import(path: str):
 def parse_config(name: str, argv: list[str]):
     """argv (after the subcommand) → a validated config instance of that subcommand. Raises
     ConfigError / SystemExit(2) with the option's name."""
-    from dspark_ds.config import parse
+    from dspark_ds.config import parse  # lazy: torch, 1.5 s of `dspark-ds --help`
 
     config_path, _, _ = SUBCOMMANDS[name]
     return parse(_import(config_path), argv, prog=f"dspark-ds {name}")
@@ -147,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from dspark_ds import __version__
-
         print(f"dspark-ds {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
@@ -162,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         entry = _import(entry_path)
     except (ImportError, AttributeError) as err:
         return _fail(f"subcommand {name!r} is not available in this install ({err})")
-    from dspark_ds.errors import ConfigError
 
     try:
         cfg = parse_config(name, rest)
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(err.code or 0)
     except (argparse.ArgumentError, ConfigError) as err:
         return _fail(_parse_error_text(err))
+    # lazy: torch, 1.5 s of `dspark-ds --help`; network.py, 16 ms of it (docs/testing.md)
     from dspark_ds.distributed import leave
-    from dspark_ds.errors import TrainingStopped
     from dspark_ds.network import NetworkError
     from dspark_ds.train.signals import INTERRUPT_EXIT_CODE
 

@@ -18,11 +18,16 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Literal
 
+import yaml
+from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
 from dspark_ds.data.config import DataConfig
-from dspark_ds.distributed import DistributedConfig
+from dspark_ds.distributed import DistributedConfig, print0
 from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import DEFAULT_PRESET, DrafterConfig
+from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
+from dspark_ds.files import check_exists, check_model_path
 from dspark_ds.target import TargetConfig, TargetPathConfig
 
 
@@ -238,7 +243,6 @@ class TrainRunConfig:
         _require(bool(self.name) and "/" not in self.name, "name", "must be a plain name", self)
         _require(bool(self.target.path), "target.path", "is required", self)
         self.model.validate()
-        from dspark_ds.drafters.registry import get_kind
 
         get_kind(self.model.kind).check_perf(self.perf)  # a perf option the kind cannot honour
         self.train.validate()
@@ -263,7 +267,6 @@ class TrainRunConfig:
                 f"must be >= train.global_batch_size ({self.train.global_batch_size})",
                 self,
             )
-        from dspark_ds.drafters.registry import get_kind
 
         if get_kind(self.model.kind).anchor_blocks:
             self._warn_block_shapes()
@@ -291,8 +294,6 @@ class TrainRunConfig:
         Separate from `validate()` (which `--print_config` runs too): a recipe names paths of the
         cluster it is meant for. A local-looking target path is checked here, before
         transformers would spend ~25 s asking the hub for it."""
-        from dspark_ds.files import check_exists, check_model_path
-
         check_model_path(self.target.path, "target.path")
         check_model_path(self.data.tokenizer, "data.tokenizer")
         if self.train.synthetic_samples == 0 and self.data.mode != "offline":
@@ -341,8 +342,6 @@ _WARNED: set[str] = set()
 
 def warn(message: str) -> None:
     """A config warning on stderr, once per process, on rank 0 only."""
-    from dspark_ds.distributed import print0
-
     if message not in _WARNED:
         _WARNED.add(message)
         print0(f"dspark-ds: warning: {message}", file=sys.stderr)
@@ -392,8 +391,6 @@ def _flatten_dict(d: dict, prefix: str) -> dict[str, object]:
 def build_parser(config_cls, prog: str):
     """A jsonargparse parser over `config_cls`: `--config recipe.yaml`, dotted flags, and the
     field docstrings as --help."""
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
-
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     doc = (config_cls.__doc__ or "").strip().splitlines()[0]
     parser = ArgumentParser(prog=prog, description=doc, exit_on_error=False)
@@ -501,6 +498,4 @@ def to_plain(cfg) -> dict:
 
 def dump_config(cfg) -> str:
     """A config dataclass as YAML (what `--print_config` shows and checkpoints keep)."""
-    import yaml
-
     return yaml.safe_dump(to_plain(cfg), sort_keys=False)

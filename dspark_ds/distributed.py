@@ -205,6 +205,7 @@ def _mpi_env(info: LaunchInfo, env: MutableMapping[str, str]) -> LaunchInfo:
     """Under mpirun: rank and world size from MPI, rank 0's address as the master, the local
     rank from the host names; exported as torch's env:// variables."""
     try:
+        # lazy: optional dependency mpi4py (the [mpi] extra)
         from mpi4py import MPI
     except ImportError as err:
         raise RuntimeError(

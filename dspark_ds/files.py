@@ -33,6 +33,7 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = No
 
     NOTE: `safetensors.torch.save_file` creates its file with mode 0600, so a drafter or token
     store written by one user cannot be read by a serving or training job of another."""
+    # lazy: safetensors.torch imports torch (1 s); files.py is standard library
     from safetensors.torch import save_file
 
     path = Path(path)

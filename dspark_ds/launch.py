@@ -10,15 +10,14 @@ from __future__ import annotations
 import os
 import sys
 
+from dspark_ds import cli
+from dspark_ds.distributed import prepare_env
+from dspark_ds.logs import emit
+
 
 def main(argv: list[str] | None = None, as_process: bool = False) -> int:
-    from dspark_ds import cli
-    from dspark_ds.distributed import prepare_env
-
     info = prepare_env()
     if os.environ.get("DSPARK_LAUNCH_VERBOSE", "1") != "0" and info.rank in (0, None):
-        from dspark_ds.logs import emit
-
         emit(
             f"[launch] {info.launcher}: world_size={info.world_size} "
             f"master={info.master_addr}:{info.master_port}",

@@ -23,6 +23,7 @@ from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_model_path, first_line
+from dspark_ds.target_weights import TargetWeights, local_target_dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,6 +77,7 @@ def _model_kwargs(cfg: TargetConfig) -> dict:
 def target_model_config(cfg: TargetConfig, partitioned: bool = False):
     """The target's transformers config (ConfigError when it cannot be read). `partitioned`:
     for a target loaded partition by partition (ZeRO-3), which reads plain weights only."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoConfig
 
     check_model_path(cfg.path, "target.path")
@@ -106,6 +108,7 @@ def import_target_class(config) -> None:
     NOTE: call it before `deepspeed.zero.Init`: a class first defined inside that context gets
     its `__init__` reset to the undecorated function when the context exits, which drops what
     a decorator added (transformers' MoE experts then lack `self.config`)."""
+    # lazy: transformers, 0.9 s of import
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
@@ -118,6 +121,7 @@ def build_target_model(cfg: TargetConfig, config) -> nn.Module:
     """The target's model class built from `config`, its weights left uninitialised (they are
     read from the checkpoint next; under `zero.Init` each parameter is partitioned as its module
     is built, and transformers' init would index into the empty partitions)."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -247,6 +251,7 @@ class FrozenTarget(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: TargetConfig, device: torch.device | str | None = None):
+        # lazy: transformers, 0.9 s of import
         from transformers import AutoModelForCausalLM
 
         if not cfg.path:
@@ -368,9 +373,8 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
 def _meta_target(target_path: str):
     """(the target's local directory, its model built on the meta device, {id(parameter): its
     names}): what the readers below use to learn a parameter's name in any family."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from dspark_ds.target_weights import local_target_dir
 
     root = local_target_dir(target_path)
     try:
@@ -392,8 +396,6 @@ def target_shared_weights(target_path: str) -> tuple[torch.Tensor, torch.Tensor]
     loading the whole target: the model is built on the meta device to learn the two
     parameters' names (any family), then only those tensors are read. Tied targets return the
     embedding twice."""
-    from dspark_ds.target_weights import TargetWeights
-
     root, model, names = _meta_target(target_path)
     embed_names = names[id(model.get_input_embeddings().weight)]
     head = model.get_output_embeddings()
@@ -412,8 +414,6 @@ def target_final_norm(target_path: str) -> nn.Module:
     """The target's final norm (the decoder's ``norm``, on the CPU in float32, frozen) read from
     its safetensors: what turns the last layer's raw output into the state the lm_head consumes,
     for a served target whose files hold the raw one (`dspark_ds.serve.hidden_states`)."""
-    from dspark_ds.target_weights import TargetWeights
-
     root, model, _ = _meta_target(target_path)
     norm = getattr(model.get_decoder(), "norm", None)
     if not isinstance(norm, nn.Module):

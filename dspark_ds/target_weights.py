@@ -136,6 +136,7 @@ def local_target_dir(path: str, revision: str | None = None) -> Path:
     config and safetensors files."""
     if Path(path).expanduser().is_dir() or looks_local(path):
         return Path(path).expanduser()
+    # lazy: huggingface_hub's downloads, 0.3 s of import
     from huggingface_hub import snapshot_download
 
     return Path(
@@ -181,6 +182,7 @@ class TargetWeights:
         uses (or only those named in `only`), one stored tensor or one converted group at a
         time, with the key renamings and converters transformers' `from_pretrained` applies to
         this model. `model` may be on the meta device."""
+        # lazy: transformers, 0.9 s of import
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
             WeightConverter,

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 
+from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.common.target_config import global_attr
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
+from dspark_ds.target import default_layer_ids, text_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -172,6 +174,7 @@ class Inventory:
 
 
 def target_config_of(path: str):
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoConfig, Qwen3Config
 
     if path in KNOWN_TARGETS and not Path(path).exists():
@@ -247,10 +250,8 @@ def active_params(layers: torch.nn.Module, top_k: int | None) -> int:
 def inventory(run_cfg) -> Inventory:
     """Counts from the real drafter (of the recipe's kind) and target classes built on the meta
     device (no memory)."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoModelForCausalLM
-
-    from dspark_ds.drafters import build_draft_model
-    from dspark_ds.target import default_layer_ids, text_config
 
     tcfg_full = target_config_of(run_cfg.target.path)
     tcfg = text_config(tcfg_full)

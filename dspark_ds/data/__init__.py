@@ -4,6 +4,7 @@ Entry points (one per subcommand): ``prepare``, ``regenerate``, ``build_cache``,
 ``estimate_cache``; the trainer uses ``build_train_loader`` and ``DataConfig``.
 """
 
+from dspark_ds.data.cache_writer import build_cache, estimate_cache
 from dspark_ds.data.config import (
     BuildCacheConfig,
     DataConfig,
@@ -11,6 +12,8 @@ from dspark_ds.data.config import (
     PrepareConfig,
     RegenerateConfig,
 )
+from dspark_ds.data.regeneration import regenerate
+from dspark_ds.data.tokens import prepare
 
 __all__ = [
     "BuildCacheConfig",
@@ -26,21 +29,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # lazy: importing the configs must not load transformers
-    if name in ("build_cache", "estimate_cache"):
-        from dspark_ds.data import cache_writer
-
-        return getattr(cache_writer, name)
+def __getattr__(name):
     if name == "build_train_loader":
+        # lazy: the served client's aiohttp, 0.1 s at every subcommand's --help (docs/testing.md)
         from dspark_ds.data.loader import build_train_loader
 
         return build_train_loader
-    if name == "prepare":
-        from dspark_ds.data.tokens import prepare
-
-        return prepare
-    if name == "regenerate":
-        from dspark_ds.data.regeneration import regenerate
-
-        return regenerate
     raise AttributeError(name)

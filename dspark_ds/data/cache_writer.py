@@ -32,7 +32,15 @@ from dspark_ds.data.config import BuildCacheConfig, EstimateCacheConfig
 from dspark_ds.data.tokens import TokenStore, atomic_write_text, load_samples
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_model_path
-from dspark_ds.target import FrozenTarget, TargetFeatureProvider, config_sha256, text_config
+from dspark_ds.target import (
+    FrozenTarget,
+    TargetFeatureProvider,
+    config_sha256,
+    default_layer_ids,
+    load_target,
+    text_config,
+    validate_layer_ids,
+)
 
 
 def write_shard(
@@ -242,8 +250,6 @@ def build_cache(
     does not depend on how many ranks built it, and a rerun skips completed shards. With
     ``cfg.repair`` every shard is checked first and the bad ones are re-made (the same bytes a
     clean build writes)."""
-    from dspark_ds.target import load_target
-
     if not cfg.data.cache_dir:
         raise ConfigError("data.cache_dir is required (the output directory)")
     check_model_path(cfg.target.path, "target.path")
@@ -294,9 +300,8 @@ def build_cache(
 
 def estimate_cache(cfg: EstimateCacheConfig) -> dict:
     """``dspark-ds estimate cache``: bytes a cache will take, without running the target."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoConfig
-
-    from dspark_ds.target import default_layer_ids, validate_layer_ids
 
     if not cfg.target.path:
         raise ConfigError("target.path is required (only its config.json is read)")

@@ -80,6 +80,7 @@ def reference_turns(chat_template: str) -> ReferenceTurns:
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)

@@ -46,7 +46,7 @@ from dspark_ds.data.regen_parts import (
     split_prompt,
 )
 from dspark_ds.data.tokens import atomic_write_text
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.files import check_exists, check_model_path, first_line
 
 FSYNC_INTERVAL_S = 1.0
@@ -304,8 +304,6 @@ def _check_inputs(cfg: RegenerateConfig) -> None:
 
 def regenerate_with_servers(cfg: RegenerateConfig) -> dict:
     """Answer every row of ``cfg.data.paths`` through the servers of ``cfg.server``; merge."""
-    from dspark_ds.errors import TrainingStopped
-
     _check_inputs(cfg)
     run = _ServerRun(cfg)
     try:

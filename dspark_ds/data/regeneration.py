@@ -42,14 +42,14 @@ from dspark_ds.data.regen_parts import (
 from dspark_ds.data.tokens import atomic_write_text
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_exists, check_model_path, first_line
+from dspark_ds.target import config_sha256
 
 
 def run_inputs(cfg: RegenerateConfig) -> dict:
     """What every output row depends on: the input files' bytes and every setting that changes
     an answer, with a sha256 over all of it (``fingerprint``)."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoConfig
-
-    from dspark_ds.target import config_sha256
 
     try:
         target_config = AutoConfig.from_pretrained(
@@ -200,6 +200,7 @@ def _open_part(cfg: RegenerateConfig, rank: int, world: int) -> tuple[Path, set[
 
 
 def _load_generator(cfg: RegenerateConfig) -> _Generator:
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoModelForCausalLM
 
     device = torch.device(cfg.target.device) if cfg.target.device else dist.local_device()
@@ -283,6 +284,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
     """Regenerate this rank's share of ``cfg.data.paths``; the last rank done merges. With
     ``cfg.server.urls``: one process answers every row through the servers."""
     if cfg.server.urls:
+        # lazy: aiohttp, 0.1 s of `regenerate --help` (docs/testing.md)
         from dspark_ds.data.regen_servers import regenerate_with_servers
 
         return regenerate_with_servers(cfg)

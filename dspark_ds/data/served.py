@@ -39,11 +39,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from dspark_ds.data.config import ServedConfig
 from dspark_ds.data.fleet import BadAnswer, Fleet, FleetDown, RequestFailed, Server
+from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.serve.hidden_states import FORMAT, ServedLayout
+from dspark_ds.target import target_final_norm, target_model_config
 
 HEAD_TOP_K = 5
 """At the start-up check the server's greedy token must be among our top-k of lm_head(last
@@ -261,8 +264,6 @@ class ServedFeatures:
         """The features of ``answer``'s file (our storage, the server's file name), which is
         deleted whatever its state. ``strict`` (the start-up probe): our connector's metadata
         must match the recipe too."""
-        from safetensors import SafetensorError, safe_open
-
         path = self.storage / Path(answer.path).name
         try:
             wait_for_file(path, self.cfg.file_wait_s, answer.path)
@@ -389,9 +390,6 @@ class ServedTarget:
     taps (the attributes of `FrozenTarget` a cache header reads, for hybrid mode)."""
 
     def __init__(self, target_cfg, layer_ids: list[int]):
-        from dspark_ds.drafters.common.target_config import text_config
-        from dspark_ds.target import target_model_config
-
         self.config = target_model_config(target_cfg)
         tcfg = text_config(self.config)
         self.name_or_path = target_cfg.path
@@ -411,8 +409,6 @@ def connect(
 ) -> tuple[ServedFeatures, ServedTarget]:
     """This rank's client of ``data_cfg.served`` for the recipe's target (checked against it by
     the loader, on the first sample: `ServedFeatures.check`)."""
-    from dspark_ds.target import target_final_norm
-
     target = ServedTarget(target_cfg, layer_ids)
     layout = ServedLayout(tuple(layer_ids), target.num_layers)
     features = ServedFeatures(

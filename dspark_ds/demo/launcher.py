@@ -29,7 +29,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from dspark_ds import cli
 from dspark_ds.distributed import free_port, print0
+from dspark_ds.engine.runtime import accelerator_name
 
 PRELOAD = (
     "deepspeed",
@@ -70,8 +75,6 @@ def preload(env: Mapping[str, str]) -> None:
     with environment(env), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         if wanted and "deepspeed" in sys.modules:
-            from dspark_ds.engine.runtime import accelerator_name
-
             have = accelerator_name()
             if have != wanted:
                 raise RuntimeError(
@@ -127,12 +130,8 @@ def _rank_main(main, argv: list[str], rank_env: Mapping[str, str], write_fd: int
         os.environ.update(rank_env)
         _fresh_database_connections()
         warnings.simplefilter("ignore", FutureWarning)
-        import torch
-
         torch.set_num_threads(threads)
-        if main is None:
-            from dspark_ds.cli import main
-        code = main(argv)
+        code = (main or cli.main)(argv)
     except SystemExit as err:
         code = err.code if isinstance(err.code, int) else 1
     except BaseException:
@@ -164,8 +163,6 @@ def run_forked(
 ) -> int:
     """`dspark-ds <argv>` (or `main(argv)`) on `nproc` ranks forked from this process -> the
     first non-zero exit code of a rank (0 when all succeeded)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "demo launcher 'fork': this process is in a process group, which forked ranks "

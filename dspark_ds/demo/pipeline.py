@@ -39,7 +39,20 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dspark_ds.config import TrainRunConfig, dump_config
+import torch
+
+from dspark_ds.config import (
+    CheckpointConfig,
+    DeepSpeedConfig,
+    TrackingConfig,
+    TrainConfig,
+    TrainRunConfig,
+    ValidationConfig,
+    dump_config,
+)
+from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig, RegenerateConfig
+from dspark_ds.data.synthetic import make_corpus, write_jsonl
+from dspark_ds.data.tokens import TokenStore, prepare
 from dspark_ds.demo import launcher
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.demo.summary import (
@@ -49,9 +62,15 @@ from dspark_ds.demo.summary import (
     start_demo_run,
     temp_key,
 )
+from dspark_ds.demo.target import ensure_demo_target
 from dspark_ds.distributed import print0
+from dspark_ds.drafters.common.blocks import build_anchor_candidate_mask
 from dspark_ds.drafters.presets import PRESETS, DrafterConfig, preset, sized
 from dspark_ds.drafters.registry import get_kind
+from dspark_ds.eval.config import CalibrationConfig, EvalConfig
+from dspark_ds.eval.runner import run_eval
+from dspark_ds.target import TargetConfig, TargetPathConfig
+from dspark_ds.tracking.store import resolve_uri
 
 
 def _cpu_seconds() -> float:
@@ -92,9 +111,6 @@ class _Stages:
 def max_valid_anchors(prepared_dir: Path) -> int:
     """The most valid anchor positions (p and p + 1 both supervised) any sequence of a prepared
     token store has: anchors enough to start a block at every valid position of every sequence."""
-    from dspark_ds.data.tokens import TokenStore
-    from dspark_ds.drafters.common.blocks import build_anchor_candidate_mask
-
     store = TokenStore.load(prepared_dir)
     most = 0
     for i in range(len(store)):
@@ -114,7 +130,6 @@ class DemoPipeline:
         self.runs_dir = self.out / "runs"
         self.conf_dir = self.out / "configs"
         self.log_dir = self.out / "logs"
-        from dspark_ds.tracking.store import resolve_uri
 
         self.uri = resolve_uri(cfg.tracking_uri, str(self.out))
         self.tracker = None
@@ -183,8 +198,6 @@ class DemoPipeline:
 
     # ---- stages ---------------------------------------------------------------------------
     def corpus(self) -> dict:
-        from dspark_ds.data.synthetic import make_corpus, write_jsonl
-
         d = self.cfg.data
         # NOTE: the drafters' prompts are the first rows of the target's own corpus (same seed);
         # held-out prompts come from the generator's independent held-out stream.
@@ -209,8 +222,6 @@ class DemoPipeline:
         return {"train_prompts": len(train), "heldout_prompts": len(heldout)}
 
     def train_target(self) -> dict:
-        from dspark_ds.demo.target import ensure_demo_target
-
         self.target = ensure_demo_target(self.cfg.target)
         r = self.target.report
         state = "cached" if self.target.from_cache else "trained now"
@@ -223,8 +234,6 @@ class DemoPipeline:
         return {"path": str(self.target.path), "from_cache": self.target.from_cache}
 
     def regenerate(self, seed: int) -> None:
-        from dspark_ds.data.config import DataConfig, RegenerateConfig
-
         d = self.cfg.data
         out = self.seed_data(seed) / "regenerated.jsonl"
         cfg = RegenerateConfig(
@@ -250,9 +259,6 @@ class DemoPipeline:
             raise RuntimeError(f"regenerate wrote no rows to {out}")
 
     def prepare(self, seed: int) -> dict:
-        from dspark_ds.data.config import DataConfig, PrepareConfig
-        from dspark_ds.data.tokens import prepare
-
         prepared = self.seed_data(seed) / "prepared"
         cfg = PrepareConfig(
             data=DataConfig(
@@ -277,8 +283,6 @@ class DemoPipeline:
         return counts
 
     def build_cache(self, seed: int) -> None:
-        from dspark_ds.data.config import BuildCacheConfig, DataConfig
-
         cfg = BuildCacheConfig(
             data=DataConfig(
                 paths=[str(self.seed_data(seed) / "prepared")],
@@ -300,8 +304,6 @@ class DemoPipeline:
         )
 
     def _target_config(self):
-        from dspark_ds.target import TargetConfig
-
         return TargetConfig(path=str(self.target.path), dtype="float32", device="cpu")
 
     def drafter_model(self, name: str, num_anchors: int) -> DrafterConfig:
@@ -312,15 +314,6 @@ class DemoPipeline:
     def train_config(self, kind: str, seed: int) -> TrainRunConfig:
         """The `dspark-ds train` config of one drafter; only `model` (and names) differ between
         the drafters, only the seed and the data between the seeds."""
-        from dspark_ds.config import (
-            CheckpointConfig,
-            DeepSpeedConfig,
-            TrackingConfig,
-            TrainConfig,
-            ValidationConfig,
-        )
-        from dspark_ds.data.config import DataConfig
-
         c, b = self.cfg, self.cfg.budget
         if c.data.mode == "offline":
             source = dict(cache_dir=str(self.seed_data(seed) / "cache"))
@@ -384,11 +377,6 @@ class DemoPipeline:
         return info
 
     def evaluate(self, kind: str, temperature: float, seed: int) -> dict:
-        from dspark_ds.config import TrackingConfig
-        from dspark_ds.eval.config import CalibrationConfig, EvalConfig
-        from dspark_ds.eval.runner import run_eval
-        from dspark_ds.target import TargetPathConfig
-
         e = self.cfg.eval
         name = f"eval-{kind}-{temp_key(temperature)}-s{seed}"
         cfg = EvalConfig(
@@ -467,8 +455,6 @@ class DemoPipeline:
         return summary
 
     def _run(self) -> dict:
-        import torch
-
         cfg, s = self.cfg, self.stages
         torch.set_num_threads(cfg.num_threads)
         print0(

@@ -21,9 +21,11 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from dspark_ds.config import flatten
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.drafters.presets import PRESETS, preset
 from dspark_ds.drafters.registry import get_kind
+from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.tracking.store import default_artifact_location
 
 METRICS = ("tau", "speedup")
@@ -377,9 +379,6 @@ def summary_metrics(summary: dict) -> dict[str, float]:
 def start_demo_run(cfg, uri: str, runs_dir: Path):
     """The demo's MLflow run (kind demo): every training is nested under it, every evaluation
     under the training of its drafter; the summary is logged into it at the end."""
-    from dspark_ds.config import flatten
-    from dspark_ds.tracking.mlflow import Tracker
-
     run_dir = runs_dir / "demo"
     shutil.rmtree(run_dir, ignore_errors=True)
     tracker = Tracker(

@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dspark_ds.drafters import serving
@@ -200,8 +201,6 @@ def config_from_dict(data: dict, target_config=None):
 
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     """One weights file; a damaged one (truncated, not safetensors) is a ConfigError naming it."""
-    from safetensors import SafetensorError
-
     try:
         return load_file(file)
     except (SafetensorError, OSError) as err:
@@ -379,6 +378,7 @@ def _auto_from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwa
         dtype = getattr(torch, dtype)
     path = Path(pretrained_model_name_or_path)
     if not path.is_dir():  # a hub id: the config came from there too
+        # lazy: huggingface_hub's downloads, 0.3 s of import
         from huggingface_hub import snapshot_download
 
         path = Path(
@@ -430,6 +430,7 @@ def register_auto_classes() -> None:
     config whose `architectures` names a drafter loads the drafter. A list of classes instead
     would break transformers' own `from_config` of configs without `architectures` (e.g. a
     Gemma4 text config built in code). Idempotent."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoModel, AutoModelForCausalLM
 
     by_config: dict[type, list[str]] = {}

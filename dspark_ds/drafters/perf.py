@@ -116,6 +116,7 @@ class PerfConfig:
                 f"perf.compile: expected one of {COMPILE_MODES}, got {self.compile!r}"
             )
         if self.compile_backend != "inductor":  # (listing them imports dynamo: only then)
+            # lazy: torch._dynamo, 1 s of import, only to compile
             import torch._dynamo
 
             backends = torch._dynamo.list_backends(exclude_tags=())

@@ -13,6 +13,7 @@ the engines serve it (`ServingFormat`). Parameter names are the same on both sid
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from dspark_ds.drafters.registry import REGISTERED
@@ -58,7 +59,6 @@ class ServingFormat:
     def vllm_command(self, target: str, drafter_dir: str) -> str | None:
         if self.vllm_method is None:
             return None
-        import json
 
         env = "VLLM_USE_V2_MODEL_RUNNER=1 " if self.vllm_v2_runner else ""
         spec = json.dumps(self.speculative_config(drafter_dir))

@@ -169,6 +169,7 @@ def zero_settings(ds_config: dict) -> ZeroSettings:
     section leaves out (or sets to "auto") take DeepSpeed's defaults, e.g. overlap_comm on at
     ZeRO-3 only, 5e8-element reduce buckets."""
     import_deepspeed()
+    # lazy: deepspeed (1.4 s), never at the engine's import
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     try:

@@ -37,6 +37,7 @@ def deepspeed_model_states_estimate(
     node, bytes per GPU), from estimate_zero2/zero3_model_states_mem_needs."""
     import_deepspeed()
     if stage == 3:
+        # lazy: deepspeed (1.4 s), never at the engine's import
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
@@ -49,6 +50,7 @@ def deepspeed_model_states_estimate(
             zero_init=True,
         )
         return int(cpu), int(gpu)
+    # lazy: deepspeed (1.4 s), never at the engine's import
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     cpu, gpu = estimate_zero2_model_states_mem_needs(
@@ -94,6 +96,7 @@ def release_engine(ds_engine) -> None:
 def cpu_adam(params: list[torch.Tensor], lr: float = 1e-4) -> torch.optim.Optimizer:
     """DeepSpeed's CPU Adam (AdamW mode), the optimizer of an offloaded run."""
     import_deepspeed()
+    # lazy: deepspeed (1.4 s), never at the engine's import
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     return DeepSpeedCPUAdam(params, lr=lr, adamw_mode=True)
@@ -106,6 +109,7 @@ def aio_bandwidth(
     asynchronous I/O, the path NVMe offload swaps through (O_DIRECT), with a config's `aio`
     settings (DeepSpeed's defaults where it leaves one out). The file is removed."""
     import_deepspeed()
+    # lazy: deepspeed (1.4 s), never at the engine's import
     from deepspeed.ops.op_builder import AsyncIOBuilder
     from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 

@@ -93,6 +93,7 @@ def load_partitioned_target(target_cfg, ds_config: dict):
     host memory with `offload_param`) plus one converted group of a MoE checkpoint, or one
     tensor for parameters DeepSpeed keeps gathered (docs/known-limits.md has the formula)."""
     deepspeed = import_deepspeed()
+    # lazy: deepspeed (1.4 s), never at the engine's import
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -153,6 +154,7 @@ def _partitions(param) -> list[tuple[torch.Tensor, object]]:
     out = [(param.ds_tensor, param.ds_process_group)]
     if getattr(param, "ds_secondary_tensor", None) is not None:
         import_deepspeed()
+        # lazy: deepspeed (1.4 s), never at the engine's import
         from deepspeed.utils import groups
 
         out.append((param.ds_secondary_tensor, groups._get_zero_param_intra_parallel_group()))
@@ -176,6 +178,7 @@ def shard_target(target: nn.Module, ds_config: dict):
     """ZeRO-3: the optimizer-less engine of the frozen target (partitioned first if it was
     loaded whole); returns the engine."""
     deepspeed = import_deepspeed()
+    # lazy: deepspeed (1.4 s), never at the engine's import
     from deepspeed.accelerator import get_accelerator
 
     cfg = _target_ds_config(ds_config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,7 +77,5 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> dict:
         flush=True,
     )
     if cfg.output_json:
-        from pathlib import Path
-
         write_json(Path(cfg.output_json), result)
     return result

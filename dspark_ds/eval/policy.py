@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from dspark_ds.drafters.common.rounds import Proposal
 from dspark_ds.eval.padded import PaddedCaches, target_forward
@@ -112,8 +113,6 @@ def profile_sps(
     """Steps per second of one verification forward over R rows x L tokens, R ≤ max_rows,
     L ≤ max_tokens, each row with `context_tokens` cached positions: the cost table of the
     scheduler, measured once on this machine (median of `repeats` after one warm-up)."""
-    from tqdm import tqdm
-
     device = next(target.parameters()).device
     vocab = int(target.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)

@@ -233,9 +233,11 @@ def _csv(value) -> str:
 
 
 def _pyplot():
+    # lazy: matplotlib, 0.3 s of import, only to plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: after matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt

@@ -10,16 +10,22 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from dspark_ds import distributed
+from dspark_ds.config import flatten
+from dspark_ds.drafters import load_draft_model
+from dspark_ds.drafters.io import draft_config_dict
+from dspark_ds.drafters.registry import kind_of
+from dspark_ds.drafters.serving import parity_suspects
 from dspark_ds.errors import ConfigError
+from dspark_ds.eval import batched, report
 from dspark_ds.eval import calibration as cal
-from dspark_ds.eval import report
+from dspark_ds.eval.batched import policy_summary
 from dspark_ds.eval.benchmarks import (
     benchmark_path,
     encode_prompt,
@@ -30,7 +36,11 @@ from dspark_ds.eval.benchmarks import (
 )
 from dspark_ds.eval.config import EvalConfig
 from dspark_ds.eval.decoding import speculative_generate, target_generate
+from dspark_ds.eval.policy import profile_sps
 from dspark_ds.eval.rounds import DecodeStats, sync
+from dspark_ds.files import check_exists, check_model_path, first_line
+from dspark_ds.serve.parity import EngineRun, compare, format_parity, our_counters
+from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.tracking.store import (
     default_artifact_location,
     git_sha,
@@ -83,10 +93,8 @@ def stop_token_ids(target, tokenizer) -> list[int]:
 
 def load_models(cfg: EvalConfig, device: torch.device):
     """Target (HF causal LM), drafter (interchange directory) and tokenizer."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dspark_ds.drafters import load_draft_model
-    from dspark_ds.files import check_exists, check_model_path, first_line
 
     check_model_path(cfg.target.path, "target.path")
     check_model_path(cfg.tokenizer, "eval.tokenizer")
@@ -176,8 +184,6 @@ def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops
 def _scheduler_sps(cfg: EvalConfig, target, drafter):
     """The scheduler's cost table SPS(rows, tokens), profiled on this machine (None when no
     run uses the scheduler)."""
-    from dspark_ds.eval.policy import profile_sps
-
     if not (cfg.scheduler.enabled or cfg.scheduler.compare):
         return None
     if drafter.confidence_head is None:
@@ -199,8 +205,6 @@ def _scheduler_sps(cfg: EvalConfig, target, drafter):
 
 def _decode_batched(cfg: EvalConfig, target, drafter, tokenizer, stops) -> list[PromptResult]:
     """`decode_benchmarks` with `cfg.batch_size` prompts in flight (eval/batched.py)."""
-    from dspark_ds.eval import batched
-
     rank = distributed.rank_and_world()[0]
     sps = _scheduler_sps(cfg, target, drafter)
     results: list[PromptResult] = []
@@ -377,10 +381,6 @@ def log_to_tracking(
     store, the evaluation is nested under that run, its metrics are attached to that run's
     model, and its headline figures are logged into the training run too. Returns the MLflow
     run id (None when tracking is off, or the run could not be made yet)."""
-    from dspark_ds.config import flatten
-    from dspark_ds.drafters.registry import kind_of
-    from dspark_ds.tracking.mlflow import Tracker
-
     t = cfg.tracking
     uri = resolve_uri(t.uri, cfg.output_dir)
     record = read_export_record(cfg.drafter) or {}
@@ -467,7 +467,6 @@ def _start_engine(cfg: EvalConfig):
     """The engine side of the parity check (`engine.url`), checked before anything loads."""
     if cfg.engine.url is None:
         return None
-    from dspark_ds.serve.parity import EngineRun
 
     if distributed.rank_and_world()[1] > 1:
         raise ConfigError("engine.url: the parity check runs in one process (no torchrun / srun)")
@@ -476,10 +475,6 @@ def _start_engine(cfg: EvalConfig):
 
 def _engine_parity(cfg: EvalConfig, engine, drafter, results: list[PromptResult], stops):
     """The same prompts through the server, one at a time; its counters against ours."""
-    from dspark_ds.drafters.io import draft_config_dict
-    from dspark_ds.drafters.serving import parity_suspects
-    from dspark_ds.serve.parity import compare, our_counters
-
     engine.decode(
         [r.prompt_ids for r in results],
         max_tokens=cfg.max_new_tokens,
@@ -512,8 +507,6 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult], parity=None) 
     if policies:
         table += "\n\nverification policies (same batch size, same run):\n" + policies
     if parity is not None:
-        from dspark_ds.serve.parity import format_parity
-
         table += "\n\nengine (vLLM's counters) against this evaluation, same prompts:\n"
         table += format_parity(parity)
     print(table, flush=True)
@@ -561,8 +554,6 @@ def _benchmark_row(
     )
     row.extra["batch_size"] = cfg.batch_size
     if mine and mine[0].policies:
-        from dspark_ds.eval.batched import policy_summary
-
         row.extra["policies"] = {
             p: policy_summary([r.policies[p] for r in mine], row.baseline_tokens_per_s)
             for p in mine[0].policies
@@ -583,6 +574,4 @@ def _confidence_line(calib: dict) -> str:
 
 
 def _config_dict(cfg: EvalConfig) -> dict:
-    from dataclasses import asdict
-
     return asdict(cfg)

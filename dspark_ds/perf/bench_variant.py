@@ -11,15 +11,20 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
+import torch
+from transformers import Qwen3Config
+
+from dspark_ds.drafters import build_draft_model
+from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
 from dspark_ds.perf.train_bench import TrainBenchConfig
 
 
 def target_config(cfg: TrainBenchConfig):
     """The random target the drafter is built for (a Qwen3 of the bench's widths)."""
-    from transformers import Qwen3Config
-
     return Qwen3Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -34,10 +39,6 @@ def target_config(cfg: TrainBenchConfig):
 
 
 def build_model(cfg: TrainBenchConfig):
-    import torch
-
-    from dspark_ds.drafters import build_draft_model
-
     draft_cfg = cfg.kind.build_config(
         target_config(cfg),
         cfg.model,
@@ -57,10 +58,6 @@ def build_model(cfg: TrainBenchConfig):
 def build_batch(cfg: TrainBenchConfig, device: str):
     """A training batch of B random sequences: `TRAIN_KEYS` on `device` (the target's features
     in the run's dtype, as a bf16 target gives them), `sample_ids` on the host."""
-    import torch
-
-    from dspark_ds.drafters.kind import TRAIN_KEYS
-
     g = torch.Generator().manual_seed(cfg.seed + 1)
     B, S, H = cfg.batch_size, cfg.seq_len, cfg.hidden_size
     loss_mask = torch.ones(B, S)
@@ -81,17 +78,11 @@ def build_batch(cfg: TrainBenchConfig, device: str):
 
 def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
     """The loss weights of the benched section (a DSpark / DFlash section's `loss_weights`)."""
-    from dataclasses import asdict
-
     return asdict(cfg.model.loss_weights)
 
 
 def step_shape(cfg: TrainBenchConfig):
     """The `StepShape` of the bench's micro-batch (what the kind's FLOP count reads)."""
-    import torch
-
-    from dspark_ds.drafters.common.memory import StepShape
-
     width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
     return StepShape(
         batch=cfg.batch_size,
@@ -118,8 +109,6 @@ def step_flops(cfg: TrainBenchConfig, variant: str) -> float:
 
 def matmul_flops_per_s(device: str, dtype: str, size: int, repeats: int = 5) -> float:
     """A plain [size x size] @ [size x size] rate in `dtype`, median of `repeats`."""
-    import torch
-
     a = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
     b = torch.randn(size, size, device=device, dtype=getattr(torch, dtype))
     times = []
@@ -136,7 +125,6 @@ def matmul_flops_per_s(device: str, dtype: str, size: int, repeats: int = 5) -> 
 def resident_bytes(model, optimizer) -> dict[str, int]:
     """What stays allocated across steps, counted from the tensors: weights (parameters and
     buffers), gradients, optimizer state."""
-    import torch
 
     def nbytes(t) -> int:
         return t.numel() * t.element_size()
@@ -154,8 +142,6 @@ def resident_bytes(model, optimizer) -> dict[str, int]:
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
-        import torch
-
         torch.cuda.synchronize()
 
 
@@ -168,18 +154,12 @@ def _rss_bytes(field_name: str) -> int:
 
 
 def _memory_now(cuda: bool) -> int:
-    import torch
-
     return torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
 
 
 def _training_step(cfg: TrainBenchConfig, variant: str):
     """The variant's drafter, batch and optimizer, and its training step (the kind's
     `training_step`, backward, AdamW) -> (model, batch, optimizer, step)."""
-    import torch
-
-    from dspark_ds.drafters.kind import StepContext
-
     kind, section, perf = cfg.kind, cfg.model, cfg.perf(variant)
     model = build_model(cfg)
     path = kind.prepare(model, perf, cfg.device)  # the attention, compile, the loss path
@@ -221,8 +201,6 @@ def _timed_steps(cfg: TrainBenchConfig, step):
 
 def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
     """Builds, warms up and times one variant in this process."""
-    import torch
-
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     device = cfg.device

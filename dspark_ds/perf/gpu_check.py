@@ -44,7 +44,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
+
+from dspark_ds.distributed import free_port
+from dspark_ds.drafters import load_draft_model
 from dspark_ds.errors import ConfigError
+from dspark_ds.perf.train_bench import TrainBenchConfig, run_train_bench
+from dspark_ds.serve import check as serve_check
+from dspark_ds.target import TargetPathConfig
 
 QWEN3_8B_SHAPE = dict(
     hidden_size=4096,
@@ -137,7 +145,6 @@ class PartResult:
 
 # ---- the parts -----------------------------------------------------------------------------
 def part_bench(cfg: GpuCheckConfig, work: Path) -> PartResult:
-    from dspark_ds.perf.train_bench import TrainBenchConfig, run_train_bench
 
     shape = SHAPES[cfg.shape if cfg.shape != "auto" else ("qwen3-8b" if cfg.cuda else "small")]
     default = "flex/chunked" if cfg.cuda else "blockwise/chunked"
@@ -181,7 +188,7 @@ def part_bench(cfg: GpuCheckConfig, work: Path) -> PartResult:
 
 def write_tiny_target(path: Path) -> Path:
     """A random tiny Qwen3 causal LM (fp32 on disk), the training part's target."""
-    import torch
+    # lazy: transformers' Qwen3 model, 2.7 s of import
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -226,7 +233,6 @@ def _tail(proc: subprocess.CompletedProcess, log: Path) -> str:
 
 
 def part_train(cfg: GpuCheckConfig, work: Path, target: Path) -> PartResult:
-    from dspark_ds.distributed import free_port
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
     bf16 = cfg.cuda
@@ -278,8 +284,6 @@ def part_train(cfg: GpuCheckConfig, work: Path, target: Path) -> PartResult:
 
 
 def part_export(cfg: GpuCheckConfig, work: Path) -> PartResult:
-    from safetensors.torch import load_file
-
     run_dir, out = work / "runs" / "train", work / "export"
     argv = [sys.executable, "-m", "dspark_ds.cli", "export"]
     argv += ["--checkpoint", str(run_dir), "--output_dir", str(out)]
@@ -296,10 +300,10 @@ def part_export(cfg: GpuCheckConfig, work: Path) -> PartResult:
 
 
 def part_decode(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
-    import torch
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoModelForCausalLM
 
-    from dspark_ds.drafters import load_draft_model
+    # lazy: dspark_ds.eval loads transformers, 0.6 s of `gpu-check --help`
     from dspark_ds.eval import speculative_generate
 
     device = torch.device("cuda" if cfg.cuda else "cpu")
@@ -333,13 +337,10 @@ def part_decode(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult
 
 
 def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
-    import torch
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoModelForCausalLM
 
-    from dspark_ds.serve.check import ServeCheckConfig, run_serve_check
-    from dspark_ds.target import TargetPathConfig
-
-    check = ServeCheckConfig(
+    check = serve_check.ServeCheckConfig(
         drafter=str(work / "export"),
         target=TargetPathConfig(path=str(target_dir)),
         generate=cfg.cuda,
@@ -347,7 +348,7 @@ def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
         num_prompts=cfg.num_prompts,
         max_new_tokens=cfg.max_new_tokens,
     )
-    result = run_serve_check(check)
+    result = serve_check.run_serve_check(check)
     load = result["load"]
     detail = (
         f"vLLM {load['vllm_version']}: config valid, {load['model_class'].rsplit('.', 1)[1]} "
@@ -384,8 +385,6 @@ def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
 # ---- the driver ----------------------------------------------------------------------------
 def run_gpu_check(cfg: GpuCheckConfig) -> list[PartResult]:
     """`dspark-ds gpu-check`: prints one line per part and a summary; exit 1 if any failed."""
-    import torch
-
     if cfg.cuda and not torch.cuda.is_available():
         raise ConfigError("device: cuda, but torch sees no GPU here (use --device cpu)")
     work = Path(cfg.output_dir) / time.strftime("gpu_check_%Y%m%d_%H%M%S")
@@ -411,9 +410,8 @@ def run_gpu_check(cfg: GpuCheckConfig) -> list[PartResult]:
         ("export", part_export, "dspark-ds export of the ZeRO-3 checkpoint"),
         ("decode", part_decode, "greedy speculative decoding vs generate"),
     ]
-    from dspark_ds.serve.check import vllm_python
 
-    if vllm_python() is not None:
+    if serve_check.vllm_python() is not None:
         parts.append(("vllm", part_vllm, "the export in vLLM (its loader; a DSpark run on a GPU)"))
     else:
         print("[gpu-check] vLLM is not importable here: no vllm part (docs/serving.md)")

@@ -31,12 +31,19 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark_ds.drafters.presets import DEFAULT_PRESET, PRESET_NAMES
+from tqdm import tqdm
+
+from dspark_ds.drafters.perf import PerfConfig
+from dspark_ds.drafters.presets import DEFAULT_PRESET, PRESET_NAMES, preset, sized
+from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
+from dspark_ds.tracking.store import resolve_uri
+from dspark_ds.tracking.sweeps import Point, log_sweep
 
 COMPILE_CHOICES = ("off", "layers", "model")
 
@@ -44,9 +51,6 @@ COMPILE_CHOICES = ("off", "layers", "model")
 def parse_variant(variant: str, kind=None) -> tuple[str, str, str]:
     """ "<attention>/<loss>[/<compile>]" -> (attention, loss, compile), each a path `kind` (a
     `DrafterKind`; the default preset's when None) honours."""
-    from dspark_ds.drafters.presets import preset
-    from dspark_ds.drafters.registry import get_kind
-
     kind = kind or get_kind(preset(DEFAULT_PRESET).kind)
     attns = tuple(a for a in kind.attn_impls if a != "auto")
     losses = tuple(a for a in kind.loss_impls if a != "auto")
@@ -160,16 +164,11 @@ class TrainBenchConfig:
     def model(self):
         """The benched drafter's `model` section: the preset, sized (ConfigError naming the
         field)."""
-        from dspark_ds.drafters.presets import sized
-
         return sized(self.drafter, self).validate(prefix=None)
 
     @property
     def kind(self):
         """The benched drafter's `DrafterKind`."""
-        from dspark_ds.drafters.presets import preset
-        from dspark_ds.drafters.registry import get_kind
-
         return get_kind(preset(self.drafter).kind)
 
     @property
@@ -179,8 +178,6 @@ class TrainBenchConfig:
 
     def perf(self, variant: str):
         """The `perf` section of a variant (its attention, loss and compile)."""
-        from dspark_ds.drafters.perf import PerfConfig
-
         attn, loss, compile_mode = parse_variant(variant, self.kind)
         return PerfConfig(
             loss_impl=loss,
@@ -192,8 +189,6 @@ class TrainBenchConfig:
     @property
     def chunk_anchors(self) -> int:
         """loss_chunk_anchors with "auto" resolved for the device."""
-        from dspark_ds.drafters.perf import PerfConfig
-
         return PerfConfig(loss_chunk_anchors=self.loss_chunk_anchors).chunk_anchors(self.device)
 
     @property
@@ -206,8 +201,6 @@ class TrainBenchConfig:
 # ---- the driver ---------------------------------------------------------------------------
 def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
     """Runs every variant in a fresh subprocess, prints the table, writes --json."""
-    from tqdm import tqdm
-
     results = []
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(cfg.num_threads or os.cpu_count()))
@@ -241,11 +234,6 @@ def run_train_bench(cfg: TrainBenchConfig) -> list[dict]:
 def log_bench(cfg: TrainBenchConfig, results: list[dict], text: str) -> str | None:
     """The bench as MLflow runs: a parent (kind bench, the shape as params, the table) and a
     child per variant (its numbers as metrics, a failed variant's error as a tag)."""
-    import tempfile
-
-    from dspark_ds.tracking.store import resolve_uri
-    from dspark_ds.tracking.sweeps import Point, log_sweep
-
     shape = {
         k: v
         for k, v in dataclasses.asdict(cfg).items()

@@ -27,7 +27,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from dspark_ds.drafters.io import (
+    config_from_dict,
+    draft_config_dict,
+    read_config_dict,
+    read_state_dict,
+)
+from dspark_ds.drafters.serving import serving_format
 from dspark_ds.errors import ConfigError
+from dspark_ds.files import check_exists
 from dspark_ds.target import TargetPathConfig
 
 PROBE = Path(__file__).resolve().parent / "vllm_probe.py"
@@ -110,16 +120,8 @@ class ServeCheckConfig:
 
 def describe(drafter_dir: str, target_path: str) -> tuple[dict, object]:
     """Our side: the directory read (one line naming a damaged file) and its ServingFormat."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoConfig
-
-    from dspark_ds.drafters.io import (
-        config_from_dict,
-        draft_config_dict,
-        read_config_dict,
-        read_state_dict,
-    )
-    from dspark_ds.drafters.serving import serving_format
-    from dspark_ds.files import check_exists
 
     check_exists(drafter_dir, "drafter", "drafter directory")
     try:
@@ -163,7 +165,6 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
             "vllm_python: no Python with vLLM found (`bash tools/install.sh` makes one, or "
             "set --vllm_python / $DSPARK_DS_VLLM_PYTHON)"
         )
-    import torch
 
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     args = [cfg.target.path, cfg.drafter, fmt.vllm_method, str(fmt.num_speculative_tokens)]

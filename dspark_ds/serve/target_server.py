@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from dspark_ds.config import TrainRunConfig
 from dspark_ds.data.config import CONNECTOR, ServedConfig
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
@@ -209,7 +211,6 @@ def uses_cuda(device: str | None) -> bool:
     """target.device → whether vLLM runs on a GPU (None: when this Python's torch sees one)."""
     if device:
         return device.startswith("cuda")
-    import torch
 
     return torch.cuda.is_available()
 

@@ -25,8 +25,11 @@ import socket
 import sys
 import time
 
+import vllm
+
 
 def _engine_args(target: str, spec: dict | None, max_model_len: int = 512):
+    # lazy: inside main's try: a module or name this Python lacks is the probe's one-line error
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
@@ -64,6 +67,7 @@ def _free_port() -> int:
 
 
 def _read_tensors(drafter: str) -> dict:
+    # lazy: inside main's try: a module or name this Python lacks is the probe's one-line error
     from safetensors.torch import load_file
 
     single = os.path.join(drafter, "model.safetensors")
@@ -78,6 +82,7 @@ def _read_tensors(drafter: str) -> dict:
 
 
 def load(target: str, drafter: str, method: str, k: int) -> dict:
+    # lazy: inside main's try: a module or name this Python lacks is the probe's one-line error
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
@@ -136,6 +141,7 @@ def load(target: str, drafter: str, method: str, k: int) -> dict:
 
 
 def generate(target: str, drafter: str, method: str, k: int, prompts: list, max_tokens: int):
+    # lazy: inside main's try: a module or name this Python lacks is the probe's one-line error
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -162,8 +168,6 @@ def generate(target: str, drafter: str, method: str, k: int, prompts: list, max_
 
 
 def main(argv: list[str]) -> int:
-    import vllm
-
     mode, target, drafter, method, k = argv[:5]
     try:
         if mode == "load":

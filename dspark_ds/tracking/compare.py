@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -80,8 +81,6 @@ class CompareConfig:
         return argv
 
     def __post_init__(self) -> None:
-        import os
-
         self.tracking_uri = (
             self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///runs/mlflow.db"
         )
@@ -257,9 +256,11 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def plot(client: MlflowClient, runs: list, out_dir: Path) -> list[Path]:
+    # lazy: matplotlib, 0.3 s of import, only to plot
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: after matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ _SAID: set[str] = set()
 
 def warn(line: str, once: bool = False) -> None:
     """A line on stderr with the time and rank; `once`: once per process."""
+    # lazy: torch, 1.5 s; tracking.mlflow imports in 0.06 s without it
     from dspark_ds.distributed import log
 
     if once and line in _SAID:
@@ -51,6 +52,7 @@ class Delivery:
     @property
     def client(self):
         if self._client is None:
+            # lazy: mlflow, 1.4 s of import
             from mlflow.tracking import MlflowClient
 
             self._client = MlflowClient(tracking_uri=self.uri)
@@ -93,6 +95,7 @@ class Delivery:
         if run is None:
             run = self._created_by(launch_id)
         if run is None:
+            # lazy: mlflow, 1.4 s of import
             from mlflow.tracking.context.registry import resolve_tags
 
             all_tags = resolve_tags({**tags, LAUNCH_TAG: launch_id})
@@ -109,6 +112,7 @@ class Delivery:
         client = self.client
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
+            # lazy: mlflow, 1.4 s of import
             from mlflow.exceptions import MlflowException
 
             try:
@@ -133,6 +137,7 @@ class Delivery:
         return experiment.experiment_id
 
     def _get(self, run_id: str):
+        # lazy: mlflow, 1.4 s of import
         from mlflow.exceptions import MlflowException
 
         try:
@@ -207,6 +212,7 @@ class Delivery:
     # ---- data ----------------------------------------------------------------------------------
     def params(self, *, params: dict) -> None:
         """Params are immutable in MLflow: on resume only the ones not logged yet are sent."""
+        # lazy: mlflow, 1.4 s of import
         from mlflow.entities import Param
 
         if self._logged_params is None:
@@ -221,6 +227,7 @@ class Delivery:
         self.client.log_batch(run_id or self.run_id, tags=_tags(tags))
 
     def metrics_batch(self, ops: list[Op]) -> None:
+        # lazy: mlflow, 1.4 s of import
         from mlflow.entities import Metric
 
         metrics = []
@@ -257,6 +264,7 @@ class Delivery:
         self.client.log_artifacts(self.run_id, local_dir, artifact_path)
 
     def dataset(self, *, name, digest, source, source_type, context, profile=None) -> None:
+        # lazy: mlflow, 1.4 s of import
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         ds = Dataset(
@@ -270,6 +278,7 @@ class Delivery:
     ) -> None:
         """The export as an MLflow model of the run (its files, no flavour), and a version of
         `register_as` when set. Each part is done once across retries."""
+        # lazy: mlflow, 1.4 s of import
         from mlflow.entities import LoggedModelOutput
 
         client, done = self.client, self._model_progress
@@ -305,6 +314,7 @@ class Delivery:
         self.model_id = model_id
 
     def _register(self, name: str, model_id: str) -> None:
+        # lazy: mlflow, 1.4 s of import
         from mlflow.exceptions import MlflowException
 
         client = self.client
@@ -334,6 +344,7 @@ class Delivery:
 
 
 def _tags(tags: dict):
+    # lazy: mlflow, 1.4 s of import
     from mlflow.entities import RunTag
 
     return [RunTag(k, str(v)) for k, v in tags.items() if v is not None]

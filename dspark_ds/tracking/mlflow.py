@@ -30,6 +30,7 @@ from dspark_ds.tracking.sender import (
     UNDELIVERED_FILE,
     Op,
     Sender,
+    read_undelivered,
     summarize,
     write_undelivered,
 )
@@ -157,8 +158,6 @@ class Tracker:
     def _left_over(self) -> list[Op]:
         """What the previous job of this run directory could not deliver (its end and start
         excepted): sent before anything new; its file is removed once read."""
-        from dspark_ds.tracking.sender import read_undelivered
-
         path = self.run_dir / UNDELIVERED_FILE
         if not path.is_file():
             return []

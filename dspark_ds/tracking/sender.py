@@ -69,6 +69,7 @@ def is_transient(err: BaseException) -> bool:
     (HTTP 4xx other than 408 / 429) or a local file that is missing."""
     if isinstance(err, FileNotFoundError | NotADirectoryError | IsADirectoryError):
         return False
+    # lazy: mlflow, 1.4 s of import
     from mlflow.exceptions import MlflowException
 
     if isinstance(err, MlflowException):

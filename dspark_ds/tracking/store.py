@@ -91,6 +91,7 @@ def write_export_record(export_dir: str | Path, run_id: str, tracking_uri: str |
 
 
 def run_exists(uri: str, run_id: str) -> bool:
+    # lazy: mlflow, 1.4 s of import
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
@@ -113,12 +114,14 @@ def read_export_record(export_dir: str | Path) -> dict | None:
 
 def read_run(uri: str, run_id: str):
     """The MLflow run (params, metrics, tags) — for tools and tests."""
+    # lazy: mlflow, 1.4 s of import
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri).get_run(run_id)
 
 
 def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    # lazy: mlflow, 1.4 s of import
     from mlflow.tracking import MlflowClient
 
     hist = MlflowClient(tracking_uri=uri).get_metric_history(run_id, key)
@@ -126,6 +129,7 @@ def metric_history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
 
 
 def list_artifacts(uri: str, run_id: str) -> list[str]:
+    # lazy: mlflow, 1.4 s of import
     from mlflow.tracking import MlflowClient
 
     return [a.path for a in MlflowClient(tracking_uri=uri).list_artifacts(run_id)]
@@ -133,6 +137,7 @@ def list_artifacts(uri: str, run_id: str) -> list[str]:
 
 def child_runs(uri: str, parent_run_id: str) -> list:
     """The runs nested under `parent_run_id` (oldest first)."""
+    # lazy: mlflow, 1.4 s of import
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)

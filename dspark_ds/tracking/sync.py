@@ -14,6 +14,7 @@ one copy of a metric logged again with the same step, time and value.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,8 +54,6 @@ class SyncConfig:
 
 def run_sync(cfg: SyncConfig) -> dict:
     """Returns {"sent": n, "left": n, "run_id": ...}."""
-    import os
-
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, cfg.request_timeout_s))))
     run_dir = Path(cfg.run_dir)

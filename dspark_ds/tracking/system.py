@@ -24,7 +24,11 @@ import socket
 import threading
 from dataclasses import dataclass
 
+import psutil
 import torch
+
+from dspark_ds import distributed
+from dspark_ds.distributed import log
 
 FIELDS = (
     "cpu_percent",
@@ -73,8 +77,6 @@ class NodeLayout:
 
 def discover_layout(rank: int, local_rank: int) -> NodeLayout:
     """Collective when a process group exists: every rank's node key, gathered."""
-    from dspark_ds import distributed
-
     key = node_key(rank, local_rank)
     keys = distributed.all_gather_object(key) if distributed.has_group() else [key]
     return NodeLayout.from_keys(keys)
@@ -85,10 +87,9 @@ def _gpu_reader():
     if not torch.cuda.is_available():
         return 0, None
     try:
+        # lazy: optional dependency nvidia-ml-py
         import pynvml  # noqa: F401 - torch.cuda's NVML readers need it
     except ImportError:
-        from dspark_ds.distributed import log
-
         log(
             "[tracking] GPU utilisation, memory and power need nvidia-ml-py "
             "(pip install nvidia-ml-py); node metrics without them"
@@ -111,8 +112,6 @@ class NodeMonitor:
 
     def __init__(self, num_gpus: int, interval_s: float = 1.0):
         """`num_gpus`: the node's GPUs its ranks use (0 .. num_gpus-1 in CUDA's numbering)."""
-        import psutil
-
         self._psutil = psutil
         count, self._read_gpu = _gpu_reader()
         self.gpus = list(range(min(num_gpus, count)))
@@ -142,8 +141,6 @@ class NodeMonitor:
             try:
                 values = self.sample()
             except Exception as err:  # noqa: BLE001 - a monitor never stops training
-                from dspark_ds.distributed import log
-
                 log(f"[tracking] node monitor stopped: {err}")
                 return
             with self._lock:

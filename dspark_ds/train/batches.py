@@ -16,9 +16,13 @@ position survives a change of world size exactly.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
+from dspark_ds import distributed
+from dspark_ds.data.loader import build_train_loader
+from dspark_ds.data.served import connect
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetFeatureProvider
 
@@ -137,9 +141,6 @@ def build_batch_source(
                 # held-out ids never collide with training ids
                 sample_offset=0 if split == "train" else 10**9,
             )
-    from dataclasses import replace
-
-    from dspark_ds.data.loader import build_train_loader
 
     data_cfg = cfg.data
     if split == "val":
@@ -173,8 +174,6 @@ def served_client(cfg, draft_config, lm_head):
     data = cfg.data
     if cfg.train.synthetic_samples > 0 or not data.from_servers:
         return None
-    from dspark_ds import distributed
-    from dspark_ds.data.served import connect
 
     layer_ids = list(draft_config.target_layer_ids)
     return connect(data, cfg.target, layer_ids, lm_head, say=distributed.log)

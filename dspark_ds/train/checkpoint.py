@@ -48,6 +48,7 @@ from dspark_ds.engine.checkpoint import (
 )
 from dspark_ds.engine.config import zero_stage
 from dspark_ds.errors import ConfigError, TrainingStopped
+from dspark_ds.files import first_line
 from dspark_ds.train import checkpoint_files as ckpt
 from dspark_ds.train import resume as resume_rules
 from dspark_ds.train.rng import rng_state, set_rng_state
@@ -434,6 +435,5 @@ def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror:
         where = f"{err.filename}: " if err.filename else ""
         return f"{where}[Errno {err.errno}] {err.strerror}"
-    from dspark_ds.files import first_line
 
     return first_line(err)

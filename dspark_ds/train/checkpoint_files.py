@@ -27,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from dspark_ds.errors import ConfigError
+from dspark_ds.files import sha256_file
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -121,8 +122,6 @@ def payload_files(tag_dir: Path) -> list[str]:
 
 def describe_files(tag_dir: Path, names: list[str]) -> dict[str, dict]:
     """{name: {"size": bytes, "sha256": hex}}."""
-    from dspark_ds.files import sha256_file
-
     return {
         n: {"size": (tag_dir / n).stat().st_size, "sha256": sha256_file(tag_dir / n)} for n in names
     }
@@ -150,8 +149,6 @@ def read_manifest(tag_dir: Path) -> dict:
 def check_files(tag_dir: Path, manifest: dict, hash_names: set[str]) -> list[str]:
     """What is wrong with a tag against its manifest: missing files, other sizes (always), other
     sha256 (the files in `hash_names`). An empty list: the tag is as it was saved."""
-    from dspark_ds.files import sha256_file
-
     if "error" in manifest:
         return [manifest["error"]]
     problems = []

@@ -9,11 +9,13 @@ from dspark_ds.config import TrainRunConfig
 from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
+from dspark_ds.target import default_layer_ids, text_config
 
 
 def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
     if cfg.model.mask_token_id is not None:
         return int(cfg.model.mask_token_id)
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.target.path)
@@ -25,9 +27,8 @@ def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
 
 def make_draft_config(cfg: TrainRunConfig):
     """The drafter's transformers config for this run's target (its kind's `build_config`)."""
+    # lazy: transformers, 0.9 s of import
     from transformers import AutoConfig
-
-    from dspark_ds.target import default_layer_ids, text_config
 
     try:
         target_config = AutoConfig.from_pretrained(

@@ -9,9 +9,15 @@ import re
 from pathlib import Path
 
 import torch
+import yaml
 
+from dspark_ds.distributed import print0
+from dspark_ds.drafters import build_draft_model, save_draft_model
+from dspark_ds.drafters.io import config_from_dict
+from dspark_ds.engine.checkpoint import checkpoint_trainable_fp32
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import target_shared_weights
+from dspark_ds.tracking.store import write_export_record
 from dspark_ds.train.checkpoint_files import check_files, read_manifest, resolve_tag_dir
 
 
@@ -55,12 +61,6 @@ def export_checkpoint(
     if target_path is not None and not Path(target_path).is_dir():
         raise ConfigError(f"target.path: {target_path} is not a local model directory")
 
-    import yaml
-
-    from dspark_ds.drafters import build_draft_model, save_draft_model
-    from dspark_ds.drafters.io import config_from_dict
-    from dspark_ds.engine.checkpoint import checkpoint_trainable_fp32
-
     draft_cfg = config_from_dict(json.loads((tag_dir / "draft_config.json").read_text()))
     if target_path is None:
         run = yaml.safe_load((tag_dir / "run_config.yaml").read_text())
@@ -72,8 +72,6 @@ def export_checkpoint(
     out = save_draft_model(model, output_dir, {k: v.to(dtype) for k, v in state.items()})
     run_id_file = tag_dir.parent.parent / "mlflow_run_id"  # <run>/checkpoints/<tag>
     if run_id_file.is_file():  # the export names the run that trained it (tracking.md)
-        from dspark_ds.tracking.store import write_export_record
-
         write_export_record(out, run_id_file.read_text().strip(), None)
     return out
 
@@ -111,7 +109,6 @@ def run_export(cfg) -> Path:
         dtype=getattr(torch, cfg.dtype),
         overwrite=cfg.overwrite,
     )
-    from dspark_ds.distributed import print0
 
     print0(f"[export] wrote {out}")
     return out

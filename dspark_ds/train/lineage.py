@@ -17,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from dspark_ds import distributed
 from dspark_ds.config import flatten
 from dspark_ds.errors import ConfigError
+from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.tracking.store import EXPORT_RECORD, default_artifact_location, git_sha, resolve_uri
 
 
@@ -149,8 +151,6 @@ def start_tracking(trainer):
 
 
 def _tracker(trainer, tags: dict):
-    from dspark_ds.tracking.mlflow import Tracker
-
     cfg, t = trainer.cfg, trainer.cfg.tracking
     return Tracker.for_rank(
         trainer.rank,
@@ -195,8 +195,6 @@ def _log_run(trainer, tracker) -> None:
         ("validation", trainer.val_source, cfg.data),
     ):
         if context == "validation" and cfg.validation.paths:
-            from dataclasses import replace
-
             data_cfg = replace(cfg.data, paths=list(cfg.validation.paths))
         for spec in data_inputs(source, data_cfg, seed):
             tracker.log_dataset(context=context, **spec)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dspark_ds import distributed
 from dspark_ds.distributed import print0
@@ -223,8 +224,6 @@ class MetricsLogger:
             os.replace(tmp, self.path)
         self._file = open(self.path, "a")
         if self.use_bar:
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=self.total_steps,
                 initial=step,

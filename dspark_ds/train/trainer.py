@@ -47,8 +47,8 @@ from dspark_ds.config import TrainRunConfig, dump_config, to_plain
 from dspark_ds.cost.devices import peak_flops
 from dspark_ds.cost.flops import WindowFlops, target_in_job
 from dspark_ds.distributed import print0
-from dspark_ds.drafters import build_draft_model
-from dspark_ds.drafters.io import draft_config_dict
+from dspark_ds.drafters import build_draft_model, save_draft_model
+from dspark_ds.drafters.io import draft_config_dict, read_init_state
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext, StepOutput
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.engine.checkpoint import full_fp32_state_dict
@@ -57,6 +57,7 @@ from dspark_ds.engine.drafter import DrafterEngine
 from dspark_ds.engine.target import check_target_dtype, load_target_in_job
 from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.target import target_shared_weights
+from dspark_ds.tracking.system import NodeMetrics, discover_layout
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source, served_client
 from dspark_ds.train.checkpoint import CheckpointManager
@@ -171,8 +172,6 @@ class Trainer:
         self.checkpoints.load()
         self.nodes = None
         if cfg.tracking.system_metrics:  # collective: which node each rank is on
-            from dspark_ds.tracking.system import NodeMetrics, discover_layout
-
             layout = discover_layout(self.rank, distributed.discover().local_rank)
             self.nodes = NodeMetrics(layout, self.rank, self.device, cfg.tracking.system_interval_s)
         self.tracker = start_tracking(self)
@@ -229,9 +228,8 @@ class Trainer:
     def _build_engine(self) -> DrafterEngine:
         init_state = None
         if self.cfg.model.init_from and self.resume is None:
+            # lazy: transformers, 0.9 s of import
             from transformers import AutoConfig
-
-            from dspark_ds.drafters.io import read_init_state
 
             # ours, DeepSpec's, or an engine format's (a published DFlash / Eagle3 checkpoint,
             # whose embedding and lm_head are the target's anyway)
@@ -305,8 +303,6 @@ class Trainer:
 
     def export(self) -> Path:
         """Collective: the live weights (fp32 master copies) as an interchange directory."""
-        from dspark_ds.drafters import save_draft_model
-
         state = full_fp32_state_dict(self.engine.module)
         out = self.run_dir / "export"
         error = None

@@ -54,8 +54,10 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from dspark_ds import distributed
+from dspark_ds.cost.flops import target_in_job
 from dspark_ds.tune.calibrate_compute import Compute, Optimizers
 from dspark_ds.tune.calibrate_host import EngineWindow, HostWork
 from dspark_ds.tune.calibrate_transfers import (
@@ -65,6 +67,7 @@ from dspark_ds.tune.calibrate_transfers import (
     nvme_rates,
 )
 from dspark_ds.tune.cluster import ENGINE_MODES, GIB, TUPLE_FIELDS
+from dspark_ds.tune.workload import at_scale
 
 
 def host_memory_bytes() -> float:
@@ -92,8 +95,6 @@ class Calibration:
     into Machine fields and host work."""
 
     def __init__(self, run_cfg, device: torch.device, stages: tuple[int, ...]):
-        from dspark_ds.cost.flops import target_in_job
-
         self.run_cfg, self.device, self.stages = run_cfg, device, stages
         self.dtype = torch.bfloat16 if run_cfg.train.precision == "bf16" else torch.float32
         self.in_job = target_in_job(run_cfg)
@@ -146,8 +147,6 @@ class Calibration:
 
     def run(self, modes: list[int], samples: int = 3) -> None:
         """A calibration on its own: the once part, then `samples` samples in each mode."""
-        from tqdm import tqdm
-
         self.once()
         for mode in tqdm(
             modes, desc="calibrating", unit="mode", disable=not distributed.is_rank0()
@@ -187,7 +186,6 @@ class Calibration:
                 else 0.0
                 for mode in range(len(ENGINE_MODES))
             )
-        from dspark_ds.tune.workload import at_scale
 
         scale = self.host.copies.scale
         work = dict(self.host.counts, collectives_timed=distributed.has_group())

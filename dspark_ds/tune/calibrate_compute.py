@@ -8,7 +8,21 @@ from dataclasses import replace
 
 import torch
 
+from dspark_ds.cost.flops import forward_flops
+from dspark_ds.cost.inventory import target_config_of
+from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.target_config import global_attr, text_config
+from dspark_ds.drafters.registry import get_kind
+from dspark_ds.engine.probes import cpu_adam
+from dspark_ds.target import default_layer_ids
 from dspark_ds.tune.calibrate_timing import max_over_ranks, timed
+from dspark_ds.tune.workload import (
+    KindStep,
+    TargetForward,
+    counted_perf,
+    narrow_config,
+    resized_config,
+)
 
 # ---- compute --------------------------------------------------------------------------------
 # The compute rates are measured at the recipe's own widths (a GEMM's efficiency depends on its
@@ -30,9 +44,6 @@ REFERENCE_CAPS = {
 def reference_shape(run_cfg, device_type: str) -> dict[str, int]:
     """The shape the compute rates are measured at: the recipe's target widths and its
     sequence and anchors, each between REFERENCE_FLOOR and the device type's REFERENCE_CAPS."""
-    from dspark_ds.cost.inventory import target_config_of
-    from dspark_ds.drafters.common.target_config import global_attr, text_config
-
     text = text_config(target_config_of(run_cfg.target.path))
     heads = int(global_attr(text, "num_attention_heads"))  # per-layer on Gemma4: its global
     own = dict(
@@ -53,9 +64,6 @@ def reference_shape(run_cfg, device_type: str) -> dict[str, int]:
 
 
 def _reference_config(run_cfg, shape: dict[str, int], narrow: bool):
-    from dspark_ds.cost.inventory import target_config_of
-    from dspark_ds.tune.workload import narrow_config, resized_config
-
     r = shape
     config = resized_config(
         target_config_of(run_cfg.target.path),
@@ -75,13 +83,6 @@ class Compute:
     32 wide (their host time, taken out)."""
 
     def __init__(self, run_cfg, device: torch.device, dtype: torch.dtype):
-        from dspark_ds.cost.flops import forward_flops
-        from dspark_ds.drafters.common.memory import StepShape
-        from dspark_ds.drafters.common.target_config import global_attr, text_config
-        from dspark_ds.drafters.registry import get_kind
-        from dspark_ds.target import default_layer_ids
-        from dspark_ds.tune.workload import KindStep, TargetForward, counted_perf
-
         r = self.shape = reference_shape(run_cfg, device.type)
         self.device = device
         n = 4096 if device.type == "cuda" else 1024
@@ -153,8 +154,6 @@ class Optimizers:
     NUMEL, TENSORS, SMALL = 4 * 2**20, 200, 256
 
     def __init__(self, device: torch.device):
-        from dspark_ds.engine.probes import cpu_adam
-
         self.device = device
 
         def made(make_opt, params):

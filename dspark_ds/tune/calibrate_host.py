@@ -12,9 +12,12 @@ from dataclasses import replace
 import torch
 
 from dspark_ds import distributed
+from dspark_ds.engine.config import build_ds_config
+from dspark_ds.engine.probes import frozen_engine, plain_engine, release_engine
 from dspark_ds.tune.calibrate_timing import REPEATS, max_over_ranks, sync, timed
 from dspark_ds.tune.cluster import ENGINE_MODES
 from dspark_ds.tune.config import OPTIONS
+from dspark_ds.tune.estimate import option_overrides
 from dspark_ds.tune.workload import NarrowCopies, OpCounter, stand_in_model
 
 _MODE_OPTIONS = (
@@ -83,10 +86,6 @@ class EngineWindow:
     the plain one. The engines live until `close`."""
 
     def __init__(self, run_cfg, host: HostWork, mode: int, target_in_job: bool):
-        from dspark_ds.engine.config import build_ds_config
-        from dspark_ds.engine.probes import frozen_engine, plain_engine
-        from dspark_ds.tune.estimate import option_overrides
-
         self.mode, self.host = mode, host
         self.zero3 = ENGINE_MODES[mode].startswith("zero3")
         stage = 3 if self.zero3 else 0
@@ -171,8 +170,6 @@ class EngineWindow:
         return out
 
     def close(self) -> None:
-        from dspark_ds.engine.probes import release_engine
-
         release_engine(self.engine)
         if self.target_engine is not None:
             release_engine(self.target_engine)

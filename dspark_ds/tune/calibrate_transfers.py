@@ -9,8 +9,10 @@ import statistics
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dspark_ds import distributed
+from dspark_ds.engine.probes import aio_bandwidth
 from dspark_ds.tune.calibrate_timing import max_over_ranks, timed
 
 NVME_PROBE_BYTES = 32 * 2**20
@@ -23,8 +25,6 @@ class Collectives:
     OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
-        import torch.distributed as dist
-
         self.device, self.world = device, distributed.world_size()
         self.numel = (64 if device.type == "cuda" else 2) * 2**20
         self.elem = torch.tensor([], dtype=dtype).element_size()
@@ -77,8 +77,6 @@ def host_device_copy(device: torch.device) -> float:
 
 def comm_overlap(device: torch.device, dtype: torch.dtype) -> float:
     """Share of an all-gather hidden behind a matmul issued while it runs (0..1)."""
-    import torch.distributed as dist
-
     world = distributed.world_size()
     n = 4096 if device.type == "cuda" else 768
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -104,8 +102,6 @@ def nvme_rates(directory: str | Path, aio: dict | None, ranks_per_node: int) -> 
     """A node's NVMe write and read bytes/s through DeepSpeed's asynchronous I/O under
     `directory`, every rank at once (the node's drives serve its ranks): the median of three
     write + read pairs per rank, the slowest rank's, times the ranks."""
-    from dspark_ds.engine.probes import aio_bandwidth
-
     Path(directory).mkdir(parents=True, exist_ok=True)
     pairs = []
     for _ in range(3):

@@ -19,6 +19,10 @@ from pathlib import Path
 
 import torch
 
+from dspark_ds import distributed
+from dspark_ds.data.cache import bytes_per_token
+from dspark_ds.tune.cluster import GB
+
 READ_BLOCK = 8 * 2**20
 READ_LIMIT = 512 * 2**20
 """The most bytes the calibration reads (all ranks of the node together)."""
@@ -44,8 +48,6 @@ def cache_storage(run_cfg) -> str:
 
 def token_bytes(run_cfg, inv, storage: str | None = None) -> int:
     """Bytes one token takes in the cache (its storage dtype, or `storage`)."""
-    from dspark_ds.data.cache import bytes_per_token
-
     return bytes_per_token(inv.hidden, inv.taps, storage or cache_storage(run_cfg))
 
 
@@ -86,8 +88,6 @@ def measure_read(directory: str | Path, limit: int = READ_LIMIT) -> tuple[float,
     """The node's read bandwidth on `directory`, every rank of the launcher reading its own
     share of the files at once (as training's ranks do): (bytes read in all, seconds of the
     slowest rank), or None when the directory holds nothing to read."""
-    from dspark_ds import distributed
-
     files = _files(Path(directory)) if Path(directory).is_dir() else []
     if not files:
         return None
@@ -111,8 +111,6 @@ def measure_read(directory: str | Path, limit: int = READ_LIMIT) -> tuple[float,
 def data_lines(best, run_cfg, inv, machine) -> list[str]:
     """The cache's read rate at the recommended point, and a warning when the step would wait
     for it (I/O-bound), pointing at an fp8 cache or online mode."""
-    from dspark_ds.tune.cluster import GB
-
     if best is None or not reads_cache(run_cfg):
         return []
     step = best.step

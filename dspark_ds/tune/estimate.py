@@ -37,7 +37,14 @@ from dataclasses import asdict, dataclass, field, replace
 
 from dspark_ds.cost.flops import target_in_job
 from dspark_ds.cost.inventory import DTYPE_BYTES, Inventory
-from dspark_ds.engine.config import ZeroSettings, build_ds_config, merge_config, zero_settings
+from dspark_ds.drafters.registry import get_kind
+from dspark_ds.engine.config import (
+    SHIPPED_DS_CONFIGS,
+    ZeroSettings,
+    build_ds_config,
+    merge_config,
+    zero_settings,
+)
 from dspark_ds.engine.probes import deepspeed_model_states_estimate
 from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import ALL_OPTION_NAMES, TunerConfig, ZeroOption
@@ -203,8 +210,6 @@ def unread_keys(run_cfg) -> list[str]:
 
 def ds_config_warnings(run_cfg) -> list[str]:
     """One line per thing of the recipe's DeepSpeed section the predictions do not follow."""
-    from dspark_ds.engine.config import SHIPPED_DS_CONFIGS
-
     lines = []
     unread = unread_keys(run_cfg)
     if unread:
@@ -339,8 +344,6 @@ def activation_bytes(
 ) -> dict[str, float]:
     """Peak activation memory of one micro-batch (forward saved tensors + the largest backward
     transient), by component: the drafter kind's own model (drafters/<kind>/memory.py)."""
-    from dspark_ds.drafters.registry import get_kind
-
     kind = get_kind(run_cfg.model.kind)
     return kind.activation_bytes(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
 

@@ -32,8 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dspark_ds.config import TrainRunConfig, parse
 from dspark_ds.cost.inventory import inventory
 from dspark_ds.errors import ConfigError
+from dspark_ds.train.checkpoint_files import latest_tag
 from dspark_ds.train.lineage import zero_option
 from dspark_ds.tune.cluster import Machine, with_values
 from dspark_ds.tune.config import TunerConfig, ZeroOption
@@ -71,9 +73,6 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 def read_run(run_dir: str | Path) -> RunLog:
     """A finished run's figures; ConfigError names `cluster.from_run` and what is missing."""
-    from dspark_ds.config import TrainRunConfig, parse
-    from dspark_ds.train.checkpoint_files import latest_tag
-
     run = Path(run_dir)
     log = run / LOG_FILE
     if not log.is_file():

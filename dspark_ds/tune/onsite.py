@@ -140,6 +140,7 @@ def _measure(
     """`--measure`: each option's real steps at its point, with calibration samples in its
     engine mode between them; (the measurements, each option's span of `cal.samples`)."""
     # NOTE: measure.py imports the trainer (a second of imports): only --measure needs it
+    # lazy: the trainer and aiohttp, 0.13 s of `tune --help` (docs/testing.md)
     from dspark_ds.tune.measure import measure
 
     measured, spans = {}, {}

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dspark_ds.cost.inventory import Inventory
+from dspark_ds.drafters.registry import get_kind
 from dspark_ds.tune.cluster import GB as DECIMAL_GB
 from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import OPTIONS, TunerConfig
@@ -39,8 +40,6 @@ def fmt_s(x: float) -> str:
 
 def headline(cfg: TunerConfig, inv: Inventory, run_cfg, machine: Machine, nodes: int) -> list[str]:
     """The recipe and the cluster, in two lines."""
-    from dspark_ds.drafters.registry import get_kind
-
     drafter = get_kind(run_cfg.model.kind).describe(run_cfg.model)
     return [
         f"recipe {cfg.recipe}: {drafter}: {inv.trainable / 1e6:.1f} M trainable + "

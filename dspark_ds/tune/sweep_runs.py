@@ -18,6 +18,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from dspark_ds.config import flatten
+from dspark_ds.drafters.registry import get_kind
+from dspark_ds.tracking.store import default_artifact_location, resolve_uri
+from dspark_ds.tracking.sweeps import Point
+from dspark_ds.tracking.sweeps import log_sweep as log_points
+from dspark_ds.tune.config import OPTIONS
+
 GIB = 2**30
 
 
@@ -59,13 +66,6 @@ def log_sweep(
     text: str,
 ) -> str | None:
     """Rank 0: the sweep's parent and children; returns the parent's run id."""
-    from dspark_ds.config import flatten
-    from dspark_ds.drafters.registry import get_kind
-    from dspark_ds.tracking.store import default_artifact_location, resolve_uri
-    from dspark_ds.tracking.sweeps import Point
-    from dspark_ds.tracking.sweeps import log_sweep as log_points
-    from dspark_ds.tune.config import OPTIONS
-
     t = cfg.tracking
     recipe = Path(cfg.recipe).stem
     by_name = {o.name: o for o in OPTIONS}

@@ -32,6 +32,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dspark_ds.cost.flops import drafter_flops, target_forward_flops, target_in_job
 from dspark_ds.cost.inventory import Inventory, target_config_of
+from dspark_ds.distributed import collective_device, has_group
+from dspark_ds.drafters import build_draft_model
+from dspark_ds.drafters.common.target_config import global_attr, text_config
+from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
+from dspark_ds.drafters.registry import get_kind
+from dspark_ds.target import FrozenTarget, default_layer_ids
 
 NARROW = dict(hidden=32, intermediate=64, heads=2, head_dim=8, vocab=256)
 """The widths of the copy whose host work is timed."""
@@ -122,8 +128,6 @@ def counted_perf(perf, device: str):
 def resized_config(config, *, hidden, intermediate, heads, head_dim, vocab, layers=None):
     """A copy of a target config with other widths (the same model type; `layers` decoder
     layers, or as many as it has)."""
-    from dspark_ds.drafters.common.target_config import global_attr, text_config
-
     config = copy.deepcopy(config)
     text = text_config(config)
     old_heads = int(global_attr(text, "num_attention_heads"))
@@ -179,10 +183,6 @@ class KindStep:
         dtype: torch.dtype = torch.float32,
         target_path: str | None = None,
     ):
-        from dspark_ds.drafters.common.target_config import text_config
-        from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
-        from dspark_ds.drafters.registry import get_kind
-
         device = device or torch.device("cpu")
         self.kind = kind = get_kind(model_section.kind)
         text = text_config(target_config)
@@ -218,8 +218,6 @@ class KindStep:
     def make(self) -> nn.Module:
         """A fresh drafter (the same seed every time), its shared weights frozen, on the step's
         device and dtype, with the run's attention."""
-        from dspark_ds.drafters import build_draft_model
-
         torch.manual_seed(0)
         model = build_draft_model(self.draft_config).to(self.device, self.dtype).train()
         model.freeze_shared()
@@ -249,8 +247,6 @@ class TargetForward:
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
     ):
-        from dspark_ds.drafters.common.target_config import text_config
-
         self.config, self.layer_ids = config, layer_ids
         self.device, self.dtype = device or torch.device("cpu"), dtype
         vocab = int(text_config(config).vocab_size)
@@ -261,9 +257,8 @@ class TargetForward:
 
     def make(self) -> nn.Module:
         """A fresh `FrozenTarget` (for an engine to partition)."""
+        # lazy: transformers, 0.9 s of import
         from transformers import AutoModelForCausalLM
-
-        from dspark_ds.target import FrozenTarget
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(self.config).to(self.device, self.dtype)
@@ -283,6 +278,7 @@ def stand_in_model(layers: int, dtype: torch.dtype = torch.float32):
     """A small Qwen3 model 32 wide (the structure of the drafter's and target's layers): the
     unit of host work, and the calibration's stand-in for DeepSpeed's costs. Returns a
     builder."""
+    # lazy: transformers' Qwen3 model, 2.7 s of import
     from transformers import Qwen3Config, Qwen3Model
 
     config = Qwen3Config(
@@ -364,10 +360,6 @@ class NarrowCopies:
         run_on: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
     ):
-        from dspark_ds.drafters.common.target_config import text_config
-        from dspark_ds.drafters.registry import get_kind
-        from dspark_ds.target import default_layer_ids
-
         run_on = run_on or torch.device("cpu")
         perf = counted_perf(run_cfg.perf, device)
         self.config = narrow_config(target_config_of(run_cfg.target.path))
@@ -425,8 +417,6 @@ def host_work(run_cfg, stages: tuple[int, ...], device: str = "cpu", timed: bool
     `device`, from the narrow copy timed on this CPU (the drafter's loss path follows the ZeRO
     stage, as in training); not `timed`: the op counts only (what a GPU's host does per op is
     launch it)."""
-    from dspark_ds.distributed import collective_device, has_group
-
     run_on = collective_device() if has_group() else torch.device("cpu")
     with torch.random.fork_rng():
         copies = NarrowCopies(run_cfg, stages, device, run_on)

@@ -18,14 +18,16 @@ import copy
 from dataclasses import replace
 from pathlib import Path
 
+from dspark_ds.config import dump_config
+from dspark_ds.engine.config import zero_settings
 from dspark_ds.tune.config import OPTIONS
+from dspark_ds.tune.estimate import resolved_ds_config
+from dspark_ds.tune.search import point_config
 
 
 def explicit_zero(ds_config: dict) -> dict:
     """`ds_config` with the ZeRO settings the tuner reads (engine.config.zero_settings: DeepSpeed's
     values, its defaults where the JSON is silent) written into its zero_optimization."""
-    from dspark_ds.engine.config import zero_settings
-
     z = zero_settings(ds_config)
     out = copy.deepcopy(ds_config)
     section = out.setdefault("zero_optimization", {})
@@ -55,9 +57,6 @@ def explicit_zero(ds_config: dict) -> dict:
 def recipe_config(best, run_cfg, world: int, device: str, nodes: int = 1):
     """The train config of the point `best` (an `Estimate` with its `point`) on `world` ranks
     over `nodes` nodes."""
-    from dspark_ds.tune.estimate import resolved_ds_config
-    from dspark_ds.tune.search import point_config
-
     option = next(o for o in OPTIONS if o.name == best.option)
     point = best.point
     cfg = point_config(
@@ -71,8 +70,6 @@ def recipe_config(best, run_cfg, world: int, device: str, nodes: int = 1):
 
 def write_recipe(path: str, best, run_cfg, world: int, nodes: int, device: str) -> str:
     """Writes the recipe of `best` to `path`; returns the line the report prints."""
-    from dspark_ds.config import dump_config
-
     cfg = recipe_config(best, run_cfg, world, device, nodes)
     per_node = world // nodes
     launch = f"torchrun --nproc_per_node {per_node} -m dspark_ds.cli train --config {path}"

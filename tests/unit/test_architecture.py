@@ -251,6 +251,132 @@ def test_ruff(args):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+# ---- imports at the top: an import inside a function says why it is there ------------------
+
+MAX_LAZY_OWN_IMPORTS = 40
+"""Imports of the package's own modules inside functions: each one keeps an entry point light
+(`dspark-ds --help`, a subcommand's `--help`: the seconds measured in docs/testing.md) or is a
+lazy name of a package's face."""
+LAZY_REASON = re.compile(r"#\s*lazy:\s*\S")
+
+
+def _import_runs(tree: ast.AST):
+    """Each run of import statements inside a function: consecutive lines of one body."""
+    seen: set[int] = set()
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            for body in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+                if not isinstance(body, list) or id(body) in seen:
+                    continue
+                seen.add(id(body))
+                run: list[ast.stmt] = []
+                for st in body:
+                    if not isinstance(st, ast.Import | ast.ImportFrom):
+                        continue
+                    if run and st.lineno != run[-1].end_lineno + 1:
+                        yield run
+                        run = []
+                    run.append(st)
+                if run:
+                    yield run
+
+
+def lazy_imports(root: Path) -> list[tuple[str, bool, bool]]:
+    """Each import statement inside a function under `root`: ("path:line", whether it imports
+    the package itself, whether it says why: a `# lazy: <reason>` comment on its own lines, or
+    on the comment lines just above the run of imports it is in)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        with path.open("rb") as f:
+            comments = {
+                t.start[0]: t.string
+                for t in tokenize.tokenize(f.readline)
+                if t.type == tokenize.COMMENT
+            }
+        for run in _import_runs(ast.parse("\n".join(lines))):
+            above, line = [], run[0].lineno - 1
+            while line >= 1 and lines[line - 1].strip().startswith("#"):
+                above.append(comments.get(line, ""))
+                line -= 1
+            for st in run:
+                own = [comments.get(n, "") for n in range(st.lineno, st.end_lineno + 1)]
+                module = st.module or "" if isinstance(st, ast.ImportFrom) else st.names[0].name
+                is_own = module.split(".")[0] == root.name or bool(getattr(st, "level", 0))
+                why = any(LAZY_REASON.search(c) for c in (*own, *above))
+                found.append((f"{path.relative_to(root.parent)}:{st.lineno}", is_own, why))
+    return found
+
+
+def reimports(path: Path) -> list[str]:
+    """The imports inside functions of `path` of what it already imports at its top (a module,
+    or a name from a module): "line: statement"."""
+
+    def imported(node) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {a.name for a in node.names}
+        return {f"{'.' * node.level}{node.module or ''}:{a.name}" for a in node.names}
+
+    tree = ast.parse(path.read_text())
+    top = set().union(
+        *(imported(n) for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom))
+    )
+    return [
+        f"{st.lineno}: {ast.unparse(st)}"
+        for run in _import_runs(tree)
+        for st in run
+        if imported(st) & top
+    ]
+
+
+def test_imports_inside_functions_say_why_and_few_are_the_packages_own():
+    # an import belongs at the top of its module; one inside a function is an optional
+    # dependency, an import cost an entry point must not pay (measured), or a lazy face
+    found = lazy_imports(PACKAGE)
+    unexplained = [where for where, _, why in found if not why]
+    assert unexplained == [], "a `# lazy: <reason>` comment, or an import at the top"
+    own = [where for where, is_own, _ in found if is_own]
+    assert 0 < len(own) <= MAX_LAZY_OWN_IMPORTS, "\n".join(own)
+
+
+def test_no_function_imports_what_its_module_imports_at_the_top():
+    found = {
+        str(p.relative_to(REPO)): lines
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (lines := reimports(p))
+    }
+    assert found == {}
+
+
+def test_a_lazy_import_without_a_reason_and_a_reimport_are_found(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text(
+        "import json\nfrom pkg.b import B\n\n\n"
+        "def f():\n"
+        "    # lazy: a cycle through pkg.b\n"
+        "    from pkg import b\n"
+        "    import torch\n"
+        "\n"
+        "    import yaml\n"
+        "    from pkg.c import C  # lazy: 2 s of import\n"
+        "    import json\n"
+        "    if b:\n"
+        "        from pkg.b import B\n"
+    )
+    assert lazy_imports(pkg) == [
+        ("pkg/a.py:7", True, True),
+        ("pkg/a.py:8", False, True),
+        ("pkg/a.py:10", False, False),
+        ("pkg/a.py:11", True, True),
+        ("pkg/a.py:12", False, False),
+        ("pkg/a.py:14", True, False),
+    ]
+    assert reimports(pkg / "a.py") == ["12: import json", "14: from pkg.b import B"]
+
+
 # ---- the formatter trusted: switched off only for a table ------------------------------------
 
 FORMATTER_OFF_BUDGET = 30

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dspark_ds.drafters.common.flex import dspark_block_mask, flex_attend
+
 ATTN_IMPLEMENTATIONS = ("dense", "blockwise", "flex")
 # Blocks per chunk of the blockwise path: small enough that the context cut follows the
 # anchors closely (sorted anchors), large enough that per-chunk overhead stays negligible.
@@ -59,8 +61,6 @@ def flex_block_mask(
 ):
     """The same visibility as a flex_attention BlockMask, built from the anchors in O(tiles)
     (drafters/common/flex.py)."""
-    from dspark_ds.drafters.common.flex import dspark_block_mask
-
     return dspark_block_mask(
         anchor_positions, block_keep_mask, seq_len=seq_len, block_size=block_size
     )
@@ -113,7 +113,6 @@ def attend(
         safe_mask = mask | ~row_sees_any
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, scale=scaling)
         return out * row_sees_any.to(out.dtype)
-    from dspark_ds.drafters.common.flex import flex_attend
 
     return flex_attend(q, k, v, mask, scaling=scaling)  # compiled on CUDA
 

@@ -99,6 +99,7 @@ def draft_rope_parameters(text_config) -> dict:
 def qwen3_style_config(text_config):
     """A `Qwen3Config` with the sizes, norm epsilon and RoPE of `text_config` (any family);
     ConfigError names the field that cannot be used."""
+    # lazy: transformers, 0.9 s of import
     from transformers import Qwen3Config
 
     name = family(text_config)

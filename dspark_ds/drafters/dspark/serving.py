@@ -15,6 +15,7 @@ their embedding and lm_head to the target's).
 
 from __future__ import annotations
 
+from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError
 
 DFLASH = "DFlashDraftModel"
@@ -79,8 +80,6 @@ def native_dict(data: dict, target_config=None) -> dict:
     out["confidence_head_with_markov"] = False
     out.setdefault("num_anchors", 512)  # training's own setting; the run's model section decides
     if "num_target_layers" not in out and target_config is not None:
-        from dspark_ds.drafters.common.target_config import text_config
-
         out["num_target_layers"] = int(text_config(target_config).num_hidden_layers)
     return out
 

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 
 from dspark_ds.drafters.common.attention import attend
 from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.flex import flex_attend
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop
 from dspark_ds.drafters.common.sampling import sample_from_logits
@@ -119,10 +121,6 @@ def ttt_attention_flex(
     q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float
 ) -> torch.Tensor:
     """The same visibility as one flex_attention call over [keys_0; ...; keys_k] (GPU training)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from dspark_ds.drafters.common.flex import flex_attend
-
     seq = q.shape[2]
     # NOTE: the sequence length as a tensor, not a Python int: the compiled kernel would
     # specialise (and recompile) on a captured int (drafters/common/flex.py)

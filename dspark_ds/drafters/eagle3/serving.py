@@ -15,6 +15,7 @@ vocabulary, with its `d2t` / `t2d` maps) and Llama-style Eagle3 layers without q
 
 from __future__ import annotations
 
+from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError
 
 VLLM_QWEN3 = "Eagle3Qwen3ForCausalLM"
@@ -85,7 +86,6 @@ def native_dict(data: dict, target_config=None) -> dict:
                 "num_target_layers: missing from the Eagle3 config.json; give the target "
                 "(target.path) to read it from"
             )
-        from dspark_ds.drafters.common.target_config import text_config
 
         out["num_target_layers"] = int(text_config(target_config).num_hidden_layers)
     return out

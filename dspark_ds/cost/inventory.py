@@ -15,6 +15,7 @@ from dspark_ds.drafters.common.target_config import global_attr
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import default_layer_ids, text_config
+from dspark_ds.target_checkpoint import read_target_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -179,6 +180,8 @@ def target_config_of(path: str):
 
     if path in KNOWN_TARGETS and not Path(path).exists():
         return Qwen3Config(**KNOWN_TARGETS[path])
+    if Path(path).expanduser().exists():
+        return read_target_config(path)
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as err:

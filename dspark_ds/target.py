@@ -189,6 +189,15 @@ def _first_tensor(value) -> torch.Tensor:
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
+def residual_state(hidden: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's hidden state as the features take it, [B, S, H]. DeepSeek-V4's
+    hyper-connections keep `hc_mult` residual streams, [B, S, hc_mult, H], which its own
+    layers mix with weights computed per token and its head collapses only after the last
+    layer: a tapped layer is the mean of its streams (they all start as the embedding, so id
+    -1 is the embedding itself; the last id is the final normed state, as for every family)."""
+    return hidden.mean(dim=-2) if hidden.dim() == 4 else hidden
+
+
 class FrozenTarget(nn.Module):
     """A causal LM of any family in eval mode with no gradients that returns the tapped features.
 
@@ -224,12 +233,12 @@ class FrozenTarget(nn.Module):
 
     def _embedding_hook(self, _module, args, kwargs):
         if -1 in self.layer_ids:
-            self._taps[-1] = args[0] if args else kwargs["hidden_states"]
+            self._taps[-1] = residual_state(args[0] if args else kwargs["hidden_states"])
 
     def _hook(self, layer_id: int):
         def fn(_module, _inputs, output):
             if layer_id in self.layer_ids:
-                self._taps[layer_id] = _first_tensor(output)
+                self._taps[layer_id] = residual_state(_first_tensor(output))
 
         return fn
 

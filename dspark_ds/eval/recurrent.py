@@ -77,7 +77,16 @@ _RECURRENT_FAMILIES = (
     "minimax",
     "lfm3",
 )
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+# Layer types that keep per-token columns only (a KV cache, which a crop rolls back): DeepSeek
+# Sparse Attention's "indexed_attention" (DeepSeek-V3.2, GLM-5) caches its indexer's keys per
+# token beside the MLA cache (transformers' `DynamicIndexedLayer`, whose crop cuts both).
+_ATTENTION_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "attention",
+    "indexed_attention",
+)
 
 
 def _family(config) -> str:
@@ -97,9 +106,28 @@ def is_recurrent(config) -> bool:
     return any(k.startswith(("mamba_", "ssm_", "linear_conv")) for k in text.to_dict())
 
 
+# Families whose per-row state is not a recurrent one but cannot be rolled back either: why.
+_REFUSED = {
+    "deepseek_v4": (
+        "its compressed-sparse and heavily-compressed attention layers keep, besides a "
+        "sliding window that drops its oldest keys as a forward appends (so a rejected draft's "
+        "forward evicts keys no crop gives back: transformers marks the layer not croppable), "
+        "a compressor whose buffer emits one compressed entry every compress_rate tokens (an "
+        "entry made with rejected drafts in it, the compressed-sparse layers' overlap state "
+        "too), and one entry count per layer for all rows, so rows at different positions "
+        "cannot share a cache; it is refused rather than decoded wrongly "
+        "(docs/known-limits.md#hybrid-targets)"
+    ),
+}
+
+
 def check_recurrent_target(config) -> None:
     """Refuse a target that keeps a recurrent state we cannot roll back exactly."""
     family = _family(config)
+    if family in _REFUSED:
+        raise ConfigError(
+            f"{family}: speculative decoding cannot roll this target back: {_REFUSED[family]}"
+        )
     if is_recurrent(config) and family not in STATEFUL_MIXERS:
         raise ConfigError(
             f"{family}: this target keeps a recurrent (state-space / linear-attention) state that "

@@ -20,13 +20,14 @@ from dspark_ds.eval.recurrent import (
     crop_cache,
     start_recording,
 )
-from dspark_ds.target import text_config
+from dspark_ds.target import residual_state, text_config
 
 
 def tap_layers(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """Concatenate the tapped layers in id order: id -1 is the embedding output
-    (`hidden_states[0]`), id i the output of decoder layer i (`hidden_states[i + 1]`)."""
-    return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+    (`hidden_states[0]`), id i the output of decoder layer i (`hidden_states[i + 1]`), each
+    as `residual_state` takes it (DeepSeek-V4: the mean of its residual streams)."""
+    return torch.cat([residual_state(hidden_states[i + 1]) for i in layer_ids], dim=-1)
 
 
 def check_drafter_matches_target(target, drafter) -> None:

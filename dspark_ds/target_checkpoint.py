@@ -7,9 +7,8 @@
   own, or, for a vision-language checkpoint whose family has no causal-LM class (Kimi-K2.5:
   `Kimi_K25ForConditionalGeneration`, its text model DeepSeek-V3), its text model's. Such a
   target is its text model alone: its weights are read from the checkpoint under the whole
-  model's names (`text_model_sources`), the vision tower's never.
-- `load_causal_lm`: the causal LM of a target path, as `AutoModelForCausalLM.from_pretrained`
-  loads it, or built from `causal_lm_config` and filled with the text model's weights.
+  model's names (`whole_model_on_meta`, `text_model_names`; `TargetWeights.sources` reads
+  them), the vision tower's never; `target.load_causal_lm` loads it.
 """
 
 from __future__ import annotations

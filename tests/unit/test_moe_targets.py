@@ -147,8 +147,8 @@ def _greedy(target, prompt):
 @pytest.mark.parametrize("family", DECODED)
 def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, models):
     """One row (full gamma, threshold) and batched with prompts entering and leaving (full gamma,
-    threshold): drafts rejected in most rounds, some kept, so caches are cut back and rows
-    shifted every round."""
+    threshold, scheduler): drafts rejected in most rounds, some kept, so caches are cut back and
+    rows shifted every round."""
     target, drafter = models[family]
     prompts = _prompts()
     want = [_greedy(target, p) for p in prompts]
@@ -161,7 +161,12 @@ def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, 
             assert got.tolist() == expected.tolist(), (family, threshold)
             proposed += sum(stats.proposed_per_round)
             accepted += sum(stats.accepted_per_round)
-    for kwargs in (dict(policy="full"), dict(policy="threshold", confidence_threshold=0.4)):
+    policies = [
+        dict(policy="full"),
+        dict(policy="threshold", confidence_threshold=0.4),
+        dict(policy="scheduler", sps=lambda rows, length: 1.0 if length <= 2 else 0.4 / length),
+    ]
+    for kwargs in policies:
         results = batched_generate(
             target, drafter, prompts, batch_size=2, max_new_tokens=NEW, **kwargs
         )

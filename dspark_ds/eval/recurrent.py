@@ -29,6 +29,9 @@ forward): `start_recording` asks for none and `crop_cache` cuts the linear-atten
 transformers 5.24 did (their convolution windows and token count, their recurrent state left to
 the replay), so both versions decode the same way.
 
+DeepSeek-V4's compressed attention keeps no recurrent state, but a compressor and a sliding
+window no crop rolls back: eval/compressed.py puts them back (`rollback_state` picks either).
+
 A target whose config or cache says it keeps a recurrent state but whose family is not one of
 `STATEFUL_MIXERS` is refused by name: its state could not be put back, and decoding it would
 silently not be lossless.
@@ -46,6 +49,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError
+from dspark_ds.eval.compressed import COMPRESSED_FAMILIES, CompressedState, is_compressed_layer
 
 # Text model_type -> the decoder layer's attribute holding the stateful mixer (a module with
 # `layer_idx`, called as mixer(hidden_states=..., cache=..., attention_mask=...)).
@@ -106,35 +110,26 @@ def is_recurrent(config) -> bool:
     return any(k.startswith(("mamba_", "ssm_", "linear_conv")) for k in text.to_dict())
 
 
-# Families whose per-row state is not a recurrent one but cannot be rolled back either: why.
-_REFUSED = {
-    "deepseek_v4": (
-        "its compressed-sparse and heavily-compressed attention layers keep, besides a "
-        "sliding window that drops its oldest keys as a forward appends (so a rejected draft's "
-        "forward evicts keys no crop gives back: transformers marks the layer not croppable), "
-        "a compressor whose buffer emits one compressed entry every compress_rate tokens (an "
-        "entry made with rejected drafts in it, the compressed-sparse layers' overlap state "
-        "too), and one entry count per layer for all rows, so rows at different positions "
-        "cannot share a cache; it is refused rather than decoded wrongly "
-        "(docs/known-limits.md#hybrid-targets)"
-    ),
-}
-
-
 def check_recurrent_target(config) -> None:
     """Refuse a target that keeps a recurrent state we cannot roll back exactly."""
     family = _family(config)
-    if family in _REFUSED:
-        raise ConfigError(
-            f"{family}: speculative decoding cannot roll this target back: {_REFUSED[family]}"
-        )
-    if is_recurrent(config) and family not in STATEFUL_MIXERS:
+    if is_recurrent(config) and family not in STATEFUL_MIXERS and family not in COMPRESSED_FAMILIES:
         raise ConfigError(
             f"{family}: this target keeps a recurrent (state-space / linear-attention) state that "
             "speculative decoding cannot roll back exactly after rejected drafts, so it is "
             f"refused rather than decoded wrongly; supported hybrid families: "
             f"{', '.join(sorted(STATEFUL_MIXERS))} (docs/known-limits.md#hybrid-targets)"
         )
+
+
+def rollback_state(target) -> RecurrentState | CompressedState | None:
+    """What puts `target`'s per-row state other than a KV cache back after a round: its
+    recurrent layers' (`RecurrentState`), DeepSeek-V4's compressed attention's
+    (`CompressedState`, eval/compressed.py), or None (a KV cache alone)."""
+    check_recurrent_target(target.config)
+    if _family(target.config) in COMPRESSED_FAMILIES:
+        return CompressedState.for_target(target)
+    return RecurrentState.for_target(target)
 
 
 @dataclass
@@ -177,6 +172,8 @@ def crop_cache(cache, tokens_to_remove: int) -> None:
     and its token count, its recurrent state left as it is for `RecurrentState.rollback` (5.25's
     own crop takes it from a history that `start_recording` does not keep)."""
     for layer in cache.layers:
+        if is_compressed_layer(layer):
+            continue  # (no crop: CompressedState.rollback restores and replays it)
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             layer.crop(-tokens_to_remove)
             continue

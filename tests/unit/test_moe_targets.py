@@ -11,7 +11,9 @@
 - greedy speculative decoding equals the target's greedy decoding token for token, one row and
   batched (the sparse-attention indexer's keys cropped and moved with the KV cache), and T = 1
   sampling has the target's distribution (chi-square);
-- DeepSeek-V4 is refused at decoding by name, with the reason.
+- DeepSeek-V4: its compressed layers' windows, compressor buffers, entries and counts after a
+  rolled-back round equal a cache's that saw the kept tokens only (and without the rollback
+  they do not); greedy and T = 1 decoding one row at a time lossless; batched refused by name.
 
 Training: `tests/multiprocess/test_moe_targets_train.py`.
 """
@@ -39,7 +41,8 @@ from helpers.gemma4 import greedy_without_cache
 from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_model
 
 FAMILIES = list(MOE_TARGETS)
-DECODED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]
+BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
+DECODED = [*BATCHED, "deepseek_v4"]  # one row
 VOCAB = 16
 
 
@@ -148,7 +151,7 @@ def _greedy(target, prompt):
 def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, models):
     """One row (full gamma, threshold) and batched with prompts entering and leaving (full gamma,
     threshold, scheduler): drafts rejected in most rounds, some kept, so caches are cut back and
-    rows shifted every round."""
+    rows shifted every round. DeepSeek-V4: one row; batched refused by name."""
     target, drafter = models[family]
     prompts = _prompts()
     want = [_greedy(target, p) for p in prompts]
@@ -166,6 +169,10 @@ def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, 
         dict(policy="threshold", confidence_threshold=0.4),
         dict(policy="scheduler", sps=lambda rows, length: 1.0 if length <= 2 else 0.4 / length),
     ]
+    if family not in BATCHED:
+        with pytest.raises(ConfigError, match=f"^{family}: batched speculative decoding is not"):
+            batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
+        policies = []
     for kwargs in policies:
         results = batched_generate(
             target, drafter, prompts, batch_size=2, max_new_tokens=NEW, **kwargs
@@ -238,23 +245,100 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(family):
 
 
 def test_the_family_table_says_what_trains_and_decodes():
-    """docs/drafters.md's table of these families: each trains; each decodes but DeepSeek-V4,
-    which is refused by name (above)."""
+    """docs/drafters.md's table of these families: each trains and decodes, DeepSeek-V4 one row
+    at a time (batched refused by name, above)."""
     text = (Path(__file__).parents[2] / "docs" / "drafters.md").read_text()
     for family in FAMILIES:
         row = next(line for line in text.splitlines() if f"| `{family}` |" in line)
         cells = [cell.strip() for cell in row.split("|")]
         assert cells[3] == "✓", family
-        assert cells[4] == ("✓ lossless" if family in DECODED else "refused by name"), family
+        assert cells[4] == ("✓ lossless" if family in BATCHED else "✓ lossless, one row"), family
 
 
-def test_deepseek_v4_is_refused_at_decoding_by_name():
+def _compressed_states(decoder: TargetDecoder) -> list[torch.Tensor]:
+    """Every tensor DeepSeek-V4's compressed layers keep: window, buffers, entries, overlap."""
+    out = []
+    for layer in decoder.cache.layers:
+        if hasattr(layer, "compressed_kv"):
+            out.append(layer.keys)
+            for name in ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate"):
+                out += [t for t in getattr(layer, name, {}).values() if t is not None]
+            out.append(torch.tensor(list(layer.entry_count.values())))
+    assert len(out) > 8
+    return out
+
+
+def _v4_rolled_back(target, ids) -> tuple[TargetDecoder, TargetDecoder]:
+    """A decoder that verified junk after ids[:, 8:11] and kept the 3 real tokens (the sliding
+    window of 8 full, a compressed-sparse window of 2 and a heavily-compressed one of 4 closed
+    with junk in them), and one that only saw ids[:, :11]."""
+    rolled = TargetDecoder(target, [])
+    rolled.forward(ids[:, :8])
+    rolled.keep(8)
+    rolled.forward(torch.cat([ids[:, 8:11], torch.tensor([[3, 1, 4, 1, 5]])], dim=1))
+    rolled.keep(11)
+    clean = TargetDecoder(target, [])
+    clean.forward(ids[:, :11])
+    clean.keep(11)
+    return rolled, clean
+
+
+def test_deepseek_v4s_compressed_attention_is_rolled_back_exactly(models, monkeypatch):
+    """After a round with rejected drafts, the compressed layers' windows, compressor buffers,
+    entries, counts and overlaps equal those of a cache that saw the kept tokens only, and the
+    next forward equals the full forward; without the rollback they do not."""
+    from dspark_ds.eval.compressed import CompressedState
+
+    target, _ = models["deepseek_v4"]
+    ids = torch.randint(0, VOCAB, (1, 15), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        rolled, clean = _v4_rolled_back(target, ids)
+        for mine, theirs in zip(_compressed_states(rolled), _compressed_states(clean), strict=True):
+            torch.testing.assert_close(mine, theirs)
+        torch.testing.assert_close(
+            rolled.forward(ids[:, 11:]).logits_LV, target(ids).logits[0, 11:], rtol=1e-5, atol=1e-5
+        )
+        monkeypatch.setattr(CompressedState, "rollback", lambda self, cache, keep, n: None)
+        stale, clean = _v4_rolled_back(target, ids)
+        stale_states, clean_states = _compressed_states(stale), _compressed_states(clean)
+        assert len(stale_states) != len(clean_states) or any(
+            a.shape != b.shape or not torch.equal(a, b) for a, b in zip(stale_states, clean_states)
+        )
+
+
+def test_which_families_keep_a_state_a_crop_does_not_roll_back():
+    """DeepSeek-V4's compressed attention reads as recurrent and is rolled back by its own
+    replay, not refused; the others keep a KV cache (and indexer keys) alone."""
     config = tiny_moe_model("deepseek_v4", VOCAB).config
     assert is_recurrent(config)
-    with pytest.raises(ConfigError, match="^deepseek_v4: speculative decoding cannot roll") as e:
-        check_recurrent_target(config)
-    assert "compress_rate" in str(e.value) and "entry count per layer" in str(e.value)
-    for family in DECODED:
+    check_recurrent_target(config)
+    for family in BATCHED:
         cfg = tiny_moe_model(family, VOCAB).config
         assert not is_recurrent(cfg), family
         check_recurrent_target(cfg)
+
+
+def test_sampled_one_row_decoding_has_deepseek_v4s_distribution():
+    """T = 1, one row at a time: x1 from the prefill, (x2, x3) from verification rounds, the
+    compressed layers rolled back after each."""
+    target = tiny_moe_model("deepseek_v4", 8, seed=0)
+    with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
+        target.get_output_embeddings().weight.div_(4.0)
+    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
+    prompt = torch.tensor([[1, 2, 3, 5, 6, 1, 2]])
+    exact = exact_continuation_probs(target, prompt, 3)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros([8] * 3)
+    accepted = 0
+    for _ in range(200):
+        out, stats = speculative_generate(
+            target, drafter, prompt, max_new_tokens=3, temperature=1.0, generator=generator
+        )
+        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
+        accepted += sum(stats.accepted_per_round)
+    assert accepted > 30, accepted
+    pvalues = [
+        chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
+        chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
+    ]
+    assert min(pvalues) > 1e-3, pvalues

@@ -155,7 +155,7 @@ class Inventory:
 
     def step_shape(self, run_cfg) -> StepShape:
         """One micro-batch of the run through these sizes (the kind's activation input; its own
-        part from the kind, `DrafterKind.step_part`)."""
+        part from the kind, `DrafterKind.cost.step_part`)."""
         return StepShape(
             batch=run_cfg.data.batch_size,
             seq_len=run_cfg.data.max_length,
@@ -167,7 +167,7 @@ class Inventory:
             head_dim=self.head_dim,
             draft_layers=self.draft_layers,
             taps=self.taps,
-            drafter=get_kind(run_cfg.model.kind).step_part(run_cfg.model),
+            drafter=get_kind(run_cfg.model.kind).cost.step_part(run_cfg.model),
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
         )

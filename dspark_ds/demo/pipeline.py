@@ -139,7 +139,7 @@ class DemoPipeline:
         self.target = None
         self.num_anchors: dict[int, int] = {}
         """seed -> anchors per sequence of that seed's training of the drafters that train on
-        anchor blocks (`DrafterKind.anchor_blocks`)."""
+        anchor blocks (`Capabilities.anchor_blocks`)."""
         self.results: dict[int, dict[str, dict]] = {}
         """seed -> drafter -> {"train": ..., "T0": eval row, "T1": ...}."""
 
@@ -274,7 +274,9 @@ class DemoPipeline:
         anchors = self.cfg.drafter.num_anchors
         self.num_anchors[seed] = anchors if anchors is not None else max_valid_anchors(prepared)
         anchored = [
-            PRESETS[d].label for d in self.cfg.drafters if get_kind(preset(d).kind).anchor_blocks
+            PRESETS[d].label
+            for d in self.cfg.drafters
+            if get_kind(preset(d).kind).capabilities.anchor_blocks
         ]
         print0(
             f"[demo] {' / '.join(anchored)}: {self.num_anchors[seed]} anchor blocks per sequence"
@@ -371,7 +373,7 @@ class DemoPipeline:
         if not (export / "config.json").is_file():
             raise RuntimeError(f"training {kind} (seed {seed}) exported nothing to {export}")
         info = {"export": str(export), **_train_log_summary(run_dir / "train_log.jsonl")}
-        if get_kind(self.drafter_model(kind, 1).kind).anchor_blocks:
+        if get_kind(self.drafter_model(kind, 1).kind).capabilities.anchor_blocks:
             info["num_anchors"] = self.num_anchors[seed]
         self.results.setdefault(seed, {}).setdefault(kind, {})["train"] = info
         return info

@@ -68,7 +68,7 @@ def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     }
     for kind in cfg.drafters:
         trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]
-        if not get_kind(preset(kind).kind).anchor_blocks:  # every position, unrolled
+        if not get_kind(preset(kind).kind).capabilities.anchor_blocks:  # every position, unrolled
             out[kind] = {"positions": "every supervised position", "depth": g}
             continue
         shares = [t["anchored_share_of_valid"] for t in trains if "anchored_share_of_valid" in t]

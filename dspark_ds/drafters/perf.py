@@ -1,6 +1,6 @@
 """The `perf` section: how a drafter's training step computes attention and the loss, and
 whether the drafter is compiled. Every choice gives the same results at another cost; each kind
-honours the options it can (`DrafterKind.check_perf`) and refuses the others by name.
+honours the options it can (`DrafterKind.train.check_perf`) and refuses the others by name.
 
 `activation_checkpointing` recomputes each draft decoder layer in backward instead of keeping
 what it saved (drafters/common/layers.py `run_layer`; exact: the same ops run again).

@@ -62,7 +62,9 @@ def _check_options(batch_size: int, policy: str, drafter, sps: SPS | None) -> No
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if policy not in POLICIES:
         raise ValueError(f"policy must be full | threshold | scheduler, got {policy!r}")
-    if policy != "full" and (drafter is None or drafter.confidence_head is None):
+    if policy != "full" and (
+        drafter is None or not kind_of(drafter).decode.has_confidence(drafter.config)
+    ):
         raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
     if policy == "scheduler" and sps is None:
         raise ValueError("policy 'scheduler' needs the sps cost table")
@@ -99,9 +101,9 @@ class BatchedDecoder:
         if drafter is not None:
             check_drafter_matches_target(target, drafter)
             self.kind = kind_of(drafter)
-            self.block_size = int(drafter.config.block_size)
+            self.block_size = self.kind.decode.tokens_per_round(drafter.config)
             self.layer_ids = [int(i) for i in drafter.config.target_layer_ids]
-            temps_G = confidence_temperatures(drafter.config, device=self.device)
+            temps_G = confidence_temperatures(drafter.config, self.block_size, device=self.device)
         self.policy = VerifyPolicy(policy, confidence_threshold, temps_G, sps)
         self.batch_size = batch_size
         self.temperature, self.generator = temperature, generator
@@ -158,7 +160,7 @@ class BatchedDecoder:
         caches.trim(torch.full((1,), length, device=self.device), length)
         if self.drafter is not None:
             first = torch.tensor([req.new_tokens], device=self.device, dtype=prompt.dtype)
-            self.kind.extend(
+            self.kind.decode.extend(
                 self.drafter,
                 VerifiedContext(
                     feats,
@@ -223,7 +225,7 @@ class BatchedDecoder:
         """Every row's proposal (None without a drafter)."""
         if self.drafter is None:
             return None
-        return self.kind.propose(
+        return self.kind.decode.propose(
             self.drafter,
             DraftRound(
                 x_start=x_start,
@@ -263,7 +265,7 @@ class BatchedDecoder:
             next_tokens, device=self.device, dtype=next_ids.dtype
         )
         key_mask = caches.key_mask()
-        self.kind.extend(
+        self.kind.decode.extend(
             self.drafter,
             VerifiedContext(
                 feats,

@@ -95,7 +95,7 @@ def step_shape(cfg: TrainBenchConfig):
         head_dim=cfg.hidden_size // cfg.num_attention_heads,
         draft_layers=cfg.model.num_draft_layers,
         taps=cfg.num_target_layers,
-        drafter=cfg.kind.step_part(cfg.model),
+        drafter=cfg.kind.cost.step_part(cfg.model),
         compute_bytes=width,
         feature_bytes=width,
     )
@@ -103,7 +103,7 @@ def step_shape(cfg: TrainBenchConfig):
 
 def step_flops(cfg: TrainBenchConfig, variant: str) -> float:
     """FLOPs of one training step (forward + backward) of `variant`: the kind's count."""
-    flops = cfg.kind.step_flops(step_shape(cfg), cfg.perf(variant), cfg.device, 0)
+    flops = cfg.kind.cost.step_flops(step_shape(cfg), cfg.perf(variant), cfg.device, 0)
     return sum(flops.values())
 
 
@@ -162,7 +162,7 @@ def _training_step(cfg: TrainBenchConfig, variant: str):
     `training_step`, backward, AdamW) -> (model, batch, optimizer, step)."""
     kind, section, perf = cfg.kind, cfg.model, cfg.perf(variant)
     model = build_model(cfg)
-    path = kind.prepare(model, perf, cfg.device)  # the attention, compile, the loss path
+    path = kind.train.prepare(model, perf, cfg.device)  # the attention, compile, the loss path
     ctx = StepContext(section, perf, path, seed=cfg.seed)
     batch = build_batch(cfg, cfg.device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -172,11 +172,11 @@ def _training_step(cfg: TrainBenchConfig, variant: str):
         # NOTE: gradients are cleared before the step, not after: they stay allocated between
         # steps, as a DeepSpeed engine's gradient buffers do, and count as resident.
         opt.zero_grad(set_to_none=True)
-        out = kind.training_step(model, batch, ctx)
+        out = kind.train.training_step(model, batch, ctx)
         out.loss.backward()
         opt.step()
         sums = dict(zip(out.names, out.sums.tolist()))
-        return out.loss.item(), kind.metrics(sums, section)
+        return out.loss.item(), kind.train.metrics(sums, section)
 
     return model, batch, opt, step
 

@@ -8,9 +8,9 @@ FLOP/s per variant, each next to the drafter kind's reference variant of the sam
 
 The drafter is a preset (`--drafter`: drafters/presets.py) sized by the bench's fields as the demo
 sizes it (`Preset.sized`), built for a random Qwen3 target of the bench's widths; one step is its
-kind's `training_step` (drafters/kind.py: what training runs, its anchors drawn in the step), its
-backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss path of
-the kind (`perf.attn_implementation`, `perf.loss_impl`; `DrafterKind.attn_impls`, `loss_impls`),
+kind's `train.training_step` (drafters/kind.py: what training runs, its anchors drawn in the
+step), its backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss path of
+the kind (`perf.attn_implementation`, `perf.loss_impl`; `Capabilities.attn_impls`, `loss_impls`),
 compile off (default) | layers | model (perf.compile); without `--variants`, the kind's
 `bench_variants`, whose first is its reference (the straight-line path the ratio columns compare
 with). Each variant runs in its own subprocess (perf/bench_variant.py), so peak memory is that
@@ -18,7 +18,7 @@ variant's alone (CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated 
 built). The peak is split into what stays resident — weights, gradients and optimizer state,
 counted exactly from the tensors — and the step's working memory: peak minus resident minus the
 process before the model existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs are the
-kind's count for the variant's paths (`DrafterKind.step_flops`, the tuner's compute term: the
+kind's count for the variant's paths (`DrafterKind.cost.step_flops`, the tuner's compute term: the
 matmuls the paths run, so dense attention counts the masked pairs it computes and the recompute
 loss its logits twice). The achieved rate is compared with a plain [n x n] matmul of the run's own
 dtype timed in the same process (n = 8192 on CUDA, 2048 on CPU).
@@ -52,8 +52,8 @@ def parse_variant(variant: str, kind=None) -> tuple[str, str, str]:
     """ "<attention>/<loss>[/<compile>]" -> (attention, loss, compile), each a path `kind` (a
     `DrafterKind`; the default preset's when None) honours."""
     kind = kind or get_kind(preset(DEFAULT_PRESET).kind)
-    attns = tuple(a for a in kind.attn_impls if a != "auto")
-    losses = tuple(a for a in kind.loss_impls if a != "auto")
+    attns = tuple(a for a in kind.capabilities.attn_impls if a != "auto")
+    losses = tuple(a for a in kind.capabilities.loss_impls if a != "auto")
     parts = variant.split("/")
     if len(parts) == 2:
         parts.append("off")
@@ -110,7 +110,7 @@ class TrainBenchConfig:
     """cpu | cuda."""
     variants: list[str] | None = None
     """Variants "<attention>/<loss>[/<compile>]" to run side by side; None = the drafter kind's
-    (`DrafterKind.bench_variants`: DSpark's dense/reference, blockwise/reference, dense/chunked,
+    (`Capabilities.bench_variants`: DSpark's dense/reference, blockwise/reference, dense/chunked,
     blockwise/chunked). The ratio columns compare with the kind's reference variant (the first
     of its own) when it runs."""
     loss_chunk_anchors: int | str = "auto"
@@ -140,7 +140,7 @@ class TrainBenchConfig:
             raise ConfigError(f"drafter: one of {PRESET_NAMES}, got {self.drafter!r}")
         kind = self.kind
         if self.variants is None:
-            self.variants = list(kind.bench_variants)
+            self.variants = list(kind.capabilities.bench_variants)
         for v in self.variants:
             parse_variant(v, kind)
         if self.hidden_size % self.num_attention_heads:
@@ -174,7 +174,7 @@ class TrainBenchConfig:
     @property
     def reference_variant(self) -> str:
         """The kind's reference variant: the ratio columns compare every variant with it."""
-        return self.kind.bench_variants[0]
+        return self.kind.capabilities.bench_variants[0]
 
     def perf(self, variant: str):
         """The `perf` section of a variant (its attention, loss and compile)."""
@@ -288,7 +288,7 @@ def add_reference_ratios(results: list[dict], reference: str) -> None:
 
 def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
     shape = (
-        f"{cfg.kind.describe(cfg.model)}; H={cfg.hidden_size} V={cfg.vocab_size} "
+        f"{cfg.kind.report.describe(cfg.model)}; H={cfg.hidden_size} V={cfg.vocab_size} "
         f"S={cfg.seq_len} B={cfg.batch_size} {cfg.dtype} {cfg.device} "
         f"threads={cfg.num_threads} chunk={cfg.chunk_anchors} matmul={cfg.dtype}[{cfg.matmul_n}]"
     )

@@ -107,18 +107,18 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
 
 
 def record_proposals(monkeypatch, drafter) -> list[list[int]]:
-    """The drafts of every batch-1 round (row 0), as the kind's `propose` returns them, in the
-    list returned (cleared by the caller between generations)."""
+    """The drafts of every batch-1 round (row 0), as the kind's `decode.propose` returns them, in
+    the list returned (cleared by the caller between generations)."""
     seen: list[list[int]] = []
-    kind = kind_of(drafter)
-    propose = kind.propose
+    decode = kind_of(drafter).decode
+    propose = decode.propose
 
     def recording(model, draft_round):
         proposal = propose(model, draft_round)
         seen.append(proposal.tokens[0].tolist())
         return proposal
 
-    monkeypatch.setattr(kind, "propose", recording)
+    monkeypatch.setattr(decode, "propose", recording)
     return seen
 
 

@@ -208,7 +208,7 @@ def train_tiny_drafter(
         target.get_input_embeddings().weight, target.get_output_embeddings().weight
     )
     perf = PerfConfig()
-    ctx = StepContext(model_cfg, perf, kind.prepare(drafter, perf, "cpu"), seed=seed)
+    ctx = StepContext(model_cfg, perf, kind.train.prepare(drafter, perf, "cpu"), seed=seed)
     tapped = FrozenTarget(target, layer_ids)
     batches = []
     for i, (ids, prompt_len) in enumerate(sequences):
@@ -228,7 +228,7 @@ def train_tiny_drafter(
     drafter.train()
     for step in range(steps):
         batch = batches[step % len(batches)]
-        out = kind.training_step(drafter, batch, dataclasses.replace(ctx, epoch=step))
+        out = kind.train.training_step(drafter, batch, dataclasses.replace(ctx, epoch=step))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

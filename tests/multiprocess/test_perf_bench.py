@@ -61,7 +61,7 @@ def test_the_bench_runs_what_the_kind_says():
 
     default, eagle3 = TrainBenchConfig(), TrainBenchConfig(drafter="eagle3")
     # each kind's own variants by default, its reference first
-    assert default.variants == list(get_kind("dspark").bench_variants)
+    assert default.variants == list(get_kind("dspark").capabilities.bench_variants)
     assert eagle3.variants == ["dense/reference", "dense/chunked"]
     assert eagle3.reference_variant == "dense/reference"
     with pytest.raises(ValueError, match="variants: 'blockwise/chunked'"):
@@ -75,7 +75,7 @@ def test_the_bench_runs_what_the_kind_says():
     # its FLOPs: the kind's count of the variant's paths (dense attention computes the masked
     # pairs too); the bench's shape is the kind's
     assert step_flops(default, "dense/reference") > step_flops(default, "blockwise/reference")
-    assert step_shape(eagle3).drafter == get_kind("eagle3").step_part(eagle3.model)
+    assert step_shape(eagle3).drafter == get_kind("eagle3").cost.step_part(eagle3.model)
 
 
 def test_bad_variant_names_the_option():

@@ -125,7 +125,7 @@ def test_eagle3_flops_match_torch_counter(loss):
         out, _ = eagle3_forward_and_loss(model, batch, impl=loss, chunk_rows=64)
         out.backward()
     shape = StepShape(B, S, 64, 160, 3000, 4, 2, 16, 1, 3, Eagle3Shape(ttt_length=4))
-    flops = get_kind("eagle3").step_flops(shape, PerfConfig(loss_impl=loss), "cpu", 0)
+    flops = get_kind("eagle3").cost.step_flops(shape, PerfConfig(loss_impl=loss), "cpu", 0)
     assert sum(flops.values()) == pytest.approx(counted.total, rel=0.03)
 
 

@@ -15,6 +15,7 @@ from dspark_ds.drafters.eagle3.loss import compute_eagle3_loss
 from dspark_ds.drafters.eagle3.model import build_ttt_eval_mask
 from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
 from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.registry import kind_of
 
 VOCAB, HIDDEN, LAYER_IDS = 96, 32, [0, 1, 2]
 
@@ -314,7 +315,9 @@ def test_save_load_round_trip_and_reference_names(tmp_path):
     assert data["ttt_length"] == 4 and data["step_loss_decay"] == 0.8
     assert data["target_layer_ids"] == LAYER_IDS and data["num_target_layers"] == 4
     assert data["draft_num_hidden_layers"] == 1 and data["num_hidden_layers"] == 1
-    assert "block_size" not in data and model.config.block_size == 4  # runtime alias of T
+    # no block size, faked or saved: a round's γ is T, as the kind says
+    assert "block_size" not in data and not hasattr(model.config, "block_size")
+    assert kind_of(model).decode.tokens_per_round(model.config) == 4
     names = set(model.state_dict())
     # The reference's parameter names (deepspec/modeling/eagle3/qwen3/modeling.py).
     expected = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight"} | {

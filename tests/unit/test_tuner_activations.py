@@ -178,14 +178,14 @@ def test_eagle3_recomputed_layers_save_what_the_model_says():
             loss_chunk_anchors=4,
             activation_checkpointing=recompute,
         )
-        impl = kind.prepare(model, perf, "cpu")
+        impl = kind.train.prepare(model, perf, "cpu")
         context = StepContext(section, perf, impl, seed=3)
 
         def step(context=context):
-            return kind.training_step(model, batch, context).loss
+            return kind.train.training_step(model, batch, context).loss
 
         peaks.append(micro_batch_memory(model, batch, step)["peak_bytes"])
-        models.append(sum(kind.activation_bytes(shape, perf, "cpu", 0).values()))
+        models.append(sum(kind.cost.activation_bytes(shape, perf, "cpu", 0).values()))
     assert peaks[1] < 0.5 * peaks[0]
     assert models[0] - models[1] == pytest.approx(peaks[0] - peaks[1], rel=0.1)
 

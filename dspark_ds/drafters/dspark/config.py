@@ -11,16 +11,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
 from dspark_ds.drafters.common.checks import Checker
 from dspark_ds.drafters.common.registration import (
+    CONFIDENCE_HEAD,
     GEMMA4_CONFIG,
+    MARKOV_HEAD,
     QWEN3_CONFIG,
+    Capabilities,
     Claim,
     Preset,
     Registration,
 )
 from dspark_ds.drafters.dspark import serving
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
+from dspark_ds.drafters.perf import LOSS_IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
@@ -160,4 +165,21 @@ REGISTRATION = Registration(
     },
     generic_architecture="Qwen3DSparkModel",
     serving=serving,
+    capabilities=Capabilities(
+        label="DSpark / DFlash",
+        drafting="parallel",
+        uses_mask_token=True,
+        anchor_blocks=True,
+        heads=(MARKOV_HEAD, CONFIDENCE_HEAD),
+        # model.sample_from_anchor true / false (docs/serving.md#the-block-layout)
+        block_layouts=("anchor", "fill-in"),
+        loss_impls=LOSS_IMPLEMENTATIONS,
+        attn_impls=("auto", *ATTN_IMPLEMENTATIONS),
+        bench_variants=(
+            "dense/reference",
+            "blockwise/reference",
+            "dense/chunked",
+            "blockwise/chunked",
+        ),
+    ),
 )

@@ -11,11 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark_ds.drafters.common.checks import Checker
-from dspark_ds.drafters.common.registration import GEMMA4_CONFIG, QWEN3_CONFIG, Preset, Registration
+from dspark_ds.drafters.common.registration import (
+    GEMMA4_CONFIG,
+    QWEN3_CONFIG,
+    Capabilities,
+    Preset,
+    Registration,
+)
 from dspark_ds.drafters.eagle3 import serving
+from dspark_ds.drafters.eagle3.model import TTT_ATTN_IMPLEMENTATIONS
 
 # the loss of unrolled step k is weighted by STEP_LOSS_DECAY ** k
 STEP_LOSS_DECAY = 0.8
+# perf.loss_impl values Eagle3 honours (eagle3/loss.py's paths)
+LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")
 
 
 @dataclass
@@ -65,4 +74,15 @@ REGISTRATION = Registration(
     },
     generic_architecture="Qwen3Eagle3Model",
     serving=serving,
+    capabilities=Capabilities(
+        label="Eagle3",
+        drafting="unrolled",
+        uses_mask_token=False,
+        anchor_blocks=False,
+        heads=(),
+        block_layouts=(),
+        loss_impls=LOSS_IMPLEMENTATIONS,
+        attn_impls=("auto", *TTT_ATTN_IMPLEMENTATIONS),
+        bench_variants=("dense/reference", "dense/chunked"),  # flex: CUDA only (no CPU backward)
+    ),
 )

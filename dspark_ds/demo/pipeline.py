@@ -64,7 +64,7 @@ from dspark_ds.demo.summary import (
 )
 from dspark_ds.demo.target import ensure_demo_target
 from dspark_ds.distributed import print0
-from dspark_ds.drafters.common.blocks import build_anchor_candidate_mask
+from dspark_ds.drafters import build_anchor_candidate_mask
 from dspark_ds.drafters.presets import PRESETS, DrafterConfig, preset, sized
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.eval.config import CalibrationConfig, EvalConfig

@@ -95,9 +95,10 @@ def test_eagle3_flops_match_torch_counter(loss):
     from transformers import Qwen3Config
 
     from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.eagle3.build import build_eagle3_config
     from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
     from dspark_ds.drafters.eagle3.memory import Eagle3Shape
-    from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+    from dspark_ds.drafters.io import build_draft_model
     from dspark_ds.drafters.perf import PerfConfig
     from dspark_ds.drafters.registry import get_kind
 

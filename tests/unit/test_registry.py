@@ -13,7 +13,8 @@ from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import sample_anchors
 from dspark_ds.drafters.eagle3 import loss as eagle3_loss
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.drafters.kind import StepContext
 from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import PRESET_NAMES, preset

@@ -9,13 +9,13 @@ import torch
 from torch import nn
 
 from dspark_ds.drafters import io
-from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
-from dspark_ds.drafters.common.blocks import sampler_stat_sums
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.dspark import memory
+from dspark_ds.drafters.dspark.build import dspark_config
 from dspark_ds.drafters.dspark.loss import dspark_metrics
 from dspark_ds.drafters.dspark.model import DSparkDraftModel
+from dspark_ds.drafters.dspark.sampler_stats import sampler_stat_sums
 from dspark_ds.drafters.dspark.step import (
     drop_empty_blocks,
     forward_loss,
@@ -23,7 +23,7 @@ from dspark_ds.drafters.dspark.step import (
     sample_anchors,
 )
 from dspark_ds.drafters.kind import TRAIN_KEYS, DrafterKind, StepContext, StepOutput, bare
-from dspark_ds.drafters.perf import LOSS_IMPLEMENTATIONS, PerfConfig
+from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS, LOSS_IMPLEMENTATIONS, PerfConfig
 from dspark_ds.drafters.presets import DrafterConfig
 
 
@@ -46,7 +46,7 @@ class DSpark(DrafterKind):
     def build_config(
         self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
     ):
-        return io.dspark_config(
+        return dspark_config(
             target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
         )
 

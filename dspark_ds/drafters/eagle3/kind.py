@@ -11,6 +11,7 @@ from dspark_ds.drafters import io
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.eagle3 import loss, memory
+from dspark_ds.drafters.eagle3.build import eagle3_config
 from dspark_ds.drafters.eagle3.model import TTT_ATTN_IMPLEMENTATIONS, Eagle3DraftModel
 from dspark_ds.drafters.kind import TRAIN_KEYS, DrafterKind, StepContext, StepOutput, bare
 from dspark_ds.drafters.perf import PerfConfig
@@ -31,7 +32,7 @@ class Eagle3(DrafterKind):
     def build_config(
         self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
     ):
-        return io.eagle3_config(
+        return eagle3_config(
             target_config,
             model,
             target_layer_ids=target_layer_ids,

@@ -11,7 +11,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -74,11 +73,6 @@ def build_batch(cfg: TrainBenchConfig, device: str):
     out = {k: batch[k].to(device) for k in TRAIN_KEYS}
     out["sample_ids"] = torch.arange(B)
     return out
-
-
-def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
-    """The loss weights of the benched section (a DSpark / DFlash section's `loss_weights`)."""
-    return asdict(cfg.model.loss_weights)
 
 
 def step_shape(cfg: TrainBenchConfig):

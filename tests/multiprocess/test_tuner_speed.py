@@ -60,9 +60,10 @@ def test_dspark_flops_match_torch_counter(loss):
     matmuls the step runs, for each loss path (the recompute form computes the chunk logits
     twice)."""
     from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.dspark.config import LossWeights
     from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.perf.bench_variant import build_batch, build_model, loss_args_for
+    from dspark_ds.perf.bench_variant import build_batch, build_model
     from dspark_ds.perf.train_bench import TrainBenchConfig
 
     cfg = TrainBenchConfig(
@@ -83,7 +84,9 @@ def test_dspark_flops_match_torch_counter(loss):
     model.attn_implementation = "blockwise"
     batch = build_batch(cfg, "cpu")
     with MatmulFlops() as counted:
-        out, _ = forward_and_loss(model, batch, loss_args_for(cfg), impl=loss, chunk_anchors=8)
+        out, _ = forward_and_loss(
+            model, batch, dataclasses.asdict(LossWeights.of(cfg.model)), impl=loss, chunk_anchors=8
+        )
         out.backward()
     shape = StepShape(1, 256, 64, 160, 3000, 4, 2, 16, 2, 3, DSparkShape(48, 5, 16), 4, 4)
     model_flops = sum(micro_batch_flops(shape, "blockwise", loss).values())

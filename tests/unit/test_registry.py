@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.dspark.config import LossWeights
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import sample_anchors
 from dspark_ds.drafters.eagle3 import loss as eagle3_loss
@@ -152,7 +153,7 @@ def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():
     anchors, keep = sample_anchors(batch["loss_mask"], batch["sample_ids"], 6, seed=5, epoch=2)
     inputs = {k: v for k, v in batch.items() if k != "sample_ids"}
     out = model(**inputs, anchor_positions=anchors, block_keep_mask=keep)
-    ref, ref_metrics = compute_dspark_loss(out, **asdict(m.loss_weights))
+    ref, ref_metrics = compute_dspark_loss(out, **asdict(LossWeights.of(m)))
     assert torch.equal(loss, ref)  # the trainer's on-device step is the reference, bit for bit
     assert metrics == ref_metrics and metrics["supervised_tokens"] > 0
 

@@ -56,8 +56,8 @@ class Registration:
     name: str
     """The `model.kind` value."""
     fields: type
-    """Its `model` fields (a dataclass with `check_fields(self, check)`): one base of
-    `DrafterConfig`."""
+    """Its `model` fields (a dataclass with `check_fields(self, check)`), which `DrafterConfig`
+    appends to the common ones (drafters/presets.py `with_kind_fields`)."""
     kind_class: str
     """"module:Class" of its `DrafterKind` (imported by `get_kind`)."""
     presets: Mapping[str, Preset]

@@ -1,9 +1,10 @@
 """DSpark's fields of the run's `model` section (`model.kind: dspark`, which covers DFlash), the
 weights of its loss (docs/algorithm.md#the-loss), its presets and its registration.
 
-`DSparkFields` is one base of `DrafterConfig` (drafters/presets.py): the recipe stays one flat
-`model:` mapping, and these fields, their documentation and their checks live here, with the
-kind that reads them. `REGISTRATION` is what drafters/registry.py lists.
+`DSparkFields` are its fields of `DrafterConfig` (drafters/presets.py `with_kind_fields` appends
+them to the common ones): the recipe stays one flat `model:` mapping, and these fields, their
+documentation and their checks live here, with the kind that reads them. `REGISTRATION` is what
+drafters/registry.py lists.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ class LossWeights:
     ce_loss_alpha: float
     l1_loss_alpha: float
     confidence_head_alpha: float
+
+    @classmethod
+    def of(cls, model: Any) -> LossWeights:
+        """The weights a `model` section (a DSpark / DFlash one) sets."""
+        return cls(
+            loss_decay_gamma=model.loss_decay_gamma,
+            ce_loss_alpha=model.ce_loss_alpha,
+            l1_loss_alpha=model.l1_loss_alpha,
+            confidence_head_alpha=model.confidence_head_alpha,
+        )
 
 
 DSPARK_LOSS = LossWeights(
@@ -69,15 +80,6 @@ class DSparkFields:
     """Weight of the cross-entropy term (DFlash: 1.0)."""
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha
     """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
-
-    @property
-    def loss_weights(self) -> LossWeights:
-        return LossWeights(
-            loss_decay_gamma=self.loss_decay_gamma,
-            ce_loss_alpha=self.ce_loss_alpha,
-            l1_loss_alpha=self.l1_loss_alpha,
-            confidence_head_alpha=self.confidence_head_alpha,
-        )
 
     def check_fields(self, check: Checker) -> None:
         """These fields' checks (`DrafterConfig.validate`, when model.kind is dspark)."""

@@ -13,6 +13,7 @@ from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.dspark import memory
 from dspark_ds.drafters.dspark.build import dspark_config
+from dspark_ds.drafters.dspark.config import LossWeights
 from dspark_ds.drafters.dspark.loss import dspark_metrics
 from dspark_ds.drafters.dspark.model import DSparkDraftModel
 from dspark_ds.drafters.dspark.sampler_stats import sampler_stat_sums
@@ -81,7 +82,7 @@ class DSpark(DrafterKind):
         out = forward_loss(
             model,
             {**inputs, "anchor_positions": anchors, "block_keep_mask": keep},
-            ctx.model.loss_weights,
+            LossWeights.of(ctx.model),
             impl=ctx.loss_impl,
             chunk_anchors=ctx.perf.chunk_anchors(device),
             over_ranks=ctx.training,
@@ -91,7 +92,7 @@ class DSpark(DrafterKind):
         return out
 
     def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
-        return dspark_metrics(dict(sums), model.loss_weights)
+        return dspark_metrics(dict(sums), LossWeights.of(model))
 
     def extend(self, drafter: nn.Module, context: VerifiedContext) -> None:
         drafter.extend_context(context)

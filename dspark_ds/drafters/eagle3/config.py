@@ -1,9 +1,10 @@
 """Eagle3's fields of the run's `model` section (`model.kind: eagle3`), its preset and its
 registration.
 
-`Eagle3Fields` is one base of `DrafterConfig` (drafters/presets.py): the recipe stays one flat
-`model:` mapping, and these fields, their documentation and their checks live here, with the
-kind that reads them. `REGISTRATION` is what drafters/registry.py lists.
+`Eagle3Fields` are its fields of `DrafterConfig` (drafters/presets.py `with_kind_fields` appends
+them to the common ones): the recipe stays one flat `model:` mapping, and these fields, their
+documentation and their checks live here, with the kind that reads them. `REGISTRATION` is what
+drafters/registry.py lists.
 """
 
 from __future__ import annotations

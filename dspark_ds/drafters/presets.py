@@ -160,7 +160,62 @@ def preset_fields(name: str) -> dict[str, object]:
     }
 
 
-def sized(name: str, sizes) -> DrafterConfig:
-    """The preset `name` sized to a small target by `sizes` (the demo's `drafter` section, the
-    bench's config)."""
-    return preset(name, **_known(name).sized(sizes))
+def sized(name: str, block: Any) -> DrafterConfig:
+    """The preset `name` sized to a small target by its kind's size block
+    (`DrafterSizes.block(name)`): the block's sizes over the preset's; a None size keeps the
+    preset's."""
+    overrides = _known(name).sized(block)
+    return preset(name, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# ---- the sizes that shrink the presets to a small target ---------------------------------------
+def with_kind_sizes(base: type) -> type:
+    """`base` (a dataclass of methods) with one field per registered kind, named as the kind: its
+    size block (`Registration.sizes`, with its defaults), in the registry's order."""
+    specs = [
+        (r.name, r.sizes, field(default_factory=r.sizes), inspect.cleandoc(r.sizes.__doc__ or ""))
+        for r in REGISTERED.values()
+    ]
+    return made_dataclass(base, specs)
+
+
+@with_kind_sizes
+@dataclass
+class DrafterSizes:
+    """The sizes that shrink the presets to a small target (the demo's `drafter` section, the
+    bench's `sizes`): one block per kind (`--drafter.<kind>.<size>`), its presets sized by it
+    (`sized`; listed under Attributes)."""
+
+    def block(self, name: str) -> Any:
+        """The size block of the preset `name`'s kind."""
+        _known(name)
+        return getattr(self, _PRESET_KIND[name])
+
+    def validate(self, prefix: str) -> None:
+        """Every size is a count >= 1, or None where its type allows it (the preset's own); a
+        ConfigError names `<prefix>.<kind>.<size>`."""
+        for kind in REGISTERED:
+            block = getattr(self, kind)
+            check = Checker(block, f"{prefix}.{kind}")
+            for f in fields(block):
+                if getattr(block, f.name) is not None:
+                    check.at_least_1(f.name)
+
+    @classmethod
+    def with_block(cls, name: str, **sizes: int | None) -> DrafterSizes:
+        """The default blocks, the preset `name`'s kind's given `sizes`."""
+        _known(name)
+        kind = _PRESET_KIND[name]
+        own = REGISTERED[kind].sizes
+        unknown = sorted(set(sizes) - {f.name for f in fields(own)})
+        if unknown:
+            raise ConfigError(
+                f"sizes.{kind}: no {unknown[0]} (its sizes: {[f.name for f in fields(own)]})"
+            )
+        return cls(**{kind: own(**sizes)})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> DrafterSizes:
+        """From `dataclasses.asdict` of one (how the bench hands its config to a variant's
+        process)."""
+        return cls(**{kind: REGISTERED[kind].sizes(**block) for kind, block in data.items()})

@@ -19,6 +19,7 @@ from transformers import Qwen3Config
 from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
+from dspark_ds.drafters.presets import DrafterSizes
 from dspark_ds.perf.train_bench import TrainBenchConfig
 
 
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv != ["--_child"]:
         print("the benchmark runs as `dspark-ds bench` (see --help)", file=sys.stderr)
         return 2
-    cfg = TrainBenchConfig(**json.loads(sys.stdin.read()))
+    data = json.loads(sys.stdin.read())
+    cfg = TrainBenchConfig(**{**data, "sizes": DrafterSizes.from_dict(data["sizes"])})
     print(json.dumps(run_variant(cfg, cfg.variants[0])), flush=True)
     return 0
 

@@ -63,21 +63,19 @@ def test_dspark_flops_match_torch_counter(loss):
     from dspark_ds.drafters.dspark.config import LossWeights
     from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
+    from dspark_ds.drafters.presets import DrafterSizes
     from dspark_ds.perf.bench_variant import build_batch, build_model
     from dspark_ds.perf.train_bench import TrainBenchConfig
 
     cfg = TrainBenchConfig(
         hidden_size=64,
-        num_draft_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=160,
         num_target_layers=3,
         vocab_size=3000,
         seq_len=256,
-        num_anchors=48,
-        block_size=5,
-        markov_rank=16,
+        sizes=DrafterSizes.with_block("dspark", num_anchors=48, block_size=5, markov_rank=16),
     )
     torch.manual_seed(0)
     model = build_model(cfg)

@@ -205,13 +205,19 @@ class ToyFields:
         check.at_least_1("ttt_length", "toy_depth")
 
 
+@dataclass
+class ToySizes:
+    ttt_length: int = 7
+    """Toy: its size of its own."""
+
+
 REGISTRATION = Registration(
     name="toy",
     fields=ToyFields,
     kind_class="dspark_ds.drafters.toy.kind:Toy",
     presets={"toy": Preset(label="Toy", fields={"num_draft_layers": 1, "toy_depth": 3},
-                           sized=lambda d: {"num_draft_layers": d.unrolled_layers,
-                                            "ttt_length": d.block_size})},
+                           sized=lambda s: {"ttt_length": s.ttt_length})},
+    sizes=ToySizes,
     backends={"Qwen3ToyModel": ("dspark_ds.drafters.toy.model", "Qwen3ToyModel",
                                 "transformers.models.qwen3.configuration_qwen3:Qwen3Config")},
     architectures={},
@@ -309,7 +315,7 @@ def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tm
     from dspark_ds.cli import parse_config
     from dspark_ds.cost.inventory import inventory
     from dspark_ds.drafters.io import build_draft_model, load_draft_model, save_draft_model
-    from dspark_ds.drafters.presets import PRESETS, preset
+    from dspark_ds.drafters.presets import PRESETS, DrafterSizes, preset
     from dspark_ds.drafters.registry import get_kind, kind_of
     from dspark_ds.errors import ConfigError
     from dspark_ds.perf.bench_variant import run_variant
@@ -349,7 +355,7 @@ def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tm
         vocab_size=64,
         num_target_layers=2,
         seq_len=24,
-        block_size=3,
+        sizes=DrafterSizes.with_block("toy", ttt_length=3),
         repeats=1,
         matmul_size=32,
         num_threads=0,

@@ -1,5 +1,6 @@
 """DSpark's fields of the run's `model` section (`model.kind: dspark`, which covers DFlash), the
-weights of its loss (docs/algorithm.md#the-loss), its presets and its registration.
+weights of its loss (docs/algorithm.md#the-loss), its presets, the size block that shrinks them
+to a small target (`DSparkSizes`) and its registration.
 
 `DSparkFields` are its fields of `DrafterConfig` (drafters/presets.py `with_kind_fields` appends
 them to the common ones): the recipe stays one flat `model:` mapping, and these fields, their
@@ -107,9 +108,31 @@ class DSparkFields:
             )
 
 
-def _blocks(d) -> dict[str, Any]:
+@dataclass
+class DSparkSizes:
+    """DSpark / DFlash sized to a small target (the demo's `drafter.dspark`, the bench's
+    `sizes.dspark`): `model` fields set over the preset's."""
+
+    num_draft_layers: int = 2
+    """Backbone layers."""
+    block_size: int = 7
+    """γ: tokens drafted per block; the paper's 7."""
+    num_anchors: int | None = None
+    """Anchor blocks per training sequence; None = the preset's (512). The demo reads None as
+    one block per valid anchor position of its longest training sequence, so that every valid
+    position anchors a block of γ supervised slots, as Eagle3 is supervised at every position
+    over its γ unrolled steps: equal supervision."""
+    markov_rank: int = 64
+    """DSpark's Markov head rank (DFlash has none)."""
+
+    @property
+    def draft_length(self) -> int:
+        return self.block_size
+
+
+def _blocks(s: DSparkSizes) -> dict[str, Any]:
     return dict(
-        num_draft_layers=d.num_draft_layers, block_size=d.block_size, num_anchors=d.num_anchors
+        num_draft_layers=s.num_draft_layers, block_size=s.block_size, num_anchors=s.num_anchors
     )
 
 
@@ -119,7 +142,7 @@ PRESETS: dict[str, Preset] = {
     "dspark": Preset(
         label="DSpark",
         fields={},
-        sized=lambda d: {**_blocks(d), "markov_rank": d.markov_rank},
+        sized=lambda s: {**_blocks(s), "markov_rank": s.markov_rank},
         claims=(
             Claim("tau", "dflash", 1.0, 1.10),
             Claim("tau", "dflash", 0.0, 1.0),
@@ -138,7 +161,7 @@ PRESETS: dict[str, Preset] = {
         ),
         # NOTE: sized, it keeps DSpark's block layout, not the preset's: the demo's comparison
         # isolates the heads (the README's figures were measured so); docs/serving.md
-        sized=lambda d: {**_blocks(d), "sample_from_anchor": True},
+        sized=lambda s: {**_blocks(s), "sample_from_anchor": True},
     ),
 }
 
@@ -147,6 +170,7 @@ REGISTRATION = Registration(
     fields=DSparkFields,
     kind_class="dspark_ds.drafters.dspark.kind:DSpark",
     presets=PRESETS,
+    sizes=DSparkSizes,
     backends={
         "Qwen3DSparkModel": ("dspark_ds.drafters.dspark.qwen3", "Qwen3DSparkModel", QWEN3_CONFIG),
         "Gemma4DSparkModel": (

@@ -3,6 +3,8 @@
     dspark-ds demo --output_dir runs/demo                     # the measured demo (one seed)
     dspark-ds demo --output_dir runs/demo3 --seeds [0,1,2]    # the 3-seed check
     dspark-ds demo --output_dir /tmp/d --budget.max_steps 40  # a smaller budget
+    dspark-ds demo --output_dir /tmp/g5 \
+        --drafter.dspark.block_size 5 --drafter.eagle3.ttt_length 5   # γ 5 for every drafter
 
 Every drafter (DSpark, DFlash, Eagle3) gets the same data, the same budget (`budget.*`: steps,
 batch, learning-rate schedule, ZeRO stage, ranks) and the same supervision (every valid position
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dspark_ds.demo.target import DemoTargetConfig
-from dspark_ds.drafters.presets import PRESET_NAMES
+from dspark_ds.drafters.presets import PRESET_NAMES, DrafterSizes
 from dspark_ds.errors import ConfigError
 
 LAUNCHERS = ("fork", "torchrun")
@@ -110,34 +112,6 @@ class DemoBudgetConfig:
 
 
 @dataclass
-class DemoDrafterConfig:
-    """Drafter shapes (sized to the tiny target as the paper's are to Qwen3); each preset reads
-    the ones it has (`Preset.sized`, drafters/presets.py)."""
-
-    num_draft_layers: int = 2
-    """Backbone layers of a parallel drafter (DSpark / DFlash)."""
-    block_size: int = 7
-    """γ: tokens drafted per round (Eagle3: ttt_length); the paper's 7."""
-    num_anchors: int | None = None
-    """Anchor blocks per training sequence (DSpark / DFlash); None = as many as the training
-    sequence with the most valid anchor positions has (counted in the prepared data), so every
-    valid position of every sequence anchors a block of γ supervised slots, as Eagle3 is
-    supervised at every position over its γ unrolled steps: equal supervision."""
-    markov_rank: int = 64
-    """DSpark's Markov head rank (DFlash: 0)."""
-    unrolled_layers: int = 1
-    """Layers of a drafter unrolled once per drafted token (Eagle3; the paper's baseline has
-    one)."""
-
-    def validate(self) -> None:
-        for name in ("num_draft_layers", "block_size", "markov_rank", "unrolled_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.num_anchors is not None and self.num_anchors < 1:
-            raise ConfigError(f"drafter.num_anchors: must be >= 1 or null, got {self.num_anchors}")
-
-
-@dataclass
 class DemoEvalConfig:
     """Real speculative decoding of the held-out prompts."""
 
@@ -171,8 +145,10 @@ class DemoConfig:
     """The tiny target (trained once, then cached under ~/.cache/dspark-ds)."""
     data: DemoDataConfig = field(default_factory=DemoDataConfig)
     """Drafter training data and held-out prompts."""
-    drafter: DemoDrafterConfig = field(default_factory=DemoDrafterConfig)
-    """Drafter shapes."""
+    drafter: DrafterSizes = field(default_factory=DrafterSizes)
+    """Drafter sizes, sized to the tiny target as the paper's are to Qwen3: one block per kind
+    (`--drafter.<kind>.<size>`), each preset sized by its kind's (`Preset.sized`,
+    drafters/presets.py). The defaults give every drafter the same γ (7)."""
     budget: DemoBudgetConfig = field(default_factory=DemoBudgetConfig)
     """The training budget every drafter gets."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
@@ -223,5 +199,5 @@ class DemoConfig:
             )
         self.data.validate()
         self.budget.validate()
-        self.drafter.validate()
+        self.drafter.validate("drafter")
         self.eval.validate()

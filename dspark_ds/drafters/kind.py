@@ -42,6 +42,17 @@ from dspark_ds.errors import ConfigError
 # The tensors of a training batch a step reads besides `sample_ids` (features from the target or
 # its cache).
 TRAIN_KEYS = ("input_ids", "target_hidden_states", "loss_mask", "target_last_hidden_states")
+# The anchor sampler's statistics a step reports in `StepOutput.sampler_sums` (the reference's;
+# per-sample means, logged as train/<name>), when its kind samples anchor blocks
+# (drafters/dspark/sampler_stats.py counts them).
+SAMPLER_STATS = (
+    "valid_anchors_abs",
+    "valid_anchors_ratio",
+    "sampled_anchors_abs",
+    "sampled_anchors_ratio",
+    "block_supervised_tokens_abs",
+    "block_supervised_tokens_ratio",
+)
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
 from dspark_ds.errors import ConfigError
 
 LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked", "recompute")
+ATTN_IMPLEMENTATIONS = ("dense", "blockwise", "flex")
+"""The attention paths of the kinds' training forwards (`perf.attn_implementation` besides
+"auto"); each kind honours some of them (`Capabilities.attn_impls`)."""
 COMPILE_MODES = ("auto", "off", "layers", "model")
 
 CHUNK_ANCHORS_CPU = 32

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.cache import DraftKVCache
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval import verify

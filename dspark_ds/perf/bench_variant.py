@@ -11,7 +11,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from transformers import Qwen3Config
 from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
+from dspark_ds.drafters.presets import DrafterSizes
 from dspark_ds.perf.train_bench import TrainBenchConfig
 
 
@@ -74,11 +74,6 @@ def build_batch(cfg: TrainBenchConfig, device: str):
     out = {k: batch[k].to(device) for k in TRAIN_KEYS}
     out["sample_ids"] = torch.arange(B)
     return out
-
-
-def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
-    """The loss weights of the benched section (a DSpark / DFlash section's `loss_weights`)."""
-    return asdict(cfg.model.loss_weights)
 
 
 def step_shape(cfg: TrainBenchConfig):
@@ -264,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv != ["--_child"]:
         print("the benchmark runs as `dspark-ds bench` (see --help)", file=sys.stderr)
         return 2
-    cfg = TrainBenchConfig(**json.loads(sys.stdin.read()))
+    data = json.loads(sys.stdin.read())
+    cfg = TrainBenchConfig(**{**data, "sizes": DrafterSizes.from_dict(data["sizes"])})
     print(json.dumps(run_variant(cfg, cfg.variants[0])), flush=True)
     return 0
 

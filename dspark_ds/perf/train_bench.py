@@ -2,14 +2,15 @@
 FLOP/s per variant, each next to the drafter kind's reference variant of the same run.
 
     dspark-ds bench                                    # DSpark at the default shape, 4 variants
-    dspark-ds bench --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
+    dspark-ds bench --sizes.dspark.num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
     dspark-ds bench --drafter eagle3                   # Eagle3: its variants
     dspark-ds bench --device cuda --dtype bfloat16 --variants '[flex/chunked, dense/reference]'
 
-The drafter is a preset (`--drafter`: drafters/presets.py) sized by the bench's fields as the demo
-sizes it (`Preset.sized`), built for a random Qwen3 target of the bench's widths; one step is its
-kind's `train.training_step` (drafters/kind.py: what training runs, its anchors drawn in the
-step), its backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss path of
+The drafter is a preset (`--drafter`: drafters/presets.py) sized by its kind's block of `--sizes`
+as the demo sizes it (`DrafterSizes`, `Preset.sized`), built for a random Qwen3 target of the
+bench's widths; one step is its
+kind's `train.training_step` (drafters/kind.py: what training runs, its anchors drawn in the step), its
+backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss path of
 the kind (`perf.attn_implementation`, `perf.loss_impl`; `Capabilities.attn_impls`, `loss_impls`),
 compile off (default) | layers | model (perf.compile); without `--variants`, the kind's
 `bench_variants`, whose first is its reference (the straight-line path the ratio columns compare
@@ -33,13 +34,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dspark_ds.drafters.perf import PerfConfig
-from dspark_ds.drafters.presets import DEFAULT_PRESET, PRESET_NAMES, preset, sized
+from dspark_ds.drafters.presets import (
+    DEFAULT_PRESET,
+    PRESET_NAMES,
+    DrafterSizes,
+    preset,
+    sized,
+)
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
 from dspark_ds.tracking.store import resolve_uri
@@ -75,13 +82,14 @@ class TrainBenchConfig:
     """Benchmark one training step (forward + backward + AdamW) of a random drafter."""
 
     drafter: str = DEFAULT_PRESET
-    """The preset benched (drafters/presets.py: dspark | dflash | eagle3), sized by
-    num_draft_layers, block_size, num_anchors, markov_rank and unrolled_layers as the demo sizes
-    it; its kind says which variants exist."""
+    """The preset benched (drafters/presets.py: dspark | dflash | eagle3), sized by its kind's
+    block of `sizes` as the demo sizes it; its kind says which variants exist."""
+    sizes: DrafterSizes = field(default_factory=DrafterSizes)
+    """The drafter's sizes: the block of its kind (`--sizes.<kind>.<size>`: DSpark / DFlash
+    num_draft_layers 2, block_size 7, num_anchors the preset's 512, markov_rank 64; Eagle3
+    num_draft_layers 1, ttt_length 7)."""
     hidden_size: int = 256
     """Hidden size of the drafter (and of the synthetic target)."""
-    num_draft_layers: int = 2
-    """Decoder layers of a drafter that drafts blocks in parallel (DSpark / DFlash)."""
     num_attention_heads: int = 4
     """Query heads (head_dim = hidden_size / num_attention_heads)."""
     num_key_value_heads: int = 2
@@ -94,14 +102,6 @@ class TrainBenchConfig:
     """Vocabulary size V."""
     seq_len: int = 2048
     """Sequence length S."""
-    num_anchors: int = 512
-    """Anchors (blocks) per sequence A."""
-    block_size: int = 7
-    """Block size γ; an unrolled drafter's (Eagle3) training-time-test steps."""
-    markov_rank: int = 64
-    """DSpark's Markov rank r."""
-    unrolled_layers: int = 1
-    """Decoder layers of an unrolled drafter (Eagle3)."""
     batch_size: int = 1
     """Sequences per step."""
     dtype: str = "float32"
@@ -138,6 +138,7 @@ class TrainBenchConfig:
     def __post_init__(self) -> None:
         if self.drafter not in PRESET_NAMES:
             raise ConfigError(f"drafter: one of {PRESET_NAMES}, got {self.drafter!r}")
+        self.sizes.validate("sizes")
         kind = self.kind
         if self.variants is None:
             self.variants = list(kind.capabilities.bench_variants)
@@ -164,7 +165,7 @@ class TrainBenchConfig:
     def model(self):
         """The benched drafter's `model` section: the preset, sized (ConfigError naming the
         field)."""
-        return sized(self.drafter, self).validate(prefix=None)
+        return sized(self.drafter, self.sizes.block(self.drafter)).validate(prefix=None)
 
     @property
     def kind(self):
@@ -237,8 +238,12 @@ def log_bench(cfg: TrainBenchConfig, results: list[dict], text: str) -> str | No
     shape = {
         k: v
         for k, v in dataclasses.asdict(cfg).items()
-        if k not in ("variants", "json", "tracking_uri", "tracking_experiment")
+        if k not in ("sizes", "variants", "json", "tracking_uri", "tracking_experiment")
     }
+    # the benched drafter's sizes, as the preset sized them
+    shape.update(
+        {k: getattr(cfg.model, k) for k in dataclasses.asdict(cfg.sizes.block(cfg.drafter))}
+    )
     points = [
         Point(
             name=r["variant"],

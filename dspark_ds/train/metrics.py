@@ -37,8 +37,7 @@ from tqdm import tqdm
 
 from dspark_ds import distributed
 from dspark_ds.distributed import print0
-from dspark_ds.drafters.common.blocks import SAMPLER_STATS
-from dspark_ds.drafters.kind import StepOutput
+from dspark_ds.drafters.kind import SAMPLER_STATS, StepOutput
 
 LOG_FILE = "train_log.jsonl"
 TAU = "train/tau_probabilistic"

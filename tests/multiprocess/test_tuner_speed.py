@@ -60,30 +60,31 @@ def test_dspark_flops_match_torch_counter(loss):
     matmuls the step runs, for each loss path (the recompute form computes the chunk logits
     twice)."""
     from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.dspark.config import LossWeights
     from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.perf.bench_variant import build_batch, build_model, loss_args_for
+    from dspark_ds.drafters.presets import DrafterSizes
+    from dspark_ds.perf.bench_variant import build_batch, build_model
     from dspark_ds.perf.train_bench import TrainBenchConfig
 
     cfg = TrainBenchConfig(
         hidden_size=64,
-        num_draft_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=160,
         num_target_layers=3,
         vocab_size=3000,
         seq_len=256,
-        num_anchors=48,
-        block_size=5,
-        markov_rank=16,
+        sizes=DrafterSizes.with_block("dspark", num_anchors=48, block_size=5, markov_rank=16),
     )
     torch.manual_seed(0)
     model = build_model(cfg)
     model.attn_implementation = "blockwise"
     batch = build_batch(cfg, "cpu")
     with MatmulFlops() as counted:
-        out, _ = forward_and_loss(model, batch, loss_args_for(cfg), impl=loss, chunk_anchors=8)
+        out, _ = forward_and_loss(
+            model, batch, dataclasses.asdict(LossWeights.of(cfg.model)), impl=loss, chunk_anchors=8
+        )
         out.backward()
     shape = StepShape(1, 256, 64, 160, 3000, 4, 2, 16, 2, 3, DSparkShape(48, 5, 16), 4, 4)
     model_flops = sum(micro_batch_flops(shape, "blockwise", loss).values())
@@ -95,9 +96,10 @@ def test_eagle3_flops_match_torch_counter(loss):
     from transformers import Qwen3Config
 
     from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.eagle3.build import build_eagle3_config
     from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
     from dspark_ds.drafters.eagle3.memory import Eagle3Shape
-    from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+    from dspark_ds.drafters.io import build_draft_model
     from dspark_ds.drafters.perf import PerfConfig
     from dspark_ds.drafters.registry import get_kind
 

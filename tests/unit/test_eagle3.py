@@ -11,10 +11,11 @@ import torch
 from transformers import Qwen3Config
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.eagle3.loss import compute_eagle3_loss
 from dspark_ds.drafters.eagle3.model import build_ttt_eval_mask
 from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.drafters.registry import kind_of
 
 VOCAB, HIDDEN, LAYER_IDS = 96, 32, [0, 1, 2]

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.target_step import tap_layers

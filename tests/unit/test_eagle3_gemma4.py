@@ -10,9 +10,10 @@ import torch
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.eagle3.gemma4 import Gemma4Eagle3Model
 from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 
 from helpers.gemma4 import VOCAB, tiny_gemma4_target_config, tiny_gemma4_text
 

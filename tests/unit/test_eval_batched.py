@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.eval import speculative_generate, target_generate, verify
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.policy import schedule_prefixes

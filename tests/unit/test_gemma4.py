@@ -12,11 +12,11 @@ from transformers import Gemma4Config
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
 from dspark_ds.drafters import build_draft_config, build_draft_model, load_draft_model
-from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
 from dspark_ds.drafters.common.gemma4 import full_attention_dims
 from dspark_ds.drafters.dspark.gemma4 import Gemma4DSparkModel
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.io import save_draft_model
+from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS
 
 from helpers.drafters import DFLASH, MASK_ID, VOCAB, random_batch, tiny_drafter
 from helpers.gemma4 import CAP, greedy_without_cache, tiny_gemma4_target_config, tiny_gemma4_text

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dspark_ds.drafters.common.attention import dense_block_mask
-from dspark_ds.drafters.common.blocks import (
+from dspark_ds.drafters.dspark.block_attention import dense_block_mask
+from dspark_ds.drafters.dspark.blocks import (
     build_eval_mask,
     build_label_indices,
     sample_anchor_positions,

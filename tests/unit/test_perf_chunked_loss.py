@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.config import DFLASH_LOSS, DSPARK_LOSS
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import forward_and_loss

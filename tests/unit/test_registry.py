@@ -16,10 +16,12 @@ import torch.distributed as dist
 
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.common.registration import CONFIDENCE_HEAD
+from dspark_ds.drafters.dspark.config import LossWeights
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import sample_anchors
 from dspark_ds.drafters.eagle3 import loss as eagle3_loss
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.drafters.kind import StepContext
 from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import PRESET_NAMES, preset
@@ -194,7 +196,7 @@ def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():
     anchors, keep = sample_anchors(batch["loss_mask"], batch["sample_ids"], 6, seed=5, epoch=2)
     inputs = {k: v for k, v in batch.items() if k != "sample_ids"}
     out = model(**inputs, anchor_positions=anchors, block_keep_mask=keep)
-    ref, ref_metrics = compute_dspark_loss(out, **asdict(m.loss_weights))
+    ref, ref_metrics = compute_dspark_loss(out, **asdict(LossWeights.of(m)))
     assert torch.equal(loss, ref)  # the trainer's on-device step is the reference, bit for bit
     assert metrics == ref_metrics and metrics["supervised_tokens"] > 0
 
@@ -246,13 +248,19 @@ class ToyFields:
         check.at_least_1("ttt_length", "toy_depth")
 
 
+@dataclass
+class ToySizes:
+    ttt_length: int = 7
+    """Toy: its size of its own."""
+
+
 REGISTRATION = Registration(
     name="toy",
     fields=ToyFields,
     kind_class="dspark_ds.drafters.toy.kind:Toy",
     presets={"toy": Preset(label="Toy", fields={"num_draft_layers": 1, "toy_depth": 3},
-                           sized=lambda d: {"num_draft_layers": d.unrolled_layers,
-                                            "ttt_length": d.block_size})},
+                           sized=lambda s: {"ttt_length": s.ttt_length})},
+    sizes=ToySizes,
     backends={"Qwen3ToyModel": ("dspark_ds.drafters.toy.model", "Qwen3ToyModel",
                                 "transformers.models.qwen3.configuration_qwen3:Qwen3Config")},
     architectures={},
@@ -357,7 +365,7 @@ def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tm
     from dspark_ds.cli import parse_config
     from dspark_ds.cost.inventory import inventory
     from dspark_ds.drafters.io import build_draft_model, load_draft_model, save_draft_model
-    from dspark_ds.drafters.presets import PRESETS, preset
+    from dspark_ds.drafters.presets import PRESETS, DrafterSizes, preset
     from dspark_ds.drafters.registry import REGISTERED, get_kind, kind_of
     from dspark_ds.errors import ConfigError
     from dspark_ds.perf.bench_variant import run_variant
@@ -404,7 +412,7 @@ def test_a_new_kind_is_a_folder_and_a_registry_entry(package_with_a_toy_kind, tm
         vocab_size=64,
         num_target_layers=2,
         seq_len=24,
-        block_size=3,
+        sizes=DrafterSizes.with_block("toy", ttt_length=3),
         repeats=1,
         matmul_size=32,
         num_threads=0,

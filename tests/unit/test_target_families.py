@@ -15,7 +15,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dspark_ds.drafters import load_draft_model, register_auto_classes, save_draft_model
-from dspark_ds.drafters.io import build_draft_config, build_draft_model, build_eagle3_config
+from dspark_ds.drafters.dspark.build import build_draft_config
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.target import FrozenTarget, TargetConfig, load_target

@@ -11,9 +11,8 @@ import torch
 from dspark_ds.config import TrainRunConfig, parse
 from dspark_ds.cost.devices import peak_flops
 from dspark_ds.cost.flops import WindowFlops
-from dspark_ds.drafters.common.blocks import SAMPLER_STATS
 from dspark_ds.drafters.common.memory import StepShape
-from dspark_ds.drafters.kind import StepOutput
+from dspark_ds.drafters.kind import SAMPLER_STATS, StepOutput
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger

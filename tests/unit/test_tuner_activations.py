@@ -14,8 +14,8 @@ import torch
 from transformers import Qwen3Config
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
-from dspark_ds.drafters.common.blocks import sample_anchor_positions
 from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.memory import DSparkShape, saved_bytes
 from dspark_ds.drafters.dspark.memory import micro_batch_bytes as activation_bytes
 from dspark_ds.drafters.dspark.step import forward_and_loss

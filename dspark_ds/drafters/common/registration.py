@@ -1,6 +1,7 @@
 """What a drafter kind declares to the registry (drafters/registry.py) before any of its code is
-imported: its `model` fields, its presets, its backends, its serving formats, what it can do
-(`Capabilities`, plain data) and where its `DrafterKind` class is.
+imported: its `model` fields, its presets and the size block that shrinks them, its backends,
+its serving formats, what it can do (`Capabilities`, plain data) and where its `DrafterKind`
+class is.
 
 Each kind's folder holds one `Registration` (`drafters/<kind>/config.py`, next to its fields);
 the registry lists them, and the `model` section (`DrafterConfig`, drafters/presets.py), the
@@ -37,9 +38,8 @@ class Preset:
     fields: Mapping[str, Any]
     """The `model` fields it sets over the defaults (the paper's sizes)."""
     sized: Callable[[Any], dict[str, Any]]
-    """The overrides that size it to a small target, from a sizes section (the demo's `drafter`
-    section, the bench's config: num_draft_layers, block_size, num_anchors, markov_rank,
-    unrolled_layers)."""
+    """The `model` fields that size it to a small target, from its kind's size block
+    (`Registration.sizes`: the demo's and the bench's); a None value keeps the preset's."""
     claims: tuple[Claim, ...] = ()
 
 
@@ -92,12 +92,17 @@ class Registration:
     name: str
     """The `model.kind` value."""
     fields: type
-    """Its `model` fields (a dataclass with `check_fields(self, check)`): one base of
-    `DrafterConfig`."""
+    """Its `model` fields (a dataclass with `check_fields(self, check)`), which `DrafterConfig`
+    appends to the common ones (drafters/presets.py `with_kind_fields`)."""
     kind_class: str
     """"module:Class" of its `DrafterKind` (imported by `get_kind`)."""
     presets: Mapping[str, Preset]
     """Its presets by name (the first is the kind's default drafter)."""
+    sizes: type
+    """Its size block: a dataclass of the sizes that shrink its presets to a small target (each a
+    count >= 1, or None for the preset's own), with `draft_length` (γ: tokens drafted per round).
+    The demo's `drafter` section and the bench's `sizes` hold one per kind
+    (drafters/presets.py `DrafterSizes`); `Preset.sized` reads it."""
     backends: Mapping[str, tuple[str, str, str]]
     """Architecture -> (module, class, transformers config class path) of each backend."""
     architectures: Mapping[str, str]

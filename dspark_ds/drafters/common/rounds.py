@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.cache import DraftKVCache
 
 
 @dataclass

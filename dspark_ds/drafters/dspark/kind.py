@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import torch
 
-from dspark_ds.drafters import io
-from dspark_ds.drafters.common.blocks import sampler_stat_sums
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.dspark import memory
-from dspark_ds.drafters.dspark.config import REGISTRATION
+from dspark_ds.drafters.dspark.build import dspark_config
+from dspark_ds.drafters.dspark.config import REGISTRATION, LossWeights
 from dspark_ds.drafters.dspark.loss import dspark_metrics
 from dspark_ds.drafters.dspark.model import DSparkDraftModel
+from dspark_ds.drafters.dspark.sampler_stats import sampler_stat_sums
 from dspark_ds.drafters.dspark.step import (
     drop_empty_blocks,
     forward_loss,
@@ -68,7 +68,7 @@ class DSparkTrain(KindTrain):
         out = forward_loss(
             model,
             {**inputs, "anchor_positions": anchors, "block_keep_mask": keep},
-            ctx.model.loss_weights,
+            LossWeights.of(ctx.model),
             impl=ctx.loss_impl,
             chunk_anchors=ctx.perf.chunk_anchors(device),
             over_ranks=ctx.training,
@@ -78,7 +78,7 @@ class DSparkTrain(KindTrain):
         return out
 
     def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
-        return dspark_metrics(dict(sums), model.loss_weights)
+        return dspark_metrics(dict(sums), LossWeights.of(model))
 
 
 class DSparkDecode(KindDecode):
@@ -136,6 +136,6 @@ class DSpark(DrafterKind):
     def build_config(
         self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
     ):
-        return io.dspark_config(
+        return dspark_config(
             target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
         )

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 
 import torch
 
-from dspark_ds.drafters import io
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.eagle3 import loss, memory
+from dspark_ds.drafters.eagle3.build import eagle3_config
 from dspark_ds.drafters.eagle3.config import REGISTRATION
 from dspark_ds.drafters.eagle3.model import Eagle3DraftModel
 from dspark_ds.drafters.kind import (
@@ -102,7 +102,7 @@ class Eagle3(DrafterKind):
     def build_config(
         self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
     ):
-        return io.eagle3_config(
+        return eagle3_config(
             target_config,
             model,
             target_layer_ids=target_layer_ids,

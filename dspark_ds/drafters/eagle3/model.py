@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dspark_ds.drafters.common.attention import attend
-from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.cache import DraftKVCache
 from dspark_ds.drafters.common.flex import flex_attend
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop

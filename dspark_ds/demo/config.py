@@ -17,7 +17,7 @@ from typing import Literal
 
 from dspark_ds.demo.target import DemoTargetConfig
 from dspark_ds.drafters.presets import PRESET_NAMES
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, require_at_least_one
 
 LAUNCHERS = ("fork", "torchrun")
 
@@ -48,15 +48,17 @@ class DemoDataConfig:
     """Conversations generated together per rank."""
 
     def validate(self) -> None:
-        for name in (
-            "num_train_prompts",
-            "num_heldout_prompts",
-            "max_length",
-            "max_new_tokens",
-            "regenerate_batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self,
+            (
+                "num_train_prompts",
+                "num_heldout_prompts",
+                "max_length",
+                "max_new_tokens",
+                "regenerate_batch_size",
+            ),
+            "data.",
+        )
         if self.mode not in ("offline", "online"):
             raise ConfigError(f"data.mode: must be offline | online, got {self.mode!r}")
 
@@ -91,9 +93,9 @@ class DemoBudgetConfig:
     else 1."""
 
     def validate(self) -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"budget.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self, ("max_steps", "global_batch_size", "micro_batch_size"), "budget."
+        )
         if self.lr <= 0:
             raise ConfigError(f"budget.lr: must be > 0, got {self.lr}")
         if self.nproc is not None and self.nproc < 1:
@@ -130,9 +132,9 @@ class DemoDrafterConfig:
     one)."""
 
     def validate(self) -> None:
-        for name in ("num_draft_layers", "block_size", "markov_rank", "unrolled_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self, ("num_draft_layers", "block_size", "markov_rank", "unrolled_layers"), "drafter."
+        )
         if self.num_anchors is not None and self.num_anchors < 1:
             raise ConfigError(f"drafter.num_anchors: must be >= 1 or null, got {self.num_anchors}")
 
@@ -154,9 +156,7 @@ class DemoEvalConfig:
             raise ConfigError(
                 f"eval.temperatures: need >= 1 value, all >= 0, got {self.temperatures}"
             )
-        for name in ("max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(self, ("max_new_tokens", "batch_size"), "eval.")
 
 
 @dataclass

@@ -19,7 +19,7 @@ from typing import Literal
 
 from dspark_ds.demo.target import DemoTargetConfig
 from dspark_ds.drafters.presets import PRESET_NAMES, DrafterSizes
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, require_at_least_one
 
 LAUNCHERS = ("fork", "torchrun")
 
@@ -50,15 +50,17 @@ class DemoDataConfig:
     """Conversations generated together per rank."""
 
     def validate(self) -> None:
-        for name in (
-            "num_train_prompts",
-            "num_heldout_prompts",
-            "max_length",
-            "max_new_tokens",
-            "regenerate_batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self,
+            (
+                "num_train_prompts",
+                "num_heldout_prompts",
+                "max_length",
+                "max_new_tokens",
+                "regenerate_batch_size",
+            ),
+            "data.",
+        )
         if self.mode not in ("offline", "online"):
             raise ConfigError(f"data.mode: must be offline | online, got {self.mode!r}")
 
@@ -93,9 +95,9 @@ class DemoBudgetConfig:
     else 1."""
 
     def validate(self) -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"budget.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self, ("max_steps", "global_batch_size", "micro_batch_size"), "budget."
+        )
         if self.lr <= 0:
             raise ConfigError(f"budget.lr: must be > 0, got {self.lr}")
         if self.nproc is not None and self.nproc < 1:
@@ -128,9 +130,7 @@ class DemoEvalConfig:
             raise ConfigError(
                 f"eval.temperatures: need >= 1 value, all >= 0, got {self.temperatures}"
             )
-        for name in ("max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(self, ("max_new_tokens", "batch_size"), "eval.")
 
 
 @dataclass

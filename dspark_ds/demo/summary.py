@@ -25,6 +25,7 @@ from dspark_ds.config import flatten
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.drafters.presets import PRESETS, preset
 from dspark_ds.drafters.registry import get_kind
+from dspark_ds.files import json_safe
 from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.tracking.store import default_artifact_location
 
@@ -181,18 +182,7 @@ def build_summary(
         "config": asdict(cfg),
         "mlflow": {"uri": uri, "experiment": cfg.experiment},
     }
-    return _finite(summary)
-
-
-def _finite(x):
-    """NaN → None so summary.json is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
+    return json_safe(summary)
 
 
 def _f(v, digits: int = 3) -> str:

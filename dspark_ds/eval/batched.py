@@ -36,7 +36,7 @@ from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.padded import PaddedCaches, target_forward
 from dspark_ds.eval.policy import POLICIES, SPS, VerifyPolicy
 from dspark_ds.eval.recurrent import RecurrentState
-from dspark_ds.eval.rounds import Budget, DecodeStats, draft_budget, settle, sync
+from dspark_ds.eval.rounds import Budget, DecodeStats, draft_budget, run_settings, settle, sync
 from dspark_ds.eval.target_step import check_drafter_matches_target, new_target_cache
 
 
@@ -312,14 +312,11 @@ def decode_prompts(
             model,
             prompts,
             batch_size=cfg.batch_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
             policy=policy,
             confidence_threshold=threshold,
             sps=sps,
-            generator=torch.Generator(device=device).manual_seed(seed),
-            stop_token_ids=stops,
             budget_accounting=cfg.budget_accounting,
+            **run_settings(cfg, stops, device, seed),
         )
 
     if cfg.scheduler.enabled:

@@ -37,7 +37,7 @@ from dspark_ds.eval.benchmarks import (
 from dspark_ds.eval.config import EvalConfig
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.policy import profile_sps
-from dspark_ds.eval.rounds import DecodeStats, sync
+from dspark_ds.eval.rounds import DecodeStats, run_settings, sync
 from dspark_ds.files import check_exists, check_model_path, first_line
 from dspark_ds.serve.parity import EngineRun, compare, format_parity, our_counters
 from dspark_ds.tracking.mlflow import Tracker
@@ -159,24 +159,14 @@ def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops
         target,
         drafter,
         input_ids,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
         confidence_threshold=cfg.confidence_threshold,
-        generator=torch.Generator(device=device).manual_seed(seed),
-        stop_token_ids=stops,
         budget_accounting=cfg.budget_accounting,
+        **run_settings(cfg, stops, device, seed),
     )
     if not cfg.measure_baseline:
         return out, stats, None
     t0 = time.perf_counter()
-    target_generate(
-        target,
-        input_ids,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        generator=torch.Generator(device=device).manual_seed(seed),
-        stop_token_ids=stops,
-    )
+    target_generate(target, input_ids, **run_settings(cfg, stops, device, seed))
     sync(device)
     return out, stats, time.perf_counter() - t0
 

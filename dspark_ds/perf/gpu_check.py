@@ -50,7 +50,7 @@ from safetensors.torch import load_file
 from dspark_ds.distributed import free_port
 from dspark_ds.drafters import load_draft_model
 from dspark_ds.drafters.presets import DEFAULT_PRESET, DrafterSizes
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, require_at_least_one
 from dspark_ds.perf.train_bench import TrainBenchConfig, run_train_bench
 from dspark_ds.serve import check as serve_check
 from dspark_ds.target import TargetPathConfig
@@ -120,9 +120,9 @@ class GpuCheckConfig:
             raise ConfigError(f"device: cuda or cpu, got {self.device!r}")
         if self.shape not in ("auto", *SHAPES):
             raise ConfigError(f"shape: auto or one of {sorted(SHAPES)}, got {self.shape!r}")
-        for name in ("bench_repeats", "train_steps", "num_prompts", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self, ("bench_repeats", "train_steps", "num_prompts", "max_new_tokens")
+        )
         if self.train_steps < 4:
             raise ConfigError(
                 f"train_steps: at least 4 (the check compares the first and last 2), got {self.train_steps}"

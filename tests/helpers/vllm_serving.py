@@ -125,6 +125,17 @@ class VllmServer:
                 break
         self.proc = None
 
+    def completions(self, body: dict, key: str | None = None) -> dict:
+        """The server's answer to ``body`` on /v1/completions (``key``: the bearer token)."""
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers=headers
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
     def complete(self, prompt_ids: list[int], max_tokens: int, key: str | None = None) -> list[int]:
         body = {
             "model": self.target,
@@ -133,14 +144,7 @@ class VllmServer:
             "temperature": 0.0,
             "return_token_ids": True,
         }
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(
-            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers=headers
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read())["choices"][0]["token_ids"]
+        return self.completions(body, key)["choices"][0]["token_ids"]
 
 
 def _group_alive(pgid: int) -> bool:

@@ -18,19 +18,15 @@ from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
 from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.drafters.registry import kind_of
 
+from helpers.drafters import spread_weights
+from helpers.tiny_models import tiny_widths
+
 VOCAB, HIDDEN, LAYER_IDS = 96, 32, [0, 1, 2]
 
 
 def target_config() -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
+        **tiny_widths(VOCAB, hidden_size=HIDDEN, head_dim=8, max_position_embeddings=128)
     )
 
 
@@ -44,13 +40,7 @@ def make_model(num_draft_layers: int = 1, ttt_length: int = 4, seed: int = 0) ->
     )
     torch.manual_seed(seed)
     model = build_draft_model(cfg)
-    # Non-trivial norm weights so a mix-up between the norms cannot hide.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.normal_(0.0, 0.2)
+    spread_weights(model)
     return model.eval()
 
 

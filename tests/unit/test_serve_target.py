@@ -151,6 +151,11 @@ def test_printed_command_is_the_same_server_and_never_shows_the_key(
     assert cmd.environ(base)["VLLM_API_KEY"] == key  # vLLM's own variable: not in ps' argv
 
 
+def serve_target(tiny_target: str, *argv: str) -> int:
+    """`dspark-ds serve-target` of the tiny target with the tiny_cpu recipe, then `argv`."""
+    return cli.main(["serve-target", "--config", "tiny_cpu", "--target.path", tiny_target, *argv])
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -180,7 +185,7 @@ def test_bad_input_is_one_line_naming_the_option(
     monkeypatch.setenv("DSPARK_DS_VLLM_ENV", str(tmp_path / "no-venv"))
     no_vllm = SimpleNamespace(util=SimpleNamespace(find_spec=lambda name: None))
     monkeypatch.setattr("dspark_ds.serve.check.importlib", no_vllm)  # this Python lacks vllm
-    rc = cli.main(["serve-target", "--config", "tiny_cpu", "--target.path", tiny_target, *argv])
+    rc = serve_target(tiny_target, *argv)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert message in err
@@ -188,20 +193,14 @@ def test_bad_input_is_one_line_naming_the_option(
 
 
 def test_dry_run_prints_and_starts_nothing(tiny_target, tmp_path, base_env, capsys):
-    rc = cli.main(
-        [
-            "serve-target",
-            "--config",
-            "tiny_cpu",
-            "--target.path",
-            tiny_target,
-            "--storage",
-            str(tmp_path / "hs"),
-            "--dry_run",
-            "true",
-            "--vllm_python",
-            str(tmp_path / "never-run"),
-        ]
+    rc = serve_target(
+        tiny_target,
+        "--storage",
+        str(tmp_path / "hs"),
+        "--dry_run",
+        "true",
+        "--vllm_python",
+        str(tmp_path / "never-run"),
     )
     out = capsys.readouterr().out
     assert rc == 0 and not (tmp_path / "hs").exists()
@@ -231,19 +230,7 @@ def running(pid: int) -> bool:
 def test_runs_vllm_and_exits_with_its_code(tiny_target, tmp_path, base_env):
     python = fake_vllm(tmp_path, 'echo "$PYTHONPATH $VLLM_TARGET_DEVICE $*" > "$OUT"; exit 3')
     with pytest.raises(SystemExit) as exit_:
-        cli.main(
-            [
-                "serve-target",
-                "--config",
-                "tiny_cpu",
-                "--target.path",
-                tiny_target,
-                "--storage",
-                str(tmp_path / "hs"),
-                "--vllm_python",
-                str(python),
-            ]
-        )
+        serve_target(tiny_target, "--storage", str(tmp_path / "hs"), "--vllm_python", str(python))
     assert exit_.value.code == 3
     assert (tmp_path / "hs").is_dir()
     seen = (tmp_path / "out").read_text()

@@ -217,6 +217,13 @@ def fake_vllm(tmp_path: Path, body: str) -> Path:
     return script
 
 
+# a child of the stand-in's group, asleep for 30 s: started in the background, then waited for
+# until it runs `sleep` (a signal that reaches the forked shell before its exec is lost with the
+# shell's own trap, and the group's leftover would be waited for 30 s: the product's bound, not
+# what these tests time)
+SLEEPING_CHILD = 'sleep 30 &\nuntil [ "$(cat /proc/$!/comm 2>/dev/null)" = sleep ]; do :; done\n'
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     stat = Path(f"/proc/{pid}/stat")
@@ -242,7 +249,7 @@ def test_sigterm_goes_to_vllms_group_and_handlers_come_back(tmp_path, base_env):
     script = fake_vllm(
         tmp_path,
         "trap 'echo TERM > \"$OUT\"; exit 7' TERM\n"
-        'echo $$ > "$OUT.pgid"\nsleep 30 &\nkill -TERM $PPID\nwait',
+        f'echo $$ > "$OUT.pgid"\n{SLEEPING_CHILD}kill -TERM $PPID\nwait',
     )
     before = signal.getsignal(signal.SIGTERM)
     t0 = time.monotonic()
@@ -257,10 +264,13 @@ def test_a_signal_another_thread_receives_is_forwarded_too(tmp_path, base_env):
     # the kernel hands a process's signal to any thread that does not block it: with this one
     # blocking SIGTERM, a thread of the process (as a test worker's or a library's) takes it,
     # and the main thread's wait must still wake up to forward it (a plain proc.wait() slept on
-    # until the stand-in's `sleep 30` ended)
+    # until the stand-in's 30 s of sleeps ended)
     script = fake_vllm(
         tmp_path,
-        "trap 'echo TERM > \"$OUT\"; exit 7' TERM\nsleep 0.5\nkill -TERM $PPID\nsleep 30 &\nwait",
+        # (its children inherit the blocked SIGTERM: a stand-in that waits in short sleeps, which
+        # its trap ends between two of them, leaves no child to outlive it)
+        "trap 'echo TERM > \"$OUT\"; exit 7' TERM\nsleep 0.5\nkill -TERM $PPID\n"
+        "for i in $(seq 300); do sleep 0.1; done",
     )
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)

@@ -244,7 +244,9 @@ class TrainRunConfig:
         _require(bool(self.target.path), "target.path", "is required", self)
         self.model.validate()
 
-        get_kind(self.model.kind).check_perf(self.perf)  # a perf option the kind cannot honour
+        get_kind(self.model.kind).train.check_perf(
+            self.perf
+        )  # a perf option the kind cannot honour
         self.train.validate()
         self.validation.validate()
         self.tracking.validate()
@@ -268,7 +270,7 @@ class TrainRunConfig:
                 self,
             )
 
-        if get_kind(self.model.kind).anchor_blocks:
+        if get_kind(self.model.kind).capabilities.anchor_blocks:
             self._warn_block_shapes()
         return self
 

@@ -12,9 +12,20 @@ train/, so that data/ raises it without importing the trainer's package.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class ConfigError(ValueError):
     """Something the user must fix (see the module docstring)."""
+
+
+def require_at_least_one(config: object, names: Iterable[str], section: str = "") -> None:
+    """A ConfigError naming the first of `config`'s fields `names` below 1 (as the option
+    `<section><name>`)."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ConfigError(f"{section}{name}: must be >= 1, got {value}")
 
 
 class TrainingStopped(RuntimeError):

@@ -1,5 +1,5 @@
 """Small file helpers every component shares: checksums, safetensors files with the normal file
-mode, and telling a local path from a Hugging Face hub id.
+mode, strict JSON of floats, and telling a local path from a Hugging Face hub id.
 
 No torch.distributed here: the drafters' architecture files import this module too.
 """
@@ -7,6 +7,7 @@ No torch.distributed here: the drafters' architecture files import this module t
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 
@@ -41,6 +42,18 @@ def save_safetensors(tensors: dict, path: str | Path, metadata: dict | None = No
     save_file(tensors, str(tmp), metadata=metadata)
     os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, path)
+
+
+def json_safe(x):
+    """`x` (nested dicts, lists and tuples) with each NaN or infinite float as None: strict JSON,
+    which any reader loads (`json.dumps` would write NaN / Infinity)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def looks_local(path: str) -> bool:

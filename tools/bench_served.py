@@ -125,9 +125,9 @@ def main() -> None:
     from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig
     from dspark_ds.data.synthetic import make_corpus, write_jsonl
     from dspark_ds.data.tokens import TokenStore, prepare
-    from dspark_ds.demo.config import DemoBudgetConfig, DemoDrafterConfig
+    from dspark_ds.demo.config import DemoBudgetConfig
     from dspark_ds.demo.pipeline import max_valid_anchors
-    from dspark_ds.drafters.presets import sized
+    from dspark_ds.drafters.presets import DrafterSizes, sized
     from dspark_ds.target import TargetConfig
 
     work = args.workdir.resolve()
@@ -146,7 +146,7 @@ def main() -> None:
     base = c.TrainRunConfig(
         name="bench",
         output_dir=str(work / "runs"),
-        model=sized("dspark", DemoDrafterConfig(num_anchors=anchors)),
+        model=sized("dspark", DrafterSizes.with_block("dspark", num_anchors=anchors).dspark),
         target=tcfg,
         data=DataConfig(
             mode="online",

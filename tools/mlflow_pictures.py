@@ -41,7 +41,8 @@ DEMO_ARGS = [
     "--target.num_threads", "1",
     "--data.num_train_prompts", "24", "--data.num_heldout_prompts", "4",
     "--data.max_new_tokens", "24", "--data.regenerate_batch_size", "12",
-    "--drafter.num_draft_layers", "1", "--drafter.block_size", "4", "--drafter.markov_rank", "8",
+    "--drafter.dspark.num_draft_layers", "1", "--drafter.dspark.block_size", "4",
+    "--drafter.dspark.markov_rank", "8", "--drafter.eagle3.ttt_length", "4",
     "--budget.max_steps", "20", "--budget.global_batch_size", "4",
     "--budget.micro_batch_size", "2", "--eval.max_new_tokens", "12",
 ]  # fmt: skip

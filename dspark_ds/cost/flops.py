@@ -4,7 +4,7 @@ tune/steptime.py) and what a training run reports on its log steps (`system/tflo
 
 What is counted:
 
-- the drafter's forward and backward, the kind's own count (`DrafterKind.step_flops`:
+- the drafter's forward and backward, the kind's own count (`DrafterKind.cost.step_flops`:
   drafters/dspark/memory.py, drafters/eagle3/memory.py) for the attention and loss paths the
   run takes on its device at its ZeRO stage — the second pass over the chunk logits of ZeRO-3's
   recompute loss included; matmuls only (each trained Linear 3x its forward, the frozen
@@ -71,7 +71,7 @@ def drafter_flops(inv: Inventory, run_cfg, device: str, stage: int) -> dict[str,
     """The drafter's forward + backward over one micro-batch of the run, by component (the
     kind's count for the loss path it takes on `device` at ZeRO `stage`)."""
     kind = get_kind(run_cfg.model.kind)
-    return kind.step_flops(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
+    return kind.cost.step_flops(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
 
 
 class WindowFlops:
@@ -89,16 +89,16 @@ class WindowFlops:
         """FLOPs of one sequence of `tokens` tokens and `anchors` kept anchor blocks (None: the
         recipe's `model.num_anchors`)."""
         model = self.run_cfg.model
-        if self.kind.anchor_blocks and anchors is not None:
+        if self.kind.capabilities.anchor_blocks and anchors is not None:
             model = replace(model, num_anchors=anchors)
         shape = replace(
             self.inv.step_shape(self.run_cfg),
             batch=1,
             seq_len=tokens,
-            drafter=self.kind.step_part(model),
+            drafter=self.kind.cost.step_part(model),
         )
         flops = sum(
-            self.kind.step_flops(shape, self.run_cfg.perf, self.device, self.stage).values()
+            self.kind.cost.step_flops(shape, self.run_cfg.perf, self.device, self.stage).values()
         )
         if self.in_job:
             inv = self.inv

@@ -19,48 +19,33 @@ from dspark_ds.target_checkpoint import causal_lm_config, read_target_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
+
+def _qwen3(
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    tie_word_embeddings: bool = False,
+) -> dict:
+    """A dense Qwen3's config: the family shares its KV heads, head size and vocabulary."""
+    return dict(
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+
+
 # Public configs of the targets the shipped recipes use (no download needed to estimate them).
 KNOWN_TARGETS: dict[str, dict] = {
-    "Qwen/Qwen3-4B": dict(
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-    "Qwen/Qwen3-8B": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    ),
-    "Qwen/Qwen3-14B": dict(
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    ),
-    "Qwen/Qwen3-32B": dict(
-        hidden_size=5120,
-        intermediate_size=25600,
-        num_hidden_layers=64,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=False,
-    ),
+    "Qwen/Qwen3-4B": _qwen3(2560, 9728, 36, 32, tie_word_embeddings=True),
+    "Qwen/Qwen3-8B": _qwen3(4096, 12288, 36, 32),
+    "Qwen/Qwen3-14B": _qwen3(5120, 17408, 40, 40),
+    "Qwen/Qwen3-32B": _qwen3(5120, 25600, 64, 64),
 }
 
 
@@ -156,7 +141,7 @@ class Inventory:
 
     def step_shape(self, run_cfg) -> StepShape:
         """One micro-batch of the run through these sizes (the kind's activation input; its own
-        part from the kind, `DrafterKind.step_part`)."""
+        part from the kind, `DrafterKind.cost.step_part`)."""
         return StepShape(
             batch=run_cfg.data.batch_size,
             seq_len=run_cfg.data.max_length,
@@ -168,7 +153,7 @@ class Inventory:
             head_dim=self.head_dim,
             draft_layers=self.draft_layers,
             taps=self.taps,
-            drafter=get_kind(run_cfg.model.kind).step_part(run_cfg.model),
+            drafter=get_kind(run_cfg.model.kind).cost.step_part(run_cfg.model),
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
         )

@@ -101,8 +101,11 @@ def _common_prefix_len(a: str, b: str) -> int:
     return i
 
 
-def spans_to_start_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for every token whose first character lies inside one of the sorted ``spans``."""
+def _spans_mask(
+    offsets: list[tuple[int, int]], spans: list[tuple[int, int]], overlap: bool
+) -> list[int]:
+    """1 for every non-empty token with its first character (``overlap``: any character) inside
+    one of the sorted ``spans``."""
     mask = [0] * len(offsets)
     k = 0
     for t, (start, end) in enumerate(offsets):
@@ -110,23 +113,21 @@ def spans_to_start_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, i
             k += 1
         if k == len(spans):
             break
-        if start >= spans[k][0] and end > start:
+        # the span ends after `start`: the token is in it when its first (overlap: last)
+        # character is at or after the span's start
+        if (end - 1 if overlap else start) >= spans[k][0] and end > start:
             mask[t] = 1
     return mask
+
+
+def spans_to_start_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for every token whose first character lies inside one of the sorted ``spans``."""
+    return _spans_mask(offsets, spans, overlap=False)
 
 
 def spans_to_token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
     """1 for every token whose character range overlaps one of the sorted ``spans``."""
-    mask = [0] * len(offsets)
-    k = 0
-    for t, (start, end) in enumerate(offsets):
-        while k < len(spans) and start >= spans[k][1]:
-            k += 1
-        if k == len(spans):
-            break
-        if end > spans[k][0] and end > start:
-            mask[t] = 1
-    return mask
+    return _spans_mask(offsets, spans, overlap=True)
 
 
 class ChatTokenizer:

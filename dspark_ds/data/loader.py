@@ -142,7 +142,19 @@ class HybridCacheWriter:
         self.complete = True
 
 
-class TrainLoader:
+class EpochCursor:
+    """Where a batch source stands in its order: `position` micro-batches of epoch `epoch` are
+    yielded. Setting another epoch starts it from its first micro-batch."""
+
+    epoch: int = 0
+    position: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+
+class TrainLoader(EpochCursor):
     """Iterate one epoch of this rank's batches; resumable at any batch.
 
     Use: ``loader.set_epoch(e); for batch in loader: ...``. ``state_dict()`` records
@@ -189,10 +201,6 @@ class TrainLoader:
 
     def __len__(self) -> int:
         return len(self.lengths) // (self.cfg.batch_size * self.world)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
 
     def state_dict(self) -> dict:
         return {

@@ -3,6 +3,8 @@
     dspark-ds demo --output_dir runs/demo                     # the measured demo (one seed)
     dspark-ds demo --output_dir runs/demo3 --seeds [0,1,2]    # the 3-seed check
     dspark-ds demo --output_dir /tmp/d --budget.max_steps 40  # a smaller budget
+    dspark-ds demo --output_dir /tmp/g5 \
+        --drafter.dspark.block_size 5 --drafter.eagle3.ttt_length 5   # γ 5 for every drafter
 
 Every drafter (DSpark, DFlash, Eagle3) gets the same data, the same budget (`budget.*`: steps,
 batch, learning-rate schedule, ZeRO stage, ranks) and the same supervision (every valid position
@@ -16,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dspark_ds.demo.target import DemoTargetConfig
-from dspark_ds.drafters.presets import PRESET_NAMES
-from dspark_ds.errors import ConfigError
+from dspark_ds.drafters.presets import PRESET_NAMES, DrafterSizes
+from dspark_ds.errors import ConfigError, require_at_least_one
 
 LAUNCHERS = ("fork", "torchrun")
 
@@ -48,15 +50,17 @@ class DemoDataConfig:
     """Conversations generated together per rank."""
 
     def validate(self) -> None:
-        for name in (
-            "num_train_prompts",
-            "num_heldout_prompts",
-            "max_length",
-            "max_new_tokens",
-            "regenerate_batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"data.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self,
+            (
+                "num_train_prompts",
+                "num_heldout_prompts",
+                "max_length",
+                "max_new_tokens",
+                "regenerate_batch_size",
+            ),
+            "data.",
+        )
         if self.mode not in ("offline", "online"):
             raise ConfigError(f"data.mode: must be offline | online, got {self.mode!r}")
 
@@ -91,9 +95,9 @@ class DemoBudgetConfig:
     else 1."""
 
     def validate(self) -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"budget.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self, ("max_steps", "global_batch_size", "micro_batch_size"), "budget."
+        )
         if self.lr <= 0:
             raise ConfigError(f"budget.lr: must be > 0, got {self.lr}")
         if self.nproc is not None and self.nproc < 1:
@@ -107,34 +111,6 @@ class DemoBudgetConfig:
     @property
     def world_size(self) -> int:
         return self.nproc or (2 if (os.cpu_count() or 1) >= 2 else 1)
-
-
-@dataclass
-class DemoDrafterConfig:
-    """Drafter shapes (sized to the tiny target as the paper's are to Qwen3); each preset reads
-    the ones it has (`Preset.sized`, drafters/presets.py)."""
-
-    num_draft_layers: int = 2
-    """Backbone layers of a parallel drafter (DSpark / DFlash)."""
-    block_size: int = 7
-    """γ: tokens drafted per round (Eagle3: ttt_length); the paper's 7."""
-    num_anchors: int | None = None
-    """Anchor blocks per training sequence (DSpark / DFlash); None = as many as the training
-    sequence with the most valid anchor positions has (counted in the prepared data), so every
-    valid position of every sequence anchors a block of γ supervised slots, as Eagle3 is
-    supervised at every position over its γ unrolled steps: equal supervision."""
-    markov_rank: int = 64
-    """DSpark's Markov head rank (DFlash: 0)."""
-    unrolled_layers: int = 1
-    """Layers of a drafter unrolled once per drafted token (Eagle3; the paper's baseline has
-    one)."""
-
-    def validate(self) -> None:
-        for name in ("num_draft_layers", "block_size", "markov_rank", "unrolled_layers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"drafter.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.num_anchors is not None and self.num_anchors < 1:
-            raise ConfigError(f"drafter.num_anchors: must be >= 1 or null, got {self.num_anchors}")
 
 
 @dataclass
@@ -154,9 +130,7 @@ class DemoEvalConfig:
             raise ConfigError(
                 f"eval.temperatures: need >= 1 value, all >= 0, got {self.temperatures}"
             )
-        for name in ("max_new_tokens", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(self, ("max_new_tokens", "batch_size"), "eval.")
 
 
 @dataclass
@@ -171,8 +145,10 @@ class DemoConfig:
     """The tiny target (trained once, then cached under ~/.cache/dspark-ds)."""
     data: DemoDataConfig = field(default_factory=DemoDataConfig)
     """Drafter training data and held-out prompts."""
-    drafter: DemoDrafterConfig = field(default_factory=DemoDrafterConfig)
-    """Drafter shapes."""
+    drafter: DrafterSizes = field(default_factory=DrafterSizes)
+    """Drafter sizes, sized to the tiny target as the paper's are to Qwen3: one block per kind
+    (`--drafter.<kind>.<size>`), each preset sized by its kind's (`Preset.sized`,
+    drafters/presets.py). The defaults give every drafter the same γ (7)."""
     budget: DemoBudgetConfig = field(default_factory=DemoBudgetConfig)
     """The training budget every drafter gets."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
@@ -223,5 +199,5 @@ class DemoConfig:
             )
         self.data.validate()
         self.budget.validate()
-        self.drafter.validate()
+        self.drafter.validate("drafter")
         self.eval.validate()

@@ -64,7 +64,7 @@ from dspark_ds.demo.summary import (
 )
 from dspark_ds.demo.target import ensure_demo_target
 from dspark_ds.distributed import print0
-from dspark_ds.drafters.common.blocks import build_anchor_candidate_mask
+from dspark_ds.drafters import build_anchor_candidate_mask
 from dspark_ds.drafters.presets import PRESETS, DrafterConfig, preset, sized
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.eval.config import CalibrationConfig, EvalConfig
@@ -138,8 +138,9 @@ class DemoPipeline:
         self.stages = _Stages()
         self.target = None
         self.num_anchors: dict[int, int] = {}
-        """seed -> anchors per sequence of that seed's training of the drafters that train on
-        anchor blocks (`DrafterKind.anchor_blocks`)."""
+        """seed -> the most valid anchor positions a training sequence of that seed has: the
+        anchors per sequence of a drafter that trains on anchor blocks
+        (`Capabilities.anchor_blocks`) when its size block leaves num_anchors to the demo."""
         self.results: dict[int, dict[str, dict]] = {}
         """seed -> drafter -> {"train": ..., "T0": eval row, "T1": ...}."""
 
@@ -271,15 +272,15 @@ class DemoPipeline:
         )
         self._write_config(f"prepare-s{seed}", cfg)
         counts = prepare(cfg)
-        anchors = self.cfg.drafter.num_anchors
-        self.num_anchors[seed] = anchors if anchors is not None else max_valid_anchors(prepared)
-        anchored = [
-            PRESETS[d].label for d in self.cfg.drafters if get_kind(preset(d).kind).anchor_blocks
-        ]
-        print0(
-            f"[demo] {' / '.join(anchored)}: {self.num_anchors[seed]} anchor blocks per sequence"
-            + ("" if anchors is not None else " (every valid position of the longest answer)")
-        )
+        self.num_anchors[seed] = max_valid_anchors(prepared)
+        for name in self.cfg.drafters:
+            if get_kind(preset(name).kind).capabilities.anchor_blocks:
+                given = self.cfg.drafter.block(name).num_anchors is not None
+                print0(
+                    f"[demo] {PRESETS[name].label}: {self.anchors_of(name, seed)} anchor blocks "
+                    "per sequence"
+                    + ("" if given else " (every valid position of the longest answer)")
+                )
         return counts
 
     def build_cache(self, seed: int) -> None:
@@ -306,10 +307,19 @@ class DemoPipeline:
     def _target_config(self):
         return TargetConfig(path=str(self.target.path), dtype="float32", device="cpu")
 
-    def drafter_model(self, name: str, num_anchors: int) -> DrafterConfig:
-        """The preset `name` sized to the tiny target (`Preset.sized`), with this seed's
-        anchors."""
-        return sized(name, replace(self.cfg.drafter, num_anchors=num_anchors))
+    def anchors_of(self, name: str, seed: int) -> int:
+        """Anchor blocks per sequence of the drafter `name` (a kind that trains on anchor
+        blocks) in `seed`'s training: its size block's, or one per valid position."""
+        given = self.cfg.drafter.block(name).num_anchors
+        return given if given is not None else self.num_anchors[seed]
+
+    def drafter_model(self, name: str, seed: int) -> DrafterConfig:
+        """The preset `name` sized to the tiny target by its kind's size block (`sized`), with
+        `seed`'s anchors where it trains on anchor blocks."""
+        block = self.cfg.drafter.block(name)
+        if get_kind(preset(name).kind).capabilities.anchor_blocks:
+            block = replace(block, num_anchors=self.anchors_of(name, seed))
+        return sized(name, block)
 
     def train_config(self, kind: str, seed: int) -> TrainRunConfig:
         """The `dspark-ds train` config of one drafter; only `model` (and names) differ between
@@ -322,7 +332,7 @@ class DemoPipeline:
         return TrainRunConfig(
             name=f"{kind}-s{seed}",
             output_dir=str(self.runs_dir),
-            model=self.drafter_model(kind, self.num_anchors[seed]),
+            model=self.drafter_model(kind, seed),
             target=self._target_config(),
             data=DataConfig(
                 mode=c.data.mode,
@@ -371,8 +381,8 @@ class DemoPipeline:
         if not (export / "config.json").is_file():
             raise RuntimeError(f"training {kind} (seed {seed}) exported nothing to {export}")
         info = {"export": str(export), **_train_log_summary(run_dir / "train_log.jsonl")}
-        if get_kind(self.drafter_model(kind, 1).kind).anchor_blocks:
-            info["num_anchors"] = self.num_anchors[seed]
+        if get_kind(preset(kind).kind).capabilities.anchor_blocks:
+            info["num_anchors"] = self.anchors_of(kind, seed)
         self.results.setdefault(seed, {}).setdefault(kind, {})["train"] = info
         return info
 

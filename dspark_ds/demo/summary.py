@@ -25,6 +25,7 @@ from dspark_ds.config import flatten
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.drafters.presets import PRESETS, preset
 from dspark_ds.drafters.registry import get_kind
+from dspark_ds.files import json_safe
 from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.tracking.store import default_artifact_location
 
@@ -61,21 +62,23 @@ def _ratio_name(metric: str, a: str, b: str) -> str:
 def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     """What every drafter is trained on: the basis of the comparison, with the measured share of
     valid positions the anchor sampler covered (the kinds that train on anchor blocks)."""
-    b, g = cfg.budget, cfg.drafter.block_size
+    b = cfg.budget
     out: dict = {
         "budget": f"{b.max_steps} steps x {b.global_batch_size} sequences, lr {b.lr:g}, "
         f"the same data for every drafter",
     }
     for kind in cfg.drafters:
         trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]
-        if not get_kind(preset(kind).kind).anchor_blocks:  # every position, unrolled
+        sizes = cfg.drafter.block(kind)
+        g = sizes.draft_length
+        if not get_kind(preset(kind).kind).capabilities.anchor_blocks:  # every position, unrolled
             out[kind] = {"positions": "every supervised position", "depth": g}
             continue
         shares = [t["anchored_share_of_valid"] for t in trains if "anchored_share_of_valid" in t]
         out[kind] = {
             "positions": "every valid position"
-            if cfg.drafter.num_anchors is None
-            else f"{cfg.drafter.num_anchors} sampled anchors per sequence",
+            if sizes.num_anchors is None
+            else f"{sizes.num_anchors} sampled anchors per sequence",
             "depth": g,
             "num_anchors": [t.get("num_anchors") for t in trains],
             "anchored_share_of_valid": min(shares) if shares else None,
@@ -179,18 +182,7 @@ def build_summary(
         "config": asdict(cfg),
         "mlflow": {"uri": uri, "experiment": cfg.experiment},
     }
-    return _finite(summary)
-
-
-def _finite(x):
-    """NaN → None so summary.json is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
+    return json_safe(summary)
 
 
 def _f(v, digits: int = 3) -> str:

@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from dspark_ds.data.synthetic import Row, make_corpus
 from dspark_ds.demo.tokenizer import IM_END, PAD_TOKEN, train_tokenizer
-from dspark_ds.errors import ConfigError
+from dspark_ds.errors import ConfigError, require_at_least_one
 
 REPORT_FILE = "demo_target.json"
 # Bump when the training recipe changes in a way the config fields do not capture.
@@ -76,19 +76,21 @@ class DemoTargetConfig:
     """Cache root; None = $DSPARK_DS_CACHE, else ~/.cache/dspark-ds. Not part of the key."""
 
     def __post_init__(self) -> None:
-        for name in (
-            "num_train_rows",
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "intermediate_size",
-            "max_steps",
-            "batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"target.{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self,
+            (
+                "num_train_rows",
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "max_steps",
+                "batch_size",
+            ),
+            "target.",
+        )
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"target.hidden_size: {self.hidden_size} is not divisible by "

@@ -6,14 +6,15 @@ Importing this package changes nothing outside it: transformers' Auto classes le
 architectures only when `register_auto_classes()` is called (drafters/io.py); the package itself
 loads drafters with `load_draft_model` and never needs it."""
 
-from dspark_ds.drafters.common.blocks import (
-    DraftKVCache,
+from dspark_ds.drafters.common.cache import DraftKVCache
+from dspark_ds.drafters.dspark.blocks import (
     DSparkForwardOutput,
+    build_anchor_candidate_mask,
     sample_anchor_positions,
 )
+from dspark_ds.drafters.dspark.build import build_draft_config
 from dspark_ds.drafters.dspark.model import DSparkDraftModel
 from dspark_ds.drafters.io import (
-    build_draft_config,
     build_draft_model,
     load_draft_model,
     register_auto_classes,
@@ -24,6 +25,7 @@ __all__ = [
     "DSparkDraftModel",
     "DSparkForwardOutput",
     "DraftKVCache",
+    "build_anchor_candidate_mask",
     "build_draft_config",
     "build_draft_model",
     "load_draft_model",

@@ -1,6 +1,9 @@
-"""Draft configs built from a target, and the interchange directory (docs/checkpoint-format.md).
+"""What every kind's drafter config starts from, the backends by architecture, and the
+interchange directory (docs/checkpoint-format.md).
 
-A drafter directory is `config.json` (the draft text config plus the DSpark fields) and
+A kind builds its drafter config in its own folder (drafters/<kind>/build.py, called by its
+`DrafterKind.build_config`) from `draft_config_from_target` and `finalize_draft_config` here.
+A drafter directory is `config.json` (the draft text config plus the kind's fields) and
 `model.safetensors` (or shards with `model.safetensors.index.json`), in the format the engines
 load as it is (drafters/serving.py: chosen by the kind and layout; DeepSpec's for DSpark, the
 DFlash and vLLM Eagle3 formats for the others). `architectures` selects the backend.
@@ -32,7 +35,6 @@ from safetensors.torch import load_file
 from dspark_ds.drafters import serving
 from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
-from dspark_ds.drafters.presets import DrafterConfig, preset
 from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import save_safetensors
@@ -103,77 +105,6 @@ def finalize_draft_config(cfg, text):
     """The backend's own fix-ups (Gemma4 rebuilds its per-layer attributes)."""
     cls, _ = _backend(cfg.architectures[0])
     return cls.finalize_draft_config(cfg, text)
-
-
-def dspark_config(
-    target_config, model: DrafterConfig, *, target_layer_ids: list[int], mask_token_id: int
-):
-    """The DSpark / DFlash drafter config of `model` (a validated "dspark" section) for this
-    target (docs/algorithm.md#the-drafter). Raises ConfigError naming the offending field."""
-    cfg, text = draft_config_from_target(
-        target_config, "dspark", target_layer_ids, model.num_draft_layers
-    )
-    vocab = int(text.vocab_size)
-    if not 0 <= int(mask_token_id) < vocab:
-        raise ConfigError(f"mask_token_id: must be in [0, {vocab}), got {mask_token_id!r}")
-    enable_confidence = model.confidence_head_alpha > 0
-    cfg.block_size = int(model.block_size)
-    cfg.sample_from_anchor = bool(model.sample_from_anchor)
-    cfg.mask_token_id = int(mask_token_id)
-    cfg.num_anchors = int(model.num_anchors)
-    cfg.markov_rank = int(model.markov_rank)
-    cfg.markov_head_type = str(model.markov_head_type)
-    cfg.enable_confidence_head = enable_confidence
-    cfg.confidence_head_with_markov = bool(model.confidence_head_with_markov) and enable_confidence
-    return finalize_draft_config(cfg, text)
-
-
-def eagle3_config(
-    target_config,
-    model: DrafterConfig,
-    *,
-    target_layer_ids: list[int],
-    target_model_name_or_path: str | None = None,
-):
-    """The Eagle3 baseline's drafter config of `model` (a validated "eagle3" section): the
-    reference's `Qwen3Eagle3Model` fields (`target_layer_ids`, `ttt_length`, `step_loss_decay`,
-    `draft_num_hidden_layers`, `num_target_layers`). Raises ConfigError naming the field."""
-    cfg, text = draft_config_from_target(
-        target_config, "eagle3", target_layer_ids, model.num_draft_layers
-    )
-    cfg.draft_num_hidden_layers = int(model.num_draft_layers)
-    cfg.ttt_length = int(model.ttt_length)
-    cfg.step_loss_decay = float(model.step_loss_decay)
-    if target_model_name_or_path is not None:
-        cfg.target_model_name_or_path = str(target_model_name_or_path)
-    return finalize_draft_config(cfg, text)
-
-
-def build_draft_config(target_config, *, target_layer_ids: list[int], mask_token_id: int, **fields):
-    """A DSpark / DFlash drafter config; `fields` (DrafterConfig fields) override the DSpark
-    preset. Raises ConfigError naming the offending field."""
-    model = preset("dspark", **fields).validate(prefix=None)
-    return dspark_config(
-        target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
-    )
-
-
-def build_eagle3_config(
-    target_config,
-    *,
-    target_layer_ids: list[int],
-    target_model_name_or_path: str | None = None,
-    **fields,
-):
-    """An Eagle3 drafter config; `fields` (num_draft_layers, ttt_length, step_loss_decay)
-    override the Eagle3 preset. Raises ConfigError naming the offending field."""
-    model = preset("eagle3", **fields).validate(prefix=None)
-    return eagle3_config(
-        target_config,
-        model,
-        target_layer_ids=target_layer_ids,
-        target_model_name_or_path=target_model_name_or_path,
-    )
 
 
 def build_draft_model(config):

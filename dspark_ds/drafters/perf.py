@@ -1,6 +1,6 @@
 """The `perf` section: how a drafter's training step computes attention and the loss, and
 whether the drafter is compiled. Every choice gives the same results at another cost; each kind
-honours the options it can (`DrafterKind.check_perf`) and refuses the others by name.
+honours the options it can (`DrafterKind.train.check_perf`) and refuses the others by name.
 
 `activation_checkpointing` recomputes each draft decoder layer in backward instead of keeping
 what it saved (drafters/common/layers.py `run_layer`; exact: the same ops run again).
@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
 from dspark_ds.errors import ConfigError
 
 LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked", "recompute")
+ATTN_IMPLEMENTATIONS = ("dense", "blockwise", "flex")
+"""The attention paths of the kinds' training forwards (`perf.attn_implementation` besides
+"auto"); each kind honours some of them (`Capabilities.attn_impls`)."""
 COMPILE_MODES = ("auto", "off", "layers", "model")
 
 CHUNK_ANCHORS_CPU = 32

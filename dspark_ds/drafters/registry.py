@@ -1,6 +1,7 @@
 """The drafter kinds: one `Registration` per kind (drafters/common/registration.py), each from its
 folder's config.py. Adding a kind is its folder and one entry in `REGISTERED`; the `model`
-section, the presets, the backends and the engine formats are built from this list.
+section, the presets, the backends and the engine formats are built from this list, and what
+each kind can do is read from it (`REGISTERED[name].capabilities`, plain data).
 
 get_kind(cfg.model.kind)     # the kind's `DrafterKind` (drafters/kind.py), by `model.kind`
 kind_of(drafter)             # of a built or loaded drafter (a DeepSpeed engine's `.module`)

@@ -37,7 +37,7 @@ from dspark_ds.eval.compressed import check_batched_target
 from dspark_ds.eval.padded import PaddedCaches, target_forward
 from dspark_ds.eval.policy import POLICIES, SPS, VerifyPolicy
 from dspark_ds.eval.recurrent import RecurrentState
-from dspark_ds.eval.rounds import Budget, DecodeStats, draft_budget, settle, sync
+from dspark_ds.eval.rounds import Budget, DecodeStats, draft_budget, run_settings, settle, sync
 from dspark_ds.eval.target_step import check_drafter_matches_target, new_target_cache
 
 
@@ -63,7 +63,9 @@ def _check_options(batch_size: int, policy: str, drafter, sps: SPS | None) -> No
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if policy not in POLICIES:
         raise ValueError(f"policy must be full | threshold | scheduler, got {policy!r}")
-    if policy != "full" and (drafter is None or drafter.confidence_head is None):
+    if policy != "full" and (
+        drafter is None or not kind_of(drafter).decode.has_confidence(drafter.config)
+    ):
         raise ValueError(f"policy {policy!r} needs a drafter with a confidence head")
     if policy == "scheduler" and sps is None:
         raise ValueError("policy 'scheduler' needs the sps cost table")
@@ -100,9 +102,9 @@ class BatchedDecoder:
         if drafter is not None:
             check_drafter_matches_target(target, drafter)
             self.kind = kind_of(drafter)
-            self.block_size = int(drafter.config.block_size)
+            self.block_size = self.kind.decode.tokens_per_round(drafter.config)
             self.layer_ids = [int(i) for i in drafter.config.target_layer_ids]
-            temps_G = confidence_temperatures(drafter.config, device=self.device)
+            temps_G = confidence_temperatures(drafter.config, self.block_size, device=self.device)
         self.policy = VerifyPolicy(policy, confidence_threshold, temps_G, sps)
         self.batch_size = batch_size
         self.temperature, self.generator = temperature, generator
@@ -160,7 +162,7 @@ class BatchedDecoder:
         caches.trim(torch.full((1,), length, device=self.device), length)
         if self.drafter is not None:
             first = torch.tensor([req.new_tokens], device=self.device, dtype=prompt.dtype)
-            self.kind.extend(
+            self.kind.decode.extend(
                 self.drafter,
                 VerifiedContext(
                     feats,
@@ -225,7 +227,7 @@ class BatchedDecoder:
         """Every row's proposal (None without a drafter)."""
         if self.drafter is None:
             return None
-        return self.kind.propose(
+        return self.kind.decode.propose(
             self.drafter,
             DraftRound(
                 x_start=x_start,
@@ -265,7 +267,7 @@ class BatchedDecoder:
             next_tokens, device=self.device, dtype=next_ids.dtype
         )
         key_mask = caches.key_mask()
-        self.kind.extend(
+        self.kind.decode.extend(
             self.drafter,
             VerifiedContext(
                 feats,
@@ -312,14 +314,11 @@ def decode_prompts(
             model,
             prompts,
             batch_size=cfg.batch_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
             policy=policy,
             confidence_threshold=threshold,
             sps=sps,
-            generator=torch.Generator(device=device).manual_seed(seed),
-            stop_token_ids=stops,
             budget_accounting=cfg.budget_accounting,
+            **run_settings(cfg, stops, device, seed),
         )
 
     if cfg.scheduler.enabled:

@@ -85,12 +85,14 @@ class ConfidenceRecords:
         return (torch.arange(self.block_size).unsqueeze(0) < self.accepted_R.unsqueeze(1)).double()
 
 
-def confidence_temperatures(config, device: torch.device | None = None) -> torch.Tensor | None:
-    """The STS temperatures stored in a drafter config, validated, or None."""
+def confidence_temperatures(
+    config, block_size: int, device: torch.device | None = None
+) -> torch.Tensor | None:
+    """The STS temperatures stored in a drafter config, validated against its `block_size` (the
+    most tokens it drafts a round: its kind's `decode.tokens_per_round`), or None."""
     temps = getattr(config, CONFIG_KEY, None)
     if temps is None:
         return None
-    block_size = int(config.block_size)
     if len(temps) != block_size or any(not float(t) > 0.0 for t in temps):
         raise ConfigError(
             f"drafter config {CONFIG_KEY} must be {block_size} positive numbers, got {temps}"

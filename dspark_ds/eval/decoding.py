@@ -2,7 +2,7 @@
 decoding to compare with.
 
 One round: the drafter's cache takes the positions verified last round and the drafter proposes
-up to γ tokens (its `DrafterKind`'s `extend` and `propose`, the same ones the batched loop
+up to γ tokens (its kind's `decode.extend` and `decode.propose`, the same the batched loop
 uses: DSpark drafts `[x_start, MASK × (γ-1)]` in one forward and samples it through the Markov
 head, Eagle3 drafts a chain), the confidence threshold and the budget may cut the proposal, the
 target verifies `[x_start, d_1..d_m]` in one forward, and the accepted prefix plus one target
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.cache import DraftKVCache
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval import verify
@@ -82,7 +82,7 @@ class _OneRowDecoder:
         self.target, self.drafter, self.kind = target, drafter, kind_of(drafter)
         self.budget, self.policy, self.stops = budget, policy, stops
         self.temperature, self.generator = temperature, generator
-        self.block_size = int(drafter.config.block_size)
+        self.block_size = self.kind.decode.tokens_per_round(drafter.config)
 
     def run(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
         stats = DecodeStats(prompt_tokens=input_ids.shape[1])
@@ -122,14 +122,14 @@ class _OneRowDecoder:
         committed = row.committed_ids()
         start, cached = row.start, row.cache.seq_length
         positions = torch.arange(cached, start, device=row.device).unsqueeze(0)
-        self.kind.extend(
+        self.kind.decode.extend(
             self.drafter,
             VerifiedContext(
                 row.pending_1LnH, positions, row.cache, next_ids=committed[:, cached + 1 :]
             ),
         )
         rooms = [self.budget.room(row.new_tokens)]
-        proposal = self.kind.propose(
+        proposal = self.kind.decode.propose(
             self.drafter,
             DraftRound(
                 x_start=committed[:, -1],
@@ -195,7 +195,11 @@ def speculative_generate(
     policy = VerifyPolicy(
         "threshold" if confidence_threshold > 0.0 else "full",
         threshold=confidence_threshold,
-        temps_G=confidence_temperatures(drafter.config, device=input_ids.device),
+        temps_G=confidence_temperatures(
+            drafter.config,
+            kind_of(drafter).decode.tokens_per_round(drafter.config),
+            device=input_ids.device,
+        ),
     )
     return _OneRowDecoder(
         target,

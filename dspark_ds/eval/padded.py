@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 import torch
 from transformers import DynamicCache
 
-from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.cache import DraftKVCache
 from dspark_ds.eval.recurrent import RecurrentState, crop_cache, row_states
 from dspark_ds.eval.target_step import forward_target
 

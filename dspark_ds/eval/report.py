@@ -5,10 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dspark_ds.eval.rounds import DecodeStats
+from dspark_ds.files import json_safe
 
 
 @dataclass
@@ -179,19 +182,8 @@ def result_dict(r: BenchmarkResult) -> dict:
 
 def write_json(path: Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # NaN is not JSON: write null so any JSON reader can load the report.
-    path.write_text(json.dumps(_nan_to_none(payload), indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(json_safe(payload), indent=2, sort_keys=True) + "\n")
     return path
-
-
-def _nan_to_none(x):
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_nan_to_none(v) for v in x]
-    return x
 
 
 def write_csv(path: Path, results: list[BenchmarkResult]) -> Path:
@@ -243,106 +235,103 @@ def _pyplot():
     return plt
 
 
+@contextmanager
+def _figure(path: Path, figsize: tuple[float, float], title: str) -> Iterator:
+    """One plot's axes; once the body has drawn, the title, then the figure laid out and saved
+    to `path` (120 dpi). The figure is closed either way."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=figsize)
+    try:
+        yield ax
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
 def plot_acceptance_by_position(path: Path, results: list[BenchmarkResult]) -> Path:
     """Per benchmark, solid: of the rounds that proposed draft k, the share that kept drafts
     0..k (`accept_rate_by_position`); dashed: P(accept k | drafts 0..k-1 accepted)
     (`conditional_accept_rate`)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, r in enumerate(results):
-        color = f"C{i % 10}"
-        for rates, style, what in (
-            (r.accept_rate_by_position, "o-", "P(drafts 0..k accepted | k proposed)"),
-            (r.conditional_accept_rate, "s--", "P(accept k | 0..k-1 accepted)"),
-        ):
-            xs = [k for k, a in enumerate(rates) if a is not None]
-            ax.plot(xs, [rates[k] for k in xs], style, color=color, label=f"{r.benchmark}: {what}")
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("acceptance rate")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("Acceptance by draft position")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _figure(path, (6.5, 4), "Acceptance by draft position") as ax:
+        for i, r in enumerate(results):
+            color = f"C{i % 10}"
+            for rates, style, what in (
+                (r.accept_rate_by_position, "o-", "P(drafts 0..k accepted | k proposed)"),
+                (r.conditional_accept_rate, "s--", "P(accept k | 0..k-1 accepted)"),
+            ):
+                xs = [k for k, a in enumerate(rates) if a is not None]
+                label = f"{r.benchmark}: {what}"
+                ax.plot(xs, [rates[k] for k in xs], style, color=color, label=label)
+        ax.set_xlabel("draft position k")
+        ax.set_ylabel("acceptance rate")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     return path
 
 
 def plot_tau_by_benchmark(path: Path, results: list[BenchmarkResult]) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
     names = [r.benchmark for r in results] + ["average"]
     taus = [r.tau for r in results] + [average_row(results)["tau"]]
-    ax.bar(names, taus, color=["C0"] * len(results) + ["C1"])
-    for i, t in enumerate(taus):
-        ax.text(i, t, f"{t:.2f}", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("τ (tokens per target forward)")
-    ax.set_title("Acceptance length by benchmark")
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _figure(path, (6, 4), "Acceptance length by benchmark") as ax:
+        ax.bar(names, taus, color=["C0"] * len(results) + ["C1"])
+        for i, t in enumerate(taus):
+            ax.text(i, t, f"{t:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("τ (tokens per target forward)")
+        for label in ax.get_xticklabels():
+            label.set(rotation=30, horizontalalignment="right")
     return path
 
 
 def plot_reliability(path: Path, reports: dict[str, dict]) -> Path:
     """Pooled reliability curves of the cumulative confidence, one line per report (before/after)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5, 5))
-    ax.plot([0, 1], [0, 1], "--", color="0.6", linewidth=1)
-    for label, rep in reports.items():
-        bins = rep["reliability"]
-        ece = rep["pooled"]["ece"]
-        ax.plot(
-            [b["mean_pred"] for b in bins],
-            [b["observed"] for b in bins],
-            "o-",
-            label=f"{label} (ECE {ece:.3f})",
-        )
-    ax.set_xlabel("predicted P(prefix accepted)")
-    ax.set_ylabel("observed frequency")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Confidence reliability (cumulative)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _figure(path, (5, 5), "Confidence reliability (cumulative)") as ax:
+        ax.plot([0, 1], [0, 1], "--", color="0.6", linewidth=1)
+        for label, rep in reports.items():
+            bins = rep["reliability"]
+            ece = rep["pooled"]["ece"]
+            ax.plot(
+                [b["mean_pred"] for b in bins],
+                [b["observed"] for b in bins],
+                "o-",
+                label=f"{label} (ECE {ece:.3f})",
+            )
+        ax.set_xlabel("predicted P(prefix accepted)")
+        ax.set_ylabel("observed frequency")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     return path
 
 
 def plot_threshold_sweep(path: Path, sweep: list[dict]) -> Path:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
     thr = [row["threshold"] for row in sweep]
-    ax.plot(thr, [row["tau"] for row in sweep], "o-", color="C0", label="τ")
-    ax.set_xlabel("confidence threshold")
-    ax.set_ylabel("τ", color="C0")
-    ax2 = ax.twinx()
-    ax2.plot(
-        thr,
-        [row["accepted_fraction"] for row in sweep],
-        "s-",
-        color="C1",
-        label="accepted drafts kept",
-    )
-    ax2.plot(
-        thr,
-        [row["verify_tokens_saved"] for row in sweep],
-        "^-",
-        color="C2",
-        label="verify tokens saved",
-    )
-    ax2.set_ylim(0, 1)
-    ax2.set_ylabel("fraction")
-    lines = ax.get_lines() + ax2.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center left")
-    ax.grid(alpha=0.3)
-    ax.set_title("Confidence truncation threshold sweep")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with _figure(path, (6, 4), "Confidence truncation threshold sweep") as ax:
+        ax.plot(thr, [row["tau"] for row in sweep], "o-", color="C0", label="τ")
+        ax.set_xlabel("confidence threshold")
+        ax.set_ylabel("τ", color="C0")
+        ax2 = ax.twinx()
+        ax2.plot(
+            thr,
+            [row["accepted_fraction"] for row in sweep],
+            "s-",
+            color="C1",
+            label="accepted drafts kept",
+        )
+        ax2.plot(
+            thr,
+            [row["verify_tokens_saved"] for row in sweep],
+            "^-",
+            color="C2",
+            label="verify tokens saved",
+        )
+        ax2.set_ylim(0, 1)
+        ax2.set_ylabel("fraction")
+        lines = ax.get_lines() + ax2.get_lines()
+        ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="center left")
+        ax.grid(alpha=0.3)
     return path

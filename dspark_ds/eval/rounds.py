@@ -1,5 +1,6 @@
 """What both decoding loops (decoding.py at batch 1, batched.py with rows in flight) share about
-a verification round: the new-token budget, what a verified round commits, and the counters.
+a verification round: the new-token budget, what a verified round commits, and the counters;
+and what every run of an eval config is given (`run_settings`).
 
 A round: the drafter proposes (its kind's `propose`, drafters/common/rounds.py), a policy
 picks how many drafts each row verifies (policy.py), one target forward verifies them
@@ -15,6 +16,18 @@ import torch
 from dspark_ds.drafters.common.rounds import first_stop
 
 BUDGET_ACCOUNTINGS = ("exact", "reference", "engine")
+
+
+def run_settings(cfg, stops: list[int], device: torch.device, seed: int) -> dict:
+    """The keywords every decoding run of an eval config `cfg` shares: its new-token budget,
+    temperature and stop tokens, and a generator of the run's own seeded with `seed` (each run
+    draws the same stream)."""
+    return dict(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        generator=torch.Generator(device=device).manual_seed(seed),
+        stop_token_ids=stops,
+    )
 
 
 def sync(device: torch.device) -> None:

@@ -37,7 +37,7 @@ from dspark_ds.eval.benchmarks import (
 from dspark_ds.eval.config import EvalConfig
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.policy import profile_sps
-from dspark_ds.eval.rounds import DecodeStats, sync
+from dspark_ds.eval.rounds import DecodeStats, run_settings, sync
 from dspark_ds.files import check_exists, check_model_path, first_line
 from dspark_ds.serve.parity import EngineRun, compare, format_parity, our_counters
 from dspark_ds.target import TargetConfig, load_causal_lm
@@ -161,24 +161,14 @@ def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops
         target,
         drafter,
         input_ids,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
         confidence_threshold=cfg.confidence_threshold,
-        generator=torch.Generator(device=device).manual_seed(seed),
-        stop_token_ids=stops,
         budget_accounting=cfg.budget_accounting,
+        **run_settings(cfg, stops, device, seed),
     )
     if not cfg.measure_baseline:
         return out, stats, None
     t0 = time.perf_counter()
-    target_generate(
-        target,
-        input_ids,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        generator=torch.Generator(device=device).manual_seed(seed),
-        stop_token_ids=stops,
-    )
+    target_generate(target, input_ids, **run_settings(cfg, stops, device, seed))
     sync(device)
     return out, stats, time.perf_counter() - t0
 
@@ -188,7 +178,8 @@ def _scheduler_sps(cfg: EvalConfig, target, drafter):
     run uses the scheduler)."""
     if not (cfg.scheduler.enabled or cfg.scheduler.compare):
         return None
-    if drafter.confidence_head is None:
+    decode = kind_of(drafter).decode
+    if not decode.has_confidence(drafter.config):
         raise ConfigError(
             "eval.scheduler needs a drafter with a confidence head; this one "
             f"({drafter.config.architectures[0]}) has none"
@@ -196,7 +187,7 @@ def _scheduler_sps(cfg: EvalConfig, target, drafter):
     table = profile_sps(
         target,
         max_rows=cfg.batch_size,
-        max_tokens=int(drafter.config.block_size) + 1,
+        max_tokens=decode.tokens_per_round(drafter.config) + 1,
         context_tokens=cfg.scheduler.context_tokens,
         layer_ids=[int(i) for i in drafter.config.target_layer_ids],
         repeats=cfg.scheduler.repeats,
@@ -250,13 +241,14 @@ def _records(results: list[PromptResult], block_size: int) -> cal.ConfidenceReco
 
 def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Path) -> dict | None:
     """ECE / AUROC / Brier before and after STS, the threshold sweep, and their plots."""
-    if drafter.confidence_head is None or not results:
+    decode = kind_of(drafter).decode
+    if not decode.has_confidence(drafter.config) or not results:
         return None
     if cfg.confidence_threshold > 0.0:
         # Truncated proposals hide the slots the head was least sure of: the labels would be
         # biased, so calibration needs uncut proposals.
         return {"skipped": "confidence_threshold > 0: calibration needs uncut proposals"}
-    block_size = int(drafter.config.block_size)
+    block_size = decode.tokens_per_round(drafter.config)
     c = cfg.calibration
     fit, held = _fit_and_held_out(cfg, results)
     held_records = _records(held, block_size)
@@ -270,7 +262,7 @@ def calibrate(cfg: EvalConfig, drafter, results: list[PromptResult], out_dir: Pa
         )["pooled"]
         for name in cfg.benchmarks
     }
-    temps_G = cal.confidence_temperatures(drafter.config)
+    temps_G = cal.confidence_temperatures(drafter.config, block_size)
     curves = {"raw": out["raw"]}
     if c.fit_sts and fit:
         sts, temps_G = _fit_sts(cfg, fit, held_records, block_size, out_dir)
@@ -409,14 +401,14 @@ def log_to_tracking(
             **t.tags,
             "git_sha": git_sha(),
             "drafter_kind": kind.name,
-            "drafter": kind.label,
+            "drafter": kind.capabilities.label,
             "target": cfg.target.path,
             "seed": cfg.seed,
             "temperature": cfg.temperature,
             "world_size": distributed.world_size(),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "drafter_architecture": drafter.config.architectures[0],
-            **kind.tags(drafter.config),
+            **kind.report.tags(drafter.config),
             "trained_by": trained_by,
             "trained_by_uri": None if same_store else record.get("tracking_uri"),
         },
@@ -501,7 +493,7 @@ def _report(cfg: EvalConfig, drafter, results: list[PromptResult], parity=None) 
     (`parity`) is a ConfigError once everything is written."""
     out_dir = Path(cfg.run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    block_size = int(drafter.config.block_size)
+    block_size = kind_of(drafter).decode.tokens_per_round(drafter.config)
     rows = [_benchmark_row(cfg, name, results, block_size) for name in cfg.benchmarks]
     calib = calibrate(cfg, drafter, results, out_dir)
     table = report.format_table(rows)

@@ -11,7 +11,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from transformers import Qwen3Config
 from dspark_ds.drafters import build_draft_model
 from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
+from dspark_ds.drafters.presets import DrafterSizes
 from dspark_ds.perf.train_bench import TrainBenchConfig
 
 
@@ -76,11 +76,6 @@ def build_batch(cfg: TrainBenchConfig, device: str):
     return out
 
 
-def loss_args_for(cfg: TrainBenchConfig) -> dict[str, float]:
-    """The loss weights of the benched section (a DSpark / DFlash section's `loss_weights`)."""
-    return asdict(cfg.model.loss_weights)
-
-
 def step_shape(cfg: TrainBenchConfig):
     """The `StepShape` of the bench's micro-batch (what the kind's FLOP count reads)."""
     width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
@@ -95,7 +90,7 @@ def step_shape(cfg: TrainBenchConfig):
         head_dim=cfg.hidden_size // cfg.num_attention_heads,
         draft_layers=cfg.model.num_draft_layers,
         taps=cfg.num_target_layers,
-        drafter=cfg.kind.step_part(cfg.model),
+        drafter=cfg.kind.cost.step_part(cfg.model),
         compute_bytes=width,
         feature_bytes=width,
     )
@@ -103,7 +98,7 @@ def step_shape(cfg: TrainBenchConfig):
 
 def step_flops(cfg: TrainBenchConfig, variant: str) -> float:
     """FLOPs of one training step (forward + backward) of `variant`: the kind's count."""
-    flops = cfg.kind.step_flops(step_shape(cfg), cfg.perf(variant), cfg.device, 0)
+    flops = cfg.kind.cost.step_flops(step_shape(cfg), cfg.perf(variant), cfg.device, 0)
     return sum(flops.values())
 
 
@@ -162,7 +157,7 @@ def _training_step(cfg: TrainBenchConfig, variant: str):
     `training_step`, backward, AdamW) -> (model, batch, optimizer, step)."""
     kind, section, perf = cfg.kind, cfg.model, cfg.perf(variant)
     model = build_model(cfg)
-    path = kind.prepare(model, perf, cfg.device)  # the attention, compile, the loss path
+    path = kind.train.prepare(model, perf, cfg.device)  # the attention, compile, the loss path
     ctx = StepContext(section, perf, path, seed=cfg.seed)
     batch = build_batch(cfg, cfg.device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -172,11 +167,11 @@ def _training_step(cfg: TrainBenchConfig, variant: str):
         # NOTE: gradients are cleared before the step, not after: they stay allocated between
         # steps, as a DeepSpeed engine's gradient buffers do, and count as resident.
         opt.zero_grad(set_to_none=True)
-        out = kind.training_step(model, batch, ctx)
+        out = kind.train.training_step(model, batch, ctx)
         out.loss.backward()
         opt.step()
         sums = dict(zip(out.names, out.sums.tolist()))
-        return out.loss.item(), kind.metrics(sums, section)
+        return out.loss.item(), kind.train.metrics(sums, section)
 
     return model, batch, opt, step
 
@@ -264,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv != ["--_child"]:
         print("the benchmark runs as `dspark-ds bench` (see --help)", file=sys.stderr)
         return 2
-    cfg = TrainBenchConfig(**json.loads(sys.stdin.read()))
+    data = json.loads(sys.stdin.read())
+    cfg = TrainBenchConfig(**{**data, "sizes": DrafterSizes.from_dict(data["sizes"])})
     print(json.dumps(run_variant(cfg, cfg.variants[0])), flush=True)
     return 0
 

@@ -49,38 +49,37 @@ from safetensors.torch import load_file
 
 from dspark_ds.distributed import free_port
 from dspark_ds.drafters import load_draft_model
-from dspark_ds.errors import ConfigError
+from dspark_ds.drafters.presets import DEFAULT_PRESET, DrafterSizes
+from dspark_ds.errors import ConfigError, require_at_least_one
 from dspark_ds.perf.train_bench import TrainBenchConfig, run_train_bench
 from dspark_ds.serve import check as serve_check
 from dspark_ds.target import TargetPathConfig
 
 QWEN3_8B_SHAPE = dict(
     hidden_size=4096,
-    num_draft_layers=5,
     num_attention_heads=32,
     num_key_value_heads=8,
     intermediate_size=12288,
     num_target_layers=5,
     vocab_size=151936,
     seq_len=4096,
-    num_anchors=512,
-    block_size=7,
-    markov_rank=256,
+    sizes=DrafterSizes.with_block(
+        DEFAULT_PRESET, num_draft_layers=5, num_anchors=512, block_size=7, markov_rank=256
+    ),
     batch_size=1,
     dtype="bfloat16",
 )
 SMALL_SHAPE = dict(
     hidden_size=64,
-    num_draft_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     intermediate_size=128,
     num_target_layers=3,
     vocab_size=2000,
     seq_len=256,
-    num_anchors=32,
-    block_size=7,
-    markov_rank=16,
+    sizes=DrafterSizes.with_block(
+        DEFAULT_PRESET, num_draft_layers=2, num_anchors=32, block_size=7, markov_rank=16
+    ),
     batch_size=1,
     dtype="float32",
 )
@@ -121,9 +120,9 @@ class GpuCheckConfig:
             raise ConfigError(f"device: cuda or cpu, got {self.device!r}")
         if self.shape not in ("auto", *SHAPES):
             raise ConfigError(f"shape: auto or one of {sorted(SHAPES)}, got {self.shape!r}")
-        for name in ("bench_repeats", "train_steps", "num_prompts", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self, ("bench_repeats", "train_steps", "num_prompts", "max_new_tokens")
+        )
         if self.train_steps < 4:
             raise ConfigError(
                 f"train_steps: at least 4 (the check compares the first and last 2), got {self.train_steps}"

@@ -2,15 +2,16 @@
 FLOP/s per variant, each next to the drafter kind's reference variant of the same run.
 
     dspark-ds bench                                    # DSpark at the default shape, 4 variants
-    dspark-ds bench --num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
+    dspark-ds bench --sizes.dspark.num_anchors 2048 --variants '[blockwise/chunked]' --json a2048.json
     dspark-ds bench --drafter eagle3                   # Eagle3: its variants
     dspark-ds bench --device cuda --dtype bfloat16 --variants '[flex/chunked, dense/reference]'
 
-The drafter is a preset (`--drafter`: drafters/presets.py) sized by the bench's fields as the demo
-sizes it (`Preset.sized`), built for a random Qwen3 target of the bench's widths; one step is its
-kind's `training_step` (drafters/kind.py: what training runs, its anchors drawn in the step), its
+The drafter is a preset (`--drafter`: drafters/presets.py) sized by its kind's block of `--sizes`
+as the demo sizes it (`DrafterSizes`, `Preset.sized`), built for a random Qwen3 target of the
+bench's widths; one step is its
+kind's `train.training_step` (drafters/kind.py: what training runs, its anchors drawn in the step), its
 backward and AdamW. A variant is "<attention>/<loss>[/<compile>]": an attention and a loss path of
-the kind (`perf.attn_implementation`, `perf.loss_impl`; `DrafterKind.attn_impls`, `loss_impls`),
+the kind (`perf.attn_implementation`, `perf.loss_impl`; `Capabilities.attn_impls`, `loss_impls`),
 compile off (default) | layers | model (perf.compile); without `--variants`, the kind's
 `bench_variants`, whose first is its reference (the straight-line path the ratio columns compare
 with). Each variant runs in its own subprocess (perf/bench_variant.py), so peak memory is that
@@ -18,7 +19,7 @@ variant's alone (CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated 
 built). The peak is split into what stays resident — weights, gradients and optimizer state,
 counted exactly from the tensors — and the step's working memory: peak minus resident minus the
 process before the model existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs are the
-kind's count for the variant's paths (`DrafterKind.step_flops`, the tuner's compute term: the
+kind's count for the variant's paths (`DrafterKind.cost.step_flops`, the tuner's compute term: the
 matmuls the paths run, so dense attention counts the masked pairs it computes and the recompute
 loss its logits twice). The achieved rate is compared with a plain [n x n] matmul of the run's own
 dtype timed in the same process (n = 8192 on CUDA, 2048 on CPU).
@@ -33,13 +34,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dspark_ds.drafters.perf import PerfConfig
-from dspark_ds.drafters.presets import DEFAULT_PRESET, PRESET_NAMES, preset, sized
+from dspark_ds.drafters.presets import (
+    DEFAULT_PRESET,
+    PRESET_NAMES,
+    DrafterSizes,
+    preset,
+    sized,
+)
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
 from dspark_ds.tracking.store import resolve_uri
@@ -52,8 +59,8 @@ def parse_variant(variant: str, kind=None) -> tuple[str, str, str]:
     """ "<attention>/<loss>[/<compile>]" -> (attention, loss, compile), each a path `kind` (a
     `DrafterKind`; the default preset's when None) honours."""
     kind = kind or get_kind(preset(DEFAULT_PRESET).kind)
-    attns = tuple(a for a in kind.attn_impls if a != "auto")
-    losses = tuple(a for a in kind.loss_impls if a != "auto")
+    attns = tuple(a for a in kind.capabilities.attn_impls if a != "auto")
+    losses = tuple(a for a in kind.capabilities.loss_impls if a != "auto")
     parts = variant.split("/")
     if len(parts) == 2:
         parts.append("off")
@@ -75,13 +82,14 @@ class TrainBenchConfig:
     """Benchmark one training step (forward + backward + AdamW) of a random drafter."""
 
     drafter: str = DEFAULT_PRESET
-    """The preset benched (drafters/presets.py: dspark | dflash | eagle3), sized by
-    num_draft_layers, block_size, num_anchors, markov_rank and unrolled_layers as the demo sizes
-    it; its kind says which variants exist."""
+    """The preset benched (drafters/presets.py: dspark | dflash | eagle3), sized by its kind's
+    block of `sizes` as the demo sizes it; its kind says which variants exist."""
+    sizes: DrafterSizes = field(default_factory=DrafterSizes)
+    """The drafter's sizes: the block of its kind (`--sizes.<kind>.<size>`: DSpark / DFlash
+    num_draft_layers 2, block_size 7, num_anchors the preset's 512, markov_rank 64; Eagle3
+    num_draft_layers 1, ttt_length 7)."""
     hidden_size: int = 256
     """Hidden size of the drafter (and of the synthetic target)."""
-    num_draft_layers: int = 2
-    """Decoder layers of a drafter that drafts blocks in parallel (DSpark / DFlash)."""
     num_attention_heads: int = 4
     """Query heads (head_dim = hidden_size / num_attention_heads)."""
     num_key_value_heads: int = 2
@@ -94,14 +102,6 @@ class TrainBenchConfig:
     """Vocabulary size V."""
     seq_len: int = 2048
     """Sequence length S."""
-    num_anchors: int = 512
-    """Anchors (blocks) per sequence A."""
-    block_size: int = 7
-    """Block size γ; an unrolled drafter's (Eagle3) training-time-test steps."""
-    markov_rank: int = 64
-    """DSpark's Markov rank r."""
-    unrolled_layers: int = 1
-    """Decoder layers of an unrolled drafter (Eagle3)."""
     batch_size: int = 1
     """Sequences per step."""
     dtype: str = "float32"
@@ -110,7 +110,7 @@ class TrainBenchConfig:
     """cpu | cuda."""
     variants: list[str] | None = None
     """Variants "<attention>/<loss>[/<compile>]" to run side by side; None = the drafter kind's
-    (`DrafterKind.bench_variants`: DSpark's dense/reference, blockwise/reference, dense/chunked,
+    (`Capabilities.bench_variants`: DSpark's dense/reference, blockwise/reference, dense/chunked,
     blockwise/chunked). The ratio columns compare with the kind's reference variant (the first
     of its own) when it runs."""
     loss_chunk_anchors: int | str = "auto"
@@ -138,9 +138,10 @@ class TrainBenchConfig:
     def __post_init__(self) -> None:
         if self.drafter not in PRESET_NAMES:
             raise ConfigError(f"drafter: one of {PRESET_NAMES}, got {self.drafter!r}")
+        self.sizes.validate("sizes")
         kind = self.kind
         if self.variants is None:
-            self.variants = list(kind.bench_variants)
+            self.variants = list(kind.capabilities.bench_variants)
         for v in self.variants:
             parse_variant(v, kind)
         if self.hidden_size % self.num_attention_heads:
@@ -164,7 +165,7 @@ class TrainBenchConfig:
     def model(self):
         """The benched drafter's `model` section: the preset, sized (ConfigError naming the
         field)."""
-        return sized(self.drafter, self).validate(prefix=None)
+        return sized(self.drafter, self.sizes.block(self.drafter)).validate(prefix=None)
 
     @property
     def kind(self):
@@ -174,7 +175,7 @@ class TrainBenchConfig:
     @property
     def reference_variant(self) -> str:
         """The kind's reference variant: the ratio columns compare every variant with it."""
-        return self.kind.bench_variants[0]
+        return self.kind.capabilities.bench_variants[0]
 
     def perf(self, variant: str):
         """The `perf` section of a variant (its attention, loss and compile)."""
@@ -237,8 +238,12 @@ def log_bench(cfg: TrainBenchConfig, results: list[dict], text: str) -> str | No
     shape = {
         k: v
         for k, v in dataclasses.asdict(cfg).items()
-        if k not in ("variants", "json", "tracking_uri", "tracking_experiment")
+        if k not in ("sizes", "variants", "json", "tracking_uri", "tracking_experiment")
     }
+    # the benched drafter's sizes, as the preset sized them
+    shape.update(
+        {k: getattr(cfg.model, k) for k in dataclasses.asdict(cfg.sizes.block(cfg.drafter))}
+    )
     points = [
         Point(
             name=r["variant"],
@@ -288,7 +293,7 @@ def add_reference_ratios(results: list[dict], reference: str) -> None:
 
 def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
     shape = (
-        f"{cfg.kind.describe(cfg.model)}; H={cfg.hidden_size} V={cfg.vocab_size} "
+        f"{cfg.kind.report.describe(cfg.model)}; H={cfg.hidden_size} V={cfg.vocab_size} "
         f"S={cfg.seq_len} B={cfg.batch_size} {cfg.dtype} {cfg.device} "
         f"threads={cfg.num_threads} chunk={cfg.chunk_anchors} matmul={cfg.dtype}[{cfg.matmul_n}]"
     )

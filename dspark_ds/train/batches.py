@@ -21,13 +21,13 @@ from dataclasses import replace
 import torch
 
 from dspark_ds import distributed
-from dspark_ds.data.loader import build_train_loader
+from dspark_ds.data.loader import EpochCursor, build_train_loader
 from dspark_ds.data.served import connect
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import TargetFeatureProvider
 
 
-class SyntheticSource:
+class SyntheticSource(EpochCursor):
     """`num_samples` sequences of length `seq_len`, deterministic per (seed, sample id).
 
     Each sample repeats a short random motif (so the next token is predictable from context
@@ -55,10 +55,6 @@ class SyntheticSource:
 
     def __len__(self) -> int:
         return self.num_samples // (self.batch_size * self.world)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.position = epoch, 0
 
     def state_dict(self) -> dict:
         # NOTE: position in *samples*, not batches: valid for any world size.

@@ -36,7 +36,7 @@ def make_draft_config(cfg: TrainRunConfig):
     num_layers = int(text_config(target_config).num_hidden_layers)
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_layers)
     kind = get_kind(cfg.model.kind)
-    mask_token_id = resolve_mask_token_id(cfg) if kind.uses_mask_token else None
+    mask_token_id = resolve_mask_token_id(cfg) if kind.capabilities.uses_mask_token else None
     try:
         return kind.build_config(
             target_config,

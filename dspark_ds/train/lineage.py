@@ -118,7 +118,7 @@ def start_tracking(trainer):
     tags = {
         **t.tags,
         "drafter_kind": trainer.kind.name,
-        "drafter": trainer.kind.label,
+        "drafter": trainer.kind.capabilities.label,
         "target": cfg.target.path,
         "zero": zero_option(trainer.ds_config),
         "seed": cfg.train.seed,

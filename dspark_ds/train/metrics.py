@@ -37,8 +37,7 @@ from tqdm import tqdm
 
 from dspark_ds import distributed
 from dspark_ds.distributed import print0
-from dspark_ds.drafters.common.blocks import SAMPLER_STATS
-from dspark_ds.drafters.kind import StepOutput
+from dspark_ds.drafters.kind import SAMPLER_STATS, StepOutput
 
 LOG_FILE = "train_log.jsonl"
 TAU = "train/tau_probabilistic"
@@ -117,11 +116,7 @@ def validation_metrics(
     outputs: list[StepOutput], summed: list[torch.Tensor], to_metrics: Callable
 ) -> dict[str, float]:
     """A validation's metrics ("val/..."): means over its held-out micro-batches."""
-    totals: dict[str, float] = {}
-    for metrics in metrics_of(outputs, summed, to_metrics):
-        for k, v in metrics.items():
-            totals[k] = totals.get(k, 0.0) + float(v)
-    return {f"val/{k}": v / max(len(outputs), 1) for k, v in totals.items()}
+    return {f"val/{k}": v for k, v in step_metrics(outputs, summed, to_metrics).items()}
 
 
 def _sums_only(outputs: list[StepOutput] | None) -> list[StepOutput] | None:

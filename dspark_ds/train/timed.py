@@ -74,7 +74,7 @@ class TimedSteps:
             batch = trainer.on_device(next(self._batches))
             sync()
             t.append(time.perf_counter())
-            out = trainer.kind.training_step(trainer.engine, batch, ctx)
+            out = trainer.kind.train.training_step(trainer.engine, batch, ctx)
             sync()
             t.append(time.perf_counter())
             if losses is not None:

@@ -154,7 +154,7 @@ class Trainer:
         self.schedule = self._schedule()
         self.engine = self._build_engine()
         # the kind's attention / compile / loss-path choice for this run (the perf section)
-        self.loss_impl = self.kind.prepare(
+        self.loss_impl = self.kind.train.prepare(
             self.engine.module, cfg.perf, self.device, zero_stage=self.engine.zero_stage
         )
         print0(
@@ -340,7 +340,7 @@ class Trainer:
         ahead = batches.fetch_step(at_start) if batches.fetch_ahead else None
         for i in range(self.grad_accum):
             batch = ahead[i] if ahead else batches.next_batch(i, at_start)
-            out = self.kind.training_step(self.engine, self.on_device(batch), ctx)
+            out = self.kind.train.training_step(self.engine, self.on_device(batch), ctx)
             self.metrics.add_sampler_sums(out.sampler_sums)
             finite, stop = self._control(out.loss)
             if not finite:
@@ -373,7 +373,7 @@ class Trainer:
 
     def to_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """A micro-batch's metrics from its sums over the ranks (the kind's `metrics`)."""
-        return self.kind.metrics(sums, self.cfg.model)
+        return self.kind.train.metrics(sums, self.cfg.model)
 
     def _control(self, loss: torch.Tensor) -> tuple[bool, int | None]:
         """Collective, one all_reduce: (is the loss finite on every rank, the exit code a
@@ -401,7 +401,7 @@ class Trainer:
         ctx = self.step_context(training=False)
         return self.validator.validate(
             self.engine.ds,
-            lambda batch: self.kind.training_step(self.engine, self.on_device(batch), ctx),
+            lambda batch: self.kind.train.training_step(self.engine, self.on_device(batch), ctx),
         )
 
     # ---- the loop -----------------------------------------------------------------------------

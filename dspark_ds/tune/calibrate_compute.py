@@ -122,11 +122,11 @@ class Compute:
             head_dim=r["head_dim"],
             draft_layers=r["draft_layers"],
             taps=len(layer_ids),
-            drafter=kind.step_part(model),
+            drafter=kind.cost.step_part(model),
             compute_bytes=torch.tensor([], dtype=dtype).element_size(),
             feature_bytes=torch.tensor([], dtype=dtype).element_size(),
         )
-        self.drafter_flops = sum(kind.step_flops(shape, perf, device.type, 0).values())
+        self.drafter_flops = sum(kind.cost.step_flops(shape, perf, device.type, 0).values())
         layer_params = sum(p.numel() for p in self.target[0].target.decoder.layers.parameters())
         attention = [(r["heads"] * r["head_dim"], None)] * r["layers"]
         self.target_flops = forward_flops(layer_params, attention, 1, r["seq_len"])

@@ -345,7 +345,7 @@ def activation_bytes(
     """Peak activation memory of one micro-batch (forward saved tensors + the largest backward
     transient), by component: the drafter kind's own model (drafters/<kind>/memory.py)."""
     kind = get_kind(run_cfg.model.kind)
-    return kind.activation_bytes(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
+    return kind.cost.activation_bytes(inv.step_shape(run_cfg), run_cfg.perf, device, stage)
 
 
 def peak_phase(acts: dict[str, float], target: dict[str, float]) -> dict[str, float]:

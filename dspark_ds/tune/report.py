@@ -40,7 +40,7 @@ def fmt_s(x: float) -> str:
 
 def headline(cfg: TunerConfig, inv: Inventory, run_cfg, machine: Machine, nodes: int) -> list[str]:
     """The recipe and the cluster, in two lines."""
-    drafter = get_kind(run_cfg.model.kind).describe(run_cfg.model)
+    drafter = get_kind(run_cfg.model.kind).report.describe(run_cfg.model)
     return [
         f"recipe {cfg.recipe}: {drafter}: {inv.trainable / 1e6:.1f} M trainable + "
         f"{inv.frozen / 1e6:.1f} M frozen params, target {inv.target_params / 1e9:.2f} B "

@@ -14,8 +14,8 @@ Python between its ops (the loss's bookkeeping, the metrics) and its small matmu
 per op than the stand-in's, which a raw op count would miss. For a GPU machine the host only
 launches each op: the raw op count is the work. The loops of the blockwise attention and the
 chunked loss depend on the anchors (DSpark) or positions (Eagle3) and the chunk sizes, which the
-copy keeps (`DrafterKind.host_scale`: past 64, two copies at 32 and 64 and a line through them);
-the widths do not change them. The same copies, under a real DeepSpeed engine, are what the calibration times
+copy keeps (`DrafterKind.cost.host_scale`: past 64, two copies at 32 and 64 and a line through
+them); the widths do not change them. The same copies, under a real DeepSpeed engine, are what the calibration times
 DeepSpeed's own costs on (calibrate.py).
 """
 
@@ -44,7 +44,7 @@ NARROW = dict(hidden=32, intermediate=64, heads=2, head_dim=8, vocab=256)
 """The widths of the copy whose host work is timed."""
 SCALE_POINTS = (32, 64)
 """Past the last of these, the copy's work is extrapolated linearly in the kind's host scale
-(`DrafterKind.host_scale`: anchors, positions) from both (its attention's arithmetic would
+(`DrafterKind.cost.host_scale`: anchors, positions) from both (its attention's arithmetic would
 otherwise grow with anchors × sequence)."""
 
 
@@ -197,7 +197,7 @@ class KindStep:
         )
         self.device, self.dtype, self.perf = device, dtype, perf
         self.model = self.make()
-        path = kind.prepare(self.model, perf, zero_stage=3 if zero3 else 0)
+        path = kind.train.prepare(self.model, perf, zero_stage=3 if zero3 else 0)
         # NOTE: as in training, the loss sums its denominators over the ranks of a process
         # group: every rank of the group runs the step together
         self.ctx = StepContext(model=model_section, perf=perf, loss_impl=path, training=True)
@@ -226,7 +226,7 @@ class KindStep:
         return model
 
     def loss(self, model) -> torch.Tensor:
-        return self.kind.training_step(model, self.batch, self.ctx).loss
+        return self.kind.train.training_step(model, self.batch, self.ctx).loss
 
     def __call__(self) -> None:
         self.loss(self.model).backward()
@@ -368,9 +368,9 @@ class NarrowCopies:
         num_layers = int(text_config(self.config).num_hidden_layers)
         layer_ids = run_cfg.target.layer_ids or default_layer_ids(num_layers)
         kind, length = get_kind(run_cfg.model.kind), run_cfg.data.max_length
-        self.scale = kind.host_scale(run_cfg.model, length)
+        self.scale = kind.cost.host_scale(run_cfg.model, length)
         points = scale_points(self.scale)
-        copies = [kind.host_copy(run_cfg.model, length, n, max(points)) for n in points]
+        copies = [kind.cost.host_copy(run_cfg.model, length, n, max(points)) for n in points]
         B = run_cfg.data.batch_size
         self.steps = {
             stage: [

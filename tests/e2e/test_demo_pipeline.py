@@ -19,6 +19,7 @@ import torch
 from dspark_ds.cli import main, parse_config
 from dspark_ds.demo.config import DemoConfig
 from dspark_ds.demo.summary import build_summary, format_summary
+from dspark_ds.drafters.presets import preset, sized
 
 # A tiny target (seconds to train) and a budget of a few steps: the smoke checks that every
 # stage runs and fits together, not what the drafters learn.
@@ -31,7 +32,8 @@ SMOKE_ARGS = """
     --target.num_threads 1
     --data.num_train_prompts 24 --data.num_heldout_prompts 4
     --data.max_new_tokens 24 --data.regenerate_batch_size 12
-    --drafter.num_draft_layers 1 --drafter.block_size 4 --drafter.markov_rank 8
+    --drafter.dspark.num_draft_layers 1 --drafter.dspark.block_size 4
+    --drafter.dspark.markov_rank 8 --drafter.eagle3.ttt_length 4
     --budget.max_steps 3 --budget.global_batch_size 4
     --budget.micro_batch_size 2
     --eval.max_new_tokens 12 --budget.zero zero3
@@ -216,7 +218,17 @@ def test_demo_config_from_cli_and_defaults():
     assert cfg.eval.temperatures == [0.0, 1.0]
     assert cfg.budget.zero == "zero2" and cfg.launcher == "fork"
     assert (cfg.budget.global_batch_size, cfg.budget.micro_batch_size) == (2, 1)
-    assert cfg.seeds == [0] and cfg.drafter.num_anchors is None
+    assert cfg.seeds == [0] and cfg.drafter.dspark.num_anchors is None
+    # the sizes of every preset (the README's demo figures were measured at these)
+    assert sized("dspark", cfg.drafter.block("dspark")) == preset(
+        "dspark", num_draft_layers=2, block_size=7, markov_rank=64
+    )
+    assert sized("dflash", cfg.drafter.block("dflash")) == preset(
+        "dflash", num_draft_layers=2, block_size=7, sample_from_anchor=True
+    )
+    assert sized("eagle3", cfg.drafter.block("eagle3")) == preset(
+        "eagle3", num_draft_layers=1, ttt_length=7
+    )
     assert parse_config("demo", ["--output_dir", "x", "--seeds", "[0,1,2]"]).seeds == [0, 1, 2]
 
 
@@ -239,7 +251,8 @@ def test_demo_config_from_cli_and_defaults():
         (["--eval.temperatures", "[-1.0]"], "eval.temperatures"),
         (["--eval.batch_size", "0"], "eval.batch_size"),
         (["--data.mode", "hybrid"], "data.mode"),
-        (["--drafter.num_anchors", "0"], "drafter.num_anchors"),
+        (["--drafter.dspark.num_anchors", "0"], "drafter.dspark.num_anchors"),
+        (["--drafter.eagle3.ttt_length", "0"], "drafter.eagle3.ttt_length"),
         (["--seeds", "[1,1]"], "seeds"),
         (["--seeds", "[]"], "seeds"),
         (["--launcher", "mpirun"], "launcher"),

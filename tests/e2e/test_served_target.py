@@ -44,10 +44,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark_ds.data.config import CONNECTOR, DataConfig, PrepareConfig, ServedConfig
+from dspark_ds.data.config import CONNECTOR, DataConfig, ServedConfig
 from dspark_ds.data.loader import build_train_loader
 from dspark_ds.data.served import DataUnavailable, ServedFeatures, connect
-from dspark_ds.data.tokens import prepare
 from dspark_ds.errors import ConfigError
 from dspark_ds.serve.hidden_states import FORMAT
 from dspark_ds.serve.target_server import CONNECTOR_DIR, SERVER_MODULE, build_command, group_running
@@ -56,7 +55,7 @@ from dspark_ds.target import TargetConfig, load_target, target_shared_weights
 from helpers.dist import REPO, check, torchrun
 from helpers.served_target import ServedTarget, read_hidden_states
 from helpers.tcp_proxy import TcpProxy
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import build_tiny_target, prepare_chat
 from helpers.vllm_serving import require_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -84,17 +83,7 @@ def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     # NOTE: hidden 128 (head_dim 32): vLLM's CPU attention has no kernel for head_dim 8
     target = build_tiny_target(root / "target", hidden_size=128)
-    prep = root / "prep"
-    prepare(
-        PrepareConfig(
-            data=DataConfig(
-                paths=[write_chat_jsonl(root / "chat.jsonl", 24, seed=1)],
-                tokenizer=target,
-                max_length=MAX_LENGTH,
-            ),
-            output_dir=str(prep),
-        )
-    )
+    prep = prepare_chat(root, 24, seed=1, tokenizer=target, max_length=MAX_LENGTH)
     storage = root / "hidden_states"
     small = ["--max-num-seqs", "8", "--kv-cache-memory-bytes", str(KV_BYTES)]
     chunked = [*small, "--max-num-batched-tokens", str(CHUNK)]
@@ -152,20 +141,24 @@ def _client(fleet, data: DataConfig, say=print, layers=LAYERS, path=None):
     return connect(data, tcfg, layers, target_shared_weights(tcfg.path)[1], say=say)
 
 
+def _served_loader(data: DataConfig, client: ServedFeatures, described):
+    """Rank 0 of 1's loader of the fleet's features through `client`."""
+    return build_train_loader(
+        data,
+        0,
+        1,
+        described,
+        hidden_size=128,
+        layer_ids=LAYERS,
+        vocab_size=described.vocab_size,
+        served=client,
+    )
+
+
 def _served_batches(fleet, data: DataConfig, say=print) -> tuple[list[dict], ServedFeatures]:
     client, described = _client(fleet, data, say)
     try:
-        loader = build_train_loader(
-            data,
-            0,
-            1,
-            described,
-            hidden_size=128,
-            layer_ids=LAYERS,
-            vocab_size=described.vocab_size,
-            served=client,
-        )
-        return list(loader), client
+        return list(_served_loader(data, client, described)), client
     finally:
         client.close()
 
@@ -622,18 +615,8 @@ def test_a_server_killed_mid_epoch_loses_no_sequence(fleet, online):
     client, described = _client(fleet, data, lines.append)
     victim = fleet.servers[1]
     try:
-        loader = build_train_loader(
-            data,
-            0,
-            1,
-            described,
-            hidden_size=128,
-            layer_ids=LAYERS,
-            vocab_size=described.vocab_size,
-            served=client,
-        )
         served = []
-        for batch in loader:
+        for batch in _served_loader(data, client, described):
             served.append(batch)
             if len(served) == 2:
                 os.killpg(victim.proc.pid, signal.SIGKILL)

@@ -139,7 +139,9 @@ SAMPLED = [(family, ("dspark", "eagle3")[i % 2]) for i, family in enumerate(FAMI
 @pytest.mark.parametrize("family,kind", SAMPLED)
 def test_sampled_speculative_decoding_has_the_family_targets_distribution(family, kind):
     """x1 comes from the prefill, (x2, x3) and x4 from verification rounds."""
-    from dspark_ds.drafters.io import build_draft_config, build_draft_model, build_eagle3_config
+    from dspark_ds.drafters.dspark.build import build_draft_config
+    from dspark_ds.drafters.eagle3.build import build_eagle3_config
+    from dspark_ds.drafters.io import build_draft_model
 
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(

@@ -8,25 +8,17 @@ from transformers import Qwen3Config
 from dspark_ds.drafters import build_draft_config, build_draft_model
 from dspark_ds.drafters.presets import preset
 
+from helpers.tiny_models import tiny_widths
+
 VOCAB = 97
 MASK_ID = VOCAB - 1
 
 
 def tiny_qwen3_config(**overrides) -> Qwen3Config:
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+    kw = tiny_widths(
+        VOCAB, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False
     )
-    kw.update(overrides)
-    return Qwen3Config(**kw)
+    return Qwen3Config(**{**kw, **overrides})
 
 
 # DFlash's heads (build_draft_config / tiny_drafter keywords), from its preset
@@ -34,6 +26,20 @@ DFLASH = {
     k: getattr(preset("dflash"), k)
     for k in ("markov_rank", "confidence_head_alpha", "confidence_head_with_markov")
 }
+
+
+def tiny_dspark_config(target_config, layer_ids, *, num_anchors: int = 8, markov_rank: int = 8):
+    """A one-layer DSpark config (blocks of 4) for a target that uses the tiny tokenizer (its
+    `<|mask|>` is id 3)."""
+    return build_draft_config(
+        target_config,
+        target_layer_ids=list(layer_ids),
+        mask_token_id=3,
+        num_draft_layers=1,
+        block_size=4,
+        num_anchors=num_anchors,
+        markov_rank=markov_rank,
+    )
 
 
 def tiny_drafter(seed: int = 0, target_config=None, **draft_kw):
@@ -62,6 +68,17 @@ def tiny_drafter(seed: int = 0, target_config=None, **draft_kw):
     return model
 
 
+def spread_weights(model) -> None:
+    """In place: norm weights around 1 (std 0.3) and matrices N(0, 0.2), larger than the default
+    init, so that a mix-up between two norms or two projections cannot hide."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif p.dim() > 1:
+                p.normal_(0.0, 0.2)
+
+
 def random_batch(model, batch: int = 2, seq_len: int = 24, seed: int = 0, masked_prefix: int = 5):
     """input_ids, target features and a loss mask with an unsupervised prompt and right padding."""
     g = torch.Generator().manual_seed(seed)
@@ -78,6 +95,25 @@ def random_batch(model, batch: int = 2, seq_len: int = 24, seed: int = 0, masked
         target_last_hidden_states=torch.randn(batch, seq_len, cfg.hidden_size, generator=g),
         loss_mask=loss_mask,
     )
+
+
+def checked_blocks(naive_block, model, batch: dict, out):
+    """Each block `model`'s batched forward kept in `out` (on `batch`), its draft logits checked
+    against `naive_block(model, input_ids, target_features, anchor, target_ids)`'s, one row at a
+    time; yields (row, block, the rest of what `naive_block` returned)."""
+    for b in range(batch["input_ids"].shape[0]):
+        for a in range(out.anchor_positions.shape[1]):
+            if not out.block_keep_mask[b, a]:
+                continue
+            logits, rest = naive_block(
+                model,
+                batch["input_ids"][b],
+                batch["target_hidden_states"][b],
+                int(out.anchor_positions[b, a]),
+                out.target_ids[b, a],
+            )
+            torch.testing.assert_close(out.draft_logits[b, a], logits, atol=1e-4, rtol=1e-4)
+            yield b, a, rest
 
 
 def with_target_weights(drafter, target):

@@ -6,10 +6,12 @@ import contextlib
 import itertools
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
 from dspark_ds.drafters.registry import kind_of
+
+from helpers.tiny_models import qwen3_target_config
 
 
 def tiny_target(
@@ -22,17 +24,8 @@ def tiny_target(
 ) -> Qwen3ForCausalLM:
     """A random fp32 Qwen3 causal LM; `logit_scale` sharpens its next-token distributions."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        **overrides,
+    cfg = qwen3_target_config(
+        vocab_size, hidden_size=hidden_size, num_layers=num_layers, **overrides
     )
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -107,18 +100,18 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
 
 
 def record_proposals(monkeypatch, drafter) -> list[list[int]]:
-    """The drafts of every batch-1 round (row 0), as the kind's `propose` returns them, in the
-    list returned (cleared by the caller between generations)."""
+    """The drafts of every batch-1 round (row 0), as the kind's `decode.propose` returns them, in
+    the list returned (cleared by the caller between generations)."""
     seen: list[list[int]] = []
-    kind = kind_of(drafter)
-    propose = kind.propose
+    decode = kind_of(drafter).decode
+    propose = decode.propose
 
     def recording(model, draft_round):
         proposal = propose(model, draft_round)
         seen.append(proposal.tokens[0].tolist())
         return proposal
 
-    monkeypatch.setattr(kind, "propose", recording)
+    monkeypatch.setattr(decode, "propose", recording)
     return seen
 
 

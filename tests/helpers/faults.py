@@ -86,7 +86,7 @@ def install(faults: list[dict]) -> None:
                     model,
                     batch,
                     ctx,
-                    _real=drafter_kind.training_step,
+                    _real=drafter_kind.train.training_step,
                     _fault=fault,
                     _seen=seen,
                     _now=now,
@@ -105,7 +105,7 @@ def install(faults: list[dict]) -> None:
                         out.loss = out.loss * float("nan")
                     return out
 
-                drafter_kind.training_step = training_step
+                drafter_kind.train.training_step = training_step
         elif kind == "sleep_in_save":
             import time
 

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import torch
-from transformers import Gemma4Config
+from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-from helpers.drafters import VOCAB
+from dspark_ds.drafters import build_draft_config, build_draft_model
+
+from helpers.drafters import MASK_ID, VOCAB
+from helpers.tiny_models import tiny_widths
 
 CAP = 5.0  # small softcap so that it visibly bends the tiny model's logits
 
 
 def tiny_gemma4_text(**overrides) -> dict:
     """A dense Gemma4 text config with distinct sliding / full-attention head shapes."""
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    kw = tiny_widths(
+        VOCAB,
         head_dim=8,
         global_head_dim=16,
         num_global_key_value_heads=1,
@@ -44,6 +42,37 @@ def tiny_gemma4_text(**overrides) -> dict:
 def tiny_gemma4_target_config(**overrides) -> Gemma4Config:
     """The multimodal wrapper a Gemma4 checkpoint's config.json describes (text only here)."""
     return Gemma4Config(text_config=tiny_gemma4_text(**overrides))
+
+
+def repeating_gemma4_pair():
+    """A Gemma4 target whose sliding windows (6) are shorter than the text, and a DSpark drafter
+    for it that proposes repeats: what greedy decoding on it mostly produces (seeded with 0)."""
+    torch.manual_seed(0)
+    target_cfg = tiny_gemma4_target_config(final_logit_softcapping=30.0, sliding_window=6)
+    target = Gemma4ForConditionalGeneration(target_cfg).eval()
+    with torch.no_grad():
+        # Weak layer outputs: the residual stream keeps the token, so greedy decoding runs in
+        # long repeats that a drafter can predict (a random target is otherwise unpredictable).
+        for layer in target.model.language_model.layers:
+            layer.post_attention_layernorm.weight.fill_(0.1)
+            layer.post_feedforward_layernorm.weight.fill_(0.1)
+    cfg = build_draft_config(
+        target_cfg,
+        target_layer_ids=[0, 1, 2],
+        mask_token_id=MASK_ID,
+        num_draft_layers=2,
+        block_size=4,
+        markov_rank=VOCAB,
+    )
+    drafter = build_draft_model(cfg).eval()
+    drafter.initialize_embeddings_and_head(
+        target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    )
+    with torch.no_grad():
+        # A bigram "repeat the previous token" Markov head: every slot proposes the anchor.
+        drafter.markov_head.markov_w1.weight.copy_(50.0 * torch.eye(VOCAB))
+        drafter.markov_head.markov_w2.weight.copy_(torch.eye(VOCAB))
+    return target, drafter
 
 
 def greedy_without_cache(target, input_ids: torch.Tensor, max_new_tokens: int, stops: set[int]):

@@ -161,14 +161,7 @@ class ServedTarget(VllmServer):
 
     def extract(self, ids: list[int], key: str | None = None) -> dict:
         body = {"model": self.model, "prompt": list(ids), "max_tokens": 1, "return_token_ids": True}
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(
-            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers=headers
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read())
+        return self.completions(body, key)
 
     def metric(self, name: str) -> float:
         """The sum of ``name``'s samples on ``/metrics`` (a counter: ``vllm:prefix_cache_hits``)."""

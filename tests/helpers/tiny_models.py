@@ -8,6 +8,9 @@ Stable API (other test files rely on it):
   ``template``: ``"qwen3"`` (ChatML, Qwen3 non-thinking logic, ``{% generation %}`` markers),
   ``"qwen3_nomarkers"`` (the same text without markers) or ``"gemma"`` (Gemma-4-style turns, no
   markers).
+- ``tiny_widths(vocab_size, **fields) -> dict``: the config fields every tiny target starts from
+  (hidden 32, MLP 64, 4 layers, 4 query / 2 KV heads); ``qwen3_target_config(vocab_size, ...)``:
+  the ``Qwen3Config`` of a random tiny target at any hidden size.
 - ``build_tiny_target(out_dir, ...) -> str``: a random ``Qwen3ForCausalLM`` (hidden 32, 4 layers,
   vocab = the tokenizer's, fp32) plus its tokenizer, saved to ``out_dir``; returns ``out_dir``.
   Loadable with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
@@ -19,7 +22,8 @@ Stable API (other test files rely on it):
   three linear-attention / Mamba layers then one full-attention layer; falcon_h1: Mamba and
   attention side by side in every layer), from ``hybrid_config(family, vocab_size)``, with the
   lm_head sharpened x8 so that greedy text varies.
-- ``write_chat_jsonl(path, n, layout="messages", seed=0)``: ``n`` small conversations.
+- ``write_chat_jsonl(path, n, layout="messages", seed=0)``: ``n`` small conversations;
+  ``prepare_chat(root, n, ...)``: the same, tokenised by ``dspark-ds prepare`` into ``root/prep``.
 - ``QWEN3_TEMPLATE``, ``QWEN3_TEMPLATE_NO_MARKERS``, ``GEMMA_TEMPLATE``: the template strings.
 """
 
@@ -159,35 +163,78 @@ def build_tiny_tokenizer(out_dir: str | Path, template: str = "qwen3", vocab_siz
     return fast
 
 
+def tiny_widths(vocab_size: int, **fields) -> dict:
+    """The config fields every tiny target starts from (hidden 32, MLP 64, 4 layers, 4 query and
+    2 KV heads), then `fields`."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        **fields,
+    }
+
+
+def qwen3_target_config(
+    vocab_size: int,
+    *,
+    hidden_size: int = 32,
+    intermediate_size: int | None = None,
+    num_layers: int = 4,
+    **fields,
+):
+    """A random tiny target's ``Qwen3Config``: MLP `intermediate_size` (None = 2 x hidden), 4
+    heads of hidden / 4, 2 KV heads, 512 positions, untied embeddings; then `fields`."""
+    from transformers import Qwen3Config
+
+    kw = tiny_widths(
+        vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return Qwen3Config(**{**kw, **fields})
+
+
+def special_token_ids(tok) -> dict:
+    """The ids a tiny target's config takes from the tiny tokenizer (it has no BOS token)."""
+    return {
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "bos_token_id": None,
+    }
+
+
 def build_tiny_target(
     out_dir: str | Path,
     *,
     template: str = "qwen3",
     hidden_size: int = 32,
+    intermediate_size: int | None = None,
     num_layers: int = 4,
     seed: int = 0,
     tie_word_embeddings: bool = False,
     vocab_size: int | None = None,
 ) -> str:
-    """Save a random tiny ``Qwen3ForCausalLM`` and its tokenizer to ``out_dir``; return the path.
-    `vocab_size`: the model's vocabulary, larger than the tokenizer's (None = the tokenizer's)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """Save a random tiny ``Qwen3ForCausalLM`` (`qwen3_target_config`) and its tokenizer to
+    ``out_dir``; return the path. `vocab_size`: the model's vocabulary, larger than the
+    tokenizer's (None = the tokenizer's)."""
+    from transformers import Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir, template=template)
-    cfg = Qwen3Config(
-        vocab_size=vocab_size or len(tok),
+    cfg = qwen3_target_config(
+        vocab_size or len(tok),
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,
-        max_position_embeddings=512,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
         tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
+        **special_token_ids(tok),
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).to(torch.float32).eval()
@@ -244,25 +291,11 @@ FAMILIES: dict[str, dict] = {
 }
 
 
-def _tiny_widths(vocab_size: int) -> dict:
-    """The widths every tiny family and hybrid config starts from (hidden 32, 4 layers, 4 heads)."""
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-
-
 def family_config(family: str, vocab_size: int, **overrides):
     """A tiny random config of `family` (hidden 32, 4 layers, 4 heads)."""
     from transformers import AutoConfig
 
-    kw = _tiny_widths(vocab_size)
+    kw = tiny_widths(vocab_size, max_position_embeddings=512, tie_word_embeddings=False)
     kw.update(FAMILIES[family])
     kw.update(overrides)
     return AutoConfig.for_model(family, **kw)
@@ -274,13 +307,7 @@ def build_tiny_family_target(out_dir: str | Path, family: str, *, seed: int = 0)
 
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir)
-    cfg = family_config(
-        family,
-        len(tok),
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-    )
+    cfg = family_config(family, len(tok), **special_token_ids(tok))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(out_dir)
@@ -329,7 +356,7 @@ def hybrid_config(family: str, vocab_size: int, **overrides):
     """A tiny random config of the hybrid `family` (hidden 32, 4 layers, 4 heads)."""
     from transformers import AutoConfig
 
-    kw = _tiny_widths(vocab_size)
+    kw = tiny_widths(vocab_size, max_position_embeddings=512, tie_word_embeddings=False)
     kw.update(HYBRID_FAMILIES[family])
     if family == "qwen3_5_moe_text":  # every MLP is a MoE block: no dense width in its config
         kw.pop("intermediate_size")
@@ -353,14 +380,7 @@ def build_tiny_hybrid_target(out_dir: str | Path, family: str, *, seed: int = 0)
     """Save a random tiny hybrid causal LM of `family` and the tiny tokenizer to `out_dir`."""
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir)
-    model = tiny_hybrid_model(
-        family,
-        len(tok),
-        seed=seed,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-    )
+    model = tiny_hybrid_model(family, len(tok), seed=seed, **special_token_ids(tok))
     model.save_pretrained(out_dir)
     return str(out_dir)
 
@@ -396,3 +416,16 @@ def write_chat_jsonl(path: str | Path, n: int, layout: str = "messages", seed: i
     path = Path(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(n, layout, seed)))
     return str(path)
+
+
+def prepare_chat(root: str | Path, n: int, *, seed: int, tokenizer: str, max_length: int) -> Path:
+    """``n`` conversations (``write_chat_jsonl``) in ``root/chat.jsonl``, tokenised by
+    ``dspark-ds prepare`` into ``root/prep``; returns ``root/prep``."""
+    from dspark_ds.data.config import DataConfig, PrepareConfig
+    from dspark_ds.data.tokens import prepare
+
+    root = Path(root)
+    jsonl = write_chat_jsonl(root / "chat.jsonl", n, seed=seed)
+    data = DataConfig(paths=[jsonl], tokenizer=str(tokenizer), max_length=max_length)
+    prepare(PrepareConfig(data=data, output_dir=str(root / "prep")))
+    return root / "prep"

@@ -125,6 +125,17 @@ class VllmServer:
                 break
         self.proc = None
 
+    def completions(self, body: dict, key: str | None = None) -> dict:
+        """The server's answer to ``body`` on /v1/completions (``key``: the bearer token)."""
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers=headers
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
     def complete(self, prompt_ids: list[int], max_tokens: int, key: str | None = None) -> list[int]:
         body = {
             "model": self.target,
@@ -133,14 +144,7 @@ class VllmServer:
             "temperature": 0.0,
             "return_token_ids": True,
         }
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        req = urllib.request.Request(
-            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers=headers
-        )
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read())["choices"][0]["token_ids"]
+        return self.completions(body, key)["choices"][0]["token_ids"]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -208,7 +212,7 @@ def train_tiny_drafter(
         target.get_input_embeddings().weight, target.get_output_embeddings().weight
     )
     perf = PerfConfig()
-    ctx = StepContext(model_cfg, perf, kind.prepare(drafter, perf, "cpu"), seed=seed)
+    ctx = StepContext(model_cfg, perf, kind.train.prepare(drafter, perf, "cpu"), seed=seed)
     tapped = FrozenTarget(target, layer_ids)
     batches = []
     for i, (ids, prompt_len) in enumerate(sequences):
@@ -228,7 +232,7 @@ def train_tiny_drafter(
     drafter.train()
     for step in range(steps):
         batch = batches[step % len(batches)]
-        out = kind.training_step(drafter, batch, dataclasses.replace(ctx, epoch=step))
+        out = kind.train.training_step(drafter, batch, dataclasses.replace(ctx, epoch=step))
         opt.zero_grad()
         out.loss.backward()
         opt.step()

@@ -244,32 +244,27 @@ def test_sts_written_to_the_drafter_and_threshold_run(setup, tmp_path):
     root, target_dir, _ = setup
     drafter_copy = tmp_path / "draft"
     shutil.copytree(root / "draft", drafter_copy)
-    cfg = _cfg(
-        root,
-        target_dir,
-        name="sts",
-        drafter=str(drafter_copy),
-        temperature=1.0,
-        benchmarks=["chat"],
-        tracking=TrackingConfig(enabled=False),
-    )
+
+    def copy_cfg(name: str, **kw) -> EvalConfig:
+        """The chat benchmark at T = 1 with the drafter's copy, not tracked."""
+        return _cfg(
+            root,
+            target_dir,
+            name=name,
+            drafter=str(drafter_copy),
+            temperature=1.0,
+            benchmarks=["chat"],
+            tracking=TrackingConfig(enabled=False),
+            **kw,
+        )
+
+    cfg = copy_cfg("sts")
     cfg.calibration.write_to_drafter = True
     payload = run_eval(cfg)
     written = json.loads((drafter_copy / "config.json").read_text())["confidence_temperatures"]
     assert written == payload["calibration"]["sts"]["temperatures"]
     # A thresholded run uses them, and skips calibration (its proposals are cut).
-    cut = run_eval(
-        _cfg(
-            root,
-            target_dir,
-            name="cut",
-            drafter=str(drafter_copy),
-            temperature=1.0,
-            benchmarks=["chat"],
-            confidence_threshold=0.9,
-            tracking=TrackingConfig(enabled=False),
-        )
-    )
+    cut = run_eval(copy_cfg("cut", confidence_threshold=0.9))
     assert "skipped" in cut["calibration"]
     assert (
         cut["benchmarks"][0]["mean_proposal_length"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers.dist import REPO, _env, check, python, torchrun
-from helpers.tiny_models import write_chat_jsonl
+from helpers.tiny_models import prepare_chat
 
 pytestmark = [pytest.mark.slow]
 
@@ -179,22 +179,15 @@ def test_nonfinite_loss_after_accumulated_micro_batches(target, tmp_path):
 def cache_env(target, tmp_path_factory):
     """Prepared chat data (14 samples) and its offline cache, 4 samples per shard."""
     from dspark_ds.data.cache_writer import build_cache
-    from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig
-    from dspark_ds.data.tokens import prepare
+    from dspark_ds.data.config import BuildCacheConfig, DataConfig
     from dspark_ds.target import TargetConfig
 
     root = tmp_path_factory.mktemp("cache")
-    jsonl = write_chat_jsonl(root / "chat.jsonl", 14, seed=3)
-    prepare(
-        PrepareConfig(
-            data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=64),
-            output_dir=str(root / "prep"),
-        )
-    )
+    prep = prepare_chat(root, 14, seed=3, tokenizer=target, max_length=64)
 
     def build(cache_dir: Path, repair: bool = False, on_shard_written=None):
         data = DataConfig(
-            paths=[str(root / "prep")],
+            paths=[str(prep)],
             mode="offline",
             cache_dir=str(cache_dir),
             samples_per_shard=4,

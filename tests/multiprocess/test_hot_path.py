@@ -55,7 +55,7 @@ def _metrics_both_ways(rank: int, world: int, result_file: str) -> None:
     call) and the trainer's (several micro-batches' sums packed into one all_reduce)."""
     import torch
 
-    from dspark_ds.drafters.common.blocks import sample_anchor_positions
+    from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
     from dspark_ds.drafters.dspark.config import DSPARK_LOSS
     from dspark_ds.drafters.dspark.loss import compute_dspark_loss, dspark_loss, dspark_metrics
     from dspark_ds.train.metrics import metrics_of, sum_over_ranks

@@ -16,7 +16,8 @@ def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
     out = tmp_path / "bench.json"
     argv = ["--hidden_size=32", "--num_attention_heads=4", "--num_key_value_heads=2"]
     argv += ["--intermediate_size=64", "--num_target_layers=2", "--vocab_size=128", "--seq_len=48"]
-    argv += ["--num_anchors=6", "--block_size=4", "--markov_rank=8", "--repeats=1"]
+    argv += ["--sizes.dspark.num_anchors=6", "--sizes.dspark.block_size=4"]
+    argv += ["--sizes.dspark.markov_rank=8", "--repeats=1"]
     argv += ["--variants=[dense/reference, blockwise/chunked]"]
     argv += ["--loss_chunk_anchors=2", f"--json={out}"]
     argv += [f"--tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]
@@ -56,26 +57,33 @@ def test_bench_tiny_shape_writes_one_object_per_variant(tmp_path, capsys):
 
 
 def test_the_bench_runs_what_the_kind_says():
-    from dspark_ds.drafters.presets import preset
+    from dspark_ds.drafters.presets import DrafterSizes, preset
     from dspark_ds.drafters.registry import get_kind
 
     default, eagle3 = TrainBenchConfig(), TrainBenchConfig(drafter="eagle3")
     # each kind's own variants by default, its reference first
-    assert default.variants == list(get_kind("dspark").bench_variants)
+    assert default.variants == list(get_kind("dspark").capabilities.bench_variants)
     assert eagle3.variants == ["dense/reference", "dense/chunked"]
     assert eagle3.reference_variant == "dense/reference"
     with pytest.raises(ValueError, match="variants: 'blockwise/chunked'"):
         TrainBenchConfig(drafter="eagle3", variants=["blockwise/chunked"])
-    # the drafter: the preset, sized by the bench's fields as the demo sizes it
+    # the drafter: the preset, sized by its kind's block of the bench's sizes as the demo sizes
+    # it (the defaults: the preset's 512 anchors)
     assert eagle3.model == preset("eagle3", num_draft_layers=1, ttt_length=7)
-    dflash = TrainBenchConfig(drafter="dflash", num_anchors=64, block_size=4).model
+    assert default.model == preset("dspark", num_draft_layers=2, markov_rank=64, num_anchors=512)
+    sizes = DrafterSizes.with_block("dflash", num_anchors=64, block_size=4)
+    dflash = TrainBenchConfig(drafter="dflash", sizes=sizes).model
     assert dflash == preset(
         "dflash", num_draft_layers=2, num_anchors=64, block_size=4, sample_from_anchor=True
     )
+    with pytest.raises(ValueError, match="sizes.eagle3: no num_anchors"):
+        DrafterSizes.with_block("eagle3", num_anchors=64)
+    with pytest.raises(ValueError, match="sizes.eagle3.ttt_length"):
+        TrainBenchConfig(drafter="eagle3", sizes=DrafterSizes.with_block("eagle3", ttt_length=0))
     # its FLOPs: the kind's count of the variant's paths (dense attention computes the masked
     # pairs too); the bench's shape is the kind's
     assert step_flops(default, "dense/reference") > step_flops(default, "blockwise/reference")
-    assert step_shape(eagle3).drafter == get_kind("eagle3").step_part(eagle3.model)
+    assert step_shape(eagle3).drafter == get_kind("eagle3").cost.step_part(eagle3.model)
 
 
 def test_bad_variant_names_the_option():

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.dist import REPO, _env, check, free_port, python, torchrun
-from helpers.tiny_models import build_tiny_target, write_chat_jsonl
+from helpers.tiny_models import build_tiny_target, prepare_chat
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -581,18 +581,9 @@ def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path, tiny_target):
     whose every forward all-gathers weights (a collective), so the samples left out of epoch 0
     must cost both ranks the same number of forwards; epoch 1 reads the completed cache."""
     from dspark_ds.data.cache import TargetCache
-    from dspark_ds.data.config import DataConfig, PrepareConfig
-    from dspark_ds.data.tokens import prepare
 
     target = Path(tiny_target)
-    jsonl = write_chat_jsonl(tmp_path / "chat.jsonl", 17, seed=2)
-    prep = tmp_path / "prep"
-    prepare(
-        PrepareConfig(
-            data=DataConfig(paths=[jsonl], tokenizer=str(target), max_length=72),
-            output_dir=str(prep),
-        )
-    )
+    prep = prepare_chat(tmp_path, 17, seed=2, tokenizer=target, max_length=72)
     res = train_many(
         tmp_path / "runs",
         [

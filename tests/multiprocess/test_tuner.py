@@ -96,7 +96,8 @@ def test_eagle3_recipe_is_estimated_as_eagle3():
     1-layer DSpark drafter with a rank-256 Markov head: 354.6 M parameters)."""
     from transformers import Qwen3Config
 
-    from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+    from dspark_ds.drafters.eagle3.build import build_eagle3_config
+    from dspark_ds.drafters.io import build_draft_model
 
     # the chunk pinned at 32 positions (perf.loss_chunk_anchors "auto" is 256 on CUDA)
     result = tune.run(
@@ -149,7 +150,8 @@ def _small_trainable_params(recipe: str, threshold: int) -> int:
     from transformers import Qwen3Config
 
     from dspark_ds.config import TrainRunConfig, parse
-    from dspark_ds.drafters.io import build_draft_model, dspark_config
+    from dspark_ds.drafters.dspark.build import dspark_config
+    from dspark_ds.drafters.io import build_draft_model
 
     run_cfg = parse(TrainRunConfig, ["--config", str(RECIPES / recipe)])
     target = Qwen3Config(**tune.KNOWN_TARGETS["Qwen/Qwen3-8B"])

@@ -29,7 +29,7 @@ from dspark_ds.tune.cluster import (
 from dspark_ds.tune.steptime import TERMS
 
 from helpers.dist import check, torchrun
-from helpers.tiny_models import build_tiny_target, build_tiny_tokenizer
+from helpers.tiny_models import build_tiny_target, qwen3_target_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "dspark_ds" / "recipes"
@@ -60,30 +60,31 @@ def test_dspark_flops_match_torch_counter(loss):
     matmuls the step runs, for each loss path (the recompute form computes the chunk logits
     twice)."""
     from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.dspark.config import LossWeights
     from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.perf.bench_variant import build_batch, build_model, loss_args_for
+    from dspark_ds.drafters.presets import DrafterSizes
+    from dspark_ds.perf.bench_variant import build_batch, build_model
     from dspark_ds.perf.train_bench import TrainBenchConfig
 
     cfg = TrainBenchConfig(
         hidden_size=64,
-        num_draft_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=160,
         num_target_layers=3,
         vocab_size=3000,
         seq_len=256,
-        num_anchors=48,
-        block_size=5,
-        markov_rank=16,
+        sizes=DrafterSizes.with_block("dspark", num_anchors=48, block_size=5, markov_rank=16),
     )
     torch.manual_seed(0)
     model = build_model(cfg)
     model.attn_implementation = "blockwise"
     batch = build_batch(cfg, "cpu")
     with MatmulFlops() as counted:
-        out, _ = forward_and_loss(model, batch, loss_args_for(cfg), impl=loss, chunk_anchors=8)
+        out, _ = forward_and_loss(
+            model, batch, dataclasses.asdict(LossWeights.of(cfg.model)), impl=loss, chunk_anchors=8
+        )
         out.backward()
     shape = StepShape(1, 256, 64, 160, 3000, 4, 2, 16, 2, 3, DSparkShape(48, 5, 16), 4, 4)
     model_flops = sum(micro_batch_flops(shape, "blockwise", loss).values())
@@ -92,25 +93,15 @@ def test_dspark_flops_match_torch_counter(loss):
 
 @pytest.mark.parametrize("loss", ["chunked", "reference"])
 def test_eagle3_flops_match_torch_counter(loss):
-    from transformers import Qwen3Config
-
     from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.eagle3.build import build_eagle3_config
     from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
     from dspark_ds.drafters.eagle3.memory import Eagle3Shape
-    from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+    from dspark_ds.drafters.io import build_draft_model
     from dspark_ds.drafters.perf import PerfConfig
     from dspark_ds.drafters.registry import get_kind
 
-    target = Qwen3Config(
-        vocab_size=3000,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
+    target = qwen3_target_config(3000, hidden_size=64, intermediate_size=160)
     torch.manual_seed(0)
     model = build_draft_model(build_eagle3_config(target, target_layer_ids=[0, 1, 2], ttt_length=4))
     model.freeze_shared()
@@ -125,7 +116,7 @@ def test_eagle3_flops_match_torch_counter(loss):
         out, _ = eagle3_forward_and_loss(model, batch, impl=loss, chunk_rows=64)
         out.backward()
     shape = StepShape(B, S, 64, 160, 3000, 4, 2, 16, 1, 3, Eagle3Shape(ttt_length=4))
-    flops = get_kind("eagle3").step_flops(shape, PerfConfig(loss_impl=loss), "cpu", 0)
+    flops = get_kind("eagle3").cost.step_flops(shape, PerfConfig(loss_impl=loss), "cpu", 0)
     assert sum(flops.values()) == pytest.approx(counted.total, rel=0.03)
 
 
@@ -280,26 +271,9 @@ def test_scaling_over_node_counts(tmp_path, capsys):
 def build_bench_target(out_dir: Path) -> str:
     """A random Qwen3 target at `dspark-ds bench`'s widths (hidden 256, MLP 768, 4 / 2 heads,
     vocabulary 32 000), 6 layers, with the tiny tokenizer."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tok = build_tiny_tokenizer(out_dir)
-    config = Qwen3Config(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
+    return build_tiny_target(
+        out_dir, hidden_size=256, intermediate_size=768, num_layers=6, vocab_size=32000
     )
-    torch.manual_seed(0)
-    Qwen3ForCausalLM(config).eval().save_pretrained(out_dir)
-    return str(out_dir)
 
 
 # The bench's drafter (2 layers, γ 7, Markov rank 64) on its target widths; the sequence and

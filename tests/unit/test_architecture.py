@@ -201,6 +201,9 @@ def test_drafters_do_not_depend_on_the_perf_tools():
 
 ARCHITECTURE = (
     "drafters/common",
+    "drafters/dspark/blocks.py",
+    "drafters/dspark/block_attention.py",
+    "drafters/dspark/flex_mask.py",
     "drafters/dspark/model.py",
     "drafters/dspark/qwen3.py",
     "drafters/dspark/gemma4.py",

@@ -12,12 +12,12 @@ import torch
 
 from dspark_ds.data.cache import CacheError, TargetCache, bytes_per_token
 from dspark_ds.data.cache_writer import build_cache, estimate_cache
-from dspark_ds.data.config import BuildCacheConfig, DataConfig, EstimateCacheConfig, PrepareConfig
+from dspark_ds.data.config import BuildCacheConfig, DataConfig, EstimateCacheConfig
 from dspark_ds.data.loader import build_train_loader
-from dspark_ds.data.tokens import TokenStore, prepare
+from dspark_ds.data.tokens import TokenStore
 from dspark_ds.target import TargetConfig, load_target
 
-from helpers.tiny_models import write_chat_jsonl
+from helpers.tiny_models import prepare_chat
 
 LAYERS = [-1, 1, 2]
 
@@ -25,15 +25,8 @@ LAYERS = [-1, 1, 2]
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("cache")
-    target = tiny_target
-    jsonl = write_chat_jsonl(root / "chat.jsonl", 14, seed=1)
-    prepare(
-        PrepareConfig(
-            data=DataConfig(paths=[jsonl], tokenizer=target, max_length=64),
-            output_dir=str(root / "prep"),
-        )
-    )
-    return root, target
+    prepare_chat(root, 14, seed=1, tokenizer=tiny_target, max_length=64)
+    return root, tiny_target
 
 
 def make_cfg(env, cache_dir, dtype="float32", per_shard=4):

@@ -9,12 +9,12 @@ import torch
 
 from dspark_ds.data.cache import CacheError, TargetCache
 from dspark_ds.data.cache_writer import build_cache
-from dspark_ds.data.config import BuildCacheConfig, DataConfig, PrepareConfig
+from dspark_ds.data.config import BuildCacheConfig, DataConfig
 from dspark_ds.data.loader import build_train_loader, epoch_batches
-from dspark_ds.data.tokens import prepare
 from dspark_ds.target import TargetConfig, load_target, share_embeddings_and_head
 
-from helpers.tiny_models import write_chat_jsonl
+from helpers.drafters import tiny_dspark_config
+from helpers.tiny_models import prepare_chat
 
 LAYERS = [-1, 1, 2]
 N = 16  # samples after prepare (max_length 72 keeps >= 2 assistant tokens in each)
@@ -45,16 +45,9 @@ def test_epoch_batches_deterministic_disjoint_and_balanced():
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("loader")
-    target_dir = tiny_target
-    jsonl = write_chat_jsonl(root / "chat.jsonl", 16, seed=2)
-    prepare(
-        PrepareConfig(
-            data=DataConfig(paths=[jsonl], tokenizer=target_dir, max_length=72),
-            output_dir=str(root / "prep"),
-        )
-    )
+    prep = prepare_chat(root, 16, seed=2, tokenizer=tiny_target, max_length=72)
     data = DataConfig(
-        paths=[str(root / "prep")],
+        paths=[str(prep)],
         mode="offline",
         cache_dir=str(root / "cache"),
         batch_size=3,
@@ -62,7 +55,7 @@ def env(tmp_path_factory, tiny_target):
         samples_per_shard=5,
         seed=11,
     )
-    tcfg = TargetConfig(path=target_dir, layer_ids=LAYERS, dtype="float32")
+    tcfg = TargetConfig(path=tiny_target, layer_ids=LAYERS, dtype="float32")
     build_cache(BuildCacheConfig(data=data, target=tcfg, batch_size=4))
     assert len(TargetCache(data.cache_dir)) == N
     return root, data, load_target(tcfg)
@@ -91,21 +84,12 @@ def assert_same_batches(xs, ys):
 def step_loss(batch, target, seed=0):
     """One DSpark training step (forward + loss + backward) on a drafter sharing the target's
     embedding and lm_head; returns the loss."""
-    from dspark_ds.drafters import build_draft_config, build_draft_model
+    from dspark_ds.drafters import build_draft_model
     from dspark_ds.drafters.dspark.config import DSPARK_LOSS
     from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 
     torch.manual_seed(seed)
-    cfg = build_draft_config(
-        target.config,
-        target_layer_ids=LAYERS,
-        mask_token_id=3,
-        num_draft_layers=1,
-        block_size=4,
-        num_anchors=8,
-        markov_rank=8,
-    )
-    drafter = build_draft_model(cfg)
+    drafter = build_draft_model(tiny_dspark_config(target.config, LAYERS))
     share_embeddings_and_head(drafter, target)
     out = drafter(
         batch["input_ids"],

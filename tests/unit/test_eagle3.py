@@ -11,24 +11,22 @@ import torch
 from transformers import Qwen3Config
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.eagle3.loss import compute_eagle3_loss
 from dspark_ds.drafters.eagle3.model import build_ttt_eval_mask
 from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
+from dspark_ds.drafters.registry import kind_of
+
+from helpers.drafters import spread_weights
+from helpers.tiny_models import tiny_widths
 
 VOCAB, HIDDEN, LAYER_IDS = 96, 32, [0, 1, 2]
 
 
 def target_config() -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
+        **tiny_widths(VOCAB, hidden_size=HIDDEN, head_dim=8, max_position_embeddings=128)
     )
 
 
@@ -42,13 +40,7 @@ def make_model(num_draft_layers: int = 1, ttt_length: int = 4, seed: int = 0) ->
     )
     torch.manual_seed(seed)
     model = build_draft_model(cfg)
-    # Non-trivial norm weights so a mix-up between the norms cannot hide.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.normal_(0.0, 0.2)
+    spread_weights(model)
     return model.eval()
 
 
@@ -314,7 +306,9 @@ def test_save_load_round_trip_and_reference_names(tmp_path):
     assert data["ttt_length"] == 4 and data["step_loss_decay"] == 0.8
     assert data["target_layer_ids"] == LAYER_IDS and data["num_target_layers"] == 4
     assert data["draft_num_hidden_layers"] == 1 and data["num_hidden_layers"] == 1
-    assert "block_size" not in data and model.config.block_size == 4  # runtime alias of T
+    # no block size, faked or saved: a round's γ is T, as the kind says
+    assert "block_size" not in data and not hasattr(model.config, "block_size")
+    assert kind_of(model).decode.tokens_per_round(model.config) == 4
     names = set(model.state_dict())
     # The reference's parameter names (deepspec/modeling/eagle3/qwen3/modeling.py).
     expected = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight"} | {

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.eagle3.qwen3 import Qwen3Eagle3Model
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.target_step import tap_layers
@@ -54,13 +55,13 @@ def test_greedy_eagle3_speculative_decoding_equals_greedy_target(target, seed, t
 
 
 def test_rounds_feed_the_drafter_the_committed_features_and_tokens(target, monkeypatch):
-    """Every round's cache extension (the kind's `extend`) gets the features of exactly
+    """Every round's cache extension (the kind's `decode.extend`) gets the features of exactly
     the newly verified positions, paired with the following committed token, and a cache
     holding everything before them."""
     drafter = make_drafter(target, seed=3)
     calls = []
-    kind = kind_of(drafter)
-    extend = kind.extend
+    decode = kind_of(drafter).decode
+    extend = decode.extend
 
     def recording_extend(model, context):
         calls.append(
@@ -73,7 +74,7 @@ def test_rounds_feed_the_drafter_the_committed_features_and_tokens(target, monke
         )
         return extend(model, context)
 
-    monkeypatch.setattr(kind, "extend", recording_extend)
+    monkeypatch.setattr(decode, "extend", recording_extend)
     ids = prompt(n=7, seed=5)
     out, stats = speculative_generate(target, drafter, ids, max_new_tokens=20, temperature=0.0)
     with torch.no_grad():

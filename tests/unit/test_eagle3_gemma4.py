@@ -10,10 +10,12 @@ import torch
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
 from dspark_ds.drafters import load_draft_model, save_draft_model
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.eagle3.gemma4 import Gemma4Eagle3Model
 from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 
+from helpers.drafters import spread_weights
 from helpers.gemma4 import VOCAB, tiny_gemma4_target_config, tiny_gemma4_text
 
 LAYER_IDS = [0, 1, 2]
@@ -26,12 +28,8 @@ def gemma4_eagle3(seed: int = 0, num_draft_layers: int = 1, target_config=None, 
     )
     torch.manual_seed(seed)
     model = build_draft_model(cfg)
+    spread_weights(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif p.dim() > 1:
-                p.normal_(0.0, 0.2)
         for layer in model.layers:
             layer.layer_scalar.fill_(0.7)
     model.freeze_shared()

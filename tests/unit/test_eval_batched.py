@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.eval import speculative_generate, target_generate, verify
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.policy import schedule_prefixes
@@ -105,34 +106,9 @@ def test_greedy_batched_equals_greedy_target_and_batch_one(target, kind, monkeyp
 def test_sliding_window_target_with_ragged_acceptance():
     """A Gemma4 target whose sliding windows are shorter than the text; rows accept 0..γ drafts
     in the same round, so their caches are trimmed by different amounts."""
-    from transformers import Gemma4ForConditionalGeneration
+    from helpers.gemma4 import VOCAB, greedy_without_cache, repeating_gemma4_pair
 
-    from dspark_ds.drafters import build_draft_config
-
-    from helpers.gemma4 import VOCAB, greedy_without_cache, tiny_gemma4_target_config
-
-    torch.manual_seed(0)
-    cfg = tiny_gemma4_target_config(final_logit_softcapping=30.0, sliding_window=6)
-    target = Gemma4ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # weak layers: greedy decoding runs in repeats a drafter can predict
-        for layer in target.model.language_model.layers:
-            layer.post_attention_layernorm.weight.fill_(0.1)
-            layer.post_feedforward_layernorm.weight.fill_(0.1)
-    dcfg = build_draft_config(
-        cfg,
-        target_layer_ids=[0, 1, 2],
-        mask_token_id=VOCAB - 1,
-        num_draft_layers=2,
-        block_size=4,
-        markov_rank=VOCAB,
-    )
-    drafter = build_draft_model(dcfg).eval()
-    drafter.initialize_embeddings_and_head(
-        target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    )
-    with torch.no_grad():  # "repeat the previous token"
-        drafter.markov_head.markov_w1.weight.copy_(50.0 * torch.eye(VOCAB))
-        drafter.markov_head.markov_w2.weight.copy_(torch.eye(VOCAB))
+    target, drafter = repeating_gemma4_pair()
     prompts = _prompts([12, 5, 9, 14], vocab=VOCAB)
     results = batched_generate(target, drafter, prompts, batch_size=3, max_new_tokens=30)
     for r in results:

@@ -12,14 +12,20 @@ from transformers import Gemma4Config
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
 from dspark_ds.drafters import build_draft_config, build_draft_model, load_draft_model
-from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
 from dspark_ds.drafters.common.gemma4 import full_attention_dims
 from dspark_ds.drafters.dspark.gemma4 import Gemma4DSparkModel
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.io import save_draft_model
+from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS
 
-from helpers.drafters import DFLASH, MASK_ID, VOCAB, random_batch, tiny_drafter
-from helpers.gemma4 import CAP, greedy_without_cache, tiny_gemma4_target_config, tiny_gemma4_text
+from helpers.drafters import DFLASH, MASK_ID, VOCAB, checked_blocks, random_batch, tiny_drafter
+from helpers.gemma4 import (
+    CAP,
+    greedy_without_cache,
+    repeating_gemma4_pair,
+    tiny_gemma4_target_config,
+    tiny_gemma4_text,
+)
 from helpers.golden import check_golden, run_golden
 
 
@@ -286,23 +292,9 @@ def test_batched_forward_equals_naive_gemma4_blocks(heads, text):
     batch = random_batch(model)
     with torch.no_grad():
         out = model(**batch, generator=torch.Generator().manual_seed(3))
-        checked = 0
-        for b in range(batch["input_ids"].shape[0]):
-            for a in range(out.anchor_positions.shape[1]):
-                if not out.block_keep_mask[b, a]:
-                    continue
-                p = int(out.anchor_positions[b, a])
-                logits, base = naive_gemma4_block(
-                    model,
-                    batch["input_ids"][b],
-                    batch["target_hidden_states"][b],
-                    p,
-                    out.target_ids[b, a],
-                )
-                torch.testing.assert_close(out.draft_logits[b, a], logits, atol=1e-4, rtol=1e-4)
-                checked += 1
-        assert checked > 0
-        assert base.abs().max() <= CAP  # the cap comes before the Markov bias
+        bases = [base for _, _, base in checked_blocks(naive_gemma4_block, model, batch, out)]
+        assert bases
+        assert all(base.abs().max() <= CAP for base in bases)  # the cap, then the Markov bias
     assert torch.isfinite(out.draft_logits).all()
 
 
@@ -366,35 +358,9 @@ def test_gemma4_attention_implementations_agree(impl):
 def test_lossless_greedy_decoding_on_a_sliding_window_gemma4_target():
     """Speculative greedy == plain greedy on a Gemma4 target whose sliding-window layers are
     shorter than the text, with drafts fully accepted, partly accepted and rejected."""
-    from transformers import Gemma4ForConditionalGeneration
-
     from dspark_ds.eval.decoding import speculative_generate
 
-    torch.manual_seed(0)
-    target_cfg = tiny_gemma4_target_config(final_logit_softcapping=30.0, sliding_window=6)
-    target = Gemma4ForConditionalGeneration(target_cfg).eval()
-    with torch.no_grad():
-        # Weak layer outputs: the residual stream keeps the token, so greedy decoding runs in
-        # long repeats that a drafter can predict (a random target is otherwise unpredictable).
-        for layer in target.model.language_model.layers:
-            layer.post_attention_layernorm.weight.fill_(0.1)
-            layer.post_feedforward_layernorm.weight.fill_(0.1)
-    cfg = build_draft_config(
-        target_cfg,
-        target_layer_ids=[0, 1, 2],
-        mask_token_id=MASK_ID,
-        num_draft_layers=2,
-        block_size=4,
-        markov_rank=VOCAB,
-    )
-    drafter = build_draft_model(cfg).eval()
-    drafter.initialize_embeddings_and_head(
-        target.get_input_embeddings().weight, target.get_output_embeddings().weight
-    )
-    with torch.no_grad():
-        # A bigram "repeat the previous token" Markov head: every slot proposes the anchor.
-        drafter.markov_head.markov_w1.weight.copy_(50.0 * torch.eye(VOCAB))
-        drafter.markov_head.markov_w2.weight.copy_(torch.eye(VOCAB))
+    target, drafter = repeating_gemma4_pair()
     accepted: list[int] = []
     for seed in range(3):
         ids = torch.randint(0, VOCAB - 1, (1, 12), generator=torch.Generator().manual_seed(seed))

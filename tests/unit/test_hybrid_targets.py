@@ -263,7 +263,7 @@ def test_the_drafter_is_sized_from_the_hybrids_config(family, hybrid_dirs):
     """Head size and RoPE from the target's attention layers (Qwen3.5 / Qwen3-Next: head_dim of
     their own, partial RoPE dropped: every draft head dimension rotates); Qwen3.5-MoE has no
     dense MLP width: the drafter's is a token's routed experts plus the shared one."""
-    from dspark_ds.drafters.io import build_draft_config
+    from dspark_ds.drafters.dspark.build import build_draft_config
 
     target_cfg = AutoConfig.from_pretrained(hybrid_dirs[family])
     cfg = build_draft_config(target_cfg, target_layer_ids=[-1, 0, 2], mask_token_id=3)
@@ -311,7 +311,8 @@ def test_hybrid_features_and_checkpoint_reads(family, hybrid_dirs):
 @pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
 def test_an_eagle3_chain_on_a_hybrid_is_lossless(family, models):
     """The rollback is the target's: an Eagle3 drafter's chains verify the same way."""
-    from dspark_ds.drafters.io import build_draft_model, build_eagle3_config
+    from dspark_ds.drafters.eagle3.build import build_eagle3_config
+    from dspark_ds.drafters.io import build_draft_model
 
     target, _ = models[family]
     torch.manual_seed(2)

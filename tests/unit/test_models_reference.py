@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from dspark_ds.drafters.common.attention import dense_block_mask
-from dspark_ds.drafters.common.blocks import (
+from dspark_ds.drafters.dspark.block_attention import dense_block_mask
+from dspark_ds.drafters.dspark.blocks import (
     build_eval_mask,
     build_label_indices,
     sample_anchor_positions,
 )
 
-from helpers.drafters import DFLASH, random_batch, tiny_drafter
+from helpers.drafters import DFLASH, checked_blocks, random_batch, tiny_drafter
 
 HEADS = [
     dict(markov_head_type="vanilla"),
@@ -113,25 +113,11 @@ def test_batched_forward_equals_naive_blocks(heads):
     with torch.no_grad():
         out = model(**batch, generator=torch.Generator().manual_seed(3))
         assert (out.block_keep_mask.sum(1) > 0).all()
-        for b in range(batch["input_ids"].shape[0]):
-            for a in range(out.anchor_positions.shape[1]):
-                if not out.block_keep_mask[b, a]:
-                    continue
-                p = int(out.anchor_positions[b, a])
-                logits, conf = naive_block(
-                    model,
-                    batch["input_ids"][b],
-                    batch["target_hidden_states"][b],
-                    p,
-                    out.target_ids[b, a],
-                )
-                torch.testing.assert_close(out.draft_logits[b, a], logits, atol=1e-4, rtol=1e-4)
-                if conf is None:
-                    assert out.confidence_pred is None
-                else:
-                    torch.testing.assert_close(
-                        out.confidence_pred[b, a], conf, atol=1e-5, rtol=1e-4
-                    )
+        for b, a, conf in checked_blocks(naive_block, model, batch, out):
+            if conf is None:
+                assert out.confidence_pred is None
+            else:
+                torch.testing.assert_close(out.confidence_pred[b, a], conf, atol=1e-5, rtol=1e-4)
     assert torch.isfinite(out.draft_logits).all()
 
 

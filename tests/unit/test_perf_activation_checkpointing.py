@@ -56,8 +56,8 @@ def build(name: str, family: str):
 
 
 def step(kind, section, model, batch, perf: PerfConfig):
-    impl = kind.prepare(model, perf, "cpu")
-    return kind.training_step(model, batch, StepContext(section, perf, impl, seed=3))
+    impl = kind.train.prepare(model, perf, "cpu")
+    return kind.train.training_step(model, batch, StepContext(section, perf, impl, seed=3))
 
 
 def loss_and_grads(kind, section, model, batch, perf: PerfConfig):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_ds.drafters.common.attention import BlockwiseMask, attend, dense_block_mask
+from dspark_ds.drafters.dspark.block_attention import BlockwiseMask, attend, dense_block_mask
 
 from helpers.drafters import random_batch, tiny_drafter
 

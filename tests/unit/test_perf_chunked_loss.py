@@ -8,7 +8,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.config import DFLASH_LOSS, DSPARK_LOSS
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.dspark.step import forward_and_loss
@@ -114,11 +114,11 @@ def test_auto_is_chunked_and_recompute_under_zero3():
     # the ZeRO stage is the run's, passed down (nothing is read off the parameters)
     kind, model = get_kind("dspark"), tiny_drafter()
     for stage, want in ((0, "chunked"), (2, "chunked"), (3, "recompute")):
-        assert kind.prepare(model, PerfConfig(), zero_stage=stage) == want
-        assert kind.prepare(model, PerfConfig(loss_impl="chunked"), zero_stage=stage) == want
+        assert kind.train.prepare(model, PerfConfig(), zero_stage=stage) == want
+        assert kind.train.prepare(model, PerfConfig(loss_impl="chunked"), zero_stage=stage) == want
     for stage in (0, 3):
         for impl in ("reference", "recompute"):
-            assert kind.prepare(model, PerfConfig(loss_impl=impl), zero_stage=stage) == impl
+            assert kind.train.prepare(model, PerfConfig(loss_impl=impl), zero_stage=stage) == impl
 
 
 def test_recompute_keeps_no_vocab_sized_tensor_for_backward():

@@ -64,7 +64,7 @@ def test_perf_defaults_per_device():
     assert PerfConfig(loss_chunk_anchors=64).chunk_anchors("cuda") == 64
     assert cfg.compile_mode("cpu") == "off" and cfg.compile_mode("cuda") == "off"
     model = tiny_drafter()
-    get_kind("dspark").prepare(model, PerfConfig(attn_implementation="dense"), "cpu")
+    get_kind("dspark").train.prepare(model, PerfConfig(attn_implementation="dense"), "cpu")
     assert model.attn_implementation == "dense"
     assert not hasattr(model.layers[0], "_compiled_call_impl") or (
         model.layers[0]._compiled_call_impl is None

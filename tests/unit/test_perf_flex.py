@@ -1,5 +1,5 @@
-"""The flex_attention path (drafters/common/flex.py): the BlockMask built from the anchors equals
-create_block_mask's on the block mask's mask_mod (docs/algorithm.md#the-block-mask), and flex forward (eager; compiled in the slow test)
+"""The flex_attention path (drafters/dspark/flex_mask.py, drafters/common/flex.py): the BlockMask
+built from the anchors equals create_block_mask's on the block mask's mask_mod (docs/algorithm.md#the-block-mask), and flex forward (eager; compiled in the slow test)
 equals the dense and blockwise attention. flex_attention has no backward on CPU."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from dspark_ds.drafters.common.attention import BlockwiseMask, attend, dense_block_mask
-from dspark_ds.drafters.common.blocks import sample_anchor_positions
-from dspark_ds.drafters.common.flex import dspark_block_mask, flex_attend
+from dspark_ds.drafters.common.flex import flex_attend
+from dspark_ds.drafters.dspark.block_attention import BlockwiseMask, attend, dense_block_mask
+from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.flex_mask import dspark_block_mask
 
 
 def spec_block_mask(anchors, keep, seq_len: int, block_size: int):

@@ -64,7 +64,7 @@ def test_the_qwen3_5_recipe_builds_its_drafter_from_a_qwen3_5_9b_config(algo):
     sized from that config (a Qwen3-style drafter, head size 256, every dimension rotated)."""
     from transformers import AutoConfig
 
-    from dspark_ds.drafters.io import build_draft_config
+    from dspark_ds.drafters.dspark.build import build_draft_config
     from dspark_ds.target import default_layer_ids
 
     cfg = parse_config("train", ["--config", str(RECIPES[0].parent / f"{algo}_qwen3_5_9b.yaml")])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_ds.drafters.common.blocks import SAMPLER_STATS, sampler_stat_sums
+from dspark_ds.drafters.dspark.sampler_stats import sampler_stat_sums
+from dspark_ds.drafters.kind import SAMPLER_STATS
 
 
 def test_sampler_stats_by_hand():

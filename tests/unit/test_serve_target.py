@@ -151,6 +151,11 @@ def test_printed_command_is_the_same_server_and_never_shows_the_key(
     assert cmd.environ(base)["VLLM_API_KEY"] == key  # vLLM's own variable: not in ps' argv
 
 
+def serve_target(tiny_target: str, *argv: str) -> int:
+    """`dspark-ds serve-target` of the tiny target with the tiny_cpu recipe, then `argv`."""
+    return cli.main(["serve-target", "--config", "tiny_cpu", "--target.path", tiny_target, *argv])
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -180,7 +185,7 @@ def test_bad_input_is_one_line_naming_the_option(
     monkeypatch.setenv("DSPARK_DS_VLLM_ENV", str(tmp_path / "no-venv"))
     no_vllm = SimpleNamespace(util=SimpleNamespace(find_spec=lambda name: None))
     monkeypatch.setattr("dspark_ds.serve.check.importlib", no_vllm)  # this Python lacks vllm
-    rc = cli.main(["serve-target", "--config", "tiny_cpu", "--target.path", tiny_target, *argv])
+    rc = serve_target(tiny_target, *argv)
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1, err
     assert message in err
@@ -188,20 +193,14 @@ def test_bad_input_is_one_line_naming_the_option(
 
 
 def test_dry_run_prints_and_starts_nothing(tiny_target, tmp_path, base_env, capsys):
-    rc = cli.main(
-        [
-            "serve-target",
-            "--config",
-            "tiny_cpu",
-            "--target.path",
-            tiny_target,
-            "--storage",
-            str(tmp_path / "hs"),
-            "--dry_run",
-            "true",
-            "--vllm_python",
-            str(tmp_path / "never-run"),
-        ]
+    rc = serve_target(
+        tiny_target,
+        "--storage",
+        str(tmp_path / "hs"),
+        "--dry_run",
+        "true",
+        "--vllm_python",
+        str(tmp_path / "never-run"),
     )
     out = capsys.readouterr().out
     assert rc == 0 and not (tmp_path / "hs").exists()
@@ -218,6 +217,13 @@ def fake_vllm(tmp_path: Path, body: str) -> Path:
     return script
 
 
+# a child of the stand-in's group, asleep for 30 s: started in the background, then waited for
+# until it runs `sleep` (a signal that reaches the forked shell before its exec is lost with the
+# shell's own trap, and the group's leftover would be waited for 30 s: the product's bound, not
+# what these tests time)
+SLEEPING_CHILD = 'sleep 30 &\nuntil [ "$(cat /proc/$!/comm 2>/dev/null)" = sleep ]; do :; done\n'
+
+
 def running(pid: int) -> bool:
     """Whether process ``pid`` exists and is not a zombie."""
     stat = Path(f"/proc/{pid}/stat")
@@ -231,19 +237,7 @@ def running(pid: int) -> bool:
 def test_runs_vllm_and_exits_with_its_code(tiny_target, tmp_path, base_env):
     python = fake_vllm(tmp_path, 'echo "$PYTHONPATH $VLLM_TARGET_DEVICE $*" > "$OUT"; exit 3')
     with pytest.raises(SystemExit) as exit_:
-        cli.main(
-            [
-                "serve-target",
-                "--config",
-                "tiny_cpu",
-                "--target.path",
-                tiny_target,
-                "--storage",
-                str(tmp_path / "hs"),
-                "--vllm_python",
-                str(python),
-            ]
-        )
+        serve_target(tiny_target, "--storage", str(tmp_path / "hs"), "--vllm_python", str(python))
     assert exit_.value.code == 3
     assert (tmp_path / "hs").is_dir()
     seen = (tmp_path / "out").read_text()
@@ -255,7 +249,7 @@ def test_sigterm_goes_to_vllms_group_and_handlers_come_back(tmp_path, base_env):
     script = fake_vllm(
         tmp_path,
         "trap 'echo TERM > \"$OUT\"; exit 7' TERM\n"
-        'echo $$ > "$OUT.pgid"\nsleep 30 &\nkill -TERM $PPID\nwait',
+        f'echo $$ > "$OUT.pgid"\n{SLEEPING_CHILD}kill -TERM $PPID\nwait',
     )
     before = signal.getsignal(signal.SIGTERM)
     t0 = time.monotonic()
@@ -270,10 +264,13 @@ def test_a_signal_another_thread_receives_is_forwarded_too(tmp_path, base_env):
     # the kernel hands a process's signal to any thread that does not block it: with this one
     # blocking SIGTERM, a thread of the process (as a test worker's or a library's) takes it,
     # and the main thread's wait must still wake up to forward it (a plain proc.wait() slept on
-    # until the stand-in's `sleep 30` ended)
+    # until the stand-in's 30 s of sleeps ended)
     script = fake_vllm(
         tmp_path,
-        "trap 'echo TERM > \"$OUT\"; exit 7' TERM\nsleep 0.5\nkill -TERM $PPID\nsleep 30 &\nwait",
+        # (its children inherit the blocked SIGTERM: a stand-in that waits in short sleeps, which
+        # its trap ends between two of them, leaves no child to outlive it)
+        "trap 'echo TERM > \"$OUT\"; exit 7' TERM\nsleep 0.5\nkill -TERM $PPID\n"
+        "for i in $(seq 300); do sleep 0.1; done",
     )
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)

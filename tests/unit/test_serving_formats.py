@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 
 from dspark_ds import cli
 from dspark_ds.drafters import load_draft_model, save_draft_model
-from dspark_ds.drafters.io import build_eagle3_config, draft_config_dict, read_init_state
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
+from dspark_ds.drafters.io import draft_config_dict, read_init_state
 from dspark_ds.drafters.serving import parity_suspects, serving_format
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.rounds import DecodeStats, Verdict, settle

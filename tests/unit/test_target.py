@@ -14,6 +14,8 @@ from dspark_ds.target import (
     share_embeddings_and_head,
 )
 
+from helpers.drafters import tiny_dspark_config
+
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory, tiny_target):
@@ -72,18 +74,10 @@ def test_provider_zeroes_padding_and_matches_unpadded(target_dir):
 
 
 def test_drafter_shares_target_embedding_and_head(target_dir):
-    from dspark_ds.drafters import build_draft_config, build_draft_model
+    from dspark_ds.drafters import build_draft_model
 
     target = load_target(TargetConfig(path=target_dir, layer_ids=[-1, 1, 2], dtype="float32"))
-    cfg = build_draft_config(
-        target.config,
-        target_layer_ids=[-1, 1, 2],
-        mask_token_id=3,
-        num_draft_layers=1,
-        block_size=4,
-        num_anchors=4,
-        markov_rank=4,
-    )
+    cfg = tiny_dspark_config(target.config, [-1, 1, 2], num_anchors=4, markov_rank=4)
     drafter = build_draft_model(cfg)
     share_embeddings_and_head(drafter, target)
     assert drafter.embed_tokens.weight is target.embed_weight

@@ -15,13 +15,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dspark_ds.drafters import load_draft_model, register_auto_classes, save_draft_model
-from dspark_ds.drafters.io import build_draft_config, build_draft_model, build_eagle3_config
+from dspark_ds.drafters.dspark.build import build_draft_config
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
+from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.target import FrozenTarget, TargetConfig, load_target
 from dspark_ds.target_weights import StoredTensor, TargetWeights, fill_plan, read_header
 
-from helpers.drafters import with_target_weights
+from helpers.drafters import tiny_dspark_config, with_target_weights
 from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import FAMILIES, build_tiny_family_target
 
@@ -41,15 +43,7 @@ def _load(path: str) -> torch.nn.Module:
 def _random_drafter(target, kind: str, seed: int = 0):
     """A drafter of `kind` for `target` with weights large enough that drafts vary."""
     if kind == "dspark":
-        cfg = build_draft_config(
-            target.config,
-            target_layer_ids=LAYER_IDS,
-            mask_token_id=3,
-            num_draft_layers=1,
-            block_size=4,
-            num_anchors=8,
-            markov_rank=8,
-        )
+        cfg = tiny_dspark_config(target.config, LAYER_IDS)
     else:
         cfg = build_eagle3_config(target.config, target_layer_ids=LAYER_IDS, ttt_length=3)
     torch.manual_seed(seed)

@@ -20,10 +20,21 @@ from dspark_ds.tracking.store import (
 from helpers.dist import free_port
 
 
+def local_run(root, experiment: str = "exp") -> dict:
+    """A tracker's options for the run "r" (its directory `root`/r) in the store under `root`."""
+    return dict(
+        enabled=True,
+        uri=default_uri(str(root)),
+        experiment=experiment,
+        run_name="r",
+        run_dir=str(root / "r"),
+        artifact_location=default_artifact_location(str(root)),
+    )
+
+
 def test_log_then_resume_same_run(tmp_path):
     uri = default_uri(str(tmp_path))
-    kw = dict(enabled=True, uri=uri, experiment="exp", run_name="r", run_dir=str(tmp_path / "r"))
-    kw["artifact_location"] = default_artifact_location(str(tmp_path))
+    kw = local_run(tmp_path)
     t = Tracker.for_rank(0, **kw)
     t.log_params({"train.lr": 0.1, "model.block_size": 7})
     t.log_metrics({"train/loss": 2.0, "train/accept_rate@0": 0.5}, step=1)
@@ -48,15 +59,7 @@ def test_log_then_resume_same_run(tmp_path):
 
 
 def test_other_ranks_and_disabled_do_nothing(tmp_path):
-    t = Tracker.for_rank(
-        1,
-        enabled=True,
-        uri=default_uri(str(tmp_path)),
-        experiment="e",
-        run_name="r",
-        run_dir=str(tmp_path / "r"),
-        artifact_location=default_artifact_location(str(tmp_path)),
-    )
+    t = Tracker.for_rank(1, **local_run(tmp_path, "e"))
     assert not t.enabled and t.run_id is None
     t.log_metrics({"x": 1.0}, step=1)
     t.finish()
@@ -168,15 +171,7 @@ def test_artifacts_stay_under_the_output_directory(tmp_path, monkeypatch):
     export = tmp_path / "export"
     export.mkdir()
     (export / "model.safetensors").write_bytes(b"weights")
-    t = Tracker.for_rank(
-        0,
-        enabled=True,
-        uri=default_uri(str(out)),
-        experiment="exp",
-        run_name="r",
-        run_dir=str(out / "r"),
-        artifact_location=default_artifact_location(str(out)),
-    )
+    t = Tracker.for_rank(0, **local_run(out))
     t.log_text("a: 1\n", "config.yaml")
     t.log_artifacts(str(export), "export")
     t.finish()

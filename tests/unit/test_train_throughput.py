@@ -11,9 +11,8 @@ import torch
 from dspark_ds.config import TrainRunConfig, parse
 from dspark_ds.cost.devices import peak_flops
 from dspark_ds.cost.flops import WindowFlops
-from dspark_ds.drafters.common.blocks import SAMPLER_STATS
 from dspark_ds.drafters.common.memory import StepShape
-from dspark_ds.drafters.kind import StepOutput
+from dspark_ds.drafters.kind import SAMPLER_STATS, StepOutput
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
@@ -45,7 +44,7 @@ def reference_flops(tokens: float, anchors: float, stage: int) -> float:
         taps=5,
         drafter=DSparkShape(num_anchors=anchors, block_size=7, markov_rank=256),
     )
-    drafter = sum(get_kind("dspark").step_flops(shape, PerfConfig(), "cuda", stage).values())
+    drafter = sum(get_kind("dspark").cost.step_flops(shape, PerfConfig(), "cuda", stage).values())
     target = 2 * tokens * LAYERS * LAYER_PARAMS + 4 * (tokens**2 / 2) * HEADS * D * LAYERS
     return drafter + target
 
@@ -190,7 +189,7 @@ def test_a_gemma4_run_counts_its_full_attention_drafter_and_its_sliding_layers(t
             num_anchors=anchors, block_size=model.block_size, markov_rank=model.markov_rank
         ),
     )
-    drafter = sum(get_kind("dspark").step_flops(shape, PerfConfig(), "cuda", 3).values())
+    drafter = sum(get_kind("dspark").cost.step_flops(shape, PerfConfig(), "cuda", 3).values())
     sliding_pairs, full_pairs = 8 * T - 8 * 8 / 2, T * T / 2
     target = 2 * T * layer_params + 4 * 2 * (32 * sliding_pairs + 64 * full_pairs)
     flops = WindowFlops(run_cfg, "cuda", zero_stage=3)

@@ -14,8 +14,8 @@ import torch
 from transformers import Qwen3Config
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
-from dspark_ds.drafters.common.blocks import sample_anchor_positions
 from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.memory import DSparkShape, saved_bytes
 from dspark_ds.drafters.dspark.memory import micro_batch_bytes as activation_bytes
 from dspark_ds.drafters.dspark.step import forward_and_loss
@@ -178,14 +178,14 @@ def test_eagle3_recomputed_layers_save_what_the_model_says():
             loss_chunk_anchors=4,
             activation_checkpointing=recompute,
         )
-        impl = kind.prepare(model, perf, "cpu")
+        impl = kind.train.prepare(model, perf, "cpu")
         context = StepContext(section, perf, impl, seed=3)
 
         def step(context=context):
-            return kind.training_step(model, batch, context).loss
+            return kind.train.training_step(model, batch, context).loss
 
         peaks.append(micro_batch_memory(model, batch, step)["peak_bytes"])
-        models.append(sum(kind.activation_bytes(shape, perf, "cpu", 0).values()))
+        models.append(sum(kind.cost.activation_bytes(shape, perf, "cpu", 0).values()))
     assert peaks[1] < 0.5 * peaks[0]
     assert models[0] - models[1] == pytest.approx(peaks[0] - peaks[1], rel=0.1)
 

@@ -2,10 +2,10 @@
 
 A `StepShape` is what every kind's step has (the micro-batch, the target's widths, the drafter's
 depth and taps, the dtypes) and `drafter`, the kind's own part, which the kind builds from the
-run's `model` section (`DrafterKind.step_part`: drafters/dspark/memory.py `DSparkShape`,
-drafters/eagle3/memory.py `Eagle3Shape`). Each kind turns a `StepShape` into its activation terms
-(`DrafterKind.activation_bytes`) and its matmul FLOPs (`DrafterKind.step_flops`); `dspark-ds tune`
-adds the bytes to the ZeRO states and divides the FLOPs by the cluster's rate (docs/tuner.md).
+run's `model` section (`DrafterKind.cost.step_part`: drafters/dspark/memory.py
+`DSparkShape`, drafters/eagle3/memory.py `Eagle3Shape`). Each kind turns a `StepShape` into its
+activation terms (`cost.activation_bytes`) and its matmul FLOPs (`cost.step_flops`);
+`dspark-ds tune` adds the bytes to the ZeRO states and divides the FLOPs by the cluster's rate (docs/tuner.md).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class StepShape:
     taps: int
     """Tapped target layers (n)."""
     drafter: Any
-    """The kind's part of the shape (`DrafterKind.step_part` of the run's `model` section)."""
+    """The kind's part of the shape (`DrafterKind.cost.step_part` of the run's `model` section)."""
     compute_bytes: int = 2
     """Bytes per element of the drafter's compute dtype (bf16: 2, fp32: 4)."""
     feature_bytes: int = 2

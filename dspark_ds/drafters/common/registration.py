@@ -1,6 +1,7 @@
 """What a drafter kind declares to the registry (drafters/registry.py) before any of its code is
-imported: its `model` fields, its presets, its backends, its serving formats, and where its
-`DrafterKind` class is.
+imported: its `model` fields, its presets and the size block that shrinks them, its backends,
+its serving formats, what it can do (`Capabilities`, plain data) and where its `DrafterKind`
+class is.
 
 Each kind's folder holds one `Registration` (`drafters/<kind>/config.py`, next to its fields);
 the registry lists them, and the `model` section (`DrafterConfig`, drafters/presets.py), the
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,45 @@ class Preset:
     fields: Mapping[str, Any]
     """The `model` fields it sets over the defaults (the paper's sizes)."""
     sized: Callable[[Any], dict[str, Any]]
-    """The overrides that size it to a small target, from a sizes section (the demo's `drafter`
-    section, the bench's config: num_draft_layers, block_size, num_anchors, markov_rank,
-    unrolled_layers)."""
+    """The `model` fields that size it to a small target, from its kind's size block
+    (`Registration.sizes`: the demo's and the bench's); a None value keeps the preset's."""
     claims: tuple[Claim, ...] = ()
+
+
+# the optional heads a kind's drafters can have (`Capabilities.heads`)
+MARKOV_HEAD = "markov"
+CONFIDENCE_HEAD = "confidence"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kind can do, declared as data: the trainer, the tuner, evaluation, the bench and
+    the demo read these fields (`get_kind(name).capabilities`); none of them probes a drafter
+    for an attribute. What one built drafter has (its confidence head, the tokens it drafts a
+    round) its kind answers from the drafter's config (`DrafterKind.decode`)."""
+
+    label: str
+    """How reports name the kind ("DSpark / DFlash")."""
+    drafting: Literal["parallel", "unrolled"]
+    """How a decoding round drafts: "parallel", a block of tokens from one forward; "unrolled",
+    one forward per drafted token, each fed the previous one."""
+    uses_mask_token: bool
+    """Its drafter config needs the MASK token id (the slots of a block after its anchor)."""
+    anchor_blocks: bool
+    """It trains on `model.num_anchors` blocks sampled per sequence (the block-shape warnings,
+    the sampler statistics and the demo's anchor count apply); otherwise on every position."""
+    heads: tuple[str, ...]
+    """The optional heads its drafters can have (`MARKOV_HEAD`, `CONFIDENCE_HEAD`)."""
+    block_layouts: tuple[str, ...]
+    """The layouts of a drafted block it trains in (docs/serving.md#the-block-layout:
+    "anchor", "fill-in"); () when it drafts no blocks."""
+    loss_impls: tuple[str, ...]
+    """perf.loss_impl values it honours."""
+    attn_impls: tuple[str, ...]
+    """perf.attn_implementation values it honours."""
+    bench_variants: tuple[str, ...]
+    """What `dspark-ds bench` runs by default: "<attention>/<loss>" paths, the first its
+    reference (the straight-line path the others are compared with)."""
 
 
 # the transformers config classes of the two backbones every kind's backends build on
@@ -56,12 +92,17 @@ class Registration:
     name: str
     """The `model.kind` value."""
     fields: type
-    """Its `model` fields (a dataclass with `check_fields(self, check)`): one base of
-    `DrafterConfig`."""
+    """Its `model` fields (a dataclass with `check_fields(self, check)`), which `DrafterConfig`
+    appends to the common ones (drafters/presets.py `with_kind_fields`)."""
     kind_class: str
     """"module:Class" of its `DrafterKind` (imported by `get_kind`)."""
     presets: Mapping[str, Preset]
     """Its presets by name (the first is the kind's default drafter)."""
+    sizes: type
+    """Its size block: a dataclass of the sizes that shrink its presets to a small target (each a
+    count >= 1, or None for the preset's own), with `draft_length` (γ: tokens drafted per round).
+    The demo's `drafter` section and the bench's `sizes` hold one per kind
+    (drafters/presets.py `DrafterSizes`); `Preset.sized` reads it."""
     backends: Mapping[str, tuple[str, str, str]]
     """Architecture -> (module, class, transformers config class path) of each backend."""
     architectures: Mapping[str, str]
@@ -71,3 +112,6 @@ class Registration:
     serving: ModuleType
     """Its engine formats (ARCHITECTURES, READS, engine_dict, native_dict, serving_format:
     drafters/serving.py)."""
+    capabilities: Capabilities
+    """What it can do (how it drafts, its heads, the perf paths it honours, its bench
+    variants)."""

@@ -1,7 +1,7 @@
 """One round of speculative decoding as every drafter kind sees it, for R rows at once.
 
 Both decoding loops (dspark_ds/eval/decoding.py at batch 1, dspark_ds/eval/batched.py with
-several prompts in flight) use the same two methods of the drafter's `DrafterKind`
+several prompts in flight) use the same two methods of the drafter's kind (`DrafterKind.decode`)
 (docs/algorithm.md#inference):
 
 - `extend(drafter, VerifiedContext)` appends positions the target verified to the drafter's
@@ -11,8 +11,9 @@ several prompts in flight) use the same two methods of the drafter's `DrafterKin
   cache.
 
 Rows of different lengths share one cache, left-padded: `key_mask` marks each row's real
-columns (None: nothing is padded, as for one row). A drafter has `new_cache()` and
-`confidence_head` (None when it has none).
+columns (None: nothing is padded, as for one row). A drafter has `new_cache()`; whether it scores
+its drafts, and how many it drafts at most, its kind says (`decode.has_confidence`,
+`decode.tokens_per_round`).
 
 Shape legend: R rows, L new positions, S cache columns, m drafts, V vocab, n*H tapped features.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.cache import DraftKVCache
 
 
 @dataclass

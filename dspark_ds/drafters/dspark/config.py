@@ -1,9 +1,11 @@
 """DSpark's fields of the run's `model` section (`model.kind: dspark`, which covers DFlash), the
-weights of its loss (docs/algorithm.md#the-loss), its presets and its registration.
+weights of its loss (docs/algorithm.md#the-loss), its presets, the size block that shrinks them
+to a small target (`DSparkSizes`) and its registration.
 
-`DSparkFields` is one base of `DrafterConfig` (drafters/presets.py): the recipe stays one flat
-`model:` mapping, and these fields, their documentation and their checks live here, with the
-kind that reads them. `REGISTRATION` is what drafters/registry.py lists.
+`DSparkFields` are its fields of `DrafterConfig` (drafters/presets.py `with_kind_fields` appends
+them to the common ones): the recipe stays one flat `model:` mapping, and these fields, their
+documentation and their checks live here, with the kind that reads them. `REGISTRATION` is what
+drafters/registry.py lists.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ from typing import Any, Literal
 
 from dspark_ds.drafters.common.checks import Checker
 from dspark_ds.drafters.common.registration import (
+    CONFIDENCE_HEAD,
     GEMMA4_CONFIG,
+    MARKOV_HEAD,
     QWEN3_CONFIG,
+    Capabilities,
     Claim,
     Preset,
     Registration,
 )
 from dspark_ds.drafters.dspark import serving
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
+from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS, LOSS_IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,16 @@ class LossWeights:
     ce_loss_alpha: float
     l1_loss_alpha: float
     confidence_head_alpha: float
+
+    @classmethod
+    def of(cls, model: Any) -> LossWeights:
+        """The weights a `model` section (a DSpark / DFlash one) sets."""
+        return cls(
+            loss_decay_gamma=model.loss_decay_gamma,
+            ce_loss_alpha=model.ce_loss_alpha,
+            l1_loss_alpha=model.l1_loss_alpha,
+            confidence_head_alpha=model.confidence_head_alpha,
+        )
 
 
 DSPARK_LOSS = LossWeights(
@@ -70,15 +86,6 @@ class DSparkFields:
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha
     """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
 
-    @property
-    def loss_weights(self) -> LossWeights:
-        return LossWeights(
-            loss_decay_gamma=self.loss_decay_gamma,
-            ce_loss_alpha=self.ce_loss_alpha,
-            l1_loss_alpha=self.l1_loss_alpha,
-            confidence_head_alpha=self.confidence_head_alpha,
-        )
-
     def check_fields(self, check: Checker) -> None:
         """These fields' checks (`DrafterConfig.validate`, when model.kind is dspark)."""
         check.at_least_1("block_size", "num_anchors")
@@ -105,9 +112,31 @@ class DSparkFields:
             )
 
 
-def _blocks(d) -> dict[str, Any]:
+@dataclass
+class DSparkSizes:
+    """DSpark / DFlash sized to a small target (the demo's `drafter.dspark`, the bench's
+    `sizes.dspark`): `model` fields set over the preset's."""
+
+    num_draft_layers: int = 2
+    """Backbone layers."""
+    block_size: int = 7
+    """γ: tokens drafted per block; the paper's 7."""
+    num_anchors: int | None = None
+    """Anchor blocks per training sequence; None = the preset's (512). The demo reads None as
+    one block per valid anchor position of its longest training sequence, so that every valid
+    position anchors a block of γ supervised slots, as Eagle3 is supervised at every position
+    over its γ unrolled steps: equal supervision."""
+    markov_rank: int = 64
+    """DSpark's Markov head rank (DFlash has none)."""
+
+    @property
+    def draft_length(self) -> int:
+        return self.block_size
+
+
+def _blocks(s: DSparkSizes) -> dict[str, Any]:
     return dict(
-        num_draft_layers=d.num_draft_layers, block_size=d.block_size, num_anchors=d.num_anchors
+        num_draft_layers=s.num_draft_layers, block_size=s.block_size, num_anchors=s.num_anchors
     )
 
 
@@ -117,7 +146,7 @@ PRESETS: dict[str, Preset] = {
     "dspark": Preset(
         label="DSpark",
         fields={},
-        sized=lambda d: {**_blocks(d), "markov_rank": d.markov_rank},
+        sized=lambda s: {**_blocks(s), "markov_rank": s.markov_rank},
         claims=(
             Claim("tau", "dflash", 1.0, 1.10),
             Claim("tau", "dflash", 0.0, 1.0),
@@ -136,7 +165,7 @@ PRESETS: dict[str, Preset] = {
         ),
         # NOTE: sized, it keeps DSpark's block layout, not the preset's: the demo's comparison
         # isolates the heads (the README's figures were measured so); docs/serving.md
-        sized=lambda d: {**_blocks(d), "sample_from_anchor": True},
+        sized=lambda s: {**_blocks(s), "sample_from_anchor": True},
     ),
 }
 
@@ -145,6 +174,7 @@ REGISTRATION = Registration(
     fields=DSparkFields,
     kind_class="dspark_ds.drafters.dspark.kind:DSpark",
     presets=PRESETS,
+    sizes=DSparkSizes,
     backends={
         "Qwen3DSparkModel": ("dspark_ds.drafters.dspark.qwen3", "Qwen3DSparkModel", QWEN3_CONFIG),
         "Gemma4DSparkModel": (
@@ -160,4 +190,21 @@ REGISTRATION = Registration(
     },
     generic_architecture="Qwen3DSparkModel",
     serving=serving,
+    capabilities=Capabilities(
+        label="DSpark / DFlash",
+        drafting="parallel",
+        uses_mask_token=True,
+        anchor_blocks=True,
+        heads=(MARKOV_HEAD, CONFIDENCE_HEAD),
+        # model.sample_from_anchor true / false (docs/serving.md#the-block-layout)
+        block_layouts=("anchor", "fill-in"),
+        loss_impls=LOSS_IMPLEMENTATIONS,
+        attn_impls=("auto", *ATTN_IMPLEMENTATIONS),
+        bench_variants=(
+            "dense/reference",
+            "blockwise/reference",
+            "dense/chunked",
+            "blockwise/chunked",
+        ),
+    ),
 )

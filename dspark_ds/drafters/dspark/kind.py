@@ -1,4 +1,5 @@
-"""The DSpark / DFlash drafter kind (DFlash is DSpark without the Markov and confidence heads)."""
+"""The DSpark / DFlash drafter kind (DFlash is DSpark without the Markov and confidence heads):
+its parts by the subsystem that asks (drafters/kind.py)."""
 
 from __future__ import annotations
 
@@ -6,50 +7,36 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
-from torch import nn
 
-from dspark_ds.drafters import io
-from dspark_ds.drafters.common.attention import ATTN_IMPLEMENTATIONS
-from dspark_ds.drafters.common.blocks import sampler_stat_sums
 from dspark_ds.drafters.common.memory import StepShape
-from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.dspark import memory
+from dspark_ds.drafters.dspark.build import dspark_config
+from dspark_ds.drafters.dspark.config import REGISTRATION, LossWeights
 from dspark_ds.drafters.dspark.loss import dspark_metrics
 from dspark_ds.drafters.dspark.model import DSparkDraftModel
+from dspark_ds.drafters.dspark.sampler_stats import sampler_stat_sums
 from dspark_ds.drafters.dspark.step import (
     drop_empty_blocks,
     forward_loss,
     loss_impl_for,
     sample_anchors,
 )
-from dspark_ds.drafters.kind import TRAIN_KEYS, DrafterKind, StepContext, StepOutput, bare
-from dspark_ds.drafters.perf import LOSS_IMPLEMENTATIONS, PerfConfig
+from dspark_ds.drafters.kind import (
+    TRAIN_KEYS,
+    DrafterKind,
+    KindCost,
+    KindDecode,
+    KindReport,
+    KindTrain,
+    StepContext,
+    StepOutput,
+    bare,
+)
+from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import DrafterConfig
 
 
-class DSpark(DrafterKind):
-    name = "dspark"
-    label = "DSpark / DFlash"
-    model_class = DSparkDraftModel
-    architectures = io.ARCHITECTURES["dspark"]
-    uses_mask_token = True
-    anchor_blocks = True
-    loss_impls = LOSS_IMPLEMENTATIONS
-    attn_impls = ("auto", *ATTN_IMPLEMENTATIONS)
-    bench_variants = (
-        "dense/reference",
-        "blockwise/reference",
-        "dense/chunked",
-        "blockwise/chunked",
-    )
-
-    def build_config(
-        self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
-    ):
-        return io.dspark_config(
-            target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
-        )
-
+class DSparkTrain(KindTrain):
     def loss_impl_for(self, loss_impl: str, zero3: bool) -> str:
         return loss_impl_for(loss_impl, zero3)
 
@@ -81,7 +68,7 @@ class DSpark(DrafterKind):
         out = forward_loss(
             model,
             {**inputs, "anchor_positions": anchors, "block_keep_mask": keep},
-            ctx.model.loss_weights,
+            LossWeights.of(ctx.model),
             impl=ctx.loss_impl,
             chunk_anchors=ctx.perf.chunk_anchors(device),
             over_ranks=ctx.training,
@@ -91,14 +78,18 @@ class DSpark(DrafterKind):
         return out
 
     def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
-        return dspark_metrics(dict(sums), model.loss_weights)
+        return dspark_metrics(dict(sums), LossWeights.of(model))
 
-    def extend(self, drafter: nn.Module, context: VerifiedContext) -> None:
-        drafter.extend_context(context)
 
-    def propose(self, drafter: nn.Module, draft_round: DraftRound) -> Proposal:
-        return drafter.propose_round(draft_round)
+class DSparkDecode(KindDecode):
+    def tokens_per_round(self, config) -> int:
+        return int(config.block_size)  # γ: a block's drafts
 
+    def has_confidence(self, config) -> bool:
+        return bool(getattr(config, "enable_confidence_head", False))
+
+
+class DSparkCost(KindCost):
     def step_part(self, model: DrafterConfig) -> memory.DSparkShape:
         return memory.DSparkShape.of(model)
 
@@ -121,12 +112,30 @@ class DSpark(DrafterKind):
     ) -> dict[str, float]:
         return memory.step_flops(shape, perf, device, zero_stage)
 
-    def tags(self, config) -> dict[str, object]:
-        return {"markov_rank": int(config.markov_rank), "block_size": int(config.block_size)}
 
+class DSparkReport(KindReport):
     def describe(self, model: DrafterConfig) -> str:
         heads = f"Markov rank {model.markov_rank}" if model.markov_rank else "no Markov head"
         return (
             f"DSpark {model.num_draft_layers} layers, A={model.num_anchors} "
             f"γ={model.block_size}, {heads}"
+        )
+
+    def tags(self, config) -> dict[str, object]:
+        return {"markov_rank": int(config.markov_rank), "block_size": int(config.block_size)}
+
+
+class DSpark(DrafterKind):
+    registration = REGISTRATION
+    model_class = DSparkDraftModel
+    train = DSparkTrain(REGISTRATION)
+    decode = DSparkDecode()
+    cost = DSparkCost()
+    report = DSparkReport()
+
+    def build_config(
+        self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
+    ):
+        return dspark_config(
+            target_config, model, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id
         )

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark_ds import distributed
-from dspark_ds.drafters.common.blocks import DSparkForwardOutput
+from dspark_ds.drafters.dspark.blocks import DSparkForwardOutput
 from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.kind import StepOutput, ratio
 

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dspark_ds.drafters.common.attention import attend, build_block_mask
-from dspark_ds.drafters.common.blocks import (
-    DraftKVCache,
+from dspark_ds.drafters.common.cache import DraftKVCache
+from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
+from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
+from dspark_ds.drafters.common.sampling import sample_from_logits
+from dspark_ds.drafters.dspark.block_attention import attend, build_block_mask
+from dspark_ds.drafters.dspark.blocks import (
     DSparkForwardOutput,
     build_eval_mask,
     build_label_indices,
@@ -25,9 +28,6 @@ from dspark_ds.drafters.common.blocks import (
     gather_blocks,
     sample_anchor_positions,
 )
-from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
-from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
-from dspark_ds.drafters.common.sampling import sample_from_logits
 from dspark_ds.drafters.dspark.markov import ConfidenceHead, build_markov_head
 from dspark_ds.errors import ConfigError
 

@@ -14,7 +14,7 @@ from dataclasses import asdict
 import torch
 from torch import nn
 
-from dspark_ds.drafters.common.blocks import sample_anchor_positions
+from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.dspark.loss import dspark_loss, dspark_metrics
 from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss, recompute_dspark_loss

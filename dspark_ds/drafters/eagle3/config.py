@@ -1,9 +1,10 @@
-"""Eagle3's fields of the run's `model` section (`model.kind: eagle3`), its preset and its
-registration.
+"""Eagle3's fields of the run's `model` section (`model.kind: eagle3`), its preset, the size
+block that shrinks it to a small target (`Eagle3Sizes`) and its registration.
 
-`Eagle3Fields` is one base of `DrafterConfig` (drafters/presets.py): the recipe stays one flat
-`model:` mapping, and these fields, their documentation and their checks live here, with the
-kind that reads them. `REGISTRATION` is what drafters/registry.py lists.
+`Eagle3Fields` are its fields of `DrafterConfig` (drafters/presets.py `with_kind_fields` appends
+them to the common ones): the recipe stays one flat `model:` mapping, and these fields, their
+documentation and their checks live here, with the kind that reads them. `REGISTRATION` is what
+drafters/registry.py lists.
 """
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark_ds.drafters.common.checks import Checker
-from dspark_ds.drafters.common.registration import GEMMA4_CONFIG, QWEN3_CONFIG, Preset, Registration
+from dspark_ds.drafters.common.registration import (
+    GEMMA4_CONFIG,
+    QWEN3_CONFIG,
+    Capabilities,
+    Preset,
+    Registration,
+)
 from dspark_ds.drafters.eagle3 import serving
+from dspark_ds.drafters.eagle3.model import TTT_ATTN_IMPLEMENTATIONS
 
 # the loss of unrolled step k is weighted by STEP_LOSS_DECAY ** k
 STEP_LOSS_DECAY = 0.8
+# perf.loss_impl values Eagle3 honours (eagle3/loss.py's paths)
+LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")
 
 
 @dataclass
@@ -33,15 +43,30 @@ class Eagle3Fields:
         check("step_loss_decay", self.step_loss_decay > 0, "must be > 0")
 
 
+@dataclass
+class Eagle3Sizes:
+    """Eagle3 sized to a small target (the demo's `drafter.eagle3`, the bench's
+    `sizes.eagle3`): `model` fields set over the preset's."""
+
+    num_draft_layers: int = 1
+    """Layers unrolled once per drafted token (the paper's baseline has one)."""
+    ttt_length: int = 7
+    """Training-time-test steps, also tokens drafted per round: the others' γ (7), so that every
+    drafter proposes at most γ tokens a round and is trained on the same γ next tokens of every
+    position."""
+
+    @property
+    def draft_length(self) -> int:
+        return self.ttt_length
+
+
 PRESETS: dict[str, Preset] = {
     # Eagle3: one autoregressive layer unrolled over 7 training-time-test steps
     # (ttt_length and step_loss_decay: the defaults)
     "eagle3": Preset(
         label="Eagle3",
         fields=dict(num_draft_layers=1),
-        # ttt_length = γ: every drafter proposes at most γ tokens a round, and is trained on
-        # the same γ next tokens of every position
-        sized=lambda d: {"num_draft_layers": d.unrolled_layers, "ttt_length": d.block_size},
+        sized=lambda s: {"num_draft_layers": s.num_draft_layers, "ttt_length": s.ttt_length},
     ),
 }
 
@@ -50,6 +75,7 @@ REGISTRATION = Registration(
     fields=Eagle3Fields,
     kind_class="dspark_ds.drafters.eagle3.kind:Eagle3",
     presets=PRESETS,
+    sizes=Eagle3Sizes,
     backends={
         "Qwen3Eagle3Model": ("dspark_ds.drafters.eagle3.qwen3", "Qwen3Eagle3Model", QWEN3_CONFIG),
         "Gemma4Eagle3Model": (
@@ -65,4 +91,15 @@ REGISTRATION = Registration(
     },
     generic_architecture="Qwen3Eagle3Model",
     serving=serving,
+    capabilities=Capabilities(
+        label="Eagle3",
+        drafting="unrolled",
+        uses_mask_token=False,
+        anchor_blocks=False,
+        heads=(),
+        block_layouts=(),
+        loss_impls=LOSS_IMPLEMENTATIONS,
+        attn_impls=("auto", *TTT_ATTN_IMPLEMENTATIONS),
+        bench_variants=("dense/reference", "dense/chunked"),  # flex: CUDA only (no CPU backward)
+    ),
 )

@@ -47,11 +47,3 @@ class Gemma4Eagle3Model(Gemma4Backend, Eagle3DraftModel):
 
     def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.softcap(self.lm_head(normed))
-
-    @staticmethod
-    def interchange_config_dict(data: dict, config) -> dict:
-        """The reference layout (global_head_dim, num_global_key_value_heads), without the
-        runtime `block_size` alias."""
-        data = Gemma4Backend.interchange_config_dict(data, config)
-        data.pop("block_size", None)
-        return data

@@ -1,43 +1,33 @@
-"""The Eagle3 drafter kind: one autoregressive layer unrolled over training-time-test steps."""
+"""The Eagle3 drafter kind, one autoregressive layer unrolled over training-time-test steps: its
+parts by the subsystem that asks (drafters/kind.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import torch
-from torch import nn
 
-from dspark_ds.drafters import io
 from dspark_ds.drafters.common.memory import StepShape
-from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.eagle3 import loss, memory
-from dspark_ds.drafters.eagle3.model import TTT_ATTN_IMPLEMENTATIONS, Eagle3DraftModel
-from dspark_ds.drafters.kind import TRAIN_KEYS, DrafterKind, StepContext, StepOutput, bare
+from dspark_ds.drafters.eagle3.build import eagle3_config
+from dspark_ds.drafters.eagle3.config import REGISTRATION
+from dspark_ds.drafters.eagle3.model import Eagle3DraftModel
+from dspark_ds.drafters.kind import (
+    TRAIN_KEYS,
+    DrafterKind,
+    KindCost,
+    KindDecode,
+    KindReport,
+    KindTrain,
+    StepContext,
+    StepOutput,
+    bare,
+)
 from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import DrafterConfig
 
 
-class Eagle3(DrafterKind):
-    name = "eagle3"
-    label = "Eagle3"
-    model_class = Eagle3DraftModel
-    architectures = io.ARCHITECTURES["eagle3"]
-    uses_mask_token = False
-    anchor_blocks = False
-    loss_impls = loss.LOSS_IMPLEMENTATIONS
-    attn_impls = ("auto", *TTT_ATTN_IMPLEMENTATIONS)
-    bench_variants = ("dense/reference", "dense/chunked")  # flex: CUDA only (no CPU backward)
-
-    def build_config(
-        self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
-    ):
-        return io.eagle3_config(
-            target_config,
-            model,
-            target_layer_ids=target_layer_ids,
-            target_model_name_or_path=target_path,
-        )
-
+class Eagle3Train(KindTrain):
     def loss_impl_for(self, loss_impl: str, zero3: bool) -> str:
         return loss.loss_impl_for(loss_impl, zero3)
 
@@ -60,12 +50,16 @@ class Eagle3(DrafterKind):
     def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
         return loss.eagle3_metrics(dict(sums), model.step_loss_decay)
 
-    def extend(self, drafter: nn.Module, context: VerifiedContext) -> None:
-        drafter.extend_context(context)
 
-    def propose(self, drafter: nn.Module, draft_round: DraftRound) -> Proposal:
-        return drafter.propose_round(draft_round)
+class Eagle3Decode(KindDecode):
+    def tokens_per_round(self, config) -> int:
+        return int(config.ttt_length)  # one draft per unrolled step
 
+    def has_confidence(self, config) -> bool:
+        return False
+
+
+class Eagle3Cost(KindCost):
     def step_part(self, model: DrafterConfig) -> memory.Eagle3Shape:
         return memory.Eagle3Shape.of(model)
 
@@ -88,8 +82,29 @@ class Eagle3(DrafterKind):
     ) -> dict[str, float]:
         return memory.step_flops(shape, perf, device, zero_stage)
 
+
+class Eagle3Report(KindReport):
+    def describe(self, model: DrafterConfig) -> str:
+        return f"Eagle3 {model.num_draft_layers} layer(s), T={model.ttt_length}"
+
     def tags(self, config) -> dict[str, object]:
         return {"ttt_length": getattr(config, "ttt_length", None)}
 
-    def describe(self, model: DrafterConfig) -> str:
-        return f"Eagle3 {model.num_draft_layers} layer(s), T={model.ttt_length}"
+
+class Eagle3(DrafterKind):
+    registration = REGISTRATION
+    model_class = Eagle3DraftModel
+    train = Eagle3Train(REGISTRATION)
+    decode = Eagle3Decode()
+    cost = Eagle3Cost()
+    report = Eagle3Report()
+
+    def build_config(
+        self, target_config, model, *, target_layer_ids, mask_token_id=None, target_path=None
+    ):
+        return eagle3_config(
+            target_config,
+            model,
+            target_layer_ids=target_layer_ids,
+            target_model_name_or_path=target_path,
+        )

@@ -29,13 +29,12 @@ from __future__ import annotations
 import torch
 
 from dspark_ds import distributed
-from dspark_ds.drafters.eagle3.config import STEP_LOSS_DECAY
+from dspark_ds.drafters.eagle3.config import LOSS_IMPLEMENTATIONS, STEP_LOSS_DECAY
 from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput, Eagle3Hidden
 from dspark_ds.drafters.kind import StepOutput, bare, ratio
 from dspark_ds.errors import ConfigError
 
 EPS = 1e-6
-LOSS_IMPLEMENTATIONS = ("auto", "reference", "chunked")  # perf.loss_impl values Eagle3 honours
 
 
 def loss_impl_for(impl: str, zero3: bool) -> str:

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 
 from dspark_ds.drafters.common.attention import attend
-from dspark_ds.drafters.common.blocks import DraftKVCache
+from dspark_ds.drafters.common.cache import DraftKVCache
 from dspark_ds.drafters.common.flex import flex_attend
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop
@@ -190,7 +190,6 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
     architecture: str = ""
     REQUIRED_CONFIG_FIELDS = EAGLE3_FIELDS  # what config.json must carry
     OPTIONAL_CONFIG_FIELDS: dict = {}
-    confidence_head: nn.Module | None = None  # Eagle3 has none (every drafter answers it)
 
     def __init__(self, config):
         super().__init__()
@@ -202,10 +201,6 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         self.target_layer_ids = [int(i) for i in config.target_layer_ids]
         self.ttt_length = int(config.ttt_length)
         self.step_loss_decay = float(config.step_loss_decay)
-        # NOTE: the decoding loop, calibration and reports size a round by `config.block_size`
-        # (γ, the most tokens one round proposes); for Eagle3 that is ttt_length. It is a
-        # runtime alias only: `interchange_config_dict` drops it from config.json.
-        config.block_size = self.ttt_length
         # "auto": flex_attention on CUDA tensors, the exact dense kernel elsewhere.
         self.attn_implementation = "auto"
         # perf.activation_checkpointing (set by the kind's `prepare`): recompute each layer of
@@ -235,13 +230,6 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         return self.head_logits(self.norm(hidden))
 
     # ---- set-up (the same contract as DSparkDraftModel) --------------------------------------
-    @staticmethod
-    def interchange_config_dict(data: dict, config) -> dict:
-        """config.json as the reference writes it (without the runtime `block_size` alias)."""
-        data = dict(data)
-        data.pop("block_size", None)
-        return data
-
     def resolve_attn_implementation(self, device: torch.device) -> str:
         impl = self.attn_implementation
         if impl == "auto":

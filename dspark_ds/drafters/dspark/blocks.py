@@ -1,4 +1,6 @@
-"""Pieces of the DSpark training forward that do not depend on the target family.
+"""DSpark's anchor blocks: the anchors sampled per sequence, each block's input ids, positions,
+labels and supervised prefix (docs/algorithm.md#anchors), and what a training forward returns.
+They do not depend on the target family.
 
 Shape legend: B batch, S sequence length, A anchors (blocks) per sample, G = γ block size,
 V vocab, H hidden size.
@@ -123,90 +125,3 @@ def gather_blocks(x_BSD: torch.Tensor, index_BAG: torch.Tensor) -> torch.Tensor:
     bsz, num_blocks, block_size = index_BAG.shape
     flat = index_BAG.reshape(bsz, -1, 1).expand(-1, -1, x_BSD.shape[-1])
     return x_BSD.gather(1, flat).view(bsz, num_blocks, block_size, -1)
-
-
-class DraftKVCache:
-    """Per-layer keys / values of the context features already projected (inference only).
-
-    Only verified context stays between rounds (a chain drafter crops its draft keys off
-    again). `last_hidden` [B, H] is the drafter's state at each row's last verified position,
-    for a kind that drafts on from it (Eagle3); the decoding loops move it with the rows.
-    """
-
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.last_hidden: torch.Tensor | None = None
-
-    @property
-    def seq_length(self) -> int:
-        k = self.keys[0]
-        return 0 if k is None else int(k.shape[-2])
-
-    def append(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """k, v: [B, heads, L_new, D]; returns the full cached keys / values."""
-        if self.keys[layer_idx] is not None:
-            k = torch.cat([self.keys[layer_idx], k], dim=-2)
-            v = torch.cat([self.values[layer_idx], v], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = k, v
-        return k, v
-
-    def crop(self, length: int) -> None:
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k is not None:
-                self.keys[i], self.values[i] = k[..., :length, :], v[..., :length, :]
-
-
-# The reference's sampler statistics (per-sample means; logged as train/<name>).
-SAMPLER_STATS = (
-    "valid_anchors_abs",
-    "valid_anchors_ratio",
-    "sampled_anchors_abs",
-    "sampled_anchors_ratio",
-    "block_supervised_tokens_abs",
-    "block_supervised_tokens_ratio",
-)
-
-
-@torch.no_grad()
-def sampler_stat_sums(
-    loss_mask: torch.Tensor,
-    anchor_positions: torch.Tensor,
-    block_keep_mask: torch.Tensor,
-    *,
-    num_anchors: int,
-    block_size: int,
-) -> torch.Tensor:
-    """fp64 [7] on the batch's device: sums over the samples of a micro-batch of each
-    `SAMPLER_STATS` entry, then the sample count: divide the first six by the last (summed over
-    micro-batches and ranks) for the means.
-
-    Per sample: valid anchors (candidates, docs/algorithm.md#anchors) and that count over the batch's padded
-    length S; sampled anchors (kept blocks) and that count over `num_anchors`; supervised slots
-    per kept block (the eval mask's prefix length) and that over γ.
-    """
-    seq_len = loss_mask.shape[1]
-    valid = build_anchor_candidate_mask(loss_mask).sum(dim=1).double()
-    sampled = block_keep_mask.sum(dim=1).double()
-    label_idx, safe_idx = build_label_indices(
-        anchor_positions, block_keep_mask, block_size=block_size, seq_len=seq_len
-    )
-    eval_mask = build_eval_mask(
-        seq_len=seq_len,
-        loss_mask=loss_mask,
-        label_indices=label_idx,
-        safe_label_indices=safe_idx,
-        block_keep_mask=block_keep_mask,
-    )
-    per_block = eval_mask.sum(dim=(1, 2)).double() / sampled.clamp(min=1.0)
-    return torch.stack(
-        [
-            valid.sum(),
-            (valid / max(seq_len, 1)).sum(),
-            sampled.sum(),
-            (sampled / max(num_anchors, 1)).sum(),
-            per_block.sum(),
-            (per_block / block_size).sum(),
-            valid.new_tensor(float(loss_mask.shape[0])),
-        ]
-    )

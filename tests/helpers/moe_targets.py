@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers.tiny_models import build_tiny_tokenizer
+from helpers.tiny_models import build_tiny_tokenizer, special_token_ids, tiny_widths
 
 _MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
 _DEEPSEEK_MOE = dict(
@@ -96,12 +96,10 @@ _VISION = dict(
 
 def moe_config(family: str, vocab_size: int, **overrides):
     """A tiny config of `family` (Kimi-K2.5: the whole vision-language config)."""
-    kw = dict(
-        vocab_size=vocab_size,
+    kw = tiny_widths(
+        vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -148,8 +146,7 @@ def build_tiny_moe_target(out_dir: str | Path, family: str, *, seed: int = 0) ->
 
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir)
-    ids = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    cfg = moe_config(family, len(tok), **ids)
+    cfg = moe_config(family, len(tok), **special_token_ids(tok))
     torch.manual_seed(seed)
     if family == "kimi_k25":
         model = Kimi_K25ForConditionalGeneration(cfg).eval()

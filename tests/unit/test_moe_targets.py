@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dspark_ds.drafters.io import build_draft_config
+from dspark_ds.drafters import build_draft_config
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.decoding import speculative_generate

@@ -68,7 +68,7 @@ def read_target_config(
     if local is not None and not (local / "config.json").is_file():
         raise _without_config(option, path, local)
     try:
-        return AutoConfig.from_pretrained(
+        config = AutoConfig.from_pretrained(
             path, revision=revision, trust_remote_code=trust_remote_code
         )
     except OSError as err:  # not found on the hub, no connection
@@ -89,6 +89,12 @@ def read_target_config(
             f"{__version__} does not know; a newer transformers, or target.trust_remote_code "
             "with the checkpoint's own code, may read it"
         ) from None
+    if not _has_causal_lm(config) and not _has_causal_lm(getattr(config, "text_config", config)):
+        raise ConfigError(
+            f"{option}: {path} is a {config.model_type} checkpoint, which has no causal LM: "
+            "transformers has no AutoModelForCausalLM class for it, nor for a text model in it"
+        )
+    return config
 
 
 def _raw_model_type(config_json: Path) -> str | None:

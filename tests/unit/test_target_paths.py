@@ -67,8 +67,15 @@ def test_the_other_readers_of_a_target_say_the_same(case, tmp_path, capsys):
     assert says in str(raised.value)
 
 
-def test_a_checkpoint_without_a_causal_lm_is_refused_by_name():
+def test_a_checkpoint_without_a_causal_lm_is_refused_by_name(tmp_path, capsys):
     """A model transformers reads but that is no causal LM, nor holds a text model that is."""
-    cfg = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    cfg = AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=4, num_attention_heads=2)
     with pytest.raises(ConfigError, match="^target.path: vit checkpoints have no causal-LM class"):
         causal_lm_config(cfg)
+    cfg.save_pretrained(tmp_path / "vit")
+    argv = ["train", "--config", "dspark_ds/recipes/tiny_cpu.yaml"]
+    argv += ["--target.path", str(tmp_path / "vit"), f"--output_dir={tmp_path / 'runs'}"]
+    assert cli_main([*argv, "--model.mask_token_id", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"target.path: {tmp_path / 'vit'} is a vit checkpoint, which has no causal LM" in err

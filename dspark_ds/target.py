@@ -23,6 +23,7 @@ from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_model_path, first_line
+from dspark_ds.target_checkpoint import causal_lm_config, read_target_config
 from dspark_ds.target_weights import TargetWeights, local_target_dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,20 +78,9 @@ def _model_kwargs(cfg: TargetConfig) -> dict:
 def target_model_config(cfg: TargetConfig, partitioned: bool = False):
     """The target's transformers config (ConfigError when it cannot be read). `partitioned`:
     for a target loaded partition by partition (ZeRO-3), which reads plain weights only."""
-    # lazy: transformers, 0.9 s of import
-    from transformers import AutoConfig
-
-    check_model_path(cfg.path, "target.path")
-    if not cfg.path:
-        raise ConfigError("target.path is required (a local directory or a hub id)")
-    try:
-        config = AutoConfig.from_pretrained(
-            cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
-        )
-    except OSError as err:
-        raise ConfigError(
-            f"target.path: cannot read a model config from {cfg.path!r} ({first_line(err)})"
-        ) from None
+    config = read_target_config(
+        cfg.path, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+    )
     quant = getattr(config, "quantization_config", None)
     if partitioned and quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -112,7 +102,7 @@ def import_target_class(config) -> None:
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(causal_lm_config(config))]
     except (KeyError, ValueError):  # remote code: imported by from_config itself
         pass
 
@@ -120,15 +110,42 @@ def import_target_class(config) -> None:
 def build_target_model(cfg: TargetConfig, config) -> nn.Module:
     """The target's model class built from `config`, its weights left uninitialised (they are
     read from the checkpoint next; under `zero.Init` each parameter is partitioned as its module
-    is built, and transformers' init would index into the empty partitions)."""
+    is built, and transformers' init would index into the empty partitions). A vision-language
+    checkpoint's target is its text model (`target_checkpoint.causal_lm_config`)."""
     # lazy: transformers, 0.9 s of import
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # NOTE: this skips the tying of embeddings too
-        model = AutoModelForCausalLM.from_config(config, **_model_kwargs(cfg))
+        model = AutoModelForCausalLM.from_config(causal_lm_config(config), **_model_kwargs(cfg))
     model.tie_weights()
     return model
+
+
+def load_causal_lm(cfg: TargetConfig) -> nn.Module:
+    """The target's causal LM on the CPU: `AutoModelForCausalLM.from_pretrained`, or, for a
+    vision-language checkpoint whose family has none (Kimi-K2.5), its text model built from the
+    text config and filled with the text model's weights alone (the vision tower is not read)."""
+    # lazy: transformers, 0.9 s of import
+    from transformers import AutoModelForCausalLM
+
+    config = target_model_config(cfg)
+    if causal_lm_config(config) is config:
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.path, config=config, revision=cfg.revision, **_model_kwargs(cfg)
+        )
+    model = build_target_model(cfg, config)
+    weights = TargetWeights(local_target_dir(cfg.path, cfg.revision))
+    state = {name: source.read().view(source.shape) for name, source in weights.sources(model)}
+    missing, _ = model.load_state_dict(state, strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=True)}
+    missing = [name for name in missing if name in tied]
+    if missing:
+        raise ConfigError(
+            f"target.path: {cfg.path} holds no value for {missing[0]} of its "
+            f"{config.model_type} checkpoint's text model ({len(missing)} missing)"
+        )
+    return model.eval()
 
 
 def default_layer_ids(num_layers: int, num_taps: int = 5) -> list[int]:
@@ -172,6 +189,15 @@ def _first_tensor(value) -> torch.Tensor:
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
+def residual_state(hidden: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's hidden state as the features take it, [B, S, H]. DeepSeek-V4's
+    hyper-connections keep `hc_mult` residual streams, [B, S, hc_mult, H], which its own
+    layers mix with weights computed per token and its head collapses only after the last
+    layer: a tapped layer is the mean of its streams (they all start as the embedding, so id
+    -1 is the embedding itself; the last id is the final normed state, as for every family)."""
+    return hidden.mean(dim=-2) if hidden.dim() == 4 else hidden
+
+
 class FrozenTarget(nn.Module):
     """A causal LM of any family in eval mode with no gradients that returns the tapped features.
 
@@ -207,12 +233,12 @@ class FrozenTarget(nn.Module):
 
     def _embedding_hook(self, _module, args, kwargs):
         if -1 in self.layer_ids:
-            self._taps[-1] = args[0] if args else kwargs["hidden_states"]
+            self._taps[-1] = residual_state(args[0] if args else kwargs["hidden_states"])
 
     def _hook(self, layer_id: int):
         def fn(_module, _inputs, output):
             if layer_id in self.layer_ids:
-                self._taps[layer_id] = _first_tensor(output)
+                self._taps[layer_id] = residual_state(_first_tensor(output))
 
         return fn
 
@@ -251,15 +277,8 @@ class FrozenTarget(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: TargetConfig, device: torch.device | str | None = None):
-        # lazy: transformers, 0.9 s of import
-        from transformers import AutoModelForCausalLM
-
-        if not cfg.path:
-            raise ConfigError("target.path is required (a local directory or a hub id)")
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.path, revision=cfg.revision, **_model_kwargs(cfg)
-            )
+            model = load_causal_lm(cfg)
         except OSError as err:  # not found, not a model, no connection: one line, exit 2
             raise ConfigError(
                 f"target.path: cannot load a model from {cfg.path!r} ({first_line(err)})"
@@ -374,17 +393,12 @@ def _meta_target(target_path: str):
     """(the target's local directory, its model built on the meta device, {id(parameter): its
     names}): what the readers below use to learn a parameter's name in any family."""
     # lazy: transformers, 0.9 s of import
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     root = local_target_dir(target_path)
-    try:
-        config = AutoConfig.from_pretrained(root)
-    except OSError as err:
-        raise ConfigError(
-            f"target.path: cannot read a model config from {target_path!r} ({first_line(err)})"
-        ) from None
+    config = read_target_config(str(root))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(causal_lm_config(config))
     names: dict[int, list[str]] = {}  # a tied weight has both names; the checkpoint one
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)

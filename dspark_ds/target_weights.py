@@ -36,6 +36,7 @@ from torch import nn
 
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import looks_local
+from dspark_ds.target_checkpoint import is_text_model_of, text_model_names, whole_model_on_meta
 
 _DTYPES = {
     "F64": torch.float64,
@@ -181,7 +182,45 @@ class TargetWeights:
         """(name in `model`'s state dict, where its value is) for every stored tensor the model
         uses (or only those named in `only`), one stored tensor or one converted group at a
         time, with the key renamings and converters transformers' `from_pretrained` applies to
-        this model. `model` may be on the meta device."""
+        this model. `model` may be on the meta device. The text model of a vision-language
+        checkpoint (`target_checkpoint.causal_lm_config`) is read under the whole model's
+        names and conversions, renamed to its own; nothing else of the checkpoint is read."""
+        whole_config = self._whole_config(model)
+        if whole_config is None:
+            yield from self._sources(model, only)
+            return
+        whole = whole_model_on_meta(whole_config)
+        renames = text_model_names(whole, model)
+
+        def rename(name: str) -> str | None:
+            for theirs, ours in renames.items():
+                if name.startswith(theirs):
+                    return ours + name.removeprefix(theirs)
+            return None
+
+        wanted = {n for n in state_names(whole) if rename(n) is not None}
+        if only is not None:
+            wanted = {n for n in wanted if rename(n) in only}
+        for name, source in self._sources(whole, wanted):
+            yield rename(name), source
+
+    def _whole_config(self, model: nn.Module):
+        """The checkpoint's config when `model` is the text model inside it, else None."""
+        # lazy: transformers, 0.9 s of import
+        from transformers import AutoConfig
+
+        try:
+            stored = json.loads((self.root / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            return None
+        if stored is None or stored == getattr(model.config, "model_type", stored):
+            return None
+        whole = AutoConfig.from_pretrained(self.root)
+        return whole if is_text_model_of(whole) else None
+
+    def _sources(
+        self, model: nn.Module, only: set[str] | None
+    ) -> Iterator[tuple[str, StoredTensor | Computed]]:
         # lazy: transformers, 0.9 s of import
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (

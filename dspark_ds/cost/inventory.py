@@ -15,6 +15,7 @@ from dspark_ds.drafters.common.target_config import global_attr
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import default_layer_ids, text_config
+from dspark_ds.target_checkpoint import causal_lm_config, read_target_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -164,6 +165,8 @@ def target_config_of(path: str):
 
     if path in KNOWN_TARGETS and not Path(path).exists():
         return Qwen3Config(**KNOWN_TARGETS[path])
+    if Path(path).expanduser().exists():
+        return read_target_config(path)
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as err:
@@ -244,7 +247,7 @@ def inventory(run_cfg) -> Inventory:
     draft_cfg = _draft_config(run_cfg, tcfg_full, layer_ids)
     with torch.device("meta"):
         drafter = build_draft_model(draft_cfg)
-        target = AutoModelForCausalLM.from_config(tcfg_full)
+        target = AutoModelForCausalLM.from_config(causal_lm_config(tcfg_full))
     shared = set(drafter.shared_parameter_names())
     for name, p in drafter.named_parameters():
         p.requires_grad_(name not in shared)  # as training runs it (the shared two frozen)

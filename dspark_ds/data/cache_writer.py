@@ -41,6 +41,7 @@ from dspark_ds.target import (
     text_config,
     validate_layer_ids,
 )
+from dspark_ds.target_checkpoint import read_target_config
 
 
 def write_shard(
@@ -300,14 +301,10 @@ def build_cache(
 
 def estimate_cache(cfg: EstimateCacheConfig) -> dict:
     """``dspark-ds estimate cache``: bytes a cache will take, without running the target."""
-    # lazy: transformers, 0.9 s of import
-    from transformers import AutoConfig
-
     if not cfg.target.path:
         raise ConfigError("target.path is required (only its config.json is read)")
-    check_model_path(cfg.target.path, "target.path")
     tcfg = text_config(
-        AutoConfig.from_pretrained(
+        read_target_config(
             cfg.target.path,
             revision=cfg.target.revision,
             trust_remote_code=cfg.target.trust_remote_code,

@@ -41,26 +41,19 @@ from dspark_ds.data.regen_parts import (
 )
 from dspark_ds.data.tokens import atomic_write_text
 from dspark_ds.errors import ConfigError
-from dspark_ds.files import check_exists, check_model_path, first_line
-from dspark_ds.target import config_sha256
+from dspark_ds.files import check_exists, check_model_path
+from dspark_ds.target import config_sha256, load_causal_lm
+from dspark_ds.target_checkpoint import read_target_config
 
 
 def run_inputs(cfg: RegenerateConfig) -> dict:
     """What every output row depends on: the input files' bytes and every setting that changes
     an answer, with a sha256 over all of it (``fingerprint``)."""
-    # lazy: transformers, 0.9 s of import
-    from transformers import AutoConfig
-
-    try:
-        target_config = AutoConfig.from_pretrained(
-            cfg.target.path,
-            revision=cfg.target.revision,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
-    except OSError as err:
-        raise ConfigError(
-            f"target.path: cannot read a model config from {cfg.target.path!r} ({first_line(err)})"
-        ) from None
+    target_config = read_target_config(
+        cfg.target.path,
+        revision=cfg.target.revision,
+        trust_remote_code=cfg.target.trust_remote_code,
+    )
     settings = answer_settings(cfg) | {
         "target.path": cfg.target.path,
         "target.revision": cfg.target.revision,
@@ -200,20 +193,8 @@ def _open_part(cfg: RegenerateConfig, rank: int, world: int) -> tuple[Path, set[
 
 
 def _load_generator(cfg: RegenerateConfig) -> _Generator:
-    # lazy: transformers, 0.9 s of import
-    from transformers import AutoModelForCausalLM
-
     device = torch.device(cfg.target.device) if cfg.target.device else dist.local_device()
-    model = (
-        AutoModelForCausalLM.from_pretrained(
-            cfg.target.path,
-            dtype=cfg.target.torch_dtype,
-            revision=cfg.target.revision,
-            trust_remote_code=cfg.target.trust_remote_code,
-        )
-        .to(device)
-        .eval()
-    )
+    model = load_causal_lm(cfg.target).to(device).eval()
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, cfg.target.trust_remote_code)
     # Only prompts are rendered here (no loss mask), with the data's own system prompt.
     chat = ChatTokenizer(

@@ -33,6 +33,7 @@ from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedConte
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
+from dspark_ds.eval.compressed import check_batched_target
 from dspark_ds.eval.padded import PaddedCaches, target_forward
 from dspark_ds.eval.policy import POLICIES, SPS, VerifyPolicy
 from dspark_ds.eval.recurrent import RecurrentState
@@ -108,6 +109,7 @@ class BatchedDecoder:
         self.batch_size = batch_size
         self.temperature, self.generator = temperature, generator
         self.stops = {int(t) for t in (stop_token_ids or [])}
+        check_batched_target(target.config)
         # the target alone keeps every column it verifies: nothing to roll back
         self.states = RecurrentState.for_target(target) if drafter is not None else None
 

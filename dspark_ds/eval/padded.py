@@ -11,7 +11,9 @@ columns are dropped by shifting the row right by (its drop - the smallest drop) 
 the smallest drop off every row, so the row stays right-aligned and its padding grows. Padding
 every row shares is cut off again.
 
-A hybrid target's recurrent layers have no columns: their per-row states are snapshotted
+A sparse-attention target's indexer keys (DeepSeek-V3.2, GLM-5: `DynamicIndexedLayer`) are one
+more column per token beside a layer's keys and values, moved with them. A hybrid target's
+recurrent layers have no columns: their per-row states are snapshotted
 before each forward and, after the verdict, replayed up to each row's kept columns
 (eval/recurrent.py); rows leaving or entering the batch take their states along.
 
@@ -47,14 +49,15 @@ def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class _Slots(ABC):
-    """The per-layer key / value tensors of one cache, as `PaddedCaches` moves them."""
+    """The per-layer column tensors of one cache ([R, h, S, D]: keys, values, and what else a
+    layer keeps per token), as `PaddedCaches` moves them."""
 
     @abstractmethod
     def tensors(self):
-        """(layer, keys, values) of every layer that holds any."""
+        """(layer, its column tensors) of every layer that holds any."""
 
     @abstractmethod
-    def put(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def put(self, i: int, columns: tuple[torch.Tensor, ...]) -> None: ...
 
     def stored(self, i: int, total: int) -> int:
         """Columns layer i keeps when the index space holds `total`."""
@@ -69,14 +72,13 @@ class _Slots(ABC):
         """Drop the last n of `total` columns."""
 
     def select_rows(self, index: torch.Tensor) -> None:
-        for i, k, v in self.tensors():
-            self.put(i, k.index_select(0, index), v.index_select(0, index))
+        for i, columns in self.tensors():
+            self.put(i, tuple(x.index_select(0, index) for x in columns))
 
     def append_rows(self, other: _Slots) -> None:
-        theirs = {i: (k, v) for i, k, v in other.tensors()}
-        for i, k, v in list(self.tensors()):
-            k2, v2 = theirs[i]
-            self.put(i, torch.cat([k, k2]), torch.cat([v, v2]))
+        theirs = dict(other.tensors())
+        for i, columns in list(self.tensors()):
+            self.put(i, tuple(torch.cat([x, y]) for x, y in zip(columns, theirs[i], strict=True)))
 
 
 class _DraftSlots(_Slots):
@@ -88,10 +90,10 @@ class _DraftSlots(_Slots):
     def tensors(self):
         for i, (k, v) in enumerate(zip(self.cache.keys, self.cache.values)):
             if k is not None:
-                yield i, k, v
+                yield i, (k, v)
 
-    def put(self, i, k, v):
-        self.cache.keys[i], self.cache.values[i] = k, v
+    def put(self, i, columns):
+        self.cache.keys[i], self.cache.values[i] = columns
 
     def set_total(self, total: int) -> None:
         pass  # a DraftKVCache has no running count: its tensors' length is the count
@@ -111,7 +113,8 @@ class _DraftSlots(_Slots):
 
 
 class _TargetSlots(_Slots):
-    """A Hugging Face `DynamicCache` (full and sliding-window layers)."""
+    """A Hugging Face `DynamicCache` (full and sliding-window layers; a sparse-attention layer's
+    indexer keys [R, S, D] as a third column tensor [R, 1, S, D])."""
 
     def __init__(self, cache: DynamicCache):
         self.cache = cache
@@ -119,10 +122,16 @@ class _TargetSlots(_Slots):
     def tensors(self):
         for i, layer in enumerate(self.cache.layers):
             if getattr(layer, "is_initialized", False) and layer.keys is not None:
-                yield i, layer.keys, layer.values
+                if getattr(layer, "is_indexer_initialized", False):
+                    yield i, (layer.keys, layer.values, layer.indexer_keys.unsqueeze(1))
+                else:
+                    yield i, (layer.keys, layer.values)
 
-    def put(self, i, k, v):
-        self.cache.layers[i].keys, self.cache.layers[i].values = k, v
+    def put(self, i, columns):
+        layer = self.cache.layers[i]
+        layer.keys, layer.values = columns[:2]
+        if len(columns) == 3:
+            layer.indexer_keys = columns[2].squeeze(1)
 
     def stored(self, i, total: int) -> int:
         layer = self.cache.layers[i]
@@ -191,8 +200,8 @@ class PaddedCaches:
         shift = drop - common
         total = self.length + appended
         for slots in self.slots:
-            for i, k, v in slots.tensors():
-                slots.put(i, _shift_rows_right(k, shift), _shift_rows_right(v, shift))
+            for i, columns in slots.tensors():
+                slots.put(i, tuple(_shift_rows_right(x, shift) for x in columns))
             slots.crop_end(common, total)
         self.length = total - common
         self.pad = self.pad + shift
@@ -205,10 +214,10 @@ class PaddedCaches:
         if n <= 0:
             return
         for slots in self.slots:
-            for i, k, v in slots.tensors():
+            for i, columns in slots.tensors():
                 # a sliding layer keeps only the last columns: cut just what it holds of the n
-                cut = max(0, n - (self.length - k.shape[2]))
-                slots.put(i, k[:, :, cut:], v[:, :, cut:])
+                cut = max(0, n - (self.length - columns[0].shape[2]))
+                slots.put(i, tuple(x[:, :, cut:] for x in columns))
             slots.set_total(self.length - n)
         self.length -= n
         self.pad = self.pad - n
@@ -218,9 +227,9 @@ class PaddedCaches:
         if n <= 0:
             return
         for slots in self.slots:
-            for i, k, v in slots.tensors():
-                extra = slots.stored(i, total) - k.shape[2]
-                slots.put(i, _left_pad(k, extra), _left_pad(v, extra))
+            for i, columns in slots.tensors():
+                extra = slots.stored(i, total) - columns[0].shape[2]
+                slots.put(i, tuple(_left_pad(x, extra) for x in columns))
             slots.set_total(total)
         self.length = total
         self.pad = self.pad + n

@@ -29,6 +29,9 @@ forward): `start_recording` asks for none and `crop_cache` cuts the linear-atten
 transformers 5.24 did (their convolution windows and token count, their recurrent state left to
 the replay), so both versions decode the same way.
 
+DeepSeek-V4's compressed attention keeps no recurrent state, but a compressor and a sliding
+window no crop rolls back: eval/compressed.py puts them back (`rollback_state` picks either).
+
 A target whose config or cache says it keeps a recurrent state but whose family is not one of
 `STATEFUL_MIXERS` is refused by name: its state could not be put back, and decoding it would
 silently not be lossless.
@@ -46,6 +49,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError
+from dspark_ds.eval.compressed import COMPRESSED_FAMILIES, CompressedState, is_compressed_layer
 
 # Text model_type -> the decoder layer's attribute holding the stateful mixer (a module with
 # `layer_idx`, called as mixer(hidden_states=..., cache=..., attention_mask=...)).
@@ -77,7 +81,16 @@ _RECURRENT_FAMILIES = (
     "minimax",
     "lfm3",
 )
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+# Layer types that keep per-token columns only (a KV cache, which a crop rolls back): DeepSeek
+# Sparse Attention's "indexed_attention" (DeepSeek-V3.2, GLM-5) caches its indexer's keys per
+# token beside the MLA cache (transformers' `DynamicIndexedLayer`, whose crop cuts both).
+_ATTENTION_LAYER_TYPES = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "attention",
+    "indexed_attention",
+)
 
 
 def _family(config) -> str:
@@ -100,13 +113,23 @@ def is_recurrent(config) -> bool:
 def check_recurrent_target(config) -> None:
     """Refuse a target that keeps a recurrent state we cannot roll back exactly."""
     family = _family(config)
-    if is_recurrent(config) and family not in STATEFUL_MIXERS:
+    if is_recurrent(config) and family not in STATEFUL_MIXERS and family not in COMPRESSED_FAMILIES:
         raise ConfigError(
             f"{family}: this target keeps a recurrent (state-space / linear-attention) state that "
             "speculative decoding cannot roll back exactly after rejected drafts, so it is "
             f"refused rather than decoded wrongly; supported hybrid families: "
             f"{', '.join(sorted(STATEFUL_MIXERS))} (docs/known-limits.md#hybrid-targets)"
         )
+
+
+def rollback_state(target) -> RecurrentState | CompressedState | None:
+    """What puts `target`'s per-row state other than a KV cache back after a round: its
+    recurrent layers' (`RecurrentState`), DeepSeek-V4's compressed attention's
+    (`CompressedState`, eval/compressed.py), or None (a KV cache alone)."""
+    check_recurrent_target(target.config)
+    if _family(target.config) in COMPRESSED_FAMILIES:
+        return CompressedState.for_target(target)
+    return RecurrentState.for_target(target)
 
 
 @dataclass
@@ -149,6 +172,8 @@ def crop_cache(cache, tokens_to_remove: int) -> None:
     and its token count, its recurrent state left as it is for `RecurrentState.rollback` (5.25's
     own crop takes it from a history that `start_recording` does not keep)."""
     for layer in cache.layers:
+        if is_compressed_layer(layer):
+            continue  # (no crop: CompressedState.rollback restores and replays it)
         if not isinstance(layer, LinearAttentionCacheLayerMixin):
             layer.crop(-tokens_to_remove)
             continue

@@ -40,6 +40,7 @@ from dspark_ds.eval.policy import profile_sps
 from dspark_ds.eval.rounds import DecodeStats, run_settings, sync
 from dspark_ds.files import check_exists, check_model_path, first_line
 from dspark_ds.serve.parity import EngineRun, compare, format_parity, our_counters
+from dspark_ds.target import TargetConfig, load_causal_lm
 from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.tracking.store import (
     default_artifact_location,
@@ -94,17 +95,18 @@ def stop_token_ids(target, tokenizer) -> list[int]:
 def load_models(cfg: EvalConfig, device: torch.device):
     """Target (HF causal LM), drafter (interchange directory) and tokenizer."""
     # lazy: transformers, 0.9 s of import
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     check_model_path(cfg.target.path, "target.path")
     check_model_path(cfg.tokenizer, "eval.tokenizer")
     check_exists(cfg.drafter, "eval.drafter", "drafter directory")
     dtype = _resolve_dtype(cfg, device)
-    kwargs = {"dtype": dtype}
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
+    dtype_name = next(name for name, d in _DTYPES.items() if d == dtype)
+    target_cfg = TargetConfig(
+        path=cfg.target.path, dtype=dtype_name, attn_implementation=cfg.attn_implementation
+    )
     try:
-        target = AutoModelForCausalLM.from_pretrained(cfg.target.path, **kwargs).to(device).eval()
+        target = load_causal_lm(target_cfg).to(device).eval()
     except OSError as err:  # not found, not a model, no connection: one line, exit 2
         raise ConfigError(
             f"target.path: cannot load a model from {cfg.target.path!r} ({first_line(err)})"

@@ -15,18 +15,19 @@ from transformers import DynamicCache
 
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.recurrent import (
-    RecurrentState,
     check_recurrent_target,
     crop_cache,
+    rollback_state,
     start_recording,
 )
-from dspark_ds.target import text_config
+from dspark_ds.target import residual_state, text_config
 
 
 def tap_layers(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
     """Concatenate the tapped layers in id order: id -1 is the embedding output
-    (`hidden_states[0]`), id i the output of decoder layer i (`hidden_states[i + 1]`)."""
-    return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+    (`hidden_states[0]`), id i the output of decoder layer i (`hidden_states[i + 1]`), each
+    as `residual_state` takes it (DeepSeek-V4: the mean of its residual streams)."""
+    return torch.cat([residual_state(hidden_states[i + 1]) for i in layer_ids], dim=-1)
 
 
 def check_drafter_matches_target(target, drafter) -> None:
@@ -125,8 +126,8 @@ class TargetStep:
 class TargetDecoder:
     """A target under incremental decoding of one row: one KV cache, rolled back after each
     verification (the batched loop's padded rows: eval/padded.py); a hybrid target's recurrent
-    layers are snapshotted before each forward and replayed up to the kept positions
-    (eval/recurrent.py)."""
+    layers (eval/recurrent.py), and DeepSeek-V4's compressed attention (eval/compressed.py), are
+    snapshotted before each forward and replayed up to the kept positions."""
 
     def __init__(self, target, layer_ids: list[int], *, rollback: bool = True):
         self.target = target
@@ -134,7 +135,7 @@ class TargetDecoder:
         self.cache = new_target_cache(target)
         self.num_cached = 0
         # `rollback` False: plain decoding keeps every token (no snapshot taken)
-        self.states = RecurrentState.for_target(target) if rollback else None
+        self.states = rollback_state(target) if rollback else None
         self._forward_start = 0  # where the last forward's tokens begin
 
     def forward(self, input_ids_1L: torch.Tensor, *, logits_to_keep: int = 0) -> TargetStep:

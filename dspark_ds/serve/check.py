@@ -39,6 +39,7 @@ from dspark_ds.drafters.serving import serving_format
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_exists
 from dspark_ds.target import TargetPathConfig
+from dspark_ds.target_checkpoint import read_target_config
 
 PROBE = Path(__file__).resolve().parent / "vllm_probe.py"
 DEFAULT_VLLM_ENV = Path("~/.cache/dspark-ds/vllm-venv")
@@ -120,16 +121,8 @@ class ServeCheckConfig:
 
 def describe(drafter_dir: str, target_path: str) -> tuple[dict, object]:
     """Our side: the directory read (one line naming a damaged file) and its ServingFormat."""
-    # lazy: transformers, 0.9 s of import
-    from transformers import AutoConfig
-
     check_exists(drafter_dir, "drafter", "drafter directory")
-    try:
-        target_config = AutoConfig.from_pretrained(target_path)
-    except OSError as err:
-        raise ConfigError(
-            f"target.path: cannot read a config from {target_path!r} ({err})"
-        ) from None
+    target_config = read_target_config(target_path)
     path = Path(drafter_dir)
     data = read_config_dict(path)
     try:

@@ -10,6 +10,7 @@ from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import default_layer_ids, text_config
+from dspark_ds.target_checkpoint import read_target_config
 
 
 def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
@@ -27,18 +28,11 @@ def resolve_mask_token_id(cfg: TrainRunConfig) -> int:
 
 def make_draft_config(cfg: TrainRunConfig):
     """The drafter's transformers config for this run's target (its kind's `build_config`)."""
-    # lazy: transformers, 0.9 s of import
-    from transformers import AutoConfig
-
-    try:
-        target_config = AutoConfig.from_pretrained(
-            cfg.target.path, trust_remote_code=cfg.target.trust_remote_code
-        )
-    except OSError as err:
-        raise ConfigError(
-            f"target.path: cannot read a model config from {cfg.target.path!r} "
-            f"({str(err).splitlines()[0]})"
-        ) from err
+    target_config = read_target_config(
+        cfg.target.path,
+        revision=cfg.target.revision,
+        trust_remote_code=cfg.target.trust_remote_code,
+    )
     num_layers = int(text_config(target_config).num_hidden_layers)
     layer_ids = cfg.target.layer_ids or default_layer_ids(num_layers)
     kind = get_kind(cfg.model.kind)

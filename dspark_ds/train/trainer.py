@@ -57,6 +57,7 @@ from dspark_ds.engine.drafter import DrafterEngine
 from dspark_ds.engine.target import check_target_dtype, load_target_in_job
 from dspark_ds.errors import ConfigError, TrainingStopped
 from dspark_ds.target import target_shared_weights
+from dspark_ds.target_checkpoint import read_target_config
 from dspark_ds.tracking.system import NodeMetrics, discover_layout
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source, served_client
@@ -228,12 +229,9 @@ class Trainer:
     def _build_engine(self) -> DrafterEngine:
         init_state = None
         if self.cfg.model.init_from and self.resume is None:
-            # lazy: transformers, 0.9 s of import
-            from transformers import AutoConfig
-
             # ours, DeepSpec's, or an engine format's (a published DFlash / Eagle3 checkpoint,
             # whose embedding and lm_head are the target's anyway)
-            target_config = AutoConfig.from_pretrained(
+            target_config = read_target_config(
                 self.cfg.target.path, trust_remote_code=self.cfg.target.trust_remote_code
             )
             init_state = read_init_state(self.cfg.model.init_from, target_config)

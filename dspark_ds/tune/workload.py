@@ -38,6 +38,7 @@ from dspark_ds.drafters.common.target_config import global_attr, text_config
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.target import FrozenTarget, default_layer_ids
+from dspark_ds.target_checkpoint import causal_lm_config
 
 NARROW = dict(hidden=32, intermediate=64, heads=2, head_dim=8, vocab=256)
 """The widths of the copy whose host work is timed."""
@@ -261,7 +262,8 @@ class TargetForward:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(self.config).to(self.device, self.dtype)
+        config = causal_lm_config(self.config)
+        model = AutoModelForCausalLM.from_config(config).to(self.device, self.dtype)
         return FrozenTarget(model, self.layer_ids)
 
     def run(self, target: nn.Module) -> None:

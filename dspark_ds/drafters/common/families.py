@@ -74,16 +74,19 @@ def _require(text_config, field: str) -> int:
 def draft_rope_parameters(text_config) -> dict:
     """The target's RoPE (theta and scaling) for the drafter's own rotary embedding.
 
-    A per-layer-type dict (Gemma3-style) gives its `full_attention` entry; a partial rotary
-    factor is dropped (every draft head dimension rotates)."""
+    A per-layer-type dict (Gemma3-style) gives its `full_attention` entry, DeepSeek-V4's
+    `{"main", "compress"}` its `main` entry (the RoPE its sliding-window attention gives the
+    tokens themselves; `compress` is its compressed branches'); a partial rotary factor is
+    dropped (every draft head dimension rotates)."""
     name = family(text_config)
     rope = _field(text_config, "rope_parameters")
     if rope is None:  # configs without transformers 5's standardised field
         theta = _field(text_config, "rope_theta") or 10_000.0
         rope = {"rope_type": "default", "rope_theta": float(theta)}
     rope = dict(rope)
-    if "rope_type" not in rope and "full_attention" in rope:
-        rope = dict(rope["full_attention"])
+    for entry in ("full_attention", "main"):
+        if "rope_type" not in rope and entry in rope:
+            rope = dict(rope[entry])
     rope.pop("partial_rotary_factor", None)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:

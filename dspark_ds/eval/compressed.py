@@ -1,0 +1,174 @@
+"""Exact rollback of DeepSeek-V4's compressed attention after a verification round (one row).
+
+DeepSeek-V4's compressed-sparse and heavily-compressed layers (transformers'
+`DeepseekV4CSACache` / `DeepseekV4HCACache`, which it marks not croppable) keep, per layer:
+
+- a sliding window of K = V entries that drops its oldest ones as a forward appends: after a
+  verification forward over M + 1 tokens, the keys a rejected draft pushed out are gone;
+- a compressor: a buffer of the projected tokens since the last closed window, the compressed
+  entries emitted so far (one every `compress_rate` tokens, appended), their count, and, in the
+  compressed-sparse layers, the overlap of the last window, for the compressor and for the
+  indexer's own compressor. An entry closed during verification may hold rejected drafts.
+
+None of it is cut by a crop; all of it is put back exactly by snapshot and replay:
+
+1. Before the verification forward, each such layer's state is noted. Nothing is copied: the
+   layer replaces its tensors by concatenation and slicing and never writes into them, so the
+   references are the state. A forward pre-hook records each compressed layer's attention
+   inputs (the normed hidden states of the M + 1 verified tokens, their RoPE and positions).
+2. After the verdict, when drafts were rejected, each layer's state is restored and its
+   attention runs again on the first kept inputs (its output unused): its sliding window and
+   its compressors take exactly the kept tokens. The inputs at the kept positions are those of
+   the verification forward (causal), so no MLP, no other layer and no lm_head runs again.
+
+The compressor's window positions and entry count are one per layer for all rows of a batch:
+rows at different positions cannot share a cache, so batched decoding is refused by name
+(`check_batched_target`); one row at a time decodes losslessly.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from dspark_ds.drafters.common.target_config import text_config
+from dspark_ds.errors import ConfigError
+
+# Text model_type -> why batched decoding is refused.
+COMPRESSED_FAMILIES = {
+    "deepseek_v4": (
+        "its compressed attention keeps one compressor window position and entry count per "
+        "layer for all rows, so rows at different positions cannot share a cache (one row at "
+        "a time decodes losslessly: --batch_size 1, no scheduler)"
+    ),
+}
+# The per-layer dicts a compressed layer keeps ({"compressor": ..., "indexer": ...}).
+_STATE_DICTS = (
+    "buffer_kv",
+    "buffer_gate",
+    "compressed_kv",
+    "entry_count",
+    "overlap_kv",
+    "overlap_gate",
+)
+
+
+def is_compressed_layer(layer) -> bool:
+    """A DeepSeek-V4 compressed cache layer (its compressor's entries and their count)."""
+    return hasattr(layer, "compressed_kv") and hasattr(layer, "entry_count")
+
+
+def check_batched_target(config) -> None:
+    """Refuse batched decoding of a target whose cache rows cannot be at different positions."""
+    family = str(getattr(text_config(config), "model_type", None))
+    if family in COMPRESSED_FAMILIES:
+        raise ConfigError(
+            f"{family}: batched speculative decoding is not supported: "
+            f"{COMPRESSED_FAMILIES[family]}"
+        )
+
+
+def _note(layer) -> dict:
+    state = {
+        "keys": layer.keys,
+        "values": layer.values,
+        "cumulative_length": layer.cumulative_length,
+        "is_initialized": layer.is_initialized,
+    }
+    for name in _STATE_DICTS:
+        if hasattr(layer, name):
+            state[name] = dict(getattr(layer, name))
+    return state
+
+
+def _restore(layer, state: dict) -> None:
+    for name, value in state.items():
+        setattr(layer, name, dict(value) if isinstance(value, dict) else value)
+
+
+class CompressedState:
+    """Snapshot, record and replay of DeepSeek-V4's compressed layers (module docstring).
+
+    Built once per target (its hooks stay registered), from `for_target`."""
+
+    def __init__(self, attentions: dict[int, nn.Module]):
+        self.attentions = attentions
+        self._noted: dict[int, dict] | None = None
+        self._inputs: dict[int, dict] = {}
+        self._recording = False
+        for layer_idx, attention in attentions.items():
+            attention.register_forward_pre_hook(self._hook(layer_idx), with_kwargs=True)
+
+    @classmethod
+    def for_target(cls, target) -> CompressedState:
+        existing = getattr(target, "_dspark_ds_compressed_state", None)
+        if existing is not None:
+            return existing
+        attentions = {
+            int(module.layer_idx): module
+            for module in target.modules()
+            if getattr(module, "compressor", None) is not None
+            and isinstance(getattr(module, "layer_idx", None), int)
+        }
+        if not attentions:
+            raise ConfigError("deepseek_v4: found no compressed attention layer in the target")
+        state = cls(attentions)
+        target._dspark_ds_compressed_state = state
+        return state
+
+    def _hook(self, layer_idx: int):
+        def record(_module, args, kwargs):
+            if self._recording:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                self._inputs[layer_idx] = dict(kwargs, hidden_states=hidden)
+
+        return record
+
+    @contextmanager
+    def recording(self, cache):
+        """Note the compressed layers' states, then record their attention inputs during the
+        forward run inside the block."""
+        self._noted = {i: _note(cache.layers[i]) for i in self.attentions}
+        self._inputs = {}
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def discard(self) -> None:
+        self._noted = None
+        self._inputs = {}
+
+    @torch.no_grad()
+    def rollback(self, cache, keep_R: list[int], appended: int) -> None:
+        """The state after the first keep_R[0] tokens of the last recorded forward (one row)."""
+        noted, inputs = self._noted, self._inputs
+        self.discard()
+        if len(keep_R) != 1:
+            raise RuntimeError("a compressed attention cache rolls back one row at a time")
+        keep = int(keep_R[0])
+        if keep == appended:
+            return
+        if noted is None:
+            raise RuntimeError(
+                "rollback of a compressed attention cache without a recorded forward"
+            )
+        for i, attention in self.attentions.items():
+            _restore(cache.layers[i], noted[i])
+            if keep == 0:
+                continue
+            recorded = inputs[i]
+            rope = {
+                name: (cos[:, :keep], sin[:, :keep])
+                for name, (cos, sin) in recorded["position_embeddings"].items()
+            }
+            attention(
+                hidden_states=recorded["hidden_states"][:, :keep],
+                position_embeddings=rope,
+                position_ids=recorded["position_ids"][:, :keep],
+                attention_mask=None,  # (the output is not used: only the cache's updates)
+                cache=cache,
+            )

@@ -1,0 +1,168 @@
+"""Tiny targets of the large MoE families of 2026, made by transformers' own classes.
+
+Each keeps what makes its family differ, at hidden 64, 4 layers, 4 routed experts (2 a token, one
+shared), MLA ranks 16 (KV) / 32 (query):
+
+- `deepseek_v32` (DeepSeek-V3.2) and `glm_moe_dsa` (GLM-5): MLA and DeepSeek Sparse Attention,
+  its indexer keeping the top 4 keys of each query (fewer than the tests' contexts, so the
+  selection matters); GLM-5 with one layer reusing the previous layer's selection ("shared").
+  16 indexer heads: an index score is a sum of ReLU'd head scores, exactly 0 when every head's
+  is, and a tie at 0 on the top-k boundary resolves by position, which a verification forward
+  (a longer score row) can order differently than one-token decoding; with 16 heads such a
+  tie does not happen in these tests (published checkpoints have 32-64).
+- `kimi_k25` (Kimi-K2.5): a vision-language `Kimi_K25ForConditionalGeneration` (a one-layer
+  vision tower) whose text model is DeepSeek-V3 (MLA, shared + routed experts).
+- `minimax_m2` (MiniMax-M2): GQA attention and 4 experts.
+- `deepseek_v4` (DeepSeek-V4): hyper-connections (2 residual streams), sliding-window MQA with
+  compressed-sparse and heavily-compressed layers, hash-routed then top-k routed experts.
+
+`tiny_moe_model(family, vocab)`: the causal LM in memory (fp32, eval), its lm_head sharpened;
+`build_tiny_moe_target(dir, family)`: saved with `save_pretrained` beside the tiny tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from helpers.tiny_models import build_tiny_tokenizer, special_token_ids, tiny_widths
+
+_MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+_DEEPSEEK_MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
+_DSA = dict(index_topk=4, index_head_dim=16, index_n_heads=16)
+MOE_TARGETS: dict[str, dict] = {
+    "deepseek_v32": {**_MLA, **_DEEPSEEK_MOE, **_DSA, "num_key_value_heads": 4},
+    "glm_moe_dsa": {
+        **_MLA,
+        **_DEEPSEEK_MOE,
+        **_DSA,
+        "num_key_value_heads": 4,
+        "indexer_types": ["full", "full", "shared", "full"],
+    },
+    "kimi_k25": {**_MLA, **_DEEPSEEK_MOE, "num_key_value_heads": 4},  # its text model's
+    "minimax_m2": dict(
+        head_dim=16, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "deepseek_v4": dict(
+        num_key_value_heads=1,
+        head_dim=32,
+        q_lora_rank=32,
+        partial_rotary_factor=0.25,
+        o_groups=2,
+        o_lora_rank=16,
+        hc_mult=2,
+        hc_sinkhorn_iters=3,
+        sliding_window=8,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "sliding_attention",
+        ],
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=2,
+    ),
+}
+HEAD_SHARPENING = 8.0
+_VISION = dict(
+    patch_size=2,
+    pos_emb_height=4,
+    pos_emb_width=4,
+    pos_emb_time=1,
+    num_attention_heads=2,
+    num_hidden_layers=1,
+    hidden_size=16,
+    intermediate_size=32,
+)
+
+
+def moe_config(family: str, vocab_size: int, **overrides):
+    """A tiny config of `family` (Kimi-K2.5: the whole vision-language config)."""
+    kw = tiny_widths(
+        vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    kw.update(MOE_TARGETS[family])
+    kw.update(overrides)
+    if family == "kimi_k25":
+        text = AutoConfig.for_model("deepseek_v3", **kw).to_dict()
+        return AutoConfig.for_model(
+            "kimi_k25",
+            text_config=text,
+            vision_config=_VISION,
+            projection_hidden_size=16,
+            tie_word_embeddings=False,
+        )
+    if family == "deepseek_v4":
+        kw.pop("intermediate_size")  # its MLP width is moe_intermediate_size
+    return AutoConfig.for_model(family, **kw)
+
+
+def _sharpen(model) -> None:
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(HEAD_SHARPENING)
+
+
+def tiny_moe_model(family: str, vocab_size: int, *, seed: int = 0, **overrides):
+    """The random tiny causal LM of `family` (fp32, eval), its lm_head sharpened x8 so that
+    greedy text varies (Kimi-K2.5: its text model)."""
+    cfg = moe_config(family, vocab_size, **overrides)
+    if family == "kimi_k25":
+        cfg = cfg.text_config
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _sharpen(model)
+    return model
+
+
+def build_tiny_moe_target(out_dir: str | Path, family: str, *, seed: int = 0) -> str:
+    """Save a random tiny `family` checkpoint (Kimi-K2.5: the whole vision-language model) and
+    the tiny tokenizer to `out_dir`; return the path."""
+    # lazy: the vision-language class only for Kimi-K2.5
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    out_dir = Path(out_dir)
+    tok = build_tiny_tokenizer(out_dir)
+    cfg = moe_config(family, len(tok), **special_token_ids(tok))
+    torch.manual_seed(seed)
+    if family == "kimi_k25":
+        model = Kimi_K25ForConditionalGeneration(cfg).eval()
+    else:
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    _sharpen(model)
+    model.save_pretrained(out_dir)
+    if family == "deepseek_v4":
+        _publish_final_norm(out_dir / "model.safetensors")
+    return str(out_dir)
+
+
+def _publish_final_norm(file: Path) -> None:
+    """NOTE: transformers 5.25 saves DeepSeek-V4's final norm as `model.norm.weight`, which its
+    own loader renames (`.norm.` -> `.kv_norm.`, meant for the compressors' norms) and then
+    misses; the published checkpoints' `norm.weight` loads. Written under that name."""
+    tensors = load_file(file)
+    tensors["norm.weight"] = tensors.pop("model.norm.weight")
+    save_file(tensors, file, metadata={"format": "pt"})

@@ -1,0 +1,344 @@
+"""The large MoE targets of 2026: DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention), Kimi-K2.5
+(a vision-language checkpoint whose text model is the target), MiniMax-M2 and DeepSeek-V4
+(hyper-connections, compressed attention), as tiny checkpoints made by transformers' own classes
+(`helpers.moe_targets`). What is pinned:
+
+- the drafter is the Qwen3-style one, sized from each (DeepSeek-V4: its `main` RoPE);
+- the tapped features are the target's hidden states (DeepSeek-V4: the mean of its residual
+  streams), its logits lm_head(final state), and every parameter read tensor by tensor (ZeRO-3)
+  equals from_pretrained's; Kimi-K2.5's target is its text model alone, with the whole model's
+  logits on text;
+- greedy speculative decoding equals the target's greedy decoding token for token, one row and
+  batched (the sparse-attention indexer's keys cropped and moved with the KV cache), and T = 1
+  sampling has the target's distribution (chi-square);
+- DeepSeek-V4: its compressed layers' windows, compressor buffers, entries and counts after a
+  rolled-back round equal a cache's that saw the kept tokens only (and without the rollback
+  they do not); greedy and T = 1 decoding one row at a time lossless; batched refused by name.
+
+Training: `tests/multiprocess/test_moe_targets_train.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dspark_ds.drafters import build_draft_config
+from dspark_ds.errors import ConfigError
+from dspark_ds.eval.batched import batched_generate
+from dspark_ds.eval.decoding import speculative_generate
+from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
+from dspark_ds.eval.target_step import TargetDecoder
+from dspark_ds.target import TargetConfig, load_target
+from dspark_ds.target_checkpoint import causal_lm_config
+from dspark_ds.target_weights import TargetWeights, fill_plan
+
+from helpers.evaluation import chi_square_pvalue, exact_continuation_probs, random_drafter
+from helpers.gemma4 import greedy_without_cache
+from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_model
+
+FAMILIES = list(MOE_TARGETS)
+BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
+DECODED = [*BATCHED, "deepseek_v4"]  # one row
+VOCAB = 16
+
+
+@pytest.fixture(scope="module")
+def target_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_targets")
+    return {f: build_tiny_moe_target(root / f, f) for f in FAMILIES}
+
+
+# ---- the drafter, the features, the checkpoint --------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_drafter_is_sized_from_the_target(family, target_dirs):
+    whole = AutoConfig.from_pretrained(target_dirs[family])
+    text = causal_lm_config(whole) if family == "kimi_k25" else whole
+    cfg = build_draft_config(whole, target_layer_ids=[-1, 0, 2], mask_token_id=3)
+    assert cfg.model_type == "qwen3" and cfg.architectures == ["Qwen3DSparkModel"]
+    assert (cfg.target_model_type, cfg.target_text_model_type) == (family, text.model_type)
+    assert cfg.hidden_size == 64 and cfg.num_target_layers == 4
+    assert cfg.num_attention_heads == 4 and cfg.head_dim == text.head_dim
+    rope = text.rope_parameters
+    if family == "deepseek_v4":  # {"main", "compress"}: the sliding-window attention's
+        assert set(rope) == {"main", "compress"}
+        rope = rope["main"]
+    rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    assert cfg.rope_parameters == rope
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_features_head_and_tensor_by_tensor_reads(family, target_dirs):
+    """Hooks = output_hidden_states (each layer's residual streams averaged), check_head passed
+    on load, every parameter of the reader (ZeRO-3's) = from_pretrained's."""
+    path = target_dirs[family]
+    target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    hidden, last = target(ids)
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    states = [h.mean(dim=2) if h.dim() == 4 else h for h in out.hidden_states]
+    if family == "deepseek_v4":  # 2 residual streams; the embedding in each
+        assert out.hidden_states[1].shape == (2, 12, 2, 64)
+        assert torch.equal(states[0], target.model.get_input_embeddings()(ids))
+    assert torch.equal(hidden, torch.cat([states[i + 1] for i in (-1, 0, 2, 3)], dim=-1))
+    assert torch.equal(last, out.hidden_states[4])
+    state = target.model.state_dict()
+    model = AutoModelForCausalLM.from_config(causal_lm_config(AutoConfig.from_pretrained(path)))
+    seen = set()
+    for name, tensor, source in fill_plan(model, TargetWeights(path)):
+        seen.add(name)
+        assert torch.equal(source.read().view(tensor.shape), state[name]), name
+    assert {n for n, _ in model.named_parameters()} <= seen
+
+
+def test_kimi_k25_is_its_text_model_alone(target_dirs):
+    """The vision-language checkpoint's target: DeepSeek-V3 with the whole model's logits on
+    text, no vision weight loaded or read."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    path = target_dirs["kimi_k25"]
+    target = load_target(TargetConfig(path=path, layer_ids=[0, 2], dtype="float32"), "cpu")
+    assert type(target.model).__name__ == "DeepseekV3ForCausalLM"
+    assert not any("vision" in n or "projector" in n for n in target.model.state_dict())
+    read = {name for name, _ in TargetWeights(path).sources(target.model)}
+    assert read == set(target.model.state_dict())
+    whole = Kimi_K25ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(4, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(target.model(ids).logits, whole(input_ids=ids).logits)
+
+
+# ---- lossless decoding ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {}
+    for family in DECODED:
+        target = tiny_moe_model(family, VOCAB)
+        out[family] = (target, random_drafter(target, layer_ids=(0, 2), markov_std=0.5))
+    return out
+
+
+NEW = 10
+
+
+def _prompts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB - 1, (1, n), generator=g) for n in (3, 9, 6)]
+
+
+def _greedy(target, prompt):
+    want = greedy_without_cache(target, prompt, NEW, set())
+    generated = target.generate(
+        prompt,
+        max_new_tokens=NEW,
+        do_sample=False,
+        min_new_tokens=NEW,
+        attention_mask=torch.ones_like(prompt),
+    )
+    assert generated.tolist() == want.tolist()
+    return want
+
+
+@pytest.mark.parametrize("family", DECODED)
+def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, models):
+    """One row (full gamma, threshold) and batched with prompts entering and leaving (full gamma,
+    threshold, scheduler): drafts rejected in most rounds, some kept, so caches are cut back and
+    rows shifted every round. DeepSeek-V4: one row; batched refused by name."""
+    target, drafter = models[family]
+    prompts = _prompts()
+    want = [_greedy(target, p) for p in prompts]
+    proposed = accepted = 0
+    for threshold in (0.0, 0.4):
+        for prompt, expected in zip(prompts, want):
+            got, stats = speculative_generate(
+                target, drafter, prompt, max_new_tokens=NEW, confidence_threshold=threshold
+            )
+            assert got.tolist() == expected.tolist(), (family, threshold)
+            proposed += sum(stats.proposed_per_round)
+            accepted += sum(stats.accepted_per_round)
+    policies = [
+        dict(policy="full"),
+        dict(policy="threshold", confidence_threshold=0.4),
+        dict(policy="scheduler", sps=lambda rows, length: 1.0 if length <= 2 else 0.4 / length),
+    ]
+    if family not in BATCHED:
+        with pytest.raises(ConfigError, match=f"^{family}: batched speculative decoding is not"):
+            batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
+        policies = []
+    for kwargs in policies:
+        results = batched_generate(
+            target, drafter, prompts, batch_size=2, max_new_tokens=NEW, **kwargs
+        )
+        for r in results:
+            assert r.output_ids.tolist() == want[r.index].tolist(), (family, kwargs)
+            proposed += sum(r.stats.proposed_per_round)
+            accepted += sum(r.stats.accepted_per_round)
+    assert 0 < accepted < proposed, (accepted, proposed)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_a_rejected_draft_leaves_no_indexer_key_behind(family, models):
+    """After a round whose drafts were all rejected, the cache (MLA keys and the indexer's keys)
+    equals one that only saw the kept tokens."""
+    target, _ = models[family]
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        rolled = TargetDecoder(target, [])
+        rolled.forward(ids[:, :8])
+        rolled.keep(8)
+        rolled.forward(torch.cat([ids[:, 8:10], torch.tensor([[3, 1, 4]])], dim=1))
+        rolled.keep(10)
+        clean = TargetDecoder(target, [])
+        clean.forward(ids[:, :10])
+        clean.keep(10)
+        indexed = 0
+        for mine, theirs in zip(rolled.cache.layers, clean.cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys)
+            if getattr(theirs, "is_indexer_initialized", False):
+                assert mine.indexer_keys.shape[1] == 10
+                torch.testing.assert_close(mine.indexer_keys, theirs.indexer_keys)
+                indexed += 1
+        assert indexed >= 3  # (GLM-5: one layer reuses the previous layer's selection)
+        torch.testing.assert_close(
+            rolled.forward(ids[:, 10:]).logits_LV, target(ids).logits[0, 10:], rtol=1e-5, atol=1e-5
+        )
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_sampled_speculative_decoding_has_the_targets_distribution(family):
+    """T = 1, batched: x1 from the prefill, (x2, x3) from verification rounds with rows cut back
+    to different lengths in one batch."""
+    target = tiny_moe_model(family, 8, seed=0)
+    with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
+        target.get_output_embeddings().weight.div_(4.0)
+    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
+    prompt = torch.tensor([[1, 2, 3, 5, 6]])
+    exact = exact_continuation_probs(target, prompt, 3)
+    results = batched_generate(
+        target,
+        drafter,
+        [prompt] * 300,
+        batch_size=50,
+        max_new_tokens=3,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
+    counts = torch.zeros([8] * 3)
+    accepted = 0
+    for r in results:
+        counts[tuple(r.output_ids[0, prompt.shape[1] :].tolist())] += 1
+        accepted += sum(r.stats.accepted_per_round)
+    assert accepted > 30, accepted  # rows cut back to different lengths, some kept drafts
+    pvalues = [
+        chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
+        chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
+    ]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_the_family_table_says_what_trains_and_decodes():
+    """docs/drafters.md's table of these families: each trains and decodes, DeepSeek-V4 one row
+    at a time (batched refused by name, above)."""
+    text = (Path(__file__).parents[2] / "docs" / "drafters.md").read_text()
+    for family in FAMILIES:
+        row = next(line for line in text.splitlines() if f"| `{family}` |" in line)
+        cells = [cell.strip() for cell in row.split("|")]
+        assert cells[3] == "✓", family
+        assert cells[4] == ("✓ lossless" if family in BATCHED else "✓ lossless, one row"), family
+
+
+def _compressed_states(decoder: TargetDecoder) -> list[torch.Tensor]:
+    """Every tensor DeepSeek-V4's compressed layers keep: window, buffers, entries, overlap."""
+    out = []
+    for layer in decoder.cache.layers:
+        if hasattr(layer, "compressed_kv"):
+            out.append(layer.keys)
+            for name in ("buffer_kv", "buffer_gate", "compressed_kv", "overlap_kv", "overlap_gate"):
+                out += [t for t in getattr(layer, name, {}).values() if t is not None]
+            out.append(torch.tensor(list(layer.entry_count.values())))
+    assert len(out) > 8
+    return out
+
+
+def _v4_rolled_back(target, ids) -> tuple[TargetDecoder, TargetDecoder]:
+    """A decoder that verified junk after ids[:, 8:11] and kept the 3 real tokens (the sliding
+    window of 8 full, a compressed-sparse window of 2 and a heavily-compressed one of 4 closed
+    with junk in them), and one that only saw ids[:, :11]."""
+    rolled = TargetDecoder(target, [])
+    rolled.forward(ids[:, :8])
+    rolled.keep(8)
+    rolled.forward(torch.cat([ids[:, 8:11], torch.tensor([[3, 1, 4, 1, 5]])], dim=1))
+    rolled.keep(11)
+    clean = TargetDecoder(target, [])
+    clean.forward(ids[:, :11])
+    clean.keep(11)
+    return rolled, clean
+
+
+def test_deepseek_v4s_compressed_attention_is_rolled_back_exactly(models, monkeypatch):
+    """After a round with rejected drafts, the compressed layers' windows, compressor buffers,
+    entries, counts and overlaps equal those of a cache that saw the kept tokens only, and the
+    next forward equals the full forward; without the rollback they do not."""
+    from dspark_ds.eval.compressed import CompressedState
+
+    target, _ = models["deepseek_v4"]
+    ids = torch.randint(0, VOCAB, (1, 15), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        rolled, clean = _v4_rolled_back(target, ids)
+        for mine, theirs in zip(_compressed_states(rolled), _compressed_states(clean), strict=True):
+            torch.testing.assert_close(mine, theirs)
+        torch.testing.assert_close(
+            rolled.forward(ids[:, 11:]).logits_LV, target(ids).logits[0, 11:], rtol=1e-5, atol=1e-5
+        )
+        monkeypatch.setattr(CompressedState, "rollback", lambda self, cache, keep, n: None)
+        stale, clean = _v4_rolled_back(target, ids)
+        stale_states, clean_states = _compressed_states(stale), _compressed_states(clean)
+        assert len(stale_states) != len(clean_states) or any(
+            a.shape != b.shape or not torch.equal(a, b) for a, b in zip(stale_states, clean_states)
+        )
+
+
+def test_which_families_keep_a_state_a_crop_does_not_roll_back():
+    """DeepSeek-V4's compressed attention reads as recurrent and is rolled back by its own
+    replay, not refused; the others keep a KV cache (and indexer keys) alone."""
+    config = tiny_moe_model("deepseek_v4", VOCAB).config
+    assert is_recurrent(config)
+    check_recurrent_target(config)
+    for family in BATCHED:
+        cfg = tiny_moe_model(family, VOCAB).config
+        assert not is_recurrent(cfg), family
+        check_recurrent_target(cfg)
+
+
+def test_sampled_one_row_decoding_has_deepseek_v4s_distribution():
+    """T = 1, one row at a time: x1 from the prefill, (x2, x3) from verification rounds, the
+    compressed layers rolled back after each."""
+    target = tiny_moe_model("deepseek_v4", 8, seed=0)
+    with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
+        target.get_output_embeddings().weight.div_(4.0)
+    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
+    prompt = torch.tensor([[1, 2, 3, 5, 6, 1, 2]])
+    exact = exact_continuation_probs(target, prompt, 3)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros([8] * 3)
+    accepted = 0
+    for _ in range(200):
+        out, stats = speculative_generate(
+            target, drafter, prompt, max_new_tokens=3, temperature=1.0, generator=generator
+        )
+        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
+        accepted += sum(stats.accepted_per_round)
+    assert accepted > 30, accepted
+    pvalues = [
+        chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
+        chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
+    ]
+    assert min(pvalues) > 1e-3, pvalues

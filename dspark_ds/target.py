@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +77,22 @@ def _model_kwargs(cfg: TargetConfig) -> dict:
     return kwargs
 
 
+@contextmanager
+def _attention_kernel(cfg: TargetConfig, config) -> Iterator[None]:
+    """Turns transformers' refusal of an attention kernel the family lacks (DeepSeek-V4 has no
+    sdpa) into one line naming the option."""
+    try:
+        yield
+    except ValueError as err:
+        if "attention implementation" not in str(err):
+            raise
+        raise ConfigError(
+            f"attn_implementation: the {causal_lm_config(config).model_type} target at "
+            f"{cfg.path} has no {cfg.attn_implementation!r} kernel in transformers; choose "
+            "eager, or leave it unset for the family's default"
+        ) from None
+
+
 def target_model_config(cfg: TargetConfig, partitioned: bool = False):
     """The target's transformers config (ConfigError when it cannot be read). `partitioned`:
     for a target loaded partition by partition (ZeRO-3), which reads plain weights only."""
@@ -116,7 +134,7 @@ def build_target_model(cfg: TargetConfig, config) -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    with no_init_weights():  # NOTE: this skips the tying of embeddings too
+    with no_init_weights(), _attention_kernel(cfg, config):  # NOTE: no tying of embeddings
         model = AutoModelForCausalLM.from_config(causal_lm_config(config), **_model_kwargs(cfg))
     model.tie_weights()
     return model
@@ -131,9 +149,10 @@ def load_causal_lm(cfg: TargetConfig) -> nn.Module:
 
     config = target_model_config(cfg)
     if causal_lm_config(config) is config:
-        return AutoModelForCausalLM.from_pretrained(
-            cfg.path, config=config, revision=cfg.revision, **_model_kwargs(cfg)
-        )
+        with _attention_kernel(cfg, config):
+            return AutoModelForCausalLM.from_pretrained(
+                cfg.path, config=config, revision=cfg.revision, **_model_kwargs(cfg)
+            )
     model = build_target_model(cfg, config)
     weights = TargetWeights(local_target_dir(cfg.path, cfg.revision))
     state = {name: source.read().view(source.shape) for name, source in weights.sources(model)}

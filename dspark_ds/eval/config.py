@@ -148,8 +148,10 @@ class EvalConfig:
     bfloat16 | float16."""
     device: str | None = None
     """Device; None = cuda:LOCAL_RANK when CUDA is available, else cpu."""
-    attn_implementation: str | None = "sdpa"
-    """Attention kernel of the target (passed to from_pretrained)."""
+    attn_implementation: str | None = None
+    """Attention kernel of the target (passed to from_pretrained: sdpa | eager |
+    flash_attention_2); None = transformers' choice for the family (sdpa where it has it, else
+    eager: DeepSeek-V4, gpt-oss)."""
     batch_size: int = 1
     """Prompts in flight per rank. 1 = the batch-1 loop (the reference's setting). N > 1 =
     batched speculative decoding (finished prompts are replaced from the queue); the target alone
@@ -269,8 +271,8 @@ class DecodeBenchConfig:
     """auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16."""
     device: str | None = None
     """Device; None = cuda:LOCAL_RANK when CUDA is available, else cpu."""
-    attn_implementation: str | None = "sdpa"
-    """Attention kernel of the target."""
+    attn_implementation: str | None = None
+    """Attention kernel of the target; None = transformers' choice for the family."""
     output_json: str | None = None
     """Also write the numbers to this JSON file."""
 

@@ -32,7 +32,7 @@ from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
 from dspark_ds.eval.target_step import TargetDecoder
-from dspark_ds.target import TargetConfig, load_target
+from dspark_ds.target import TargetConfig, load_causal_lm, load_target
 from dspark_ds.target_checkpoint import causal_lm_config
 from dspark_ds.target_weights import TargetWeights, fill_plan
 
@@ -342,3 +342,13 @@ def test_sampled_one_row_decoding_has_deepseek_v4s_distribution():
         chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
     ]
     assert min(pvalues) > 1e-3, pvalues
+
+
+def test_an_attention_kernel_the_family_lacks_is_one_line(target_dirs):
+    # transformers has no sdpa for DeepSeek-V4: its default (None) loads it, a named one is refused
+    path = target_dirs["deepseek_v4"]
+    with pytest.raises(ConfigError, match="attn_implementation: the deepseek_v4 target .* 'sdpa'"):
+        load_causal_lm(TargetConfig(path=path, dtype="float32", attn_implementation="sdpa"))
+    assert load_causal_lm(TargetConfig(path=path, dtype="float32")).config.model_type == (
+        "deepseek_v4"
+    )

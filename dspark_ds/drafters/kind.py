@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -183,7 +184,14 @@ class KindDecode(Protocol):
 
 class KindCost(Protocol):
     """The cost model's part: the sizes, memory and FLOP terms the tuner predicts with and
-    training logs (cost/, tune/, the bench)."""
+    training logs (cost/, tune/, the bench). `activation_bytes` and `step_flops` are shared:
+    they read the kind's cost terms module (drafters/<kind>/memory.py)."""
+
+    terms: ModuleType
+    """The kind's memory.py: its `activation_bytes` and `step_flops` of a `StepShape`."""
+
+    def __init__(self, terms: ModuleType):
+        self.terms = terms
 
     def step_part(self, model: DrafterConfig) -> Any:
         """The kind's part of a `StepShape` (`StepShape.drafter`) for a run's `model` section:
@@ -207,7 +215,7 @@ class KindCost(Protocol):
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
     ) -> dict[str, float]:
         """Activation bytes of one training micro-batch by component (`dspark-ds tune`)."""
-        ...
+        return self.terms.activation_bytes(shape, perf, device, zero_stage)
 
     def step_flops(
         self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
@@ -215,7 +223,7 @@ class KindCost(Protocol):
         """Matmul FLOPs of one training micro-batch (forward + backward) by component, for the
         loss and attention paths training takes on `device` at `zero_stage` (`dspark-ds tune`'s
         compute term)."""
-        ...
+        return self.terms.step_flops(shape, perf, device, zero_stage)
 
 
 class KindReport(Protocol):

@@ -1,4 +1,5 @@
-"""Tiny targets and random drafters for the eval tests (token ids only, no tokenizer)."""
+"""Tiny targets and random drafters for the eval tests (token ids only, no tokenizer), and
+`dspark-ds eval` run in this process on the CPU."""
 
 from __future__ import annotations
 
@@ -127,3 +128,23 @@ def counting_forwards(model):
         yield count
     finally:
         handle.remove()
+
+
+def cpu_eval(target_path, drafter, output_dir, **fields) -> dict:
+    """`dspark-ds eval` in this process, greedy, fp32 on the CPU, tracking off: its payload.
+    `fields`: the rest of `EvalConfig` (benchmarks, sizes)."""
+    # lazy: a test may have put a copy of the package in its place (test_registry's toy kind)
+    from dspark_ds.eval import EvalConfig, run_eval
+    from dspark_ds.target import TargetPathConfig
+
+    cfg = EvalConfig(
+        target=TargetPathConfig(path=str(target_path)),
+        drafter=str(drafter),
+        output_dir=str(output_dir),
+        temperature=0.0,
+        dtype="float32",
+        device="cpu",
+        **fields,
+    )
+    cfg.tracking.enabled = False
+    return run_eval(cfg)

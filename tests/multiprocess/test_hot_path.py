@@ -75,7 +75,7 @@ def _metrics_both_ways(rank: int, world: int, result_file: str) -> None:
         with torch.no_grad():
             out = model(**part, anchor_positions=anchors[rows], block_keep_mask=keep[rows])
             reference.append(compute_dspark_loss(out, **vars(DSPARK_LOSS)))
-            outputs.append(dspark_loss(out, **vars(DSPARK_LOSS)))
+            outputs.append(dspark_loss(out, DSPARK_LOSS))
     summed = sum_over_ranks([o.sums for o in outputs])
     logged = metrics_of(outputs, summed, lambda g: dspark_metrics(g, DSPARK_LOSS))
     if rank == 0:

@@ -18,6 +18,7 @@ from dspark_ds.eval.decoding import speculative_generate, target_generate
 from dspark_ds.eval.target_step import tap_layers
 
 from helpers.drafters import with_target_weights
+from helpers.evaluation import cpu_eval
 from helpers.tiny_models import build_tiny_target
 
 LAYER_IDS = [0, 1, 2]
@@ -101,25 +102,16 @@ def test_sampled_eagle3_decoding_runs_and_respects_the_budget(target):
 
 def test_dspark_ds_eval_reports_an_eagle3_drafter(target, tmp_path):
     """`dspark-ds eval` end to end on an Eagle3 directory: τ table, no calibration, results."""
-    from dspark_ds.eval.config import EvalConfig
-    from dspark_ds.eval.runner import run_eval
-    from dspark_ds.target import TargetPathConfig
-
     target_dir = build_tiny_target(tmp_path / "target")  # same seed: the fixture's weights
     save_draft_model(make_drafter(target, seed=6), tmp_path / "eagle3")
-    cfg = EvalConfig(
-        target=TargetPathConfig(path=target_dir),
-        drafter=str(tmp_path / "eagle3"),
+    payload = cpu_eval(
+        target_dir,
+        tmp_path / "eagle3",
+        tmp_path / "runs",
         benchmarks=["gsm8k"],
         max_samples=2,
         max_new_tokens=8,
-        temperature=0.0,
-        output_dir=str(tmp_path / "runs"),
-        dtype="float32",
-        device="cpu",
     )
-    cfg.tracking.enabled = False
-    payload = run_eval(cfg)
     (row,) = payload["benchmarks"]
     assert row["benchmark"] == "gsm8k" and row["num_prompts"] == 2
     assert len(row["accept_rate_by_position"]) == 4  # γ = ttt_length

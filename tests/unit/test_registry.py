@@ -28,6 +28,7 @@ from dspark_ds.drafters.presets import PRESET_NAMES, preset
 from dspark_ds.drafters.registry import KINDS, REGISTERED, get_kind, kind_of
 
 from helpers.drafters import random_batch, tiny_drafter, tiny_qwen3_config
+from helpers.evaluation import cpu_eval
 
 LAYER_IDS = [-1, 1, 2]
 
@@ -447,9 +448,7 @@ def test_a_new_kind_trains_exports_and_evaluates(package_with_a_toy_kind, tmp_pa
     from dspark_ds.cli import main
     from dspark_ds.drafters.io import load_draft_model
     from dspark_ds.drafters.registry import get_kind, kind_of
-    from dspark_ds.eval import EvalConfig, run_eval
     from dspark_ds.eval.decoding import speculative_generate, target_generate
-    from dspark_ds.target import TargetPathConfig
 
     recipe = str(package_with_a_toy_kind / "recipes" / "eagle3_tiny_cpu.yaml")
     argv = ["train", "--config", recipe, "--model.kind", "toy", "--model.toy_depth", "4"]
@@ -481,20 +480,15 @@ def test_a_new_kind_trains_exports_and_evaluates(package_with_a_toy_kind, tmp_pa
 
     # `dspark-ds eval`: a round sized by the kind, no calibration (it has no confidence head)
     (tmp_path / "prompts.jsonl").write_text('{"turns": ["What is 2 + 3?"]}\n')
-    cfg = EvalConfig(
-        target=TargetPathConfig(path=tiny_target),
-        drafter=str(tmp_path / "out"),
+    payload = cpu_eval(
+        tiny_target,
+        tmp_path / "out",
+        tmp_path / "eval",
         benchmarks=["prompts"],
         data_dir=str(tmp_path),
         max_samples=1,
         max_new_tokens=8,
-        temperature=0.0,
-        output_dir=str(tmp_path / "eval"),
-        dtype="float32",
-        device="cpu",
     )
-    cfg.tracking.enabled = False
-    payload = run_eval(cfg)
     (row,) = payload["benchmarks"]
     assert row["num_prompts"] == 1 and len(row["accept_rate_by_position"]) == 4
     assert not payload["calibration"]

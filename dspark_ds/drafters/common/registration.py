@@ -3,8 +3,10 @@ imported: its `model` fields, its presets and the size block that shrinks them, 
 its serving formats, what it can do (`Capabilities`, plain data) and where its `DrafterKind`
 class is.
 
-Each kind's folder holds one `Registration` (`drafters/<kind>/config.py`, next to its fields);
-the registry lists them, and the `model` section (`DrafterConfig`, drafters/presets.py), the
+Each kind's folder holds one `Registration` (`drafters/<kind>/config.py`, next to its fields:
+drafters/presets.py `with_kind_fields` appends them to the common ones, so a recipe stays one
+flat `model:` mapping while the fields, their documentation and their checks live with the kind
+that reads them); the registry lists them, and the `model` section (`DrafterConfig`, drafters/presets.py), the
 presets, the backends (drafters/io.py) and the engine formats (drafters/serving.py) are built
 from that list. The kind's class is imported by path on first use (`get_kind`), since its
 module needs the `model` section these modules build.
@@ -83,6 +85,22 @@ class Capabilities:
 # (`Registration.backends`' third field)
 QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
 GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
+
+
+def on_backbones(package: str, model_suffix: str) -> dict[str, Any]:
+    """`Registration.backends`, `architectures` and `generic_architecture` of a kind whose
+    backends are built on the two backbones: `Qwen3<model_suffix>` in `<package>.qwen3` (also
+    the generic architecture, for a target of any other family) and `Gemma4<model_suffix>` in
+    `<package>.gemma4`."""
+    qwen3, gemma4 = f"Qwen3{model_suffix}", f"Gemma4{model_suffix}"
+    return {
+        "backends": {
+            qwen3: (f"{package}.qwen3", qwen3, QWEN3_CONFIG),
+            gemma4: (f"{package}.gemma4", gemma4, GEMMA4_CONFIG),
+        },
+        "architectures": {"qwen3": qwen3, "gemma4": gemma4, "gemma4_text": gemma4},
+        "generic_architecture": qwen3,
+    }
 
 
 @dataclass(frozen=True)

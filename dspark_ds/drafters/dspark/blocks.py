@@ -120,6 +120,29 @@ def build_eval_mask(
     return valid.to(torch.int32).cumprod(dim=-1).bool()
 
 
+def block_labels(
+    loss_mask: torch.Tensor,
+    anchor_positions: torch.Tensor,
+    block_keep_mask: torch.Tensor,
+    *,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(safe_label_indices, eval_mask) [B, A, G] of the anchors' blocks: where each slot's label
+    is read (`build_label_indices`) and which slots are supervised (`build_eval_mask`)."""
+    seq_len = loss_mask.shape[1]
+    label_idx, safe_idx = build_label_indices(
+        anchor_positions, block_keep_mask, block_size=block_size, seq_len=seq_len
+    )
+    eval_mask = build_eval_mask(
+        seq_len=seq_len,
+        loss_mask=loss_mask,
+        label_indices=label_idx,
+        safe_label_indices=safe_idx,
+        block_keep_mask=block_keep_mask,
+    )
+    return safe_idx, eval_mask
+
+
 def gather_blocks(x_BSD: torch.Tensor, index_BAG: torch.Tensor) -> torch.Tensor:
     """x[b, index[b, a, g], :] -> [B, A, G, D]."""
     bsz, num_blocks, block_size = index_BAG.shape

@@ -2,10 +2,8 @@
 weights of its loss (docs/algorithm.md#the-loss), its presets, the size block that shrinks them
 to a small target (`DSparkSizes`) and its registration.
 
-`DSparkFields` are its fields of `DrafterConfig` (drafters/presets.py `with_kind_fields` appends
-them to the common ones): the recipe stays one flat `model:` mapping, and these fields, their
-documentation and their checks live here, with the kind that reads them. `REGISTRATION` is what
-drafters/registry.py lists.
+`DSparkFields` are its fields of `DrafterConfig`, `REGISTRATION` what drafters/registry.py lists
+(drafters/common/registration.py).
 """
 
 from __future__ import annotations
@@ -16,13 +14,12 @@ from typing import Any, Literal
 from dspark_ds.drafters.common.checks import Checker
 from dspark_ds.drafters.common.registration import (
     CONFIDENCE_HEAD,
-    GEMMA4_CONFIG,
     MARKOV_HEAD,
-    QWEN3_CONFIG,
     Capabilities,
     Claim,
     Preset,
     Registration,
+    on_backbones,
 )
 from dspark_ds.drafters.dspark import serving
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
@@ -175,20 +172,7 @@ REGISTRATION = Registration(
     kind_class="dspark_ds.drafters.dspark.kind:DSpark",
     presets=PRESETS,
     sizes=DSparkSizes,
-    backends={
-        "Qwen3DSparkModel": ("dspark_ds.drafters.dspark.qwen3", "Qwen3DSparkModel", QWEN3_CONFIG),
-        "Gemma4DSparkModel": (
-            "dspark_ds.drafters.dspark.gemma4",
-            "Gemma4DSparkModel",
-            GEMMA4_CONFIG,
-        ),
-    },
-    architectures={
-        "qwen3": "Qwen3DSparkModel",
-        "gemma4": "Gemma4DSparkModel",
-        "gemma4_text": "Gemma4DSparkModel",
-    },
-    generic_architecture="Qwen3DSparkModel",
+    **on_backbones("dspark_ds.drafters.dspark", "DSparkModel"),
     serving=serving,
     capabilities=Capabilities(
         label="DSpark / DFlash",

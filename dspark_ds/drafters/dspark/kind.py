@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.dspark import memory
 from dspark_ds.drafters.dspark.build import dspark_config
 from dspark_ds.drafters.dspark.config import REGISTRATION, LossWeights
@@ -32,7 +31,6 @@ from dspark_ds.drafters.kind import (
     StepOutput,
     bare,
 )
-from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import DrafterConfig
 
 
@@ -102,16 +100,6 @@ class DSparkCost(KindCost):
     ) -> tuple[DrafterConfig, int]:
         return replace(model, num_anchors=count), min(seq_len, 2 * longest + 64)
 
-    def activation_bytes(
-        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
-    ) -> dict[str, float]:
-        return memory.activation_bytes(shape, perf, device, zero_stage)
-
-    def step_flops(
-        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
-    ) -> dict[str, float]:
-        return memory.step_flops(shape, perf, device, zero_stage)
-
 
 class DSparkReport(KindReport):
     def describe(self, model: DrafterConfig) -> str:
@@ -130,7 +118,7 @@ class DSpark(DrafterKind):
     model_class = DSparkDraftModel
     train = DSparkTrain(REGISTRATION)
     decode = DSparkDecode()
-    cost = DSparkCost()
+    cost = DSparkCost(memory)
     report = DSparkReport()
 
     def build_config(

@@ -13,7 +13,7 @@ ranks and read as floats (`dspark_metrics`): the straight-line reference.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,41 +84,38 @@ class LossPlan:
 
 def plan_loss(
     eval_mask: torch.Tensor,
+    weights: LossWeights = DSPARK_LOSS,
     *,
     has_aligned: bool,
     has_confidence: bool,
-    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
-    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
-    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
-    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
     over_ranks: bool = True,
 ) -> LossPlan:
     """Checks the inputs and sums the denominators over every rank (one small all_reduce;
     `over_ranks=False`: this rank's own, for a loss nothing is back-propagated through)."""
     world_size = distributed.world_size() if over_ranks else 1
-    if l1_loss_alpha > 0 and not has_aligned:
+    if weights.l1_loss_alpha > 0 and not has_aligned:
         raise ValueError(
             "l1_loss_alpha > 0 needs aligned_target_logits (pass target_last_hidden_states)"
         )
-    has_conf = has_confidence and confidence_head_alpha > 0
+    has_conf = has_confidence and weights.confidence_head_alpha > 0
     if has_conf and not has_aligned:
         raise ValueError(
             "the confidence head needs aligned_target_logits (pass target_last_hidden_states)"
         )
-    w = position_weights(eval_mask, loss_decay_gamma)
-    use_l1 = has_aligned and l1_loss_alpha > 0
+    w = position_weights(eval_mask, weights.loss_decay_gamma)
+    use_l1 = has_aligned and weights.l1_loss_alpha > 0
     total = w.sum()
     zero = torch.zeros_like(total)
     local = torch.stack([total, total if use_l1 else zero, total if has_conf else zero])
     den = distributed.all_reduce_(local.clone()) if over_ranks else local
-    coef_l1 = _coef(l1_loss_alpha, world_size, den[1])
+    coef_l1 = _coef(weights.l1_loss_alpha, world_size, den[1])
     return LossPlan(
         w=w,
         valid=eval_mask.to(torch.float32),
         local_den=dict(zip(("den_ce", "den_l1", "den_conf"), local.unbind())),
-        coef_ce=_coef(ce_loss_alpha, world_size, den[0]),
+        coef_ce=_coef(weights.ce_loss_alpha, world_size, den[0]),
         coef_l1=torch.where(den[1] > 0, coef_l1, torch.zeros_like(coef_l1)),
-        coef_conf=_coef(confidence_head_alpha, world_size, den[2]) if has_conf else zero,
+        coef_conf=_coef(weights.confidence_head_alpha, world_size, den[2]) if has_conf else zero,
         use_l1=use_l1,
         has_conf=has_conf,
     )
@@ -144,30 +141,21 @@ def compute_dspark_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Returns (loss to backpropagate, metrics). Metrics are global over all ranks."""
     weights = LossWeights(loss_decay_gamma, ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
-    step = dspark_loss(out, **asdict(weights))
+    step = dspark_loss(out, weights)
     return step.loss, dspark_metrics(step.global_sums(), weights)
 
 
 def dspark_loss(
-    out: DSparkForwardOutput,
-    *,
-    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
-    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
-    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
-    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
-    over_ranks: bool = True,
+    out: DSparkForwardOutput, weights: LossWeights = DSPARK_LOSS, *, over_ranks: bool = True
 ) -> StepOutput:
     """The loss of full logits and this rank's metric sums, on the device."""
     logits = out.draft_logits
     vocab = logits.shape[-1]
     plan = plan_loss(
         out.eval_mask,
+        weights,
         has_aligned=out.aligned_target_logits is not None,
         has_confidence=out.confidence_pred is not None,
-        loss_decay_gamma=loss_decay_gamma,
-        ce_loss_alpha=ce_loss_alpha,
-        l1_loss_alpha=l1_loss_alpha,
-        confidence_head_alpha=confidence_head_alpha,
         over_ranks=over_ranks,
     )
     ce = F.cross_entropy(

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from dspark_ds.drafters.dspark.config import DSPARK_LOSS
+from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.dspark.loss import LossPlan, SlotTerms, finish_loss, l1_distance, plan_loss
 from dspark_ds.drafters.kind import StepOutput
 from dspark_ds.drafters.perf import CHUNK_ANCHORS_CPU
@@ -221,18 +221,16 @@ def _slot_terms_and_grad(
     return grad, grad_target
 
 
-def _plan(feats, confidence_pred, chunk_anchors: int, over_ranks: bool, *loss_args) -> LossPlan:
+def _plan(
+    feats, confidence_pred, weights: LossWeights, chunk_anchors: int, over_ranks: bool
+) -> LossPlan:
     if chunk_anchors < 1:
         raise ValueError(f"loss_chunk_anchors: must be >= 1, got {chunk_anchors}")
-    decay, ce_alpha, l1_alpha, conf_alpha = loss_args
     return plan_loss(
         feats.eval_mask,
+        weights,
         has_aligned=feats.target_prev_hidden is not None,
         has_confidence=confidence_pred is not None,
-        loss_decay_gamma=decay,
-        ce_loss_alpha=ce_alpha,
-        l1_loss_alpha=l1_alpha,
-        confidence_head_alpha=conf_alpha,
         over_ranks=over_ranks,
     )
 
@@ -241,12 +239,9 @@ def chunked_dspark_loss(
     model: nn.Module,
     feats,
     confidence_pred: torch.Tensor | None,
+    weights: LossWeights = DSPARK_LOSS,
     *,
     chunk_anchors: int = CHUNK_ANCHORS_CPU,
-    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
-    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
-    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
-    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
     over_ranks: bool = True,
 ) -> StepOutput:
     """`dspark_loss` on `model.forward_hidden(...)` output (`feats`), chunked.
@@ -254,16 +249,7 @@ def chunked_dspark_loss(
     Same loss, metric sums and gradients as the reference path (to fp32 rounding). The caller
     backpropagates once (no retain_graph / double backward).
     """
-    plan = _plan(
-        feats,
-        confidence_pred,
-        chunk_anchors,
-        over_ranks,
-        loss_decay_gamma,
-        ce_loss_alpha,
-        l1_loss_alpha,
-        confidence_head_alpha,
-    )
+    plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
     # Every trainable parameter is offered to the chunk's autograd.grad (unused ones get
     # None), so a backend whose compute_logits has its own parameters stays correct.
     params = tuple(p for p in model.parameters() if p.requires_grad)
@@ -311,12 +297,9 @@ def recompute_dspark_loss(
     model: nn.Module,
     feats,
     confidence_pred: torch.Tensor | None,
+    weights: LossWeights = DSPARK_LOSS,
     *,
     chunk_anchors: int = CHUNK_ANCHORS_CPU,
-    loss_decay_gamma: float | None = DSPARK_LOSS.loss_decay_gamma,
-    ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
-    l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
-    confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
     over_ranks: bool = True,
     pad_to_blocks: int = 0,
 ) -> StepOutput:
@@ -334,16 +317,7 @@ def recompute_dspark_loss(
     partitioned weights with the other ranks); ranks that dropped different numbers of empty
     blocks pad to the count they all share (the micro-batch's rows × num_anchors).
     """
-    plan = _plan(
-        feats,
-        confidence_pred,
-        chunk_anchors,
-        over_ranks,
-        loss_decay_gamma,
-        ce_loss_alpha,
-        l1_loss_alpha,
-        confidence_head_alpha,
-    )
+    plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
     bsz, num_blocks, G, H = feats.hidden.shape
     hidden = feats.hidden.reshape(bsz * num_blocks, G, H)
     prev = feats.prev_token_ids.reshape(-1, G)

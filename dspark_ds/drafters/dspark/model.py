@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from dspark_ds.drafters.common.cache import DraftKVCache
+from dspark_ds.drafters.common.forward import TrainingForward
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.common.sampling import sample_from_logits
 from dspark_ds.drafters.dspark.block_attention import attend, build_block_mask
 from dspark_ds.drafters.dspark.blocks import (
     DSparkForwardOutput,
-    build_eval_mask,
-    build_label_indices,
+    block_labels,
     build_noise_input_ids,
     create_position_ids,
     gather_blocks,
@@ -75,7 +75,7 @@ class DraftAttention:
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
-class DSparkDraftModel(TargetSharedWeights, nn.Module):
+class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
     """Base class; see the module docstring. Construct through a backend or `build_draft_model`."""
 
     architecture: str = ""
@@ -153,30 +153,9 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         return self.attn_implementation
 
     # ---- training forward (docs/algorithm.md: anchors .. confidence head) ------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        loss_mask: torch.Tensor,
-        target_last_hidden_states: torch.Tensor | None = None,
-        anchor_positions: torch.Tensor | None = None,
-        block_keep_mask: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-        return_hidden: bool = False,
-    ) -> DSparkForwardOutput | DSparkHiddenOutput:
-        """Full logits (`DSparkForwardOutput`); with `return_hidden`, the `forward_hidden`
-        result, which the chunked losses project a few anchors at a time."""
-        feats = self.forward_hidden(
-            input_ids,
-            target_hidden_states,
-            loss_mask,
-            target_last_hidden_states,
-            anchor_positions=anchor_positions,
-            block_keep_mask=block_keep_mask,
-            generator=generator,
-        )
-        if return_hidden:
-            return feats
+    def full_logits(self, feats: DSparkHiddenOutput) -> DSparkForwardOutput:
+        """Full logits of `forward_hidden`'s result (what `dspark_loss` reads); `forward`
+        (drafters/common/forward.py) returns them."""
         hidden_BAGH = feats.hidden
         aligned = None
         if feats.target_prev_hidden is not None:
@@ -247,17 +226,10 @@ class DSparkDraftModel(TargetSharedWeights, nn.Module):
         hidden = self.backbone(h, ctx, ctx_pos, draft_pos, mask)
         hidden_BAGH = hidden.view(bsz, num_blocks, Q, -1)[:, :, Q - G :]
 
-        label_idx, safe_idx = build_label_indices(
-            anchor_positions, block_keep_mask, block_size=G, seq_len=seq_len
+        safe_idx, eval_mask = block_labels(
+            loss_mask, anchor_positions, block_keep_mask, block_size=G
         )
         target_ids = input_ids.gather(1, safe_idx.flatten(1)).view_as(safe_idx)
-        eval_mask = build_eval_mask(
-            seq_len=seq_len,
-            loss_mask=loss_mask,
-            label_indices=label_idx,
-            safe_label_indices=safe_idx,
-            block_keep_mask=block_keep_mask,
-        )
         prev_state = None
         if target_last_hidden_states is not None:
             # The target's own distribution for the same token: its state one step earlier.

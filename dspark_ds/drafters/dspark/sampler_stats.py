@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from dspark_ds.drafters.dspark.blocks import (
+    block_labels,
     build_anchor_candidate_mask,
-    build_eval_mask,
-    build_label_indices,
 )
 
 
@@ -36,16 +35,7 @@ def sampler_stat_sums(
     seq_len = loss_mask.shape[1]
     valid = build_anchor_candidate_mask(loss_mask).sum(dim=1).double()
     sampled = block_keep_mask.sum(dim=1).double()
-    label_idx, safe_idx = build_label_indices(
-        anchor_positions, block_keep_mask, block_size=block_size, seq_len=seq_len
-    )
-    eval_mask = build_eval_mask(
-        seq_len=seq_len,
-        loss_mask=loss_mask,
-        label_indices=label_idx,
-        safe_label_indices=safe_idx,
-        block_keep_mask=block_keep_mask,
-    )
+    _, eval_mask = block_labels(loss_mask, anchor_positions, block_keep_mask, block_size=block_size)
     per_block = eval_mask.sum(dim=(1, 2)).double() / sampled.clamp(min=1.0)
     return torch.stack(
         [

@@ -103,16 +103,16 @@ def forward_loss(
     if missing:
         raise ValueError(f"batch: missing {missing} (needs {BATCH_KEYS})")
     inputs = {k: batch[k] for k in (*BATCH_KEYS, *OPTIONAL_BATCH_KEYS) if batch.get(k) is not None}
-    args = dict(asdict(weights), over_ranks=over_ranks)
     if impl == "reference":
-        return dspark_loss(model(**inputs, generator=generator), **args)
+        return dspark_loss(model(**inputs, generator=generator), weights, over_ranks=over_ranks)
     drafter = bare(model)
     feats = model(**inputs, generator=generator, return_hidden=True)
     confidence = drafter.predict_confidence(feats.hidden, feats.prev_token_ids)
+    args = dict(chunk_anchors=chunk_anchors, over_ranks=over_ranks)
     if impl == "chunked":
-        return chunked_dspark_loss(drafter, feats, confidence, chunk_anchors=chunk_anchors, **args)
+        return chunked_dspark_loss(drafter, feats, confidence, weights, **args)
     return recompute_dspark_loss(
-        drafter, feats, confidence, chunk_anchors=chunk_anchors, pad_to_blocks=pad_to_blocks, **args
+        drafter, feats, confidence, weights, pad_to_blocks=pad_to_blocks, **args
     )
 
 

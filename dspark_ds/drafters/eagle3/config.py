@@ -1,10 +1,8 @@
 """Eagle3's fields of the run's `model` section (`model.kind: eagle3`), its preset, the size
 block that shrinks it to a small target (`Eagle3Sizes`) and its registration.
 
-`Eagle3Fields` are its fields of `DrafterConfig` (drafters/presets.py `with_kind_fields` appends
-them to the common ones): the recipe stays one flat `model:` mapping, and these fields, their
-documentation and their checks live here, with the kind that reads them. `REGISTRATION` is what
-drafters/registry.py lists.
+`Eagle3Fields` are its fields of `DrafterConfig`, `REGISTRATION` what drafters/registry.py lists
+(drafters/common/registration.py).
 """
 
 from __future__ import annotations
@@ -13,11 +11,10 @@ from dataclasses import dataclass
 
 from dspark_ds.drafters.common.checks import Checker
 from dspark_ds.drafters.common.registration import (
-    GEMMA4_CONFIG,
-    QWEN3_CONFIG,
     Capabilities,
     Preset,
     Registration,
+    on_backbones,
 )
 from dspark_ds.drafters.eagle3 import serving
 from dspark_ds.drafters.eagle3.model import TTT_ATTN_IMPLEMENTATIONS
@@ -76,20 +73,7 @@ REGISTRATION = Registration(
     kind_class="dspark_ds.drafters.eagle3.kind:Eagle3",
     presets=PRESETS,
     sizes=Eagle3Sizes,
-    backends={
-        "Qwen3Eagle3Model": ("dspark_ds.drafters.eagle3.qwen3", "Qwen3Eagle3Model", QWEN3_CONFIG),
-        "Gemma4Eagle3Model": (
-            "dspark_ds.drafters.eagle3.gemma4",
-            "Gemma4Eagle3Model",
-            GEMMA4_CONFIG,
-        ),
-    },
-    architectures={
-        "qwen3": "Qwen3Eagle3Model",
-        "gemma4": "Gemma4Eagle3Model",
-        "gemma4_text": "Gemma4Eagle3Model",
-    },
-    generic_architecture="Qwen3Eagle3Model",
+    **on_backbones("dspark_ds.drafters.eagle3", "Eagle3Model"),
     serving=serving,
     capabilities=Capabilities(
         label="Eagle3",

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 
 import torch
 
-from dspark_ds.drafters.common.memory import StepShape
 from dspark_ds.drafters.eagle3 import loss, memory
 from dspark_ds.drafters.eagle3.build import eagle3_config
 from dspark_ds.drafters.eagle3.config import REGISTRATION
@@ -23,7 +22,6 @@ from dspark_ds.drafters.kind import (
     StepOutput,
     bare,
 )
-from dspark_ds.drafters.perf import PerfConfig
 from dspark_ds.drafters.presets import DrafterConfig
 
 
@@ -72,16 +70,6 @@ class Eagle3Cost(KindCost):
     ) -> tuple[DrafterConfig, int]:
         return model, count
 
-    def activation_bytes(
-        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
-    ) -> dict[str, float]:
-        return memory.activation_bytes(shape, perf, device, zero_stage)
-
-    def step_flops(
-        self, shape: StepShape, perf: PerfConfig, device: str, zero_stage: int
-    ) -> dict[str, float]:
-        return memory.step_flops(shape, perf, device, zero_stage)
-
 
 class Eagle3Report(KindReport):
     def describe(self, model: DrafterConfig) -> str:
@@ -96,7 +84,7 @@ class Eagle3(DrafterKind):
     model_class = Eagle3DraftModel
     train = Eagle3Train(REGISTRATION)
     decode = Eagle3Decode()
-    cost = Eagle3Cost()
+    cost = Eagle3Cost(memory)
     report = Eagle3Report()
 
     def build_config(

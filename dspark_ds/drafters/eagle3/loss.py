@@ -26,6 +26,8 @@ through the frozen lm_head at once, so only an [N, H] gradient survives the forw
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dspark_ds import distributed
@@ -200,18 +202,11 @@ def forward_loss(
 
 
 def eagle3_forward_and_loss(
-    model,
-    batch,
-    *,
-    step_loss_decay: float = STEP_LOSS_DECAY,
-    impl: str = "auto",
-    chunk_rows: int = 1024,
+    model, batch, *, step_loss_decay: float = STEP_LOSS_DECAY, **path: Any
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`forward_loss` with the metrics summed over the ranks and read as floats, as
-    `compute_eagle3_loss(model(...))` returns them."""
-    out = forward_loss(
-        model, batch, step_loss_decay=step_loss_decay, impl=impl, chunk_rows=chunk_rows
-    )
+    `compute_eagle3_loss(model(...))` returns them. `path`: its `impl` and `chunk_rows`."""
+    out = forward_loss(model, batch, step_loss_decay=step_loss_decay, **path)
     return out.loss, eagle3_metrics(out.global_sums(), step_loss_decay)
 
 

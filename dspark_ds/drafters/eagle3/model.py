@@ -34,6 +34,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from dspark_ds.drafters.common.attention import attend
 from dspark_ds.drafters.common.cache import DraftKVCache
 from dspark_ds.drafters.common.flex import flex_attend
+from dspark_ds.drafters.common.forward import TrainingForward
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop
 from dspark_ds.drafters.common.sampling import sample_from_logits
@@ -184,7 +185,7 @@ class Eagle3Attention:
 
 
 # ---- the family-independent model ------------------------------------------------------------
-class Eagle3DraftModel(TargetSharedWeights, nn.Module):
+class Eagle3DraftModel(TrainingForward, TargetSharedWeights, nn.Module):
     """Base class; a backend supplies its layer, norm, rotary embedding and logits."""
 
     architecture: str = ""
@@ -261,27 +262,13 @@ class Eagle3DraftModel(TargetSharedWeights, nn.Module):
         return h
 
     # ---- training forward: the TTT unroll --------------------------------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        target_hidden_states: torch.Tensor,
-        loss_mask: torch.Tensor,
-        target_last_hidden_states: torch.Tensor | None = None,
-        ttt_length: int | None = None,
-        return_hidden: bool = False,
-    ) -> Eagle3ForwardOutput | Eagle3Hidden:
-        """The unroll with full logits ([B, S, T, V]; the reference path of the loss), or
-        with `return_hidden` the `forward_hidden` result (so a DeepSpeed engine, which only
-        calls `forward`, can feed the chunked loss)."""
-        feats = self.forward_hidden(
-            input_ids, target_hidden_states, loss_mask, target_last_hidden_states, ttt_length
-        )
-        if return_hidden:
-            return feats
+    def full_logits(self, feats: Eagle3Hidden) -> Eagle3ForwardOutput:
+        """The unroll's full logits ([B, S, T, V]; the reference path of the loss) from
+        `forward_hidden`'s result; `forward` (drafters/common/forward.py) returns them."""
         target_logits = None
-        if target_last_hidden_states is not None:
+        if feats.target_last_hidden_states is not None:
             with torch.no_grad():
-                target_logits = self.target_logits(target_last_hidden_states)
+                target_logits = self.target_logits(feats.target_last_hidden_states)
         return Eagle3ForwardOutput(
             draft_logits=self.compute_logits(feats.hidden),
             target_ids=feats.target_ids,

@@ -11,7 +11,10 @@ from transformers import Qwen3ForCausalLM
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
 from dspark_ds.drafters.registry import kind_of
+from dspark_ds.eval.batched import batched_generate
+from dspark_ds.eval.decoding import speculative_generate
 
+from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import qwen3_target_config
 
 
@@ -98,6 +101,119 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     assert dof >= 3, f"too few cells for a chi-square test (dof={dof})"
     # The chi-square survival function: the regularised upper incomplete gamma Q(k/2, x/2).
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
+
+
+def _sps_cliff(rows, length):
+    return 1.0 if length <= 2 else 0.4 / length
+
+
+# every policy of batched decoding: full gamma, a confidence threshold, the scheduler (its
+# speed-per-step curve a cliff after 2 tokens, so that it cuts drafts short)
+BATCHED_POLICIES = (
+    dict(policy="full"),
+    dict(policy="threshold", confidence_threshold=0.4),
+    dict(policy="scheduler", sps=_sps_cliff),
+)
+
+
+def decoding_prompts(vocab: int) -> list[torch.Tensor]:
+    """Three prompts of 3, 9 and 6 tokens below `vocab` - 1, the same in every run."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab - 1, (1, n), generator=g) for n in (3, 9, 6)]
+
+
+def greedy_reference(target, prompt, max_new_tokens: int, with_generate: bool = True):
+    """The target's greedy continuation by full forwards (no cache to get wrong), checked
+    against its own `generate` unless `with_generate` is False."""
+    want = greedy_without_cache(target, prompt, max_new_tokens, set())
+    if with_generate:
+        generated = target.generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            min_new_tokens=max_new_tokens,
+            attention_mask=torch.ones_like(prompt),
+        )
+        assert generated.tolist() == want.tolist()
+    return want
+
+
+def check_greedy_rounds(
+    target, drafter, prompts, want, max_new_tokens: int, policies=BATCHED_POLICIES
+) -> tuple[int, int]:
+    """Greedy speculative decoding of `prompts`, one row at a time (full gamma, a 0.4 confidence
+    threshold) and two rows at a time with prompts entering and leaving under each of
+    `policies`: every output is asserted equal to `want` (the target's greedy continuation of
+    the same prompt). The drafts proposed and accepted, summed."""
+    proposed = accepted = 0
+    for threshold in (0.0, 0.4):
+        for prompt, expected in zip(prompts, want):
+            got, stats = speculative_generate(
+                target,
+                drafter,
+                prompt,
+                max_new_tokens=max_new_tokens,
+                confidence_threshold=threshold,
+            )
+            assert got.tolist() == expected.tolist(), threshold
+            proposed += sum(stats.proposed_per_round)
+            accepted += sum(stats.accepted_per_round)
+    for kwargs in policies:
+        results = batched_generate(
+            target, drafter, prompts, batch_size=2, max_new_tokens=max_new_tokens, **kwargs
+        )
+        for r in results:
+            assert r.output_ids.tolist() == want[r.index].tolist(), kwargs
+            proposed += sum(r.stats.proposed_per_round)
+            accepted += sum(r.stats.accepted_per_round)
+    return proposed, accepted
+
+
+def sampled_continuations(
+    target, drafter, prompt, samples: int, num_new: int = 3, batch_size: int | None = None
+) -> tuple[torch.Tensor, int]:
+    """T = 1 speculative decoding of `prompt` `samples` times (batched, `batch_size` rows at a
+    time, or one row at a time when None): the count of each `num_new`-token continuation
+    ([V] * num_new) and the drafts accepted."""
+    counts = torch.zeros([target.config.vocab_size] * num_new)
+    generator = torch.Generator().manual_seed(0)
+    start, accepted = prompt.shape[1], 0
+    if batch_size is None:
+        runs = (
+            speculative_generate(
+                target,
+                drafter,
+                prompt,
+                max_new_tokens=num_new,
+                temperature=1.0,
+                generator=generator,
+            )
+            for _ in range(samples)
+        )
+    else:
+        results = batched_generate(
+            target,
+            drafter,
+            [prompt] * samples,
+            batch_size=batch_size,
+            max_new_tokens=num_new,
+            temperature=1.0,
+            generator=generator,
+        )
+        runs = ((r.output_ids, r.stats) for r in results)
+    for out, stats in runs:
+        counts[tuple(out[0, start:].tolist())] += 1
+        accepted += sum(stats.accepted_per_round)
+    return counts, accepted
+
+
+def continuation_pvalues(counts: torch.Tensor, exact: torch.Tensor) -> list[float]:
+    """Chi-square p-values of sampled 3-token continuations against their exact distribution:
+    the first token's, and the last two's jointly."""
+    return [
+        chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
+        chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
+    ]
 
 
 def record_proposals(monkeypatch, drafter) -> list[list[int]]:

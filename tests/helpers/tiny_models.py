@@ -24,6 +24,9 @@ Stable API (other test files rely on it):
   lm_head sharpened x8 so that greedy text varies.
 - ``write_chat_jsonl(path, n, layout="messages", seed=0)``: ``n`` small conversations;
   ``prepare_chat(root, n, ...)``: the same, tokenised by ``dspark-ds prepare`` into ``root/prep``.
+- ``assert_reads_like_from_pretrained(path, state)``: every parameter read tensor by tensor
+  from the checkpoint at ``path`` (``TargetWeights``, what ZeRO-3 ranks read their partitions
+  from) equals ``state`` (from_pretrained's), any flat range of it too.
 - ``QWEN3_TEMPLATE``, ``QWEN3_TEMPLATE_NO_MARKERS``, ``GEMMA_TEMPLATE``: the template strings.
 """
 
@@ -429,3 +432,24 @@ def prepare_chat(root: str | Path, n: int, *, seed: int, tokenizer: str, max_len
     data = DataConfig(paths=[jsonl], tokenizer=str(tokenizer), max_length=max_length)
     prepare(PrepareConfig(data=data, output_dir=str(root / "prep")))
     return root / "prep"
+
+
+def assert_reads_like_from_pretrained(path, state: dict[str, torch.Tensor]) -> None:
+    """Every parameter of the checkpoint's causal LM class, read tensor by tensor from `path` by
+    `TargetWeights` (what each ZeRO-3 rank reads its partitions from; MoE experts fused by
+    transformers' converters), equals `state` (from_pretrained's), and so does any flat range
+    of it, as a partition reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dspark_ds.target_checkpoint import causal_lm_config
+    from dspark_ds.target_weights import TargetWeights, fill_plan
+
+    model = AutoModelForCausalLM.from_config(causal_lm_config(AutoConfig.from_pretrained(path)))
+    seen = set()
+    for name, tensor, source in fill_plan(model, TargetWeights(str(path))):
+        seen.add(name)
+        value = source.read().view(tensor.shape)
+        assert torch.equal(value, state[name]), name
+        n = value.numel()
+        assert torch.equal(source.read(n // 3, n - 1), value.reshape(-1)[n // 3 : n - 1]), name
+    assert {n for n, _ in model.named_parameters()} <= seen

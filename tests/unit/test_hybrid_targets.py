@@ -27,10 +27,19 @@ from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.eval.recurrent import RecurrentState, check_recurrent_target, is_recurrent
 from dspark_ds.eval.target_step import TargetDecoder
 
-from helpers.evaluation import chi_square_pvalue, exact_continuation_probs, random_drafter
+from helpers.evaluation import (
+    check_greedy_rounds,
+    continuation_pvalues,
+    decoding_prompts,
+    exact_continuation_probs,
+    greedy_reference,
+    random_drafter,
+    sampled_continuations,
+)
 from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import (
     HYBRID_FAMILIES,
+    assert_reads_like_from_pretrained,
     build_tiny_hybrid_target,
     hybrid_config,
     tiny_hybrid_model,
@@ -94,11 +103,6 @@ def test_a_rolled_back_state_is_the_state_after_the_kept_tokens(family, models, 
         assert _relative_error(stale, clean) > 1e-2
 
 
-def _prompts() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB - 1, (1, n), generator=g) for n in (3, 9, 6)]
-
-
 NEW = 10
 
 
@@ -109,53 +113,14 @@ NEW = 10
 GENERATE_DIFFERS = {"granitemoehybrid", "falcon_h1"}
 
 
-def _greedy(target, prompt, family):
-    want = greedy_without_cache(target, prompt, NEW, set())
-    if family not in GENERATE_DIFFERS:
-        generated = target.generate(
-            prompt,
-            max_new_tokens=NEW,
-            do_sample=False,
-            min_new_tokens=NEW,
-            attention_mask=torch.ones_like(prompt),
-        )
-        assert generated.tolist() == want.tolist()
-    return want
-
-
-def _sps_cliff(rows, length):
-    return 1.0 if length <= 2 else 0.4 / length
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, models):
     """Batch 1 (full gamma, threshold) and batched with queued prompts entering and leaving
     (full gamma, threshold, scheduler); drafts rejected in most rounds, some kept."""
     target, drafter = models[family]
-    prompts = _prompts()
-    want = [_greedy(target, p, family) for p in prompts]
-    proposed = accepted = 0
-    for threshold in (0.0, 0.4):
-        for prompt, expected in zip(prompts, want):
-            got, stats = speculative_generate(
-                target, drafter, prompt, max_new_tokens=NEW, confidence_threshold=threshold
-            )
-            assert got.tolist() == expected.tolist(), (family, threshold)
-            proposed += sum(stats.proposed_per_round)
-            accepted += sum(stats.accepted_per_round)
-    policies = [
-        dict(policy="full"),
-        dict(policy="threshold", confidence_threshold=0.4),
-        dict(policy="scheduler", sps=_sps_cliff),
-    ]
-    for kwargs in policies:
-        results = batched_generate(
-            target, drafter, prompts, batch_size=2, max_new_tokens=NEW, **kwargs
-        )
-        for r in results:
-            assert r.output_ids.tolist() == want[r.index].tolist(), (family, kwargs)
-            proposed += sum(r.stats.proposed_per_round)
-            accepted += sum(r.stats.accepted_per_round)
+    prompts = decoding_prompts(VOCAB)
+    want = [greedy_reference(target, p, NEW, family not in GENERATE_DIFFERS) for p in prompts]
+    proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, NEW)
     assert 0 < accepted < proposed / 2, (accepted, proposed)
 
 
@@ -177,25 +142,9 @@ def test_sampled_speculative_decoding_has_the_hybrid_targets_distribution(family
     drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5]])
     exact = exact_continuation_probs(target, prompt, NUM_NEW)
-    results = batched_generate(
-        target,
-        drafter,
-        [prompt] * SAMPLES,
-        batch_size=50,
-        max_new_tokens=NUM_NEW,
-        temperature=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
-    counts = torch.zeros([8] * NUM_NEW)
-    accepted = 0
-    for r in results:
-        counts[tuple(r.output_ids[0, prompt.shape[1] :].tolist())] += 1
-        accepted += sum(r.stats.accepted_per_round)
+    counts, accepted = sampled_continuations(target, drafter, prompt, SAMPLES, NUM_NEW, 50)
     assert accepted > 0.1 * SAMPLES, accepted
-    pvalues = [
-        chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
-        chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
-    ]
+    pvalues = continuation_pvalues(counts, exact)
     assert min(pvalues) > ALPHA, pvalues
 
 
@@ -287,10 +236,8 @@ def test_hybrid_features_and_checkpoint_reads(family, hybrid_dirs):
     """The hooks' features equal output_hidden_states (check_head passed on load), and every
     parameter read tensor by tensor (what ZeRO-3 ranks read their partitions from; MoE experts
     fused by transformers' converters) equals from_pretrained's."""
-    from transformers import AutoModelForCausalLM
 
     from dspark_ds.target import TargetConfig, load_target
-    from dspark_ds.target_weights import TargetWeights, fill_plan
 
     path = hybrid_dirs[family]
     target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
@@ -299,13 +246,7 @@ def test_hybrid_features_and_checkpoint_reads(family, hybrid_dirs):
     out = target.model(input_ids=ids, output_hidden_states=True)
     want = torch.cat([out.hidden_states[i + 1] for i in (-1, 0, 2, 3)], dim=-1)
     assert torch.equal(hidden, want) and torch.equal(last, out.hidden_states[4])
-    whole = target.model.state_dict()
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    seen = set()
-    for name, tensor, source in fill_plan(model, TargetWeights(path)):
-        seen.add(name)
-        assert torch.equal(source.read().view(tensor.shape), whole[name]), name
-    assert {n for n, _ in model.named_parameters()} <= seen
+    assert_reads_like_from_pretrained(path, target.model.state_dict())
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
@@ -323,7 +264,7 @@ def test_an_eagle3_chain_on_a_hybrid_is_lossless(family, models):
         target.get_input_embeddings().weight, target.get_output_embeddings().weight
     )
     drafter.eval()
-    prompts = _prompts()
+    prompts = decoding_prompts(VOCAB)
     want = [greedy_without_cache(target, p, NEW, set()).tolist() for p in prompts]
     got = [
         speculative_generate(target, drafter, p, max_new_tokens=NEW)[0].tolist() for p in prompts
@@ -337,10 +278,9 @@ def test_a_multimodal_qwen3_5_checkpoint_is_read_as_its_text_target(tmp_path):
     """Published Qwen3.5 checkpoints are `Qwen3_5ForConditionalGeneration` (a vision tower,
     the text model under `model.language_model.`): the target is its text model, with the
     whole model's logits, and the tensor-by-tensor reader (ZeRO-3) finds every parameter."""
-    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration
 
     from dspark_ds.target import TargetConfig, load_target
-    from dspark_ds.target_weights import TargetWeights, fill_plan
 
     text = hybrid_config("qwen3_5_text", 384).to_dict()
     vision = dict(
@@ -364,10 +304,4 @@ def test_a_multimodal_qwen3_5_checkpoint_is_read_as_its_text_target(tmp_path):
     ids = torch.randint(4, 300, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(target.model(ids).logits, whole(input_ids=ids).logits)
-    state = target.model.state_dict()
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
-    seen = set()
-    for name, tensor, source in fill_plan(model, TargetWeights(str(tmp_path))):
-        seen.add(name)
-        assert torch.equal(source.read().view(tensor.shape), state[name]), name
-    assert {n for n, _ in model.named_parameters()} <= seen
+    assert_reads_like_from_pretrained(tmp_path, target.model.state_dict())

@@ -24,21 +24,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from dspark_ds.drafters import build_draft_config
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.batched import batched_generate
-from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
 from dspark_ds.eval.target_step import TargetDecoder
 from dspark_ds.target import TargetConfig, load_causal_lm, load_target
 from dspark_ds.target_checkpoint import causal_lm_config
-from dspark_ds.target_weights import TargetWeights, fill_plan
+from dspark_ds.target_weights import TargetWeights
 
-from helpers.evaluation import chi_square_pvalue, exact_continuation_probs, random_drafter
-from helpers.gemma4 import greedy_without_cache
+from helpers.evaluation import (
+    BATCHED_POLICIES,
+    check_greedy_rounds,
+    continuation_pvalues,
+    decoding_prompts,
+    exact_continuation_probs,
+    greedy_reference,
+    random_drafter,
+    sampled_continuations,
+)
 from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_model
+from helpers.tiny_models import assert_reads_like_from_pretrained
 
 FAMILIES = list(MOE_TARGETS)
 BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
@@ -88,13 +96,7 @@ def test_features_head_and_tensor_by_tensor_reads(family, target_dirs):
         assert torch.equal(states[0], target.model.get_input_embeddings()(ids))
     assert torch.equal(hidden, torch.cat([states[i + 1] for i in (-1, 0, 2, 3)], dim=-1))
     assert torch.equal(last, out.hidden_states[4])
-    state = target.model.state_dict()
-    model = AutoModelForCausalLM.from_config(causal_lm_config(AutoConfig.from_pretrained(path)))
-    seen = set()
-    for name, tensor, source in fill_plan(model, TargetWeights(path)):
-        seen.add(name)
-        assert torch.equal(source.read().view(tensor.shape), state[name]), name
-    assert {n for n, _ in model.named_parameters()} <= seen
+    assert_reads_like_from_pretrained(path, target.model.state_dict())
 
 
 def test_kimi_k25_is_its_text_model_alone(target_dirs):
@@ -129,58 +131,20 @@ def models():
 NEW = 10
 
 
-def _prompts() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB - 1, (1, n), generator=g) for n in (3, 9, 6)]
-
-
-def _greedy(target, prompt):
-    want = greedy_without_cache(target, prompt, NEW, set())
-    generated = target.generate(
-        prompt,
-        max_new_tokens=NEW,
-        do_sample=False,
-        min_new_tokens=NEW,
-        attention_mask=torch.ones_like(prompt),
-    )
-    assert generated.tolist() == want.tolist()
-    return want
-
-
 @pytest.mark.parametrize("family", DECODED)
 def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, models):
     """One row (full gamma, threshold) and batched with prompts entering and leaving (full gamma,
     threshold, scheduler): drafts rejected in most rounds, some kept, so caches are cut back and
     rows shifted every round. DeepSeek-V4: one row; batched refused by name."""
     target, drafter = models[family]
-    prompts = _prompts()
-    want = [_greedy(target, p) for p in prompts]
-    proposed = accepted = 0
-    for threshold in (0.0, 0.4):
-        for prompt, expected in zip(prompts, want):
-            got, stats = speculative_generate(
-                target, drafter, prompt, max_new_tokens=NEW, confidence_threshold=threshold
-            )
-            assert got.tolist() == expected.tolist(), (family, threshold)
-            proposed += sum(stats.proposed_per_round)
-            accepted += sum(stats.accepted_per_round)
-    policies = [
-        dict(policy="full"),
-        dict(policy="threshold", confidence_threshold=0.4),
-        dict(policy="scheduler", sps=lambda rows, length: 1.0 if length <= 2 else 0.4 / length),
-    ]
+    prompts = decoding_prompts(VOCAB)
+    want = [greedy_reference(target, p, NEW) for p in prompts]
+    policies = BATCHED_POLICIES
     if family not in BATCHED:
         with pytest.raises(ConfigError, match=f"^{family}: batched speculative decoding is not"):
             batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
-        policies = []
-    for kwargs in policies:
-        results = batched_generate(
-            target, drafter, prompts, batch_size=2, max_new_tokens=NEW, **kwargs
-        )
-        for r in results:
-            assert r.output_ids.tolist() == want[r.index].tolist(), (family, kwargs)
-            proposed += sum(r.stats.proposed_per_round)
-            accepted += sum(r.stats.accepted_per_round)
+        policies = ()
+    proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, NEW, policies)
     assert 0 < accepted < proposed, (accepted, proposed)
 
 
@@ -222,25 +186,9 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(family):
     drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5, 6]])
     exact = exact_continuation_probs(target, prompt, 3)
-    results = batched_generate(
-        target,
-        drafter,
-        [prompt] * 300,
-        batch_size=50,
-        max_new_tokens=3,
-        temperature=1.0,
-        generator=torch.Generator().manual_seed(0),
-    )
-    counts = torch.zeros([8] * 3)
-    accepted = 0
-    for r in results:
-        counts[tuple(r.output_ids[0, prompt.shape[1] :].tolist())] += 1
-        accepted += sum(r.stats.accepted_per_round)
+    counts, accepted = sampled_continuations(target, drafter, prompt, 300, batch_size=50)
     assert accepted > 30, accepted  # rows cut back to different lengths, some kept drafts
-    pvalues = [
-        chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
-        chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
-    ]
+    pvalues = continuation_pvalues(counts, exact)
     assert min(pvalues) > 1e-3, pvalues
 
 
@@ -327,20 +275,9 @@ def test_sampled_one_row_decoding_has_deepseek_v4s_distribution():
     drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5, 6, 1, 2]])
     exact = exact_continuation_probs(target, prompt, 3)
-    generator = torch.Generator().manual_seed(0)
-    counts = torch.zeros([8] * 3)
-    accepted = 0
-    for _ in range(200):
-        out, stats = speculative_generate(
-            target, drafter, prompt, max_new_tokens=3, temperature=1.0, generator=generator
-        )
-        counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
-        accepted += sum(stats.accepted_per_round)
+    counts, accepted = sampled_continuations(target, drafter, prompt, 200)
     assert accepted > 30, accepted
-    pvalues = [
-        chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
-        chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
-    ]
+    pvalues = continuation_pvalues(counts, exact)
     assert min(pvalues) > 1e-3, pvalues
 
 

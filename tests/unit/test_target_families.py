@@ -21,11 +21,15 @@ from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.target import FrozenTarget, TargetConfig, load_target
-from dspark_ds.target_weights import StoredTensor, TargetWeights, fill_plan, read_header
+from dspark_ds.target_weights import StoredTensor, read_header
 
 from helpers.drafters import tiny_dspark_config, with_target_weights
 from helpers.gemma4 import greedy_without_cache
-from helpers.tiny_models import FAMILIES, build_tiny_family_target
+from helpers.tiny_models import (
+    FAMILIES,
+    assert_reads_like_from_pretrained,
+    build_tiny_family_target,
+)
 
 LAYER_IDS = [-1, 0, 2]  # of 4 layers: the embedding output, two decoder layers
 
@@ -113,18 +117,7 @@ def test_checkpoint_read_tensor_by_tensor_equals_from_pretrained(family, family_
     """`TargetWeights` (what each ZeRO-3 rank reads its partitions from), MoE experts fused by
     transformers' converters, gives every parameter from_pretrained gives."""
     path = family_dirs[family]
-    whole = _load(path).state_dict()
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    seen = set()
-    for name, tensor, source in fill_plan(model, TargetWeights(path)):
-        seen.add(name)
-        value = source.read().view(tensor.shape)
-        assert torch.equal(value, whole[name]), name
-        # any flat range, as a partition reads it
-        n = value.numel()
-        assert torch.equal(source.read(n // 3, n - 1), value.reshape(-1)[n // 3 : n - 1])
-    params = {n for n, _ in model.named_parameters()}
-    assert params <= seen
+    assert_reads_like_from_pretrained(path, _load(path).state_dict())
 
 
 def test_shared_weights_are_read_by_the_models_own_names(family_dirs, tmp_path):

@@ -176,6 +176,10 @@ class DemoConfig:
     NOTE: tiny models gain nothing from intra-op threads, and on a 2-core machine 2 ranks with
     several threads each oversubscribe it (often 10x slower)."""
 
+    def draft_lengths(self) -> dict[str, int]:
+        """γ of each drafter the demo trains, from its kind's size block."""
+        return {name: self.drafter.block(name).draft_length for name in self.drafters}
+
     def validate(self) -> None:
         if not self.output_dir:
             raise ConfigError("output_dir: is required")

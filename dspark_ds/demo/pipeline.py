@@ -471,6 +471,13 @@ class DemoPipeline:
             f"[demo] output {self.out}; {self.nproc} rank(s); seeds {cfg.seeds}; MLflow "
             f"{self.uri} (experiment {cfg.experiment!r})"
         )
+        lengths = cfg.draft_lengths()
+        if len(set(lengths.values())) > 1:
+            print0(
+                f"[demo] NOTE: the drafters draft different lengths ({lengths}): each kind's "
+                "size block sets its own (--drafter.<kind>.<size>); their τ are not compared "
+                "at one γ"
+            )
         s.run("corpus", "synthetic chat corpus from the seed", self.corpus)
         s.run(
             "target",

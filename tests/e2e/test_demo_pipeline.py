@@ -230,6 +230,10 @@ def test_demo_config_from_cli_and_defaults():
         "eagle3", num_draft_layers=1, ttt_length=7
     )
     assert parse_config("demo", ["--output_dir", "x", "--seeds", "[0,1,2]"]).seeds == [0, 1, 2]
+    # γ is each kind's own size: the demo says so when one is changed and not the others
+    assert cfg.draft_lengths() == {"dspark": 7, "dflash": 7, "eagle3": 7}
+    shorter = parse_config("demo", ["--output_dir", "x", "--drafter.eagle3.ttt_length", "5"])
+    assert shorter.draft_lengths() == {"dspark": 7, "dflash": 7, "eagle3": 5}
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,9 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2))
 
 
-def _sps_cliff(rows, length):
+def sps_cliff(rows, length):
+    """A speed-per-step table for the scheduler: cheap up to 3 tokens per row, then steep, so
+    that it cuts many proposals."""
     return 1.0 if length <= 2 else 0.4 / length
 
 
@@ -112,7 +114,7 @@ def _sps_cliff(rows, length):
 BATCHED_POLICIES = (
     dict(policy="full"),
     dict(policy="threshold", confidence_threshold=0.4),
-    dict(policy="scheduler", sps=_sps_cliff),
+    dict(policy="scheduler", sps=sps_cliff),
 )
 
 

@@ -18,6 +18,7 @@ from helpers.evaluation import (
     exact_continuation_probs,
     random_drafter,
     record_proposals,
+    sps_cliff,
     tiny_target,
 )
 
@@ -136,11 +137,6 @@ def test_scheduler_follows_algorithm_one():
     assert schedule_prefixes([[0.0, 0.9]], lambda r, n: 1.0) == [0]  # zero survival: never
 
 
-def _sps_cliff(rows, length):
-    # cheap up to 3 tokens per row, then steep: the scheduler has to cut many proposals
-    return 1.0 if length <= 2 else 0.4 / length
-
-
 def test_scheduler_is_lossless_greedy(target):
     drafter = random_drafter(target, markov_rank=8, block_size=4, markov_std=0.5)
     prompts = _prompts([5, 11, 3, 8])
@@ -151,7 +147,7 @@ def test_scheduler_is_lossless_greedy(target):
         batch_size=4,
         max_new_tokens=20,
         policy="scheduler",
-        sps=_sps_cliff,
+        sps=sps_cliff,
     )
     for r in results:
         assert (
@@ -168,7 +164,7 @@ def test_scheduler_is_lossless_greedy(target):
             batch_size=2,
             max_new_tokens=4,
             policy="scheduler",
-            sps=_sps_cliff,
+            sps=sps_cliff,
         )
 
 
@@ -212,7 +208,7 @@ def _pvalues(small, **kwargs) -> tuple[list[float], int]:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"policy": "scheduler", "sps": _sps_cliff}], ids=["full", "scheduler"]
+    "kwargs", [{}, {"policy": "scheduler", "sps": sps_cliff}], ids=["full", "scheduler"]
 )
 def test_sampled_batched_decoding_has_the_target_distribution(small, kwargs):
     pvalues, accepted = _pvalues(small, **kwargs)

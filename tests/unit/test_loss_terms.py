@@ -299,3 +299,36 @@ def test_term_spec_forms():
 def test_a_term_without_aligned_target_logits_is_one_line():
     with pytest.raises(ValueError, match=r"loss_terms \{'tv': 1.0\} need aligned_target_logits"):
         compute_dspark_loss(_out(with_target=False), l1_loss_alpha=0.0, loss_terms={"tv": 1.0})
+
+
+# ---- Eagle3 ------------------------------------------------------------------------------------
+def test_eagle3_terms_are_their_hand_computation():
+    """Positions t = 0, 1, steps k = 0, 1 (V = 3): step k at t is compared with the target's
+    row t + k + 1. Supervised: (0, 0) → row 1 (P[0]), (0, 1) → row 2 (P[1]), (1, 0) → row 2."""
+    from dspark_ds.drafters.eagle3.loss import compute_eagle3_loss
+    from dspark_ds.drafters.eagle3.model import Eagle3ForwardOutput
+
+    uniform = [1 / 3] * 3
+    draft = [[Q[0], Q[1]], [Q[1], uniform], [uniform, uniform]]  # [S = 3, T = 2, V]
+    target = [uniform, P[0], P[1]]  # [S, V]: row 0 is never compared
+    out = Eagle3ForwardOutput(
+        draft_logits=_logits(draft).view(1, 3, 2, 3).requires_grad_(True),
+        target_ids=torch.zeros(1, 3, 2, dtype=torch.long),
+        eval_mask=torch.tensor([[[True, True], [True, False], [False, False]]]),
+        target_logits=_logits(target).view(1, 3, 3),
+    )
+    terms = {"tv": 0.5, "rkl": 0.25}
+    loss, m = compute_eagle3_loss(out, step_loss_decay=0.5, loss_terms=terms)
+
+    def soft_ce(p, q):
+        return -sum(x * math.log(y) for x, y in zip(p, q))
+
+    def slot(p, q):
+        return soft_ce(p, q) + sum(a * _hand(n, p, q) for n, a in terms.items())
+
+    step0 = (slot(P[0], Q[0]) + slot(P[1], Q[1])) / 2  # (t=0, k=0) and (t=1, k=0)
+    step1 = slot(P[1], Q[1])  # (t=0, k=1)
+    assert loss.item() == pytest.approx(step0 + 0.5 * step1, rel=1e-5)
+    assert m["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    tv = (_hand("tv", P[0], Q[0]) + _hand("tv", P[1], Q[1])) / 2 + 0.5 * _hand("tv", P[1], Q[1])
+    assert m["tv_loss"] == pytest.approx(tv, rel=1e-5)

@@ -116,8 +116,7 @@ class _ChunkRunner:
 
         ce_out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
         l1_out = torch.empty_like(ce_out) if target_state is not None else None
-        names = tuple(plan.coef_terms) if target_state is not None else ()
-        extra_out = {n: torch.empty_like(ce_out) for n in names}
+        extra_out = {n: torch.empty_like(ce_out) for n in plan.coef_terms if l1_out is not None}
         hit_out = torch.empty(ids.shape, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if self.with_grad else None
         grad_params: list[torch.Tensor | None] = [None] * len(params)
@@ -154,19 +153,13 @@ class _ChunkRunner:
                 target_grad=target_grad,
                 weigh=weigh if dpace else None,
             )
-            if names:
+            if extra_out:
                 grad_logits, grad_target = self._terms(
                     logits, target_logits, w_out[r0:r1], extra_out, (r0, r1), target_grad,
                     grad_logits, grad_target,
                 )  # fmt: skip
             if self.with_grad:
-                outputs, grad_outputs = [logits], [grad_logits.to(logits.dtype).view_as(logits)]
-                if grad_target is not None:
-                    outputs.append(target_logits)
-                    grad_outputs.append(grad_target.to(target_logits.dtype).view_as(target_logits))
-                got = torch.autograd.grad(
-                    outputs, (h, *params), grad_outputs=grad_outputs, allow_unused=True
-                )
+                got = _push_back(logits, target_logits, grad_logits, grad_target, (h, *params))
                 grad_hidden[b0:b1] += got[0]
                 for i, g in enumerate(got[1:]):
                     if g is None:
@@ -175,28 +168,27 @@ class _ChunkRunner:
                         grad_params[i] = g.float()
                     else:  # NOTE: in place: a [V, r] Markov gradient per chunk otherwise
                         grad_params[i].add_(g)
-                # NOTE: the lists hold this chunk's [N, V] logits and gradient: left alive,
-                # they would sit beside the next chunk's until its autograd.grad
-                del outputs, grad_outputs, got
+                del got
             del logits, target_logits, grad_logits, grad_target
 
-        main = plan.coef_ce * (ce_out * w_out).sum()
-        if a_l1 is not None:
-            main = main + plan.coef_l1 * (l1_out * w_out).sum()
-        for name in names:
-            main = main + plan.coef_terms[name] * (extra_out[name] * w_out).sum()
-        shape = self.target_ids.shape
-        terms = (
-            ce_out.view(shape),
-            hit_out.view(shape),
-            *(() if l1_out is None else (l1_out.view(shape),)),
-            *(extra_out[n].view(shape) for n in names),
-        )
         grads = None
         if self.with_grad:
             grads = [grad_hidden.view_as(hidden_BAGH).to(hidden_BAGH.dtype)]
             grads += [None if g is None else g.to(p.dtype) for g, p in zip(grad_params, params)]
-        return main, terms, grads
+        return (*self._outputs(w_out, ce_out, hit_out, l1_out, extra_out), grads)
+
+    def _outputs(self, w, ce, hit, l1, extra):
+        """main_loss = Σ coef·w·(ce, l1, each term), and the per-slot terms in the order
+        `chunked_dspark_loss` reads them: ce, hits, then l1 and the terms when computed."""
+        plan = self.plan
+        main = plan.coef_ce * (ce * w).sum()
+        if plan.use_l1:
+            main = main + plan.coef_l1 * (l1 * w).sum()
+        for name, value in extra.items():
+            main = main + plan.coef_terms[name] * (value * w).sum()
+        shape = self.target_ids.shape
+        tail = () if l1 is None else (l1, *extra.values())
+        return main, tuple(t.view(shape) for t in (ce, hit, *tail))
 
     def _terms(self, logits, target_logits, w_N, extra_out, rows, target_grad, g_draft, g_target):
         """The distribution terms of a chunk: fills `extra_out`; adds their gradient (of
@@ -220,6 +212,18 @@ class _ChunkRunner:
         if g_t is not None:
             g_target = g_t if g_target is None else g_target.add_(g_t)
         return g_draft, g_target
+
+
+def _push_back(logits, target_logits, grad_logits, grad_target, inputs):
+    """The chunk's logit gradients pushed through the heads: the gradients of `inputs`.
+
+    NOTE: a function of its own: the lists hold this chunk's [N, V] logits and gradient, and
+    left alive they would sit beside the next chunk's until its autograd.grad."""
+    outputs, grad_outputs = [logits], [grad_logits.to(logits.dtype).view_as(logits)]
+    if grad_target is not None:
+        outputs.append(target_logits)
+        grad_outputs.append(grad_target.to(target_logits.dtype).view_as(target_logits))
+    return torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, allow_unused=True)
 
 
 @torch.no_grad()

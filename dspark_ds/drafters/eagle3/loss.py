@@ -30,6 +30,7 @@ through the frozen lm_head at once, so only an [N, H] gradient survives the forw
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -101,8 +102,8 @@ def _log_probs_for_step(target_logp: torch.Tensor, step: int) -> torch.Tensor:
     """`target_probs_for_step` of log-probabilities: past the end, uniform rows (finite; those
     rows are never supervised)."""
     shift = step + 1
-    fill = -torch.log(torch.tensor(float(target_logp.shape[-1])))
-    pad = torch.full_like(target_logp[:, : min(shift, target_logp.shape[1])], fill.item())
+    fill = -math.log(target_logp.shape[-1])
+    pad = torch.full_like(target_logp[:, : min(shift, target_logp.shape[1])], fill)
     return torch.cat([target_logp[:, shift:], pad], dim=1)
 
 
@@ -308,8 +309,10 @@ class _SoftCEChunks(torch.autograd.Function):
                 g_logits = g_logits + g_terms
             (grad[sl],) = torch.autograd.grad(logits, x, g_logits)
         ctx.grad = grad
-        alphas = torch.tensor([a for _, a in terms], dtype=torch.float32, device=rows.device)
-        loss = ((ce + extra @ alphas) * row_coef).sum()
+        per_row = ce
+        for i, (_, alpha) in enumerate(terms):
+            per_row = per_row + alpha * extra[:, i]
+        loss = (per_row * row_coef).sum()
         ctx.mark_non_differentiable(ce, c_star, greedy, match, extra)
         return loss, ce, c_star, greedy, match, extra
 

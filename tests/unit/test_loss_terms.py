@@ -332,3 +332,15 @@ def test_eagle3_terms_are_their_hand_computation():
     assert m["loss"] == pytest.approx(loss.item(), rel=1e-5)
     tv = (_hand("tv", P[0], Q[0]) + _hand("tv", P[1], Q[1])) / 2 + 0.5 * _hand("tv", P[1], Q[1])
     assert m["tv_loss"] == pytest.approx(tv, rel=1e-5)
+
+
+def test_a_masked_token_gives_finite_terms_and_gradients():
+    """A token both sides give −inf (a masked vocabulary entry) adds nothing, NaN-free."""
+    draft = torch.tensor([[0.0, 1.0, float("-inf")]], requires_grad=True)
+    target = torch.tensor([[1.0, 0.0, float("-inf")]])
+    got = dv.slot_divergences(draft, target, dv.TERMS)
+    want = dv.slot_divergences(draft[:, :2], target[:, :2], dv.TERMS)
+    for name in dv.TERMS:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    (g,) = torch.autograd.grad(sum(v.sum() for v in got.values()), draft)
+    assert torch.isfinite(g).all() and g[0, 2] == 0

@@ -96,9 +96,12 @@ def slot_divergences(
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """Σ_v a (log a − log b), 0·(anything) = 0 where a underflows to 0."""
+    """Σ_v a (log a − log b), 0·(anything) = 0 where a is 0 (a −inf logit: a masked token).
+
+    NOTE: the difference is masked before the product, so no NaN reaches the gradient either."""
     a = log_a.exp()
-    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+    diff = torch.where(a > 0, log_a - log_b, torch.zeros_like(a))
+    return (a * diff).sum(-1)
 
 
 def divergences_of_log_probs(
@@ -121,7 +124,13 @@ def divergences_of_log_probs(
         elif name == "rkl":
             out[name] = _kl(log_q, log_p)
         elif name == "jsd":
-            log_m = torch.logaddexp(log_p, log_q) - math.log(2.0)
+            # NOTE: a token both give −inf (masked) would make logaddexp's gradient NaN; its
+            # log m is never used (p = q = 0 there), so it is computed from 0s instead
+            both = torch.isneginf(log_p) & torch.isneginf(log_q)
+            zero = torch.zeros_like(log_p)
+            log_m = torch.logaddexp(
+                torch.where(both, zero, log_p), torch.where(both, zero, log_q)
+            ) - math.log(2.0)
             out[name] = 0.5 * (_kl(log_p, log_m) + _kl(log_q, log_m))
         elif name == "tv":
             out[name] = 1.0 - overlap

@@ -186,6 +186,26 @@ def test_eagle3_chunk_size_comes_from_perf(monkeypatch):
     torch.testing.assert_close(losses["chunked"], losses["reference"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_the_loss_options_reach_each_kinds_step(kind):
+    """model.loss_terms / lk_eta (and DSpark's loss_schedule) are what the step trains on."""
+    model = tiny_drafter() if kind == "dspark" else tiny_eagle3()
+    batch = random_batch(model, batch=2, seq_len=16)
+    batch["sample_ids"] = torch.tensor([0, 1])
+    extra = {"loss_schedule": "dpace"} if kind == "dspark" else {}
+    losses = {}
+    for name, terms in (("plain", {}), ("terms", {"tv": 2.0, "lk": 1.0})):
+        m = preset(kind, loss_terms=terms, lk_eta=1.0, **extra)
+        ctx = StepContext(model=m, perf=PerfConfig(), loss_impl="chunked", seed=1)
+        out = get_kind(kind).train.training_step(model, batch, ctx)
+        metrics = get_kind(kind).train.metrics(out.global_sums(), m)
+        assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+        losses[name] = (out.loss.item(), metrics)
+    (plain, _), (with_terms, m) = losses["plain"], losses["terms"]
+    assert with_terms == pytest.approx(plain + 2.0 * m["tv_loss"] + m["lk_loss"], rel=1e-5)
+    assert "tv_loss" not in losses["plain"][1]
+
+
 def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():
     model = tiny_drafter()
     batch = random_batch(model, batch=2, seq_len=24)

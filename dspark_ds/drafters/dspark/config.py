@@ -8,10 +8,17 @@ to a small target (`DSparkSizes`) and its registration.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from dspark_ds.drafters.common.checks import Checker
+from dspark_ds.drafters.common.divergences import (
+    DPACE_ALPHA,
+    LK_ETA,
+    check_schedule,
+    parse_terms,
+)
 from dspark_ds.drafters.common.registration import (
     CONFIDENCE_HEAD,
     MARKOV_HEAD,
@@ -28,12 +35,30 @@ from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS, LOSS_IMPLEMENTATIONS
 
 @dataclass(frozen=True)
 class LossWeights:
-    """The weights of the DSpark loss (docs/algorithm.md#the-loss)."""
+    """The weights of the DSpark loss (docs/algorithm.md#the-loss): the four of the paper, then
+    the distribution terms and the position schedule (drafters/common/divergences.py; their
+    defaults leave the paper's loss unchanged). Each is the `model` field of the same name."""
 
     loss_decay_gamma: float | None
     ce_loss_alpha: float
     l1_loss_alpha: float
     confidence_head_alpha: float
+    loss_terms: tuple[tuple[str, float], ...] | Mapping[str, float] = ()
+    """((name, weight), ...) of the active distribution terms; a mapping is read as one."""
+    lk_eta: float = LK_ETA
+    loss_schedule: str = "exp"
+    loss_decay_ratio: float = 0.8
+    dpace_alpha: float = DPACE_ALPHA
+
+    def __post_init__(self) -> None:
+        # NOTE: a tuple keeps the frozen dataclass hashable and equal however it was spelt
+        terms = self.loss_terms
+        object.__setattr__(self, "loss_terms", parse_terms(dict(terms) if terms else None))
+        check_schedule(self.loss_schedule)
+
+    @property
+    def dpace(self) -> bool:
+        return self.loss_schedule == "dpace"
 
     @classmethod
     def of(cls, model: Any) -> LossWeights:
@@ -43,6 +68,11 @@ class LossWeights:
             ce_loss_alpha=model.ce_loss_alpha,
             l1_loss_alpha=model.l1_loss_alpha,
             confidence_head_alpha=model.confidence_head_alpha,
+            loss_terms=model.loss_terms,
+            lk_eta=model.lk_eta,
+            loss_schedule=model.loss_schedule,
+            loss_decay_ratio=model.loss_decay_ratio,
+            dpace_alpha=model.dpace_alpha,
         )
 
 
@@ -82,6 +112,15 @@ class DSparkFields:
     """Weight of the cross-entropy term (DFlash: 1.0)."""
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha
     """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
+    loss_schedule: str = "exp"
+    """Position weights of the loss in a block: "exp" (exp(-j/loss_decay_gamma), the paper's),
+    "geometric" (loss_decay_ratio^j) or "dpace" (from the draft's own detached confidence
+    exp(-CE): a slot weighs as much as the accepted tokens that need it; the confidence head's
+    loss keeps "exp"). docs/algorithm.md#distribution-terms-and-position-schedules."""
+    loss_decay_ratio: float = 0.8
+    """r of loss_schedule "geometric": slot j weighs r^j."""
+    dpace_alpha: float = DPACE_ALPHA
+    """Smoothing a of loss_schedule "dpace": s = (1 - a)·exp(-CE) + a, in (0, 1]."""
 
     def check_fields(self, check: Checker) -> None:
         """These fields' checks (`DrafterConfig.validate`, when model.kind is dspark)."""
@@ -95,11 +134,17 @@ class DSparkFields:
             )
         for name in ("confidence_head_alpha", "ce_loss_alpha", "l1_loss_alpha"):
             check(name, getattr(self, name) >= 0, "must be >= 0")
+        # the common fields' distribution terms (presets.py) train too
+        terms = getattr(check.cfg, "loss_terms", None) or {}
         check(
             "ce_loss_alpha",
-            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0,
+            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0
+            or any(w > 0 for w in terms.values()),
             "all loss weights are 0; nothing would be trained",
         )
+        check_schedule(self.loss_schedule, check.name("loss_schedule"))
+        check("loss_decay_ratio", 0 < self.loss_decay_ratio <= 1, "must be in (0, 1]")
+        check("dpace_alpha", 0 < self.dpace_alpha <= 1, "must be in (0, 1]")
         if self.confidence_head_alpha > 0 and self.confidence_head_with_markov:
             check(
                 "confidence_head_with_markov",
@@ -158,7 +203,10 @@ PRESETS: dict[str, Preset] = {
             markov_rank=0,
             confidence_head_with_markov=False,
             sample_from_anchor=False,
-            **asdict(DFLASH_LOSS),
+            loss_decay_gamma=DFLASH_LOSS.loss_decay_gamma,
+            ce_loss_alpha=DFLASH_LOSS.ce_loss_alpha,
+            l1_loss_alpha=DFLASH_LOSS.l1_loss_alpha,
+            confidence_head_alpha=DFLASH_LOSS.confidence_head_alpha,
         ),
         # NOTE: sized, it keeps DSpark's block layout, not the preset's: the demo's comparison
         # isolates the heads (the README's figures were measured so); docs/serving.md

@@ -32,15 +32,6 @@ from dspark_ds.drafters.kind import StepOutput, ratio
 EPS = 1e-6
 
 
-def position_weights(eval_mask: torch.Tensor, loss_decay_gamma: float | None) -> torch.Tensor:
-    """w_j = eval_mask · exp(-j / γ_decay); no decay when γ_decay is None or <= 0."""
-    w = eval_mask.to(torch.float32)
-    if loss_decay_gamma is not None and loss_decay_gamma > 0:
-        j = torch.arange(w.shape[-1], device=w.device, dtype=torch.float32)
-        w = w * torch.exp(-j / float(loss_decay_gamma))
-    return w
-
-
 def accept_rate(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """c* = clamp(1 - TV(p_d, p_t), 0, 1): the exact rejection-sampling acceptance, fp32."""
     return (1.0 - 0.5 * l1_distance(draft_logits, target_logits)).clamp(0.0, 1.0)

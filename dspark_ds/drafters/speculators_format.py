@@ -5,8 +5,8 @@ Its `config.json` holds `speculators_model_type`, `speculators_config` (the algo
 proposal methods, the verifier: the target's path and architectures), the draft layers'
 `transformer_layer_config`, `draft_vocab_size` and the kind's own fields; its weights have our
 parameter names. Each kind declares its side (`Registration.speculators`: its
-`<kind>/speculators_format.py`, with MODEL_TYPES, FIELDS, SAVES_SHARED, to_speculators and
-from_speculators); this module holds what every kind shares and reads or writes a directory.
+`<kind>/speculators_format.py`, with ARCHITECTURES, MODEL_TYPES, FIELDS, SAVES_SHARED,
+to_speculators and from_speculators); this module holds what every kind shares and reads or writes a directory.
 
     data = speculators_dict(native, verifier)   # what `dspark-ds export --format speculators` writes
     native = native_dict(data, target_config)   # what load_draft_model reads (drafters/serving.py)
@@ -99,7 +99,7 @@ def _kind_format(model_type):
 
 def _format_of_architecture(architecture: str):
     for r in REGISTERED.values():
-        if architecture in r.backends and r.speculators is not None:
+        if r.speculators is not None and architecture in r.speculators.ARCHITECTURES:
             return r.speculators
     raise ConfigError(
         f"architectures: {architecture} has no speculators format (speculators' drafter "

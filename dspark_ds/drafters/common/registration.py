@@ -134,5 +134,5 @@ class Registration:
     """What it can do (how it drafts, its heads, the perf paths it honours, its bench
     variants)."""
     speculators: ModuleType | None = None
-    """Its side of the speculators checkpoint format (MODEL_TYPES, FIELDS, SAVES_SHARED,
-    to_speculators, from_speculators: drafters/speculators_format.py); None: it has none."""
+    """Its side of the speculators checkpoint format (ARCHITECTURES, MODEL_TYPES, FIELDS,
+    SAVES_SHARED, to_speculators, from_speculators: drafters/speculators_format.py); None: it has none."""

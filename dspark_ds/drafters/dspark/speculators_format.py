@@ -16,6 +16,8 @@ from __future__ import annotations
 from dspark_ds.drafters.common.target_config import from_speculators_ids
 from dspark_ds.errors import ConfigError
 
+ARCHITECTURES = ("Qwen3DSparkModel",)
+"""Our architectures it writes (speculators' drafter layers are Qwen3's)."""
 MODEL_TYPES = ("dspark", "dflash")
 _BLOCK_FIELDS = ("aux_hidden_state_layer_ids", "block_size", "mask_token_id", "sample_from_anchor")
 _HEAD_FIELDS = (

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dspark_ds.drafters.common.target_config import from_speculators_ids
 from dspark_ds.errors import ConfigError
 
+ARCHITECTURES = ("Qwen3Eagle3Model",)
+"""Our architectures it writes (speculators' drafter layers are Qwen3's)."""
 MODEL_TYPES = ("eagle3",)
 # each a variant of the Eagle3 layer, or of its training, that dspark-ds does not have
 _VARIANTS = (

@@ -1,4 +1,8 @@
-"""speculators 0.9.0 in its own environment (tests/e2e/test_speculators_format.py).
+"""The speculators-format tests' helpers (tests/unit/ and tests/e2e/test_speculators_format.py).
+
+- ``make_drafter(name, target)``: the drafters the format covers, random, for a loaded target.
+
+speculators 0.9.0 in its own environment:
 
 - ``require_speculators() -> str``: the Python of the speculators environment ``tools/install.sh``
   makes (``$DSPARK_DS_SPECULATORS_ENV``, default ~/.cache/dspark-ds/speculators-venv); fails the
@@ -15,6 +19,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+
+from dspark_ds.drafters import build_draft_config, build_draft_model
+from dspark_ds.drafters.eagle3.build import build_eagle3_config
 
 from helpers.system import INSTALL
 
@@ -52,3 +60,41 @@ def run_probe(jobs: dict, work: Path, timeout_s: float = 240.0) -> str:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         pytest.fail("speculators probe failed:\n" + "\n".join(tail), pytrace=False)
     return proc.stdout
+
+
+def _spread(model, target, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
+    return model.eval()
+
+
+def make_drafter(name: str, target):
+    """The drafters the format covers: DSpark (vanilla / gated / RNN Markov heads), DFlash in
+    both layouts, Eagle3; two or three tapped layers, -1 (the embedding output) among them."""
+    cfg = target.config
+    if name == "eagle3":
+        draft = build_eagle3_config(cfg, target_layer_ids=[-1, 1, 2], num_draft_layers=1)
+        return _spread(build_draft_model(draft), target, 3)
+    heads = dict(markov_rank=8, confidence_head_alpha=1.0, confidence_head_with_markov=True)
+    fields = {
+        "dspark": dict(heads, markov_head_type="vanilla"),
+        "dspark_gated": dict(heads, markov_head_type="gated", sample_from_anchor=False),
+        "dspark_rnn": dict(heads, markov_head_type="rnn"),
+        "dflash": dict(markov_rank=0, confidence_head_alpha=0.0, sample_from_anchor=False),
+        "dflash_anchor": dict(markov_rank=0, confidence_head_alpha=0.0),
+    }[name]
+    fields.setdefault("confidence_head_with_markov", False)
+    draft = build_draft_config(
+        cfg,
+        target_layer_ids=[0, 2] if name != "dflash" else [-1, 1, 2],
+        mask_token_id=cfg.vocab_size - 1,
+        num_draft_layers=2,
+        block_size=4,
+        num_anchors=8,
+        **fields,
+    )
+    return _spread(build_draft_model(draft), target, 1)

@@ -6,11 +6,13 @@ environment (`helpers.speculators_env.run_probe`); it imports nothing of dspark-
 JOBS.json: {"target": the tiny target directory,
             "build": [{"out": DIR, "type": "dspark" | "dflash" | "eagle3", "layers": N,
                        "args": {from_training_args keywords}}],
+            "convert": [{"dir": DIR, "out": DIR}],
             "load": [{"dir": DIR, "inputs": FILE.pt, "out": FILE.pt}]}
 
 `build`: speculators' own model class for the target (`from_training_args`, random init, its
 trainable weights spread to N(0, 0.2) so that every head matters), saved with
-`save_pretrained`. `load`: `SpeculatorModel.from_pretrained(DIR)` (eager attention), then its
+`save_pretrained`. `convert`: speculators' own converter of DFlash checkpoints (z-lab's
+format, which is our native DFlash export) for the target. `load`: `SpeculatorModel.from_pretrained(DIR)` (eager attention), then its
 training forward on FILE.pt's tensors; writes the draft logits it computed (and the DSpark
 confidence logits), the weights the loader found missing or unexpected, and the names of
 parameters left uninitialised (NaN).
@@ -47,6 +49,13 @@ def build(target: str, job: dict) -> None:
             if param.dim() > 1 and not name.startswith(frozen):
                 param.normal_(0.0, 0.2)
     model.save_pretrained(job["out"])
+
+
+def convert(target: str, job: dict) -> None:
+    # lazy: speculators is importable in its own environment only (and slow to import)
+    from speculators.convert.dflash.converter import DFlashConverter
+
+    DFlashConverter().convert(job["dir"], job["out"], base_model=target, validate=False)
 
 
 def _capture(model, kind: str) -> dict:
@@ -125,6 +134,8 @@ def main() -> None:
     jobs = json.loads(open(sys.argv[1]).read())
     for job in jobs.get("build", []):
         build(jobs["target"], job)
+    for job in jobs.get("convert", []):
+        convert(jobs["target"], job)
     for job in jobs.get("load", []):
         load(job)
     print("ok")

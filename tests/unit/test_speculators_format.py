@@ -28,6 +28,7 @@ from dspark_ds.train.export import export_checkpoint
 
 from helpers.evaluation import cpu_eval, decoding_prompts, record_proposals
 from helpers.gemma4 import tiny_gemma4_target_config
+from helpers.speculators_env import make_drafter
 
 # the top-level keys of the config.json speculators 0.9.0 saves (`save_pretrained` of its
 # DSparkDraftModel, DFlashDraftModel and Eagle3DraftModel; tests/e2e checks them against a
@@ -72,44 +73,6 @@ SPECULATORS_KEYS = {
     "eagle3": _BOOKKEEPING | _EAGLE3,
 }
 SHARED = {"embed_tokens.weight", "lm_head.weight"}
-
-
-def _spread(model, target, seed: int):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    model.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
-    return model.eval()
-
-
-def make_drafter(name: str, target):
-    """The drafters the format covers: DSpark (vanilla / gated / RNN Markov heads), DFlash in
-    both layouts, Eagle3; two or three tapped layers, -1 (the embedding output) among them."""
-    cfg = target.config
-    if name == "eagle3":
-        draft = build_eagle3_config(cfg, target_layer_ids=[-1, 1, 2], num_draft_layers=1)
-        return _spread(build_draft_model(draft), target, 3)
-    heads = dict(markov_rank=8, confidence_head_alpha=1.0, confidence_head_with_markov=True)
-    fields = {
-        "dspark": dict(heads, markov_head_type="vanilla"),
-        "dspark_gated": dict(heads, markov_head_type="gated", sample_from_anchor=False),
-        "dspark_rnn": dict(heads, markov_head_type="rnn"),
-        "dflash": dict(markov_rank=0, confidence_head_alpha=0.0, sample_from_anchor=False),
-        "dflash_anchor": dict(markov_rank=0, confidence_head_alpha=0.0),
-    }[name]
-    fields.setdefault("confidence_head_with_markov", False)
-    draft = build_draft_config(
-        cfg,
-        target_layer_ids=[0, 2] if name != "dflash" else [-1, 1, 2],
-        mask_token_id=cfg.vocab_size - 1,
-        num_draft_layers=2,
-        block_size=4,
-        num_anchors=8,
-        **fields,
-    )
-    return _spread(build_draft_model(draft), target, 1)
 
 
 DRAFTERS = ("dspark", "dspark_gated", "dspark_rnn", "dflash", "dflash_anchor", "eagle3")

@@ -24,6 +24,7 @@ from dspark_ds.eval.decoding import speculative_generate
 
 from helpers.evaluation import decoding_prompts, greedy_reference
 from helpers.speculators_env import make_drafter, run_probe
+from helpers.vllm_serving import require_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -196,3 +197,23 @@ def test_we_read_and_decode_what_speculators_saves(interop, name, tmp_path):
     mine_state, their_state = (load_file(d / "model.safetensors") for d in (again, directory))
     assert mine_state.keys() == their_state.keys()
     assert all(torch.equal(mine_state[k], their_state[k]) for k in mine_state)
+
+
+def test_serve_check_loads_a_speculators_export_in_vllm(interop):
+    """vLLM's own config validation and weight loader take our speculators DFlash export (vLLM
+    gives it the target's embedding and lm_head, which the directory leaves out)."""
+    # lazy: the serve-check module is this test's only user here
+    from dspark_ds.serve.check import ServeCheckConfig, run_serve_check
+    from dspark_ds.target import TargetPathConfig
+
+    require_vllm()
+    result = run_serve_check(
+        ServeCheckConfig(
+            drafter=str(interop["work"] / "dflash"),
+            target=TargetPathConfig(path=interop["tiny_target"]),
+        )
+    )
+    load = result["load"]
+    assert result["vllm_method"] == "dflash" and load["ok"] and load["missing"] == [], load
+    assert load["model_class"].endswith("DFlashQwen3ForCausalLM")
+    assert load["tensors"] == len(load_file(interop["work"] / "dflash" / "model.safetensors"))

@@ -181,6 +181,7 @@ def test_init_from_and_serve_check_read_a_speculators_directory(target, tiny_tar
     native, fmt = describe(str(out), tiny_target)  # serve-check's reading
     assert fmt.name == "DFlash" and fmt.vllm_method == "dflash"
     assert fmt.num_speculative_tokens == 4 and native["target_layer_ids"] == [-1, 1, 2]
+    assert any("speculators checkpoint: vLLM reads it as it is" in w for w in fmt.warnings)
     # without the target, the verifier directory the checkpoint names gives its layer count
     assert config_from_dict(json.loads((out / "config.json").read_text())).num_target_layers == 4
 

@@ -7,6 +7,8 @@ A drafter directory is `config.json` (the draft text config plus the kind's fiel
 `model.safetensors` (or shards with `model.safetensors.index.json`), in the format the engines
 load as it is (drafters/serving.py: chosen by the kind and layout; DeepSpec's for DSpark, the
 DFlash and vLLM Eagle3 formats for the others). `architectures` selects the backend.
+`save_speculators_model` writes speculators 0.9's directory instead
+(drafters/speculators_format.py), which every reader here reads too.
 
 `config.json` keeps the `model_type` of the drafter's backbone: the target's own for Qwen3 and
 Gemma4 targets (qwen3, gemma4_text), "qwen3" for every other family, whose drafter is the
@@ -197,6 +199,30 @@ def read_init_state(path, target_config=None) -> dict[str, torch.Tensor]:
     parameter names, checked against its config; the embedding and lm_head may be absent (a
     run takes them from its target). What `model.init_from` starts a run from."""
     return _read_drafter(path, target_config, shared_ok=True)[1]
+
+
+def check_init_state(state: dict[str, torch.Tensor], config, source) -> None:
+    """`model.init_from`'s weights (`read_init_state` of `source`) against the run's drafter,
+    built from `config` on the meta device: ConfigError naming the first tensor the drafter has
+    no place for, has in another shape, or trains and the checkpoint lacks (the embedding and
+    lm_head are the target's). Nothing of the checkpoint is dropped, nothing left random."""
+    with torch.device("meta"):
+        model = build_draft_model(config)
+    own = model.state_dict()
+    shared = set(model.shared_parameter_names())
+    problems = [f"{n} (no such weight in the run's drafter)" for n in sorted(set(state) - set(own))]
+    problems += [
+        f"{n} (shape {tuple(state[n].shape)}, the run's drafter {tuple(own[n].shape)})"
+        for n in sorted(set(state) & set(own))
+        if tuple(state[n].shape) != tuple(own[n].shape)
+    ]
+    problems += [f"{n} (missing)" for n in sorted(set(own) - set(state) - shared)]
+    if problems:
+        more = f", +{len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(
+            f"model.init_from: {source} does not fit the run's drafter: "
+            f"{'; '.join(problems[:3])}{more}; set the model section to the checkpoint's"
+        )
 
 
 def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):

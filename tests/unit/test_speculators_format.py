@@ -15,6 +15,7 @@ from transformers import AutoConfig, Qwen3ForCausalLM
 from dspark_ds.drafters import build_draft_config, build_draft_model, load_draft_model
 from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.io import (
+    check_init_state,
     config_from_dict,
     read_init_state,
     read_state_dict,
@@ -178,6 +179,12 @@ def test_init_from_and_serve_check_read_a_speculators_directory(target, tiny_tar
     mine = model.state_dict()
     assert set(state) == set(mine) - SHARED
     assert all(torch.equal(state[k], mine[k]) for k in state)
+    check_init_state(state, model.config, out)  # the run's drafter is the checkpoint's
+    dspark = make_drafter("dspark", target)  # a run with heads the checkpoint does not have
+    with pytest.raises(ConfigError, match="init_from: .* confidence_head.proj.bias .missing"):
+        check_init_state(state, dspark.config, out)
+    with pytest.raises(ConfigError, match="fc.weight .shape .32, 96., the run's drafter .32, 64."):
+        check_init_state(state, make_drafter("dflash_anchor", target).config, out)
     native, fmt = describe(str(out), tiny_target)  # serve-check's reading
     assert fmt.name == "DFlash" and fmt.vllm_method == "dflash"
     assert fmt.num_speculative_tokens == 4 and native["target_layer_ids"] == [-1, 1, 2]

@@ -1,4 +1,4 @@
-"""The speculators-format tests' helpers (tests/unit/ and tests/e2e/test_speculators_format.py).
+"""The speculators-format tests' helpers (tests/unit/ and tests/e2e/test_speculators_interop.py).
 
 - ``make_drafter(name, target)``: the drafters the format covers, random, for a loaded target.
 

@@ -59,7 +59,7 @@ def test_dspark_flops_match_torch_counter(loss):
     FLOP formula in torch's counter, so the dense path is not checked here) within 3 % of the
     matmuls the step runs, for each loss path (the recompute form computes the chunk logits
     twice)."""
-    from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.common.memory import StepShape, Widths
     from dspark_ds.drafters.dspark.config import LossWeights
     from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
@@ -86,14 +86,16 @@ def test_dspark_flops_match_torch_counter(loss):
             model, batch, dataclasses.asdict(LossWeights.of(cfg.model)), impl=loss, chunk_anchors=8
         )
         out.backward()
-    shape = StepShape(1, 256, 64, 160, 3000, 4, 2, 16, 2, 3, DSparkShape(48, 5, 16), 4, 4)
+    shape = StepShape.of(
+        Widths(64, 160, 3000, 4, 2, 16, 2, 3), 1, 256, DSparkShape(48, 5, 16), 4, 4
+    )
     model_flops = sum(micro_batch_flops(shape, "blockwise", loss).values())
     assert model_flops == pytest.approx(counted.total, rel=0.03)
 
 
 @pytest.mark.parametrize("loss", ["chunked", "reference"])
 def test_eagle3_flops_match_torch_counter(loss):
-    from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.common.memory import StepShape, Widths
     from dspark_ds.drafters.eagle3.build import build_eagle3_config
     from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
     from dspark_ds.drafters.eagle3.memory import Eagle3Shape
@@ -115,7 +117,7 @@ def test_eagle3_flops_match_torch_counter(loss):
     with MatmulFlops() as counted:
         out, _ = eagle3_forward_and_loss(model, batch, impl=loss, chunk_rows=64)
         out.backward()
-    shape = StepShape(B, S, 64, 160, 3000, 4, 2, 16, 1, 3, Eagle3Shape(ttt_length=4))
+    shape = StepShape.of(Widths(64, 160, 3000, 4, 2, 16, 1, 3), B, S, Eagle3Shape(ttt_length=4))
     flops = get_kind("eagle3").cost.step_flops(shape, PerfConfig(loss_impl=loss), "cpu", 0)
     assert sum(flops.values()) == pytest.approx(counted.total, rel=0.03)
 

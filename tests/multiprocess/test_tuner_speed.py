@@ -182,12 +182,11 @@ def qwen3_8b():
 
 
 def _steps(qwen3_8b, machine: Machine, nodes: int) -> dict:
-    from dspark_ds.tune.prediction import predict
+    from dspark_ds.tune.prediction import PredictionInputs, predict
 
     cfg, run_cfg, inv, work = qwen3_8b
-    return {
-        e.option: e.step for e in predict(cfg, run_cfg, inv, machine, tune.OPTIONS, nodes, work)
-    }
+    given = PredictionInputs(cfg, run_cfg, inv, machine, work)
+    return {e.option: e.step for e in predict(given, tune.OPTIONS, nodes)}
 
 
 def test_each_option_adds_its_own_terms(qwen3_8b):

@@ -79,16 +79,7 @@ def build_batch(cfg: TrainBenchConfig, device: str):
 def step_shape(cfg: TrainBenchConfig):
     """The `StepShape` of the bench's micro-batch (what the kind's FLOP count reads)."""
     width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
-    widths = Widths(
-        hidden=cfg.hidden_size,
-        intermediate=cfg.intermediate_size,
-        vocab=cfg.vocab_size,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        draft_layers=cfg.model.num_draft_layers,
-        taps=cfg.num_target_layers,
-    )
+    widths = Widths.of_config(target_config(cfg), cfg.model.num_draft_layers, cfg.num_target_layers)
     drafter = cfg.kind.cost.step_part(cfg.model)
     return StepShape.of(widths, cfg.batch_size, cfg.seq_len, drafter, width, width)
 

@@ -111,16 +111,7 @@ class Compute:
             self.target.append(TargetForward(config, layer_ids, 1, r["seq_len"], device, dtype))
         text = text_config(_reference_config(run_cfg, r, False))
         kind = get_kind(model.kind)
-        widths = Widths(
-            hidden=r["hidden"],
-            intermediate=r["intermediate"],
-            vocab=r["vocab"],
-            heads=r["heads"],
-            kv_heads=int(global_attr(text, "num_key_value_heads")),
-            head_dim=r["head_dim"],
-            draft_layers=r["draft_layers"],
-            taps=len(layer_ids),
-        )
+        widths = Widths.of_config(text, r["draft_layers"], len(layer_ids))
         width = torch.tensor([], dtype=dtype).element_size()
         shape = StepShape.of(widths, 1, r["seq_len"], kind.cost.step_part(model), width, width)
         self.drafter_flops = sum(kind.cost.step_flops(shape, perf, device.type, 0).values())

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dspark_ds.drafters.common.target_config import global_attr
+
 LAYERS_RECOMPUTE = "draft_layers_recompute"
 """The FLOPs component of a kind's `step_flops` under perf.activation_checkpointing: the draft
 layers' forward run again in backward (the tuner's `recompute` term)."""
@@ -32,6 +34,21 @@ class Widths:
     draft_layers: int
     taps: int
     """Tapped target layers (n)."""
+
+    @classmethod
+    def of_config(cls, config, draft_layers: int, taps: int) -> Widths:
+        """The widths of a target's text config as it stands (its own head size and KV heads),
+        with the drafter's depth and taps."""
+        return cls(
+            hidden=int(global_attr(config, "hidden_size")),
+            intermediate=int(global_attr(config, "intermediate_size")),
+            vocab=int(global_attr(config, "vocab_size")),
+            heads=int(global_attr(config, "num_attention_heads")),
+            kv_heads=int(global_attr(config, "num_key_value_heads")),
+            head_dim=int(global_attr(config, "head_dim")),
+            draft_layers=draft_layers,
+            taps=taps,
+        )
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from dspark_ds import distributed as dist
+from dspark_ds.data.chat import ChatTokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.tokens import atomic_write_text
 from dspark_ds.errors import ConfigError
@@ -153,6 +154,18 @@ def read_part(path: Path) -> list[dict]:
         with open(path, "r+b") as f:
             f.truncate(end)
     return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def prompt_chat(cfg: RegenerateConfig, tokenizer) -> ChatTokenizer:
+    """What renders the prompts of both paths (no loss mask: only prompts are rendered here),
+    with the data's own system prompt and thinking setting."""
+    return ChatTokenizer(
+        tokenizer,
+        cfg.data.max_length,
+        cfg.data.enable_thinking,
+        cfg.data.system_prompt,
+        chat_format="answer_only",
+    )
 
 
 def split_prompt(messages: list[dict]) -> tuple[list[dict], list[str]]:

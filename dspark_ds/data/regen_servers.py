@@ -100,14 +100,7 @@ class _ServerRun:
                 f"data.tokenizer: cannot load {name!r} ({first_line(err)}); the server path "
                 "reads the target's tokenizer to apply data.max_length: set data.tokenizer"
             ) from None
-        chat = ChatTokenizer(
-            tok,
-            cfg.data.max_length,
-            cfg.data.enable_thinking,
-            cfg.data.system_prompt,
-            chat_format="answer_only",
-        )
-        return chat, name
+        return parts.prompt_chat(cfg, tok), name
 
     def _open_part(self, model: str, tokenizer: str) -> set[int]:
         """Refuses rows of other inputs (or discards them on restart); the ids already answered."""

@@ -161,15 +161,7 @@ def _load_generator(cfg: RegenerateConfig) -> _Generator:
     device = torch.device(cfg.target.device) if cfg.target.device else dist.local_device()
     model = load_causal_lm(cfg.target).to(device).eval()
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, cfg.target.trust_remote_code)
-    # Only prompts are rendered here (no loss mask), with the data's own system prompt.
-    chat = ChatTokenizer(
-        tok,
-        cfg.data.max_length,
-        cfg.data.enable_thinking,
-        cfg.data.system_prompt,
-        chat_format="answer_only",
-    )
-    return _Generator(cfg, chat, model, device)
+    return _Generator(cfg, parts.prompt_chat(cfg, tok), model, device)
 
 
 def _rows_to_answer(

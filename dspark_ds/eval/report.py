@@ -310,20 +310,11 @@ def plot_threshold_sweep(path: Path, sweep: list[dict]) -> Path:
         ax.set_xlabel("confidence threshold")
         ax.set_ylabel("τ", color="C0")
         ax2 = ax.twinx()
-        ax2.plot(
-            thr,
-            [row["accepted_fraction"] for row in sweep],
-            "s-",
-            color="C1",
-            label="accepted drafts kept",
-        )
-        ax2.plot(
-            thr,
-            [row["verify_tokens_saved"] for row in sweep],
-            "^-",
-            color="C2",
-            label="verify tokens saved",
-        )
+        for key, style, color, label in (
+            ("accepted_fraction", "s-", "C1", "accepted drafts kept"),
+            ("verify_tokens_saved", "^-", "C2", "verify tokens saved"),
+        ):
+            ax2.plot(thr, [row[key] for row in sweep], style, color=color, label=label)
         ax2.set_ylim(0, 1)
         ax2.set_ylabel("fraction")
         lines = ax.get_lines() + ax2.get_lines()

@@ -221,20 +221,6 @@ def _slot_terms_and_grad(
     return grad, grad_target
 
 
-def _plan(
-    feats, confidence_pred, weights: LossWeights, chunk_anchors: int, over_ranks: bool
-) -> LossPlan:
-    if chunk_anchors < 1:
-        raise ValueError(f"loss_chunk_anchors: must be >= 1, got {chunk_anchors}")
-    return plan_loss(
-        feats.eval_mask,
-        weights,
-        has_aligned=feats.target_prev_hidden is not None,
-        has_confidence=confidence_pred is not None,
-        over_ranks=over_ranks,
-    )
-
-
 def chunked_dspark_loss(
     model: nn.Module,
     feats,
@@ -243,13 +229,54 @@ def chunked_dspark_loss(
     *,
     chunk_anchors: int = CHUNK_ANCHORS_CPU,
     over_ranks: bool = True,
+    recompute: bool = False,
+    pad_to_blocks: int = 0,
 ) -> StepOutput:
     """`dspark_loss` on `model.forward_hidden(...)` output (`feats`), chunked.
 
     Same loss, metric sums and gradients as the reference path (to fp32 rounding). The caller
     backpropagates once (no retain_graph / double backward).
+
+    `recompute` (ZeRO-3): the same chunks, differentiated by plain autograd, each chunk under
+    `torch.utils.checkpoint` (its V-sized tensors recomputed in backward). Every parameter is
+    reached through a module call (lm_head, Markov, confidence), forward and recompute alike,
+    so ZeRO-3's hooks gather and release partitioned weights as in any activation-checkpointed
+    model; the fused path instead hands autograd gradients of parameters it differentiated
+    itself. The price: the chunk's logits are computed twice. Live memory stays
+    O(chunk × G × V).
+
+    `pad_to_blocks` (with `recompute`): run as many chunks as that many blocks take, the last
+    ones empty. NOTE: under ZeRO-3 every rank must call the heads equally often (each call
+    gathers their partitioned weights with the other ranks); ranks that dropped different
+    numbers of empty blocks pad to the count they all share (the micro-batch's rows ×
+    num_anchors).
     """
-    plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
+    if chunk_anchors < 1:
+        raise ValueError(f"loss_chunk_anchors: must be >= 1, got {chunk_anchors}")
+    plan = plan_loss(
+        feats.eval_mask,
+        weights,
+        has_aligned=feats.target_prev_hidden is not None,
+        has_confidence=confidence_pred is not None,
+        over_ranks=over_ranks,
+    )
+    if recompute:
+        terms, main = _recomputed_terms(model, feats, chunk_anchors, pad_to_blocks), None
+    else:
+        terms, main = _fused_terms(model, feats, plan, chunk_anchors)
+    return finish_loss(
+        plan,
+        terms,
+        eval_mask=feats.eval_mask,
+        block_keep_mask=feats.block_keep_mask,
+        confidence_pred=confidence_pred,
+        main_loss=main,
+    )
+
+
+def _fused_terms(model: nn.Module, feats, plan: LossPlan, chunk_anchors: int):
+    """(The per-slot terms, the CE + L1 part of the loss) with each chunk's gradient computed
+    right away (`_VocabChunks`)."""
     # Every trainable parameter is offered to the chunk's autograd.grad (unused ones get
     # None), so a backend whose compute_logits has its own parameters stays correct.
     params = tuple(p for p in model.parameters() if p.requires_grad)
@@ -267,15 +294,7 @@ def chunked_dspark_loss(
         main, ce, hit, *l1 = _VocabChunks.apply(runner, feats.hidden, *params)
     else:
         main, (ce, hit, *l1), _ = runner.run(feats.hidden, params)
-    terms = SlotTerms(ce=ce, l1=l1[0] if l1 else None, greedy_hit=hit)
-    return finish_loss(
-        plan,
-        terms,
-        eval_mask=feats.eval_mask,
-        block_keep_mask=feats.block_keep_mask,
-        confidence_pred=confidence_pred,
-        main_loss=main,
-    )
+    return SlotTerms(ce=ce, l1=l1[0] if l1 else None, greedy_hit=hit), main
 
 
 def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH):
@@ -293,31 +312,8 @@ def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH):
     return ce, l1, hit
 
 
-def recompute_dspark_loss(
-    model: nn.Module,
-    feats,
-    confidence_pred: torch.Tensor | None,
-    weights: LossWeights = DSPARK_LOSS,
-    *,
-    chunk_anchors: int = CHUNK_ANCHORS_CPU,
-    over_ranks: bool = True,
-    pad_to_blocks: int = 0,
-) -> StepOutput:
-    """`chunked_dspark_loss` for ZeRO-3: the same chunks, differentiated by plain autograd,
-    each chunk under `torch.utils.checkpoint` (its V-sized tensors recomputed in backward).
-
-    Every parameter is reached through a module call (lm_head, Markov, confidence), forward
-    and recompute alike, so ZeRO-3's hooks gather and release partitioned weights as in any
-    activation-checkpointed model; the fused path instead hands autograd gradients of
-    parameters it differentiated itself. The price: the chunk's logits are computed twice.
-    Live memory stays O(chunk × G × V).
-
-    `pad_to_blocks`: run as many chunks as that many blocks take, the last ones empty. NOTE:
-    under ZeRO-3 every rank must call the heads equally often (each call gathers their
-    partitioned weights with the other ranks); ranks that dropped different numbers of empty
-    blocks pad to the count they all share (the micro-batch's rows × num_anchors).
-    """
-    plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
+def _recomputed_terms(model: nn.Module, feats, chunk_anchors: int, pad_to_blocks: int):
+    """The per-slot terms, each chunk under `torch.utils.checkpoint` while grad is enabled."""
     bsz, num_blocks, G, H = feats.hidden.shape
     hidden = feats.hidden.reshape(bsz * num_blocks, G, H)
     prev = feats.prev_token_ids.reshape(-1, G)
@@ -349,15 +345,8 @@ def recompute_dspark_loss(
         l1.append(out[1])
         hit.append(out[2])
     shape = feats.target_ids.shape
-    terms = SlotTerms(
+    return SlotTerms(
         ce=torch.cat(ce).view(shape),
         l1=None if target_state is None else torch.cat(l1).view(shape),
         greedy_hit=torch.cat(hit).view(shape),
-    )
-    return finish_loss(
-        plan,
-        terms,
-        eval_mask=feats.eval_mask,
-        block_keep_mask=feats.block_keep_mask,
-        confidence_pred=confidence_pred,
     )

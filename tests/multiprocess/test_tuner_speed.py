@@ -58,25 +58,15 @@ def test_dspark_flops_match_torch_counter(loss):
     """The DSpark FLOP model (blockwise attention, the CPU default; SDPA's CPU kernel has no
     FLOP formula in torch's counter, so the dense path is not checked here) within 3 % of the
     matmuls the step runs, for each loss path (the recompute form computes the chunk logits
-    twice)."""
-    from dspark_ds.drafters.common.memory import StepShape, Widths
+    twice), on the small shape `dspark-ds gpu-check` benches on a CPU."""
     from dspark_ds.drafters.dspark.config import LossWeights
-    from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
+    from dspark_ds.drafters.dspark.memory import micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.drafters.presets import DrafterSizes
-    from dspark_ds.perf.bench_variant import build_batch, build_model
+    from dspark_ds.perf.bench_variant import build_batch, build_model, step_shape
+    from dspark_ds.perf.gpu_check import SMALL_SHAPE
     from dspark_ds.perf.train_bench import TrainBenchConfig
 
-    cfg = TrainBenchConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=160,
-        num_target_layers=3,
-        vocab_size=3000,
-        seq_len=256,
-        sizes=DrafterSizes.with_block("dspark", num_anchors=48, block_size=5, markov_rank=16),
-    )
+    cfg = TrainBenchConfig(**SMALL_SHAPE)
     torch.manual_seed(0)
     model = build_model(cfg)
     model.attn_implementation = "blockwise"
@@ -86,10 +76,7 @@ def test_dspark_flops_match_torch_counter(loss):
             model, batch, dataclasses.asdict(LossWeights.of(cfg.model)), impl=loss, chunk_anchors=8
         )
         out.backward()
-    shape = StepShape.of(
-        Widths(64, 160, 3000, 4, 2, 16, 2, 3), 1, 256, DSparkShape(48, 5, 16), 4, 4
-    )
-    model_flops = sum(micro_batch_flops(shape, "blockwise", loss).values())
+    model_flops = sum(micro_batch_flops(step_shape(cfg), "blockwise", loss).values())
     assert model_flops == pytest.approx(counted.total, rel=0.03)
 
 

@@ -245,6 +245,20 @@ def build_tiny_target(
     return str(out_dir)
 
 
+# DeepSeek's MLA attention and routed + shared experts, tiny (DeepSeek-V3 here, and the MoE
+# targets of moe_targets.py built on them)
+DEEPSEEK_MLA = dict(
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
+)
+DEEPSEEK_MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
 # Tiny configs of the target families tested beyond Qwen3 and Gemma4: each keeps what makes
 # its family differ (MoE routing and the per-expert checkpoint layout, MLA attention, attention
 # sinks with sliding windows, YaRN RoPE, q/k/v biases, tied embeddings).
@@ -276,21 +290,7 @@ FAMILIES: dict[str, dict] = {
             "truncate": False,
         },
     ),
-    "deepseek_v3": dict(
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_group=1,
-        topk_group=1,
-    ),
+    "deepseek_v3": dict(num_key_value_heads=4, **DEEPSEEK_MOE, **DEEPSEEK_MLA),
 }
 
 

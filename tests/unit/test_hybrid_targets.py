@@ -40,8 +40,10 @@ from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import (
     HYBRID_FAMILIES,
     assert_reads_like_from_pretrained,
+    assert_taps_are_hidden_states,
     build_tiny_hybrid_target,
     hybrid_config,
+    targets_by_family,
     tiny_hybrid_model,
 )
 
@@ -203,8 +205,7 @@ def test_decoding_with_the_stale_state_is_not_lossless(monkeypatch):
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrids")
-    return {f: build_tiny_hybrid_target(root / f, f) for f in FAMILIES}
+    return targets_by_family(tmp_path_factory, "hybrids", build_tiny_hybrid_target, FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -236,16 +237,8 @@ def test_hybrid_features_and_checkpoint_reads(family, hybrid_dirs):
     """The hooks' features equal output_hidden_states (check_head passed on load), and every
     parameter read tensor by tensor (what ZeRO-3 ranks read their partitions from; MoE experts
     fused by transformers' converters) equals from_pretrained's."""
-
-    from dspark_ds.target import TargetConfig, load_target
-
     path = hybrid_dirs[family]
-    target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
-    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    hidden, last = target(ids)
-    out = target.model(input_ids=ids, output_hidden_states=True)
-    want = torch.cat([out.hidden_states[i + 1] for i in (-1, 0, 2, 3)], dim=-1)
-    assert torch.equal(hidden, want) and torch.equal(last, out.hidden_states[4])
+    target, _, _ = assert_taps_are_hidden_states(path)
     assert_reads_like_from_pretrained(path, target.model.state_dict())
 
 

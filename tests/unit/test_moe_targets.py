@@ -46,7 +46,11 @@ from helpers.evaluation import (
     sampled_continuations,
 )
 from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_model
-from helpers.tiny_models import assert_reads_like_from_pretrained
+from helpers.tiny_models import (
+    assert_reads_like_from_pretrained,
+    assert_taps_are_hidden_states,
+    targets_by_family,
+)
 
 FAMILIES = list(MOE_TARGETS)
 BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
@@ -56,8 +60,7 @@ VOCAB = 16
 
 @pytest.fixture(scope="module")
 def target_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_targets")
-    return {f: build_tiny_moe_target(root / f, f) for f in FAMILIES}
+    return targets_by_family(tmp_path_factory, "moe_targets", build_tiny_moe_target, FAMILIES)
 
 
 # ---- the drafter, the features, the checkpoint --------------------------------------------------
@@ -85,17 +88,11 @@ def test_features_head_and_tensor_by_tensor_reads(family, target_dirs):
     """Hooks = output_hidden_states (each layer's residual streams averaged), check_head passed
     on load, every parameter of the reader (ZeRO-3's) = from_pretrained's."""
     path = target_dirs[family]
-    target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
-    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    hidden, last = target(ids)
-    with torch.no_grad():
-        out = target.model(input_ids=ids, output_hidden_states=True)
-    states = [h.mean(dim=2) if h.dim() == 4 else h for h in out.hidden_states]
+    target, ids, out = assert_taps_are_hidden_states(path)
     if family == "deepseek_v4":  # 2 residual streams; the embedding in each
         assert out.hidden_states[1].shape == (2, 12, 2, 64)
-        assert torch.equal(states[0], target.model.get_input_embeddings()(ids))
-    assert torch.equal(hidden, torch.cat([states[i + 1] for i in (-1, 0, 2, 3)], dim=-1))
-    assert torch.equal(last, out.hidden_states[4])
+        embedded = target.model.get_input_embeddings()(ids)
+        assert torch.equal(out.hidden_states[0].mean(dim=2), embedded)
     assert_reads_like_from_pretrained(path, target.model.state_dict())
 
 

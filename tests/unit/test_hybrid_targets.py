@@ -29,12 +29,11 @@ from dspark_ds.eval.target_step import TargetDecoder
 
 from helpers.evaluation import (
     check_greedy_rounds,
-    continuation_pvalues,
+    check_sampled_distribution,
     decoding_prompts,
-    exact_continuation_probs,
     greedy_reference,
     random_drafter,
-    sampled_continuations,
+    rolled_back_and_clean,
 )
 from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import (
@@ -77,16 +76,7 @@ def _relative_error(a: TargetDecoder, b: TargetDecoder) -> float:
 def _rolled_back(target, ids: torch.Tensor) -> tuple[TargetDecoder, TargetDecoder]:
     """A decoder that verified junk after ids[:, 8:10] and kept the 2 real tokens, and one that
     only ever saw ids[:, :10]."""
-    junk = torch.tensor([[3, 1, 4]])
-    rolled = TargetDecoder(target, [])
-    rolled.forward(ids[:, :8])
-    rolled.keep(8)
-    rolled.forward(torch.cat([ids[:, 8:10], junk], dim=1))
-    rolled.keep(10)
-    clean = TargetDecoder(target, [])
-    clean.forward(ids[:, :10])
-    clean.keep(10)
-    return rolled, clean
+    return rolled_back_and_clean(target, ids, 8, 10, [3, 1, 4])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -128,9 +118,7 @@ def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, 
 
 # ---- T = 1 ------------------------------------------------------------------------------------
 
-NUM_NEW = 3
 SAMPLES = 400
-ALPHA = 1e-3
 
 
 @pytest.mark.slow
@@ -141,13 +129,8 @@ def test_sampled_speculative_decoding_has_the_hybrid_targets_distribution(family
     target = tiny_hybrid_model(family, 8, seed=0)
     with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x4 in all
         target.get_output_embeddings().weight.div_(2.0)
-    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5]])
-    exact = exact_continuation_probs(target, prompt, NUM_NEW)
-    counts, accepted = sampled_continuations(target, drafter, prompt, SAMPLES, NUM_NEW, 50)
-    assert accepted > 0.1 * SAMPLES, accepted
-    pvalues = continuation_pvalues(counts, exact)
-    assert min(pvalues) > ALPHA, pvalues
+    check_sampled_distribution(target, prompt, SAMPLES, 0.1 * SAMPLES, batch_size=50)
 
 
 # ---- refused by name --------------------------------------------------------------------------

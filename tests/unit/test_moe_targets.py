@@ -38,12 +38,11 @@ from dspark_ds.target_weights import TargetWeights
 from helpers.evaluation import (
     BATCHED_POLICIES,
     check_greedy_rounds,
-    continuation_pvalues,
+    check_sampled_distribution,
     decoding_prompts,
-    exact_continuation_probs,
     greedy_reference,
     random_drafter,
-    sampled_continuations,
+    rolled_back_and_clean,
 )
 from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_model
 from helpers.tiny_models import (
@@ -152,14 +151,7 @@ def test_a_rejected_draft_leaves_no_indexer_key_behind(family, models):
     target, _ = models[family]
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        rolled = TargetDecoder(target, [])
-        rolled.forward(ids[:, :8])
-        rolled.keep(8)
-        rolled.forward(torch.cat([ids[:, 8:10], torch.tensor([[3, 1, 4]])], dim=1))
-        rolled.keep(10)
-        clean = TargetDecoder(target, [])
-        clean.forward(ids[:, :10])
-        clean.keep(10)
+        rolled, clean = rolled_back_and_clean(target, ids, 8, 10, [3, 1, 4])
         indexed = 0
         for mine, theirs in zip(rolled.cache.layers, clean.cache.layers):
             torch.testing.assert_close(mine.keys, theirs.keys)
@@ -180,13 +172,8 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(family):
     target = tiny_moe_model(family, 8, seed=0)
     with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
         target.get_output_embeddings().weight.div_(4.0)
-    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5, 6]])
-    exact = exact_continuation_probs(target, prompt, 3)
-    counts, accepted = sampled_continuations(target, drafter, prompt, 300, batch_size=50)
-    assert accepted > 30, accepted  # rows cut back to different lengths, some kept drafts
-    pvalues = continuation_pvalues(counts, exact)
-    assert min(pvalues) > 1e-3, pvalues
+    check_sampled_distribution(target, prompt, 300, 30, batch_size=50)
 
 
 def test_the_family_table_says_what_trains_and_decodes():
@@ -217,15 +204,7 @@ def _v4_rolled_back(target, ids) -> tuple[TargetDecoder, TargetDecoder]:
     """A decoder that verified junk after ids[:, 8:11] and kept the 3 real tokens (the sliding
     window of 8 full, a compressed-sparse window of 2 and a heavily-compressed one of 4 closed
     with junk in them), and one that only saw ids[:, :11]."""
-    rolled = TargetDecoder(target, [])
-    rolled.forward(ids[:, :8])
-    rolled.keep(8)
-    rolled.forward(torch.cat([ids[:, 8:11], torch.tensor([[3, 1, 4, 1, 5]])], dim=1))
-    rolled.keep(11)
-    clean = TargetDecoder(target, [])
-    clean.forward(ids[:, :11])
-    clean.keep(11)
-    return rolled, clean
+    return rolled_back_and_clean(target, ids, 8, 11, [3, 1, 4, 1, 5])
 
 
 def test_deepseek_v4s_compressed_attention_is_rolled_back_exactly(models, monkeypatch):
@@ -269,13 +248,8 @@ def test_sampled_one_row_decoding_has_deepseek_v4s_distribution():
     target = tiny_moe_model("deepseek_v4", 8, seed=0)
     with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
         target.get_output_embeddings().weight.div_(4.0)
-    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5, 6, 1, 2]])
-    exact = exact_continuation_probs(target, prompt, 3)
-    counts, accepted = sampled_continuations(target, drafter, prompt, 200)
-    assert accepted > 30, accepted
-    pvalues = continuation_pvalues(counts, exact)
-    assert min(pvalues) > 1e-3, pvalues
+    check_sampled_distribution(target, prompt, 200, 30)
 
 
 def test_an_attention_kernel_the_family_lacks_is_one_line(target_dirs):

@@ -219,6 +219,16 @@ def continuation_pvalues(counts: torch.Tensor, exact: torch.Tensor) -> list[floa
     ]
 
 
+def decoding_pairs(build, families, vocab: int) -> dict[str, tuple]:
+    """Each family's tiny target (`build(family, vocab)`) and a random drafter on its layers 0
+    and 2: what the lossless-decoding tests run."""
+    out = {}
+    for family in families:
+        target = build(family, vocab)
+        out[family] = (target, random_drafter(target, layer_ids=(0, 2), markov_std=0.5))
+    return out
+
+
 def check_sampled_distribution(
     target, prompt, samples: int, min_accepted: float, batch_size: int | None = None
 ) -> None:

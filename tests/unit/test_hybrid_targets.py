@@ -30,6 +30,7 @@ from dspark_ds.eval.target_step import TargetDecoder
 from helpers.evaluation import (
     check_greedy_rounds,
     check_sampled_distribution,
+    decoding_pairs,
     decoding_prompts,
     greedy_reference,
     random_drafter,
@@ -52,11 +53,7 @@ FAMILIES = list(HYBRID_FAMILIES)
 
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for family in FAMILIES:
-        target = tiny_hybrid_model(family, VOCAB)
-        out[family] = (target, random_drafter(target, layer_ids=(0, 2), markov_std=0.5))
-    return out
+    return decoding_pairs(tiny_hybrid_model, FAMILIES, VOCAB)
 
 
 def _states(decoder: TargetDecoder) -> list[torch.Tensor]:

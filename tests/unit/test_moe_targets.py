@@ -39,9 +39,9 @@ from helpers.evaluation import (
     BATCHED_POLICIES,
     check_greedy_rounds,
     check_sampled_distribution,
+    decoding_pairs,
     decoding_prompts,
     greedy_reference,
-    random_drafter,
     rolled_back_and_clean,
 )
 from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_model
@@ -117,11 +117,7 @@ def test_kimi_k25_is_its_text_model_alone(target_dirs):
 
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for family in DECODED:
-        target = tiny_moe_model(family, VOCAB)
-        out[family] = (target, random_drafter(target, layer_ids=(0, 2), markov_std=0.5))
-    return out
+    return decoding_pairs(tiny_moe_model, DECODED, VOCAB)
 
 
 NEW = 10

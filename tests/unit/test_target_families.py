@@ -31,6 +31,7 @@ from helpers.tiny_models import (
     assert_taps_are_hidden_states,
     build_tiny_family_target,
     targets_by_family,
+    tiny_widths,
 )
 
 LAYER_IDS = [-1, 0, 2]  # of 4 layers: the embedding output, two decoder layers
@@ -203,14 +204,7 @@ def test_a_head_the_config_does_not_announce_is_refused_when_the_target_runs(fam
     model.forward = scaled_logits
     with pytest.raises(ConfigError, match="llama target's logits differ from lm_head"):
         target.check_head()
-    phi_cfg = AutoConfig.for_model(
-        "phi",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-    )
+    phi_cfg = AutoConfig.for_model("phi", **tiny_widths(64, num_hidden_layers=2))
     phi = AutoModelForCausalLM.from_config(phi_cfg)
     with pytest.raises(ConfigError, match="phi target's lm_head has a bias"):
         FrozenTarget(phi, [0]).check_head()
@@ -220,12 +214,7 @@ def test_train_names_the_target_option_for_a_refused_family(tmp_path, capsys):
     from dspark_ds.cli import main as cli_main
 
     cfg = AutoConfig.for_model(
-        "gemma2",
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        final_logit_softcapping=30.0,
+        "gemma2", **tiny_widths(64, num_hidden_layers=2, final_logit_softcapping=30.0)
     )
     cfg.save_pretrained(tmp_path / "gemma2")
     argv = ["train", "--config", "dspark_ds/recipes/tiny_cpu.yaml"]

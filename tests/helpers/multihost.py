@@ -263,10 +263,7 @@ class MultiHostCluster(SlurmCluster):
         if os.geteuid() != 0:
             raise PermissionError("network namespaces need root")
         remove_stale_namespaces()
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o755)
-        for d in ("munge", "state", "spool", "log"):
-            (self.root / d).mkdir(exist_ok=True)
+        self._make_dirs()
         self._make_network()
         self._start_munge()
         self._write_conf()

@@ -94,12 +94,16 @@ class SlurmCluster:
         return proc.stdout
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def start(self, timeout_s: float = 60) -> SlurmCluster:
+    def _make_dirs(self) -> None:
+        """The root (others may traverse it) and its munge, state, spool and log folders."""
         self.root.mkdir(parents=True, exist_ok=True)
         # munged refuses sockets in directories others cannot traverse
         os.chmod(self.root, 0o755)
         for d in ("munge", "state", "spool", "log"):
             (self.root / d).mkdir(exist_ok=True)
+
+    def start(self, timeout_s: float = 60) -> SlurmCluster:
+        self._make_dirs()
         self._start_munge()
         self._write_conf()
         for daemon in ("slurmctld", "slurmd"):

@@ -1,4 +1,6 @@
-"""What both regeneration paths (the target in the ranks, inference servers) share on disk.
+"""What both regeneration paths (the target in the ranks, inference servers) share: what they
+write on disk, the checks of their paths (`check_paths`) and their prompt renderer
+(`prompt_chat`).
 
 Each writing process appends finished rows to its part file
 ``<output>.parts/part-<rank>-of-<world>.jsonl`` and records, next to it in

@@ -116,6 +116,17 @@ def checked_blocks(naive_block, model, batch: dict, out):
             yield b, a, rest
 
 
+def parity_rounds(model):
+    """The training forward of `model` on one random row, then, for each anchor block, what an
+    inference round from it starts from: yields (the forward's output, the batch, the row's
+    ids, the anchor's index and position, a fresh cache). Run under no_grad."""
+    batch = random_batch(model, batch=1)
+    out = model(**batch)
+    ids = batch["input_ids"][0]
+    for a in range(out.anchor_positions.shape[1]):
+        yield out, batch, ids, a, int(out.anchor_positions[0, a]), model.new_cache()
+
+
 def with_target_weights(drafter, target):
     """`drafter` (freshly built, seeded by the caller) with larger random weights than the
     default init, so that drafts vary, and the target's embedding and lm_head; in eval mode."""

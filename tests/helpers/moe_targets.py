@@ -28,29 +28,26 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers.tiny_models import build_tiny_tokenizer, special_token_ids, tiny_widths
-
-_MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-_DEEPSEEK_MOE = dict(
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
+from helpers.tiny_models import (
+    DEEPSEEK_MLA,
+    DEEPSEEK_MOE,
+    build_tiny_tokenizer,
+    special_token_ids,
+    tiny_widths,
 )
+
+_MLA = {**DEEPSEEK_MLA, "q_lora_rank": 32}
 _DSA = dict(index_topk=4, index_head_dim=16, index_n_heads=16)
 MOE_TARGETS: dict[str, dict] = {
-    "deepseek_v32": {**_MLA, **_DEEPSEEK_MOE, **_DSA, "num_key_value_heads": 4},
+    "deepseek_v32": {**_MLA, **DEEPSEEK_MOE, **_DSA, "num_key_value_heads": 4},
     "glm_moe_dsa": {
         **_MLA,
-        **_DEEPSEEK_MOE,
+        **DEEPSEEK_MOE,
         **_DSA,
         "num_key_value_heads": 4,
         "indexer_types": ["full", "full", "shared", "full"],
     },
-    "kimi_k25": {**_MLA, **_DEEPSEEK_MOE, "num_key_value_heads": 4},  # its text model's
+    "kimi_k25": {**_MLA, **DEEPSEEK_MOE, "num_key_value_heads": 4},  # its text model's
     "minimax_m2": dict(
         head_dim=16, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
     ),

@@ -9,7 +9,7 @@ to a small target (`DSparkSizes`) and its registration.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from dspark_ds.drafters.common.checks import Checker
@@ -62,18 +62,9 @@ class LossWeights:
 
     @classmethod
     def of(cls, model: Any) -> LossWeights:
-        """The weights a `model` section (a DSpark / DFlash one) sets."""
-        return cls(
-            loss_decay_gamma=model.loss_decay_gamma,
-            ce_loss_alpha=model.ce_loss_alpha,
-            l1_loss_alpha=model.l1_loss_alpha,
-            confidence_head_alpha=model.confidence_head_alpha,
-            loss_terms=model.loss_terms,
-            lk_eta=model.lk_eta,
-            loss_schedule=model.loss_schedule,
-            loss_decay_ratio=model.loss_decay_ratio,
-            dpace_alpha=model.dpace_alpha,
-        )
+        """The weights a `model` section (a DSpark / DFlash one) sets: its fields of the same
+        names."""
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls)})
 
 
 DSPARK_LOSS = LossWeights(

@@ -1,0 +1,114 @@
+"""DeepSeek-V4 backend of the DSpark / DFlash drafter (`model.backbone: target` on a DeepSeek-V4
+target): the target family's own decoder layers (drafters/common/deepseek_v4.py) around the DSpark
+draft attention, in the layout vLLM's V4 DSpark serves (`DSparkDraftModel`,
+docs/drafters.md#deepseek-v4s-own-drafter).
+
+What differs from the Qwen3 backend: the residual is `hc_mult` streams (the embedding copied into
+each), mixed in and out of every attention and MoE block by hyper-connections and collapsed by
+the hyper-head before the final norm; keys and values are one tensor (MQA, K = V); attention has a
+sink per head, so it runs the dense masked path (the blockwise and flex kernels have no sink).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4HyperConnection,
+    DeepseekV4RMSNorm,
+    DeepseekV4SparseMoeBlock,
+)
+
+from dspark_ds.drafters.common.cache import DraftKVCache
+from dspark_ds.drafters.common.deepseek_v4 import (
+    DeepseekV4AttentionProjections,
+    DeepseekV4Backend,
+    our_names,
+    vllm_names,
+)
+from dspark_ds.drafters.common.layers import run_layer
+from dspark_ds.drafters.dspark.model import DSparkDraftModel
+
+
+class DeepseekV4DSparkAttention(DeepseekV4AttentionProjections):
+    """Queries from the draft slots; the one KV head from [context ; draft]."""
+
+    def forward(
+        self, h, ctx, rope_ctx, rope_draft, mask, cache: DraftKVCache | None, layer_idx: int
+    ):
+        q = self.rope(self.project_q(h), rope_draft)
+        kv_ctx = self.rope(self.project_kv(ctx)[0], rope_ctx)
+        if cache is not None:
+            kv_ctx = cache.append(layer_idx, kv_ctx, kv_ctx)[0]
+        kv = torch.cat([kv_ctx, self.rope(self.project_kv(h)[0], rope_draft)], dim=2)
+        return self.project_out(self.attend(q, kv, mask), rope_draft)
+
+
+class DeepseekV4DSparkDecoderLayer(nn.Module):
+    """Streams [B, L, hc, H]: h = post ⊗ attn(norm(pre · h)) + combᵀ h, then the same around
+    the MoE block (transformers' DeepseekV4DecoderLayer, with DSpark's attention)."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = DeepseekV4DSparkAttention(config)
+        self.mlp = DeepseekV4SparseMoeBlock(config, layer_idx)
+        self.input_layernorm = DeepseekV4RMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = DeepseekV4RMSNorm(config.hidden_size, eps=eps)
+        self.attn_hc = DeepseekV4HyperConnection(config)
+        self.ffn_hc = DeepseekV4HyperConnection(config)
+
+    @staticmethod
+    def _mix(streams, post, comb, out):
+        dtype = streams.dtype
+        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+
+    def forward(self, h, ctx, rope_ctx, rope_draft, mask, cache, layer_idx):
+        post, comb, collapsed = self.attn_hc(h)
+        attn = self.self_attn(
+            self.input_layernorm(collapsed), ctx, rope_ctx, rope_draft, mask, cache, layer_idx
+        )
+        h = self._mix(h, post, comb, attn)
+        post, comb, collapsed = self.ffn_hc(h)
+        return self._mix(h, post, comb, self.mlp(self.post_attention_layernorm(collapsed)))
+
+
+class DeepseekV4DSparkModel(DeepseekV4Backend, DSparkDraftModel):
+    architecture = "DSparkDraftModel"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.hc_mult = int(config.hc_mult)
+        self.hc_head = self.make_hyper_head()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if hasattr(self, "hc_head"):  # once, when the hyper-head exists too
+            super().reset_parameters()
+
+    def make_layer(self, layer_idx):
+        return DeepseekV4DSparkDecoderLayer(self.config, layer_idx)
+
+    def resolve_attn_implementation(self, device: torch.device) -> str:
+        return "dense"  # the per-head sink is in the dense path only
+
+    def backbone(self, h, ctx, ctx_pos, draft_pos, mask, cache: DraftKVCache | None = None):
+        rope_ctx = self.rotary_emb(h, ctx_pos)
+        rope_draft = self.rotary_emb(h, draft_pos)
+        recompute = self.activation_checkpointing and cache is None
+        streams = h.unsqueeze(-2).expand(*h.shape[:-1], self.hc_mult, h.shape[-1]).contiguous()
+        for i, layer in enumerate(self.layers):
+            streams = run_layer(
+                layer, streams, ctx, rope_ctx, rope_draft, mask, cache, i, recompute=recompute
+            )
+        return self.norm(self.hc_head(streams))
+
+    # ---- vLLM's layout (drafters/dspark/serving.py writes its config fields) ----------------
+    @classmethod
+    def interchange_state_dict(cls, state: dict, config) -> dict:
+        return vllm_names(state, int(config.num_hidden_layers))
+
+    @classmethod
+    def native_state_dict(cls, state: dict, config) -> dict:
+        return our_names(state, int(config.num_hidden_layers))

@@ -1,0 +1,248 @@
+"""DSpark on DeepSeek-V4's own decoder layers (`model.backbone: target`): the drafter DeepSeek
+ships with V4, in the layout vLLM's V4 DSpark loader reads (drafters/dspark/deepseek_v4.py).
+What is pinned, on the tiny V4 target of `helpers.moe_targets`:
+
+- the draft layers are V4 layers sized from the target's config (sliding-window attention with
+  sinks, top-k routed + shared experts, hyper-connections over hc_mult streams), `backbone:
+  auto` keeps the Qwen3-style drafter, and a family without its own layers is refused by name;
+- the export is vLLM's V4 DSpark directory: `DSparkDraftModel`, the target's config with the
+  fields vLLM's V4 model and DSpark read, the weights under the names its `load_weights` maps
+  (pinned below from vLLM's source; with vLLM installed, its own `_remap_dspark_name` places
+  every one), no embedding or lm_head (vLLM aliases the target's); our loader reads it back
+  with no missing or unexpected weight, tensor for tensor;
+- greedy speculative decoding with it equals the target's greedy decoding (one row).
+
+Training (ZeRO-2 and ZeRO-3, the experts partitioned): tests/multiprocess/test_moe_targets_train.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_ds.drafters import build_draft_config
+from dspark_ds.drafters.io import load_draft_model, save_draft_model
+from dspark_ds.drafters.serving import serving_format
+from dspark_ds.errors import ConfigError
+
+from helpers.evaluation import (
+    check_greedy_rounds,
+    decoding_prompts,
+    greedy_reference,
+    random_drafter,
+)
+from helpers.moe_targets import tiny_moe_model
+
+VOCAB = 16
+LAYERS = 2  # draft layers
+TARGET_LAYERS = 4
+VLLM_PYTHON = (
+    Path(os.environ.get("DSPARK_DS_VLLM_ENV", "~/.cache/dspark-ds/vllm-venv")).expanduser()
+    / "bin"
+    / "python"
+)
+
+# The config fields vLLM reads from a V4 DSpark directory's config.json (`config.<name>` in
+# vllm/models/deepseek_v4/nvidia/model.py, attention.py and nvidia/dspark.py of vLLM 0.32),
+# besides the DSpark ones below.
+VLLM_V4_FIELDS = (
+    "hidden_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "n_routed_experts",
+    "n_shared_experts",
+    "moe_intermediate_size",
+    "num_attention_heads",
+    "index_topk",
+    "head_dim",
+    "hc_mult",
+    "hc_eps",
+    "hc_sinkhorn_iters",
+    "qk_rope_head_dim",
+    "num_hash_layers",
+    "norm_topk_prob",
+    "swiglu_limit",
+    "sliding_window",
+    "q_lora_rank",
+    "o_lora_rank",
+    "o_groups",
+    "num_experts_per_tok",
+    "max_position_embeddings",
+    "index_n_heads",
+    "index_head_dim",
+    "hidden_act",
+    "compress_ratios",
+)
+# One draft layer's weights as vLLM's loader reads them after `mtp.{i}.`: DeepseekV4DecoderLayer
+# (nvidia/model.py:1091-1140: attn_norm, ffn_norm, hc_*), its attention (attention.py:243-283:
+# attn_sink, wq_a + wkv stacked into fused_wqa_wkv, q_norm, wq_b, kv_norm, wo_a, wo_b), its MoE
+# (nvidia/model.py:724-790: gate, its bias as e_score_correction_bias, shared_experts w1 + w3
+# stacked, w2 as down_proj) and the experts one tensor each (nvidia/dspark.py:448-560).
+VLLM_LAYER_WEIGHTS = {
+    "attn_norm.weight",
+    "ffn_norm.weight",
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
+    "attn.attn_sink",
+    "attn.wq_a.weight",
+    "attn.wkv.weight",
+    "attn.q_norm.weight",
+    "attn.wq_b.weight",
+    "attn.kv_norm.weight",
+    "attn.wo_a.weight",
+    "attn.wo_b.weight",
+    "ffn.gate.weight",
+    "ffn.gate.bias",
+    "ffn.shared_experts.w1.weight",
+    "ffn.shared_experts.w2.weight",
+    "ffn.shared_experts.w3.weight",
+}
+# The model-level weights (nvidia/dspark.py:588-616 `_remap_dspark_name`: main_proj / main_norm
+# read from any stage, DeepSeek's checkpoints have them in mtp.0; the heads in the last stage).
+VLLM_FIRST = {"main_proj.weight", "main_norm.weight"}
+VLLM_LAST = {
+    "norm.weight",
+    "hc_head_fn",
+    "hc_head_base",
+    "hc_head_scale",
+    "markov_head.markov_w1.weight",
+    "markov_head.markov_w2.weight",
+    "confidence_head.proj.weight",
+    "confidence_head.proj.bias",
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_moe_model("deepseek_v4", VOCAB)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return random_drafter(
+        target, layer_ids=(0, 2), markov_std=0.5, num_draft_layers=LAYERS, backbone="target"
+    )
+
+
+def _shared(target):
+    return target.model.embed_tokens.weight, target.lm_head.weight
+
+
+def test_the_draft_layers_are_deepseek_v4_layers_sized_from_the_target(target, drafter):
+    cfg, t = drafter.config, target.config
+    assert cfg.architectures == ["DSparkDraftModel"] and type(cfg).__name__ == "DeepseekV4Config"
+    assert cfg.layer_types == ["sliding_attention"] * LAYERS
+    assert cfg.mlp_layer_types == ["moe"] * LAYERS  # no hash routing in draft layers
+    shapes = {n: tuple(p.shape) for n, p in drafter.named_parameters()}
+    hidden, hc, experts = t.hidden_size, t.hc_mult, t.n_routed_experts
+    assert shapes["layers.1.mlp.experts.gate_up_proj"] == (
+        experts,
+        2 * t.moe_intermediate_size,
+        hidden,
+    )
+    assert shapes["layers.1.attn_hc.fn"] == ((2 + hc) * hc, hc * hidden)
+    assert shapes["layers.0.self_attn.q_b_proj.weight"] == (
+        t.num_attention_heads * t.head_dim,
+        t.q_lora_rank,
+    )
+    assert shapes["hc_head.hc_fn"] == (hc, hc * hidden)
+    auto = build_draft_config(t, target_layer_ids=[0, 2], mask_token_id=VOCAB - 1)
+    assert auto.architectures == ["Qwen3DSparkModel"]  # backbone auto: as before
+
+
+def test_backbone_target_on_a_family_without_its_own_layers_is_refused():
+    config = tiny_moe_model("minimax_m2", VOCAB).config
+    with pytest.raises(
+        ConfigError, match="^backbone: target: the dspark drafter has no minimax_m2"
+    ):
+        build_draft_config(config, target_layer_ids=[0], mask_token_id=1, backbone="target")
+
+
+def test_the_export_is_vllms_v4_dspark_layout_and_loads_back(target, drafter, tmp_path):
+    save_draft_model(drafter, tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert data["architectures"] == ["DSparkDraftModel"] and data["model_type"] == "deepseek_v4"
+    assert [f for f in VLLM_V4_FIELDS if f not in data] == []
+    assert data["num_hidden_layers"] == TARGET_LAYERS and data["n_mtp_layers"] == LAYERS
+    assert data["dspark_target_layer_ids"] == [0, 2] and data["dspark_markov_rank"] == 8
+    assert data["compress_ratios"] == [0, 2, 4, 0] and data["num_hash_layers"] == 1
+    assert data["qk_rope_head_dim"] == 8 and data["mask_token_id"] == VOCAB - 1
+    assert len(data["layer_types"]) == TARGET_LAYERS  # the target's, as its config has them
+
+    names = set(json.loads(_safetensors_header(tmp_path / "model.safetensors")))
+    names.discard("__metadata__")
+    expert = {f"ffn.experts.{e}.w{w}.weight" for e in range(4) for w in (1, 2, 3)}
+    want = {f"mtp.{i}.{n}" for i in range(LAYERS) for n in VLLM_LAYER_WEIGHTS | expert}
+    want |= {f"mtp.0.{n}" for n in VLLM_FIRST} | {f"mtp.{LAYERS - 1}.{n}" for n in VLLM_LAST}
+    assert names == want
+
+    loaded = load_draft_model(tmp_path, shared_weights=_shared(target))
+    ours, back = drafter.state_dict(), loaded.state_dict()
+    assert sorted(back) == sorted(ours)
+    for name, tensor in ours.items():
+        torch.testing.assert_close(back[name], tensor, rtol=0, atol=0, msg=name)
+    with pytest.raises(ConfigError, match="has no embed_tokens.weight / lm_head.weight"):
+        load_draft_model(tmp_path)
+
+    fmt = serving_format({**loaded.config.to_dict(), "architectures": ["DSparkDraftModel"]})
+    assert (fmt.name, fmt.vllm_method, fmt.num_speculative_tokens) == (
+        "DeepSeek-V4 DSpark",
+        "dspark",
+        4,
+    )
+
+
+def _safetensors_header(path: Path) -> str:
+    raw = path.read_bytes()
+    return raw[8 : 8 + int.from_bytes(raw[:8], "little")].decode()
+
+
+_REMAP = """
+import json, sys, types
+from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM as C
+me = types.SimpleNamespace(model=types.SimpleNamespace(confidence_head=object()))
+print("REMAP " + json.dumps({n: C._remap_dspark_name(me, n) for n in json.loads(sys.argv[1])}))
+"""
+
+
+@pytest.mark.slow
+def test_vllms_own_name_mapping_places_every_exported_weight(drafter, tmp_path):
+    """vLLM's `_remap_dspark_name` (the CPU build imports the GPU class; its model is not built
+    on CPU) maps every exported name: a layer's to `model.layers.{i}.<name>`, the heads' to the
+    model level. A name it returned None for would be skipped silently at load."""
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (tools/install.sh makes it)")
+    save_draft_model(drafter, tmp_path)
+    names = sorted(n for n in json.loads(_safetensors_header(tmp_path / "model.safetensors")))
+    names = [n for n in names if n != "__metadata__"]
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), "-c", _REMAP, json.dumps(names)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("REMAP ")), None)
+    assert line is not None, proc.stderr[-2000:]
+    mapped = json.loads(line[len("REMAP ") :])
+    for name, where in mapped.items():
+        stage, rest = name.split(".", 2)[1:]
+        if rest in VLLM_FIRST | VLLM_LAST:
+            assert where == f"model.{rest}", name
+        else:
+            assert where == f"model.layers.{stage}.{rest}", name
+
+
+def test_greedy_decoding_with_it_equals_the_targets(target, drafter):
+    prompts = decoding_prompts(VOCAB)
+    want = [greedy_reference(target, p, 10) for p in prompts]
+    proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, 10, ())
+    assert 0 < accepted < proposed, (accepted, proposed)

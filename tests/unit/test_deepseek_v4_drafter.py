@@ -159,6 +159,26 @@ def test_the_draft_layers_are_deepseek_v4_layers_sized_from_the_target(target, d
     assert auto.architectures == ["Qwen3DSparkModel"]  # backbone auto: as before
 
 
+def test_the_sink_attention_is_a_softmax_with_the_sink_logit(drafter):
+    """The sink run as an extra key through the shared kernels equals V4's softmax over
+    [scores ; sink] with the sink's column dropped; a row that sees nothing gives zero."""
+    attn = drafter.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    heads, dim = attn.num_heads, attn.head_dim
+    q, kv = torch.randn(2, heads, 5, dim, generator=g), torch.randn(2, 1, 7, dim, generator=g)
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.4
+    mask[0, 0, 0] = False
+    with torch.no_grad():
+        attn.sinks.copy_(torch.randn(heads, generator=g))
+        scores = (q @ kv.transpose(-1, -2) * attn.scaling).masked_fill(~mask, float("-inf"))
+        sink = attn.sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        want = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ kv
+        got = attn.attend(q, kv, mask)
+        attn.sinks.zero_()
+    torch.testing.assert_close(got, want)
+    assert got[0, :, 0].abs().max() == 0
+
+
 def test_backbone_target_on_a_family_without_its_own_layers_is_refused():
     config = tiny_moe_model("minimax_m2", VOCAB).config
     with pytest.raises(

@@ -34,8 +34,11 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     apply_rotary_pos_emb,
 )
 
+from dspark_ds.drafters.common import attention
 from dspark_ds.drafters.common.layers import TargetSharedWeights
 from dspark_ds.errors import ConfigError
+
+_SINK_PAD = 8  # the sink's extra query / key dimension, padded to a multiple of 8
 
 
 class DeepseekV4AttentionProjections(nn.Module):
@@ -46,6 +49,7 @@ class DeepseekV4AttentionProjections(nn.Module):
         super().__init__()
         hidden, eps = int(config.hidden_size), float(config.rms_norm_eps)
         self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = 1  # one head read as key and value
         self.head_dim = int(config.head_dim)
         self.o_groups = int(config.o_groups)
         self.scaling = self.head_dim**-0.5
@@ -77,15 +81,35 @@ class DeepseekV4AttentionProjections(nn.Module):
         return apply_rotary_pos_emb(x, *rope)
 
     def attend(self, q, kv, mask) -> torch.Tensor:
-        """Softmax attention with V4's per-head sink (a logit every row has, whose value column is
-        zero). q [B, Hq, Q, D], kv [B, 1, K, D], mask None or bool [B, 1, Q, K] (True: visible);
-        a row that sees nothing gives zero."""
-        scores = torch.matmul(q, kv.transpose(-1, -2)).float() * self.scaling
+        """Attention with V4's per-head sink: a logit every row has, whose value is zero.
+        q [B, Hq, Q, D], kv [B, 1, K, D], mask None or bool [B, 1, Q, K] (True: visible); a row
+        that sees nothing gives zero.
+
+        The sink runs as one more key through the shared kernels (drafters/common/attention.py):
+        queries get an extra dimension set to 1 and the sink key sink_h / scaling there (every
+        other key 0), so its score is sink_h for every query; its value is zero. Head sizes are
+        padded by 8 (fused kernels want multiples of 8); what the kernel saves for backward is
+        its output and log-sum-exp, not the scores."""
+        bsz, heads, length, dim = q.shape
+        keys = kv.shape[2]
+        pad = _SINK_PAD
+        ones = q.new_ones(bsz, heads, length, 1)
+        q = torch.cat([q, ones, q.new_zeros(bsz, heads, length, pad - 1)], dim=-1)
+        kv = torch.cat([kv.expand(bsz, heads, keys, dim), kv.new_zeros(bsz, heads, keys, pad)], -1)
+        sink = (self.sinks.float() / self.scaling).to(kv.dtype).view(1, heads, 1, 1)
+        sink_key = torch.cat(
+            [
+                kv.new_zeros(bsz, heads, 1, dim),
+                sink.expand(bsz, heads, 1, 1),
+                kv.new_zeros(bsz, heads, 1, pad - 1),
+            ],
+            dim=-1,
+        )
+        k = torch.cat([kv, sink_key], dim=2)
+        v = torch.cat([kv, kv.new_zeros(bsz, heads, 1, dim + pad)], dim=2)
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        sink = self.sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        return torch.matmul(probs.to(kv.dtype), kv)
+            mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
+        return attention.attend(q, k, v, mask, scaling=self.scaling)[..., :dim]
 
     def project_out(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """[B, Hq, L, D] -> [B, L, H]: the value's RoPE undone at the query's position (K = V),

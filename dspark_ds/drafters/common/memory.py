@@ -43,6 +43,9 @@ class StepShape:
     """Bytes per element of the target features (the target's dtype)."""
     aligned: bool = True
     """The target's last hidden states are in the batch (what a kind's loss compares with)."""
+    attention: str | None = None
+    """The attention path the drafter's layers force whatever perf.attn_implementation says
+    (DeepSeek-V4's own layers: "dense", for their per-head sink); None: the perf section's."""
 
     @property
     def context_tokens(self) -> int:

@@ -76,6 +76,7 @@ class DeepseekV4DSparkDecoderLayer(nn.Module):
 
 class DeepseekV4DSparkModel(DeepseekV4Backend, DSparkDraftModel):
     architecture = "DSparkDraftModel"
+    forced_attention = "dense"  # the per-head sink is in the dense path only (the tuner reads it)
 
     def __init__(self, config):
         super().__init__(config)
@@ -91,7 +92,14 @@ class DeepseekV4DSparkModel(DeepseekV4Backend, DSparkDraftModel):
         return DeepseekV4DSparkDecoderLayer(self.config, layer_idx)
 
     def resolve_attn_implementation(self, device: torch.device) -> str:
-        return "dense"  # the per-head sink is in the dense path only
+        return self.forced_attention
+
+    @property
+    def active_mlp_width(self) -> int:
+        """The MLP width one token runs through: its routed experts and the shared one."""
+        c = self.config
+        experts = int(c.num_experts_per_tok) + int(getattr(c, "n_shared_experts", 1) or 1)
+        return experts * int(c.moe_intermediate_size)
 
     def backbone(self, h, ctx, ctx_pos, draft_pos, mask, cache: DraftKVCache | None = None):
         rope_ctx = self.rotary_emb(h, ctx_pos)

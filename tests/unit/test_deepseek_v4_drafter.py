@@ -266,3 +266,24 @@ def test_greedy_decoding_with_it_equals_the_targets(target, drafter):
     want = [greedy_reference(target, p, 10) for p in prompts]
     proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, 10, ())
     assert 0 < accepted < proposed, (accepted, proposed)
+
+
+def test_the_tuner_counts_the_dense_attention_and_the_experts_a_token_runs(tmp_path):
+    """`dspark-ds tune` reads what the V4 layers force: the dense attention path whatever
+    perf.attn_implementation says, and an MLP as wide as a token's routed + shared experts."""
+    from dspark_ds.cli import parse_config
+    from dspark_ds.cost.inventory import inventory
+
+    from helpers.moe_targets import build_tiny_moe_target
+
+    path = build_tiny_moe_target(tmp_path / "v4", "deepseek_v4")
+    recipe = "dspark_ds/recipes/dspark_deepseek_v4_flash.yaml"
+    argv = ["--config", recipe, "--target.path", path, "--target.layer_ids", "[0, 2]"]
+    run_cfg = parse_config("train", [*argv, "--model.mask_token_id", "3"])
+    inv = inventory(run_cfg)
+    t = tiny_moe_model("deepseek_v4", VOCAB).config
+    assert inv.attention == "dense" and inv.draft_layers == 3
+    assert (
+        inv.intermediate == (t.num_experts_per_tok + t.n_shared_experts) * t.moe_intermediate_size
+    )
+    assert inv.step_shape(run_cfg).attention == "dense"

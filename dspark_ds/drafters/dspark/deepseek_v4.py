@@ -111,7 +111,15 @@ class DeepseekV4DSparkModel(DeepseekV4Backend, DSparkDraftModel):
             streams = run_layer(
                 layer, streams, ctx, rope_ctx, rope_draft, mask, cache, i, recompute=recompute
             )
-        return self.norm(self.hc_head(streams))
+        # NOTE: the hyper-head's output, before the final norm, as vLLM's V4 DSpark returns it:
+        # its confidence head reads that state, its logits lm_head(norm(.)) (compute_logits)
+        return self.hc_head(streams)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def target_logits(self, state: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(state)  # the target's final states are normed already
 
     def windowed(self, mask, ctx_pos, draft_pos, cache: DraftKVCache | None):
         """`mask` [B, 1, Lq, K] (None: all visible) with V4's sliding window on the context: a

@@ -119,10 +119,10 @@ class _ChunkRunner:
                 logits = draft_logits(self.model, h, prev[b0:b1])
             target_logits = None
             if target_state is not None:
-                # Differentiable only if compute_logits has trainable parameters (a frozen
+                # Differentiable only if target_logits has trainable parameters (a frozen
                 # lm_head, the normal case, makes this a plain forward).
                 with torch.set_grad_enabled(self.with_grad):
-                    target_logits = self.model.compute_logits(target_state[b0:b1])
+                    target_logits = self.model.target_logits(target_state[b0:b1])
             target_grad = target_logits is not None and target_logits.requires_grad
             grad_logits, grad_target = _slot_terms_and_grad(
                 logits.detach().reshape(r1 - r0, -1),
@@ -288,7 +288,7 @@ def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH):
         hit = flat.argmax(-1) == ids
     l1 = None
     if target_state_cGH is not None:
-        target = model.compute_logits(target_state_cGH)
+        target = model.target_logits(target_state_cGH)
         l1 = l1_distance(flat, target.reshape(flat.shape))
     return ce, l1, hit
 

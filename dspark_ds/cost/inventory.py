@@ -103,6 +103,8 @@ class Inventory(Widths):
     drafter_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
     """The drafter's modules that hold parameters directly (ZeRO-3 gathers per module)."""
     target_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
+    attention: str | None = None
+    """The attention path the drafter's layers force (`forced_attention`), or None."""
 
     def persistent(self, param_threshold: int, model_threshold: int) -> int:
         """Trainable elements ZeRO-3 keeps whole on every rank: parameters of at most
@@ -141,6 +143,7 @@ class Inventory(Widths):
             drafter=get_kind(run_cfg.model.kind).cost.step_part(run_cfg.model),
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
+            attention=self.attention,
         )
 
 
@@ -249,8 +252,13 @@ def inventory(run_cfg) -> Inventory:
         ),
         target_params=sum(p.numel() for p in target.parameters()),
         hidden=int(tcfg.hidden_size),
-        # the drafter's MLP width (a MoE target without a dense one sizes it from its experts)
-        intermediate=int(getattr(tcfg, "intermediate_size", None) or draft_cfg.intermediate_size),
+        # the drafter's MLP width (a MoE target without a dense one sizes it from its experts;
+        # a drafter of MoE layers says what a token runs through: `active_mlp_width`)
+        intermediate=int(
+            getattr(drafter, "active_mlp_width", None)
+            or getattr(tcfg, "intermediate_size", None)
+            or draft_cfg.intermediate_size
+        ),
         vocab=int(tcfg.vocab_size),
         heads=heads,
         kv_heads=kv_heads,
@@ -269,4 +277,5 @@ def inventory(run_cfg) -> Inventory:
         target_modules=sum(1 for _ in target.modules()),
         drafter_param_modules=module_params(drafter),
         target_param_modules=module_params(target),
+        attention=getattr(drafter, "forced_attention", None),
     )

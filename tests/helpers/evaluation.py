@@ -49,8 +49,10 @@ def random_drafter(
     seed: int = 1,
     markov_std: float | None = None,
     num_draft_layers: int = 1,
+    backbone: str = "auto",
 ):
-    """A randomly initialised drafter for `target` (embedding and lm_head copied from it)."""
+    """A randomly initialised drafter for `target` (embedding and lm_head copied from it);
+    `backbone` is the `model.backbone` field."""
     torch.manual_seed(seed)
     vocab = target.config.vocab_size
     cfg = build_draft_config(
@@ -59,6 +61,7 @@ def random_drafter(
         mask_token_id=vocab - 1,
         num_draft_layers=num_draft_layers,
         block_size=block_size,
+        backbone=backbone,
         num_anchors=8,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,

@@ -22,6 +22,7 @@ shared), MLA ranks 16 (KV) / 32 (query):
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -163,3 +164,25 @@ def _publish_final_norm(file: Path) -> None:
     tensors = load_file(file)
     tensors["norm.weight"] = tensors.pop("model.norm.weight")
     save_file(tensors, file, metadata={"format": "pt"})
+
+
+def deepseek_v4_native_config(target_dir: str | Path, out_dir: str | Path) -> str:
+    """The tiny DeepSeek-V4 target's config.json as DeepSeek writes its own (what vLLM reads:
+    `compress_ratios`, `num_hash_layers`, `rope_theta` / `compress_rope_theta`; no
+    `layer_types` / `mlp_layer_types`, whose values the transformers vLLM pins refuses), with
+    DeepSeek's ratios 4 / 128 for the compressed layers (the only ones transformers reads back).
+    A config to validate, not a checkpoint: no weights. Returns `out_dir`."""
+    data = json.loads((Path(target_dir) / "config.json").read_text())
+    types = data.pop("layer_types")
+    data.pop("compress_rates")
+    ratio = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    data["compress_ratios"] = [ratio.get(t, 0) for t in types]
+    data["num_hash_layers"] = data.pop("mlp_layer_types").count("hash_moe")
+    rope = data.pop("rope_parameters")
+    data["rope_theta"] = rope["main"]["rope_theta"]
+    data["compress_rope_theta"] = rope["compress"]["rope_theta"]
+    data["qk_rope_head_dim"] = int(data["head_dim"] * data["partial_rotary_factor"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(data, indent=2))
+    return str(out)

@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from dspark_ds.drafters import build_draft_config
+from dspark_ds.drafters.io import TARGET_ARCHITECTURES
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
@@ -52,6 +53,7 @@ from helpers.tiny_models import (
 )
 
 FAMILIES = list(MOE_TARGETS)
+RECIPES = Path(__file__).parents[2] / "dspark_ds" / "recipes"
 BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
 DECODED = [*BATCHED, "deepseek_v4"]  # one row
 VOCAB = 16
@@ -181,6 +183,17 @@ def test_the_family_table_says_what_trains_and_decodes():
         cells = [cell.strip() for cell in row.split("|")]
         assert cells[3] == "✓", family
         assert cells[4] == ("✓ lossless" if family in BATCHED else "✓ lossless, one row"), family
+        # `model.backbone: target`: DeepSeek-V4's own drafter, the others refused by name
+        own = family in TARGET_ARCHITECTURES["dspark"]
+        assert cells[6].startswith("✓" if own else "refused by name"), family
+        config = tiny_moe_model(family, VOCAB).config
+        if own:
+            build_draft_config(config, target_layer_ids=[0], mask_token_id=1, backbone="target")
+        else:
+            with pytest.raises(ConfigError, match="^backbone: target: the dspark drafter has no"):
+                build_draft_config(config, target_layer_ids=[0], mask_token_id=1, backbone="target")
+        recipe = cells[7].strip("`")
+        assert recipe == "—" or (RECIPES / f"{recipe}.yaml").exists(), family
 
 
 def _compressed_states(decoder: TargetDecoder) -> list[torch.Tensor]:
@@ -256,3 +269,19 @@ def test_an_attention_kernel_the_family_lacks_is_one_line(target_dirs):
     assert load_causal_lm(TargetConfig(path=path, dtype="float32")).config.model_type == (
         "deepseek_v4"
     )
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_the_tuners_narrow_copy_of_an_mla_target_runs(family):
+    """`dspark-ds tune` times its host work on a narrow copy of the target (tune/workload.py):
+    MLA's rope part is narrowed with the head size, so the copy runs a forward."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ds.tune.workload import NARROW, narrow_config
+
+    config = narrow_config(tiny_moe_model(family, VOCAB).config)
+    assert config.qk_rope_head_dim == NARROW["head_dim"]
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        logits = model(torch.randint(0, NARROW["vocab"], (1, 6))).logits
+    assert logits.shape == (1, 6, NARROW["vocab"]) and torch.isfinite(logits).all()

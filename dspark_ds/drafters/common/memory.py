@@ -68,6 +68,9 @@ class StepShape(Widths):
     """Bytes per element of the target features (the target's dtype)."""
     aligned: bool = True
     """The target's last hidden states are in the batch (what a kind's loss compares with)."""
+    attention: str | None = None
+    """The attention path the drafter's layers force whatever perf.attn_implementation says
+    (DeepSeek-V4's own layers: "dense", for their per-head sink); None: the perf section's."""
 
     @classmethod
     def of(
@@ -78,6 +81,7 @@ class StepShape(Widths):
         drafter: Any,
         compute_bytes: int = 2,
         feature_bytes: int = 2,
+        attention: str | None = None,
     ) -> StepShape:
         """The shape of `batch` sequences of `seq_len` tokens through `widths` (a `Widths`, or
         anything that is one, like the tuner's `Inventory`)."""
@@ -88,6 +92,7 @@ class StepShape(Widths):
             drafter=drafter,
             compute_bytes=compute_bytes,
             feature_bytes=feature_bytes,
+            attention=attention,
         )
 
     @property

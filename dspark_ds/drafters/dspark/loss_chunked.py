@@ -129,10 +129,10 @@ class _ChunkRunner:
                 logits = draft_logits(self.model, h, prev[b0:b1])
             target_logits = None
             if target_state is not None:
-                # Differentiable only if compute_logits has trainable parameters (a frozen
+                # Differentiable only if target_logits has trainable parameters (a frozen
                 # lm_head, the normal case, makes this a plain forward).
                 with torch.set_grad_enabled(self.with_grad):
-                    target_logits = self.model.compute_logits(target_state[b0:b1])
+                    target_logits = self.model.target_logits(target_state[b0:b1])
             target_grad = target_logits is not None and target_logits.requires_grad
 
             def weigh(ce_N, r0=r0, r1=r1):
@@ -382,7 +382,7 @@ def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH, names=(),
     l1 = None
     extra = ()
     if target_state_cGH is not None:
-        target = model.compute_logits(target_state_cGH).reshape(flat.shape)
+        target = model.target_logits(target_state_cGH).reshape(flat.shape)
         l1 = l1_distance(flat, target)
         terms = slot_divergences(flat, target, names, lk_eta=lk_eta)
         extra = tuple(terms[n] for n in names)

@@ -81,18 +81,20 @@ class StepShape(Widths):
         drafter: Any,
         compute_bytes: int = 2,
         feature_bytes: int = 2,
-        attention: str | None = None,
+        **micro,
     ) -> StepShape:
         """The shape of `batch` sequences of `seq_len` tokens through `widths` (a `Widths`, or
-        anything that is one, like the tuner's `Inventory`)."""
+        anything that is one, like the tuner's `Inventory`); `micro`: the micro-batch's other
+        fields by name (aligned, attention; their defaults otherwise)."""
+        own = {f.name: getattr(widths, f.name) for f in fields(Widths)}
         return cls(
-            **{f.name: getattr(widths, f.name) for f in fields(Widths)},
+            **own,
             batch=batch,
             seq_len=seq_len,
             drafter=drafter,
             compute_bytes=compute_bytes,
             feature_bytes=feature_bytes,
-            attention=attention,
+            **micro,
         )
 
     @property

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from dspark_ds.drafters import serving
 from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
+from dspark_ds.drafters.common.vocab import check_draft_vocab_size
 from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import save_safetensors
@@ -74,7 +75,11 @@ def _backend(architecture: str):
 
 
 def draft_config_from_target(
-    target_config, kind: str, target_layer_ids: list[int], num_draft_layers: int
+    target_config,
+    kind: str,
+    target_layer_ids: list[int],
+    num_draft_layers: int,
+    draft_vocab_size: int | None = None,
 ):
     """What every drafter config starts as: the target's text config (a deep copy for the
     families with their own backbone, the Qwen3-style translation for the others) with the
@@ -98,6 +103,9 @@ def draft_config_from_target(
     cfg.target_layer_ids = ids
     cfg.target_model_type = str(getattr(target_config, "model_type", None) or model_type)
     cfg.target_text_model_type = model_type
+    n = check_draft_vocab_size(draft_vocab_size, int(text.vocab_size))
+    if n:  # written only when reduced: a whole-vocabulary config stays as it was
+        cfg.draft_vocab_size = n
     return cfg, text
 
 
@@ -210,6 +218,10 @@ def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
         raise ConfigError(f"{cfg_file}: {err}") from None
     state = read_state_dict(path)
     own = model.state_dict()
+    if "d2t" in state and "t2d" in own and "t2d" not in state:  # vLLM's Eagle3 reads d2t alone
+        ids = state["d2t"].to(torch.int64) + torch.arange(state["d2t"].numel())
+        state["t2d"] = torch.zeros(own["t2d"].numel(), dtype=torch.bool)
+        state["t2d"][ids.clamp(0, own["t2d"].numel() - 1)] = True
     names = model.shared_parameter_names()
     if shared is not None:
         for name, tensor in zip(names, shared):

@@ -73,6 +73,7 @@ class LossPlan:
     """
 
     w: torch.Tensor  # [B, A, G] position weights
+    w_ce: torch.Tensor  # [B, A, G] the CE's: w, 0 where the label is outside the draft vocabulary
     valid: torch.Tensor  # [B, A, G] eval_mask as fp32
     local_den: dict[str, torch.Tensor]  # this rank's den_ce, den_l1, den_conf
     coef_ce: torch.Tensor  # 0-d fp32
@@ -80,6 +81,7 @@ class LossPlan:
     coef_conf: torch.Tensor
     use_l1: bool  # the L1 term is computed (alpha > 0)
     has_conf: bool  # the confidence BCE is computed
+    in_vocab: torch.Tensor | None = None  # [B, A, G] bool: the label is in the draft vocabulary
 
 
 def plan_loss(
@@ -89,9 +91,14 @@ def plan_loss(
     has_aligned: bool,
     has_confidence: bool,
     over_ranks: bool = True,
+    in_vocab: torch.Tensor | None = None,
 ) -> LossPlan:
     """Checks the inputs and sums the denominators over every rank (one small all_reduce;
-    `over_ranks=False`: this rank's own, for a loss nothing is back-propagated through)."""
+    `over_ranks=False`: this rank's own, for a loss nothing is back-propagated through).
+
+    `in_vocab` (a reduced draft vocabulary, drafters/common/vocab.py): a slot whose label is
+    outside it has no CE term (the draft cannot name it; its L1 and confidence terms stay, over
+    the draft vocabulary) and counts as a greedy miss."""
     world_size = distributed.world_size() if over_ranks else 1
     if weights.l1_loss_alpha > 0 and not has_aligned:
         raise ValueError(
@@ -104,13 +111,15 @@ def plan_loss(
         )
     w = position_weights(eval_mask, weights.loss_decay_gamma)
     use_l1 = has_aligned and weights.l1_loss_alpha > 0
+    w_ce = w if in_vocab is None else w * in_vocab.to(w.dtype)
     total = w.sum()
     zero = torch.zeros_like(total)
-    local = torch.stack([total, total if use_l1 else zero, total if has_conf else zero])
+    local = torch.stack([w_ce.sum(), total if use_l1 else zero, total if has_conf else zero])
     den = distributed.all_reduce_(local.clone()) if over_ranks else local
     coef_l1 = _coef(weights.l1_loss_alpha, world_size, den[1])
     return LossPlan(
         w=w,
+        w_ce=w_ce,
         valid=eval_mask.to(torch.float32),
         local_den=dict(zip(("den_ce", "den_l1", "den_conf"), local.unbind())),
         coef_ce=_coef(weights.ce_loss_alpha, world_size, den[0]),
@@ -118,6 +127,7 @@ def plan_loss(
         coef_conf=_coef(weights.confidence_head_alpha, world_size, den[2]) if has_conf else zero,
         use_l1=use_l1,
         has_conf=has_conf,
+        in_vocab=in_vocab,
     )
 
 
@@ -157,6 +167,7 @@ def dspark_loss(
         has_aligned=out.aligned_target_logits is not None,
         has_confidence=out.confidence_pred is not None,
         over_ranks=over_ranks,
+        in_vocab=out.label_in_vocab,
     )
     ce = F.cross_entropy(
         logits.reshape(-1, vocab).float(), out.target_ids.reshape(-1), reduction="none"
@@ -191,7 +202,7 @@ def finish_loss(
     gradient) itself; otherwise it is built here from the differentiable `terms`.
     """
     w = plan.w
-    num_ce = (terms.ce * w).sum()
+    num_ce = (terms.ce * plan.w_ce).sum()
     zero = num_ce.new_zeros(())
     num_l1 = zero
     c_star = None
@@ -212,8 +223,9 @@ def finish_loss(
         num_conf = (bce * w).sum()
         loss = loss + plan.coef_conf * num_conf
 
+    hit = terms.greedy_hit if plan.in_vocab is None else terms.greedy_hit & plan.in_vocab
     stats = _local_stats(
-        terms.greedy_hit,
+        hit,
         eval_mask,
         block_keep_mask,
         confidence_pred,

@@ -101,8 +101,8 @@ class _ChunkRunner:
         target_state = self.target_prev_hidden
         if target_state is not None:
             target_state = target_state.reshape(bsz * num_blocks, G, -1)
-        w = plan.w.reshape(-1)
-        a_ce = w * plan.coef_ce  # d(main_loss)/d(ce) per slot
+        w, w_ce = plan.w.reshape(-1), plan.w_ce.reshape(-1)
+        a_ce = w_ce * plan.coef_ce  # d(main_loss)/d(ce) per slot
         a_l1 = w * plan.coef_l1 if plan.use_l1 else None
 
         ce_out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
@@ -156,7 +156,7 @@ class _ChunkRunner:
                 del outputs, grad_outputs, got
             del logits, target_logits, grad_logits, grad_target
 
-        main = plan.coef_ce * (ce_out * w).sum()
+        main = plan.coef_ce * (ce_out * w_ce).sum()
         if a_l1 is not None:
             main = main + plan.coef_l1 * (l1_out * w).sum()
         shape = self.target_ids.shape
@@ -232,6 +232,7 @@ def _plan(
         has_aligned=feats.target_prev_hidden is not None,
         has_confidence=confidence_pred is not None,
         over_ranks=over_ranks,
+        in_vocab=feats.label_in_vocab,
     )
 
 

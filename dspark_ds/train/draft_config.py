@@ -3,9 +3,16 @@ target's own config, its errors named by the run's options (`model.*`, `target.*
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
+
+from torch import nn
 
 from dspark_ds.config import TrainRunConfig
+from dspark_ds.data.vocab_counts import token_counts
+from dspark_ds.drafters import build_draft_model
+from dspark_ds.drafters.common.vocab import draft_vocab_size, top_tokens, vocab_maps
 from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
@@ -54,3 +61,22 @@ def make_draft_config(cfg: TrainRunConfig):
         if field in {f.name for f in fields(DrafterConfig)}:
             raise ConfigError(f"model.{field}:{why}") from err
         raise ConfigError(f"target.path: {field}:{why}") from err
+
+
+def drafter_maker(draft_config, source, run_dir: str | Path) -> Callable[[], nn.Module]:
+    """What builds the run's drafter (random init). Collective with a draft vocabulary
+    (`model.draft_vocab_size`): its N tokens are the most frequent supervised ones of the
+    training data `source` (data/vocab_counts.py), the same on every rank, installed as the
+    drafter's d2t / t2d before its head is copied from the target's rows."""
+    n = draft_vocab_size(draft_config)
+    if not n:
+        return lambda: build_draft_model(draft_config)
+    vocab = int(draft_config.vocab_size)
+    d2t, t2d = vocab_maps(top_tokens(token_counts(source, vocab, run_dir), n), vocab)
+
+    def make() -> nn.Module:
+        model = build_draft_model(draft_config)
+        model.set_draft_vocab(d2t, t2d)
+        return model
+
+    return make

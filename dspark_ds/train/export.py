@@ -69,7 +69,11 @@ def export_checkpoint(
     model = build_draft_model(draft_cfg)
     embed, head = target_shared_weights(target_path)
     state = assemble_state_dict(model, trainable, embed, head)
-    out = save_draft_model(model, output_dir, {k: v.to(dtype) for k, v in state.items()})
+    out = save_draft_model(
+        model,
+        output_dir,
+        {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+    )
     run_id_file = tag_dir.parent.parent / "mlflow_run_id"  # <run>/checkpoints/<tag>
     if run_id_file.is_file():  # the export names the run that trained it (tracking.md)
         write_export_record(out, run_id_file.read_text().strip(), None)
@@ -81,6 +85,11 @@ def assemble_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The full drafter state: trainable weights + the target's shared ones; strict."""
     own = model.state_dict()
+    if getattr(model, "draft_vocab", 0):  # the target's rows of the draft vocabulary
+        if "d2t" not in trainable:
+            raise ConfigError("checkpoint: has no d2t, but the drafter has a draft vocabulary")
+        model.set_draft_vocab(trainable["d2t"], trainable.get("t2d"))
+        head = model.head_weight_rows(head)
     shared = dict(zip(model.shared_parameter_names(), (embed, head)))
     state = {**trainable, **shared}
     missing = sorted(set(own) - set(state))
@@ -96,7 +105,9 @@ def assemble_state_dict(
                 f"{name}: checkpoint shape {tuple(tensor.shape)} != drafter "
                 f"{tuple(own[name].shape)}"
             )
-    return {name: state[name].float() for name in own}
+    return {
+        name: state[name].float() if own[name].is_floating_point() else state[name] for name in own
+    }
 
 
 def run_export(cfg) -> Path:

@@ -1,0 +1,87 @@
+"""`--model.draft_vocab_size` through `dspark-ds train` and `dspark-ds export` (DeepSpeed on
+CPU): the vocabulary counted from the data, the export's d2t / t2d, its decoding lossless."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dspark_ds.data.vocab_counts import COUNTS_FILE, count_tokens
+from dspark_ds.drafters import load_draft_model
+from dspark_ds.drafters.common.vocab import top_tokens
+from dspark_ds.eval.decoding import speculative_generate
+
+from helpers.dist import check, python
+from helpers.evaluation import greedy_reference
+
+RECIPES = {"dspark": "tiny_cpu", "eagle3": "eagle3_tiny_cpu"}
+
+
+@pytest.mark.parametrize(("value", "why"), [("-3", "must be >= 0"), ("100000", "must be in")])
+def test_the_option_is_parsed_and_checked(tmp_path, capsys, tiny_target, value, why):
+    from dspark_ds.cli import main
+
+    argv = ["train", "--config", "dspark_ds/recipes/tiny_cpu.yaml", "--target.path", tiny_target]
+    argv += ["--output_dir", str(tmp_path), "--model.draft_vocab_size", value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model.draft_vocab_size: " in err and why in err
+
+
+def test_the_counts_are_those_of_the_supervised_tokens():
+    ids = torch.tensor([5, 5, 7, 1, 5, 7, 2])
+    mask = torch.tensor([1, 1, 1, 0, 1, 0, 1])
+    counts = count_tokens([(ids, mask), (ids[:2], mask[:2])], 9)
+    assert counts.tolist() == [0, 0, 1, 0, 0, 5, 0, 1, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_a_draft_vocabulary_trains_exports_and_decodes_losslessly(tmp_path, tiny_target, kind):
+    out = tmp_path / "runs"
+    recipe = RECIPES[kind]
+    argv = ["-m", "dspark_ds.cli", "train", "--config", f"dspark_ds/recipes/{recipe}.yaml"]
+    argv += ["--target.path", tiny_target, "--target.layer_ids", "[0, 1, 2]"]
+    argv += ["--output_dir", str(out), "--model.draft_vocab_size", "64"]
+    argv += ["--train.max_steps", "4", "--train.synthetic_samples", "32"]
+    argv += ["--checkpoint.every_steps", "4", "--validation.every_steps", "4"]
+    argv += ["--train.progress_bar", "false", "--tracking.enabled", "false"]
+    check(python(argv, timeout_s=900))
+    run = out / recipe
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 4 and all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in log)
+
+    # counted once from the (synthetic) data, beside it: the run directory
+    with safe_open(str(run / COUNTS_FILE), "pt") as f:
+        counts = f.get_tensor("counts")
+    assert int(counts.sum()) > 0
+    export = run / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["draft_vocab_size"] == 64
+    live = load_draft_model(export)
+    assert (live.d2t + torch.arange(64)).tolist() == top_tokens(counts, 64).tolist()
+    assert live.lm_head.weight.shape[0] == 64
+
+    # `dspark-ds export` from the checkpoint gives the same drafter
+    cmd = ["-m", "dspark_ds.cli", "export", "--checkpoint", str(run)]
+    check(python([*cmd, "--output_dir", str(tmp_path / "exported")], timeout_s=600))
+    exported = load_draft_model(tmp_path / "exported")
+    for name, tensor in live.state_dict().items():
+        got = exported.state_dict()[name]
+        assert got.dtype == tensor.dtype, name
+        torch.testing.assert_close(got, tensor, msg=name)
+
+    # greedy speculative decoding with it is the target's own greedy output
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 11):
+        prompt = torch.randint(10, 300, (1, n), generator=g)
+        want = greedy_reference(target, prompt, 16, with_generate=False)
+        got, _ = speculative_generate(target, live, prompt, max_new_tokens=16)
+        assert got.tolist() == want.tolist()

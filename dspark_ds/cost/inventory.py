@@ -111,6 +111,9 @@ class Inventory:
     drafter_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
     """The drafter's modules that hold parameters directly (ZeRO-3 gathers per module)."""
     target_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
+    draft_head: int = 0
+    """Elements of a reduced draft vocabulary's head (`model.draft_vocab_size`: the drafter's own
+    copy of the target's rows, also with the target in the job); 0: the target's own lm_head."""
 
     def persistent(self, param_threshold: int, model_threshold: int) -> int:
         """Trainable elements ZeRO-3 keeps whole on every rank: parameters of at most
@@ -266,7 +269,9 @@ def inventory(run_cfg) -> Inventory:
         hidden=int(tcfg.hidden_size),
         # the drafter's MLP width (a MoE target without a dense one sizes it from its experts)
         intermediate=int(getattr(tcfg, "intermediate_size", None) or draft_cfg.intermediate_size),
-        vocab=int(tcfg.vocab_size),
+        # the rows of the drafter's head: its logits, loss and lm_head FLOPs (a reduced draft
+        # vocabulary's N, drafters/common/vocab.py)
+        vocab=int(drafter.lm_head.weight.shape[0]),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -284,4 +289,5 @@ def inventory(run_cfg) -> Inventory:
         target_modules=sum(1 for _ in target.modules()),
         drafter_param_modules=module_params(drafter),
         target_param_modules=module_params(target),
+        draft_head=drafter.lm_head.weight.numel() if drafter.draft_vocab else 0,
     )

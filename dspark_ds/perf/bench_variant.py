@@ -84,7 +84,7 @@ def step_shape(cfg: TrainBenchConfig):
         seq_len=cfg.seq_len,
         hidden=cfg.hidden_size,
         intermediate=cfg.intermediate_size,
-        vocab=cfg.vocab_size,
+        vocab=cfg.model.draft_vocab_size or cfg.vocab_size,  # the head's rows
         heads=cfg.num_attention_heads,
         kv_heads=cfg.num_key_value_heads,
         head_dim=cfg.hidden_size // cfg.num_attention_heads,

@@ -85,3 +85,39 @@ def test_a_draft_vocabulary_trains_exports_and_decodes_losslessly(tmp_path, tiny
         want = greedy_reference(target, prompt, 16, with_generate=False)
         got, _ = speculative_generate(target, live, prompt, max_new_tokens=16)
         assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("recipe", ["dspark_qwen3_8b", "eagle3_qwen3_8b"])
+def test_the_tuner_and_the_bench_count_the_smaller_head(recipe):
+    from dspark_ds.cost.inventory import inventory
+    from dspark_ds.drafters.perf import PerfConfig
+    from dspark_ds.drafters.registry import get_kind
+    from dspark_ds.perf.bench_variant import step_shape
+    from dspark_ds.perf.train_bench import TrainBenchConfig
+    from dspark_ds.tune.config import TunerConfig, load_recipe
+
+    def counts(*overrides):
+        argv = ["--target.path", "Qwen/Qwen3-8B", *overrides]
+        run_cfg = load_recipe(
+            TunerConfig(recipe=f"dspark_ds/recipes/{recipe}.yaml", overrides=argv)
+        )
+        inv = inventory(run_cfg)
+        shape = inv.step_shape(run_cfg)
+        cost = get_kind(run_cfg.model.kind).cost
+        return inv, cost.step_flops(shape, PerfConfig(), "cuda", 2), shape
+
+    full, full_flops, _ = counts()
+    small, small_flops, shape = counts("--model.draft_vocab_size", "32768")
+    assert (full.vocab, small.vocab, shape.vocab) == (151936, 32768, 32768)
+    assert small.draft_head == 32768 * 4096 and full.draft_head == 0
+    assert small.frozen == (151936 + 32768) * 4096
+    for term in ("lm_head", "target_logits"):  # the vocabulary-sized matmuls shrink with N
+        assert small_flops[term] == pytest.approx(full_flops[term] * 32768 / 151936)
+    same = [
+        k for k in full_flops if k not in ("lm_head", "target_logits", "markov", "loss_recompute")
+    ]
+    assert all(small_flops[k] == full_flops[k] for k in same)  # the rest does not change
+    bench = TrainBenchConfig(
+        drafter=recipe.split("_")[0], vocab_size=151936, draft_vocab_size=32768
+    )
+    assert bench.model.draft_vocab_size == 32768 and step_shape(bench).vocab == 32768

@@ -225,6 +225,8 @@ def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
     names = model.shared_parameter_names()
     if shared is not None:
         for name, tensor in zip(names, shared):
+            if name == "lm_head.weight" and "d2t" in state:  # the target's rows of its tokens
+                tensor = tensor[state["d2t"].to(torch.int64) + torch.arange(state["d2t"].numel())]
             state.setdefault(name, tensor)
     missing = sorted(set(own) - set(state))
     if missing and set(missing) <= set(names):

@@ -291,3 +291,20 @@ def test_export_carries_d2t_and_loads_back(target, kind, tmp_path):
         torch.testing.assert_close(
             loaded.state_dict()[name].to(tensor.dtype), tensor, atol=1e-2, rtol=1e-2
         )
+
+
+def test_a_published_reduced_checkpoint_without_its_head_or_t2d_reads(target, tmp_path):
+    """A checkpoint that leaves the lm_head to the target (its rows of d2t's tokens are taken)
+    and carries d2t alone (t2d, which vLLM skips, is derived)."""
+    from safetensors.torch import load_file, save_file
+
+    ids = draft_ids(64)
+    drafter = eagle3_pair(target, ids)
+    out = save_draft_model(drafter, tmp_path / "e")
+    state = load_file(out / "model.safetensors")
+    shared = state.pop("embed_tokens.weight"), target.lm_head.weight.detach().clone()
+    del state["lm_head.weight"], state["t2d"]
+    save_file(state, out / "model.safetensors")
+    back = load_draft_model(out, shared_weights=shared)
+    assert torch.equal(back.t2d, drafter.t2d) and torch.equal(back.d2t, drafter.d2t)
+    torch.testing.assert_close(back.lm_head.weight, drafter.lm_head.weight)

@@ -236,7 +236,7 @@ class Trainer:
             )
             init_state = read_init_state(self.cfg.model.init_from, target_config)
         return DrafterEngine.build(
-            drafter_maker(self.draft_config, self.source, self.run_dir),
+            drafter_maker(self.draft_config, self.source, self.run_dir, init_state),
             ds_config=self.ds_config,
             seed=self.cfg.train.seed,
             target=self.target,

@@ -75,6 +75,12 @@ def test_a_draft_vocabulary_trains_exports_and_decodes_losslessly(tmp_path, tiny
         assert got.dtype == tensor.dtype, name
         torch.testing.assert_close(got, tensor, msg=name)
 
+    if kind == "dspark":  # a start from it keeps its vocabulary, whatever the new data's counts
+        again = [*argv, "--model.init_from", str(export), "--train.seed", "7", "--name", "again"]
+        again += ["--train.max_steps", "1"]
+        check(python(again, timeout_s=900))
+        assert torch.equal(load_draft_model(out / "again" / "export").d2t, live.d2t)
+
     # greedy speculative decoding with it is the target's own greedy output
     from transformers import AutoModelForCausalLM
 

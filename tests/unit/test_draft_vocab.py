@@ -20,9 +20,9 @@ from dspark_ds.drafters import (
 from dspark_ds.drafters.common.vocab import top_tokens, vocab_maps
 from dspark_ds.drafters.dspark.config import DSPARK_LOSS
 from dspark_ds.drafters.dspark.loss import dspark_loss
-from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss
+from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss, recompute_dspark_loss
 from dspark_ds.drafters.eagle3.build import build_eagle3_config
-from dspark_ds.drafters.eagle3.loss import eagle3_loss
+from dspark_ds.drafters.eagle3.loss import chunked_eagle3_loss, eagle3_loss
 from dspark_ds.errors import ConfigError
 
 from helpers.drafters import random_batch, tiny_drafter, tiny_qwen3_config
@@ -124,16 +124,17 @@ def test_dspark_loss_over_the_draft_vocabulary_by_hand():
     assert state.shape[-1] == N
     p_t = torch.softmax(state, -1)
     l1 = (torch.softmax(logits, -1) - p_t).abs().sum(-1)
-    assert sums["num_l1"] == pytest.approx(float((l1 * w).sum()), rel=1e-4)
+    assert sums["num_l1"] == pytest.approx(float((l1 * w).sum().detach()), rel=1e-4)
     # a label outside is a greedy miss, inside a hit when the argmax maps to it
     hit = (sorted_ids[logits.argmax(-1)] == labels) & out.label_in_vocab & out.eval_mask
     assert sums["greedy@0"] + sums["greedy@1"] + sums["greedy@2"] + sums["greedy@3"] == float(
         hit.sum()
     )
-    # the chunked path agrees
-    chunked = chunked_dspark_loss(model, feats, None, chunk_anchors=3, over_ranks=False)
-    torch.testing.assert_close(chunked.sums, step.sums, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(chunked.loss, step.loss, rtol=1e-4, atol=1e-5)
+    # the chunked paths agree
+    for loss_fn in (chunked_dspark_loss, recompute_dspark_loss):
+        chunked = loss_fn(model, feats, None, chunk_anchors=3, over_ranks=False)
+        torch.testing.assert_close(chunked.sums, step.sums, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(chunked.loss, step.loss, rtol=1e-4, atol=1e-5)
 
 
 def _label_positions(out, batch):
@@ -178,6 +179,17 @@ def test_eagle3_loss_over_the_draft_vocabulary():
     assert torch.equal(out.target_ids[:, :-2, 0] >= 0, inside[:, 2:])
     step = eagle3_loss(out, over_ranks=False)
     assert torch.isfinite(step.loss)
+    # a label outside the vocabulary is a greedy miss; the chunked loss agrees
+    sums = dict(zip(step.names, step.sums.tolist()))
+    feats = drafter.forward_hidden(input_ids, feats, torch.ones(2, 12), last)
+    chunked = chunked_eagle3_loss(drafter, feats, chunk_rows=7, over_ranks=False)
+    torch.testing.assert_close(chunked.sums, step.sums, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunked.loss, step.loss, rtol=1e-4, atol=1e-5)
+    draft_arg = out.draft_logits.argmax(-1)
+    hits = ((draft_arg == out.target_ids) & out.eval_mask).sum(dim=(0, 1))
+    for k in range(3):
+        names = [n for n in sums if n.startswith("greedy") and n.endswith(f"@{k}")]
+        assert names and sums[names[0]] == float(hits[k]), names
 
 
 @pytest.fixture(scope="module")

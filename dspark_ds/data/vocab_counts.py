@@ -26,11 +26,7 @@ COUNTS_FILE = "token_counts.safetensors"
 
 
 def _store_chunks(store: TokenStore) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    if store._ids is not None:
-        yield store._ids, store._mask
-        return
-    with safe_open(store.path, framework="pt") as f:
-        yield f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+    yield store.token_arrays()
 
 
 def _cache_chunks(cache: TargetCache) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -398,15 +398,12 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
 
     pairs = [("embed_tokens", drafter.embed_tokens, target.embed_weight)]
     if getattr(drafter, "draft_vocab", 0):  # its own head: the target's rows of its tokens
-        head = target.lm_head_weight
-        if hasattr(head, "ds_shape"):
-            raise ConfigError(
-                "model.draft_vocab_size: not supported with the target partitioned in the job "
-                "(ZeRO-3 online); train from a cache (data.mode offline) or under ZeRO 0-2"
-            )
-        with torch.no_grad():
-            drafter.lm_head.weight.copy_(drafter.head_weight_rows(head.detach()))
-        drafter.lm_head.weight.requires_grad_(False)
+        head, own = target.lm_head_weight, drafter.lm_head.weight
+        # NOTE: ZeRO-3-partitioned, the engine copies them gathered (engine/drafter.py)
+        if not (hasattr(head, "ds_shape") or hasattr(own, "ds_shape")):
+            with torch.no_grad():
+                own.copy_(drafter.head_weight_rows(head.detach()))
+        own.requires_grad_(False)
     else:
         pairs.append(("lm_head", drafter.lm_head, target.lm_head_weight))
     for name, module, weight in pairs:

@@ -320,3 +320,22 @@ def test_a_published_reduced_checkpoint_without_its_head_or_t2d_reads(target, tm
     back = load_draft_model(out, shared_weights=shared)
     assert torch.equal(back.t2d, drafter.t2d) and torch.equal(back.d2t, drafter.d2t)
     torch.testing.assert_close(back.lm_head.weight, drafter.lm_head.weight)
+
+
+def test_what_serves_a_draft_vocabulary_is_said_by_name():
+    from dspark_ds.drafters.io import draft_config_dict
+    from dspark_ds.drafters.serving import serving_format
+
+    from helpers.drafters import DFLASH
+
+    def native(model) -> dict:
+        return {**draft_config_dict(model.config), "architectures": [model.architecture]}
+
+    dspark = serving_format(native(tiny_drafter(draft_vocab_size=N)))
+    assert dspark.vllm_method is None and "draft_vocab_size: 40" in dspark.warnings[0]
+    dflash = tiny_drafter(draft_vocab_size=N, sample_from_anchor=False, **DFLASH)
+    assert serving_format(native(dflash)).vllm_method == "dflash"
+    eagle3 = build_draft_model(
+        build_eagle3_config(tiny_qwen3_config(), target_layer_ids=[0, 1], draft_vocab_size=N)
+    )
+    assert serving_format(native(eagle3)).vllm_method == "eagle3"

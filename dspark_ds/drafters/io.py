@@ -7,6 +7,8 @@ A drafter directory is `config.json` (the draft text config plus the kind's fiel
 `model.safetensors` (or shards with `model.safetensors.index.json`), in the format the engines
 load as it is (drafters/serving.py: chosen by the kind and layout; DeepSpec's for DSpark, the
 DFlash and vLLM Eagle3 formats for the others). `architectures` selects the backend.
+`save_speculators_model` writes speculators 0.9's directory instead
+(drafters/speculators_format.py), which every reader here reads too.
 
 `config.json` keeps the `model_type` of the drafter's backbone: the target's own for Qwen3 and
 Gemma4 targets (qwen3, gemma4_text), "qwen3" for every other family, whose drafter is the
@@ -32,10 +34,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dspark_ds.drafters import serving
+from dspark_ds.drafters import serving, speculators_format
 from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
-from dspark_ds.drafters.common.vocab import check_draft_vocab_size
+from dspark_ds.drafters.common.vocab import VOCAB_MAPS, check_draft_vocab_size
 from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import save_safetensors
@@ -53,10 +55,23 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
 GENERIC_ARCHITECTURES: dict[str, str] = {
     r.name: r.generic_architecture for r in REGISTERED.values()
 }
+# drafter kind -> target text model_type -> architecture of `model.backbone: target` beyond those
+TARGET_ARCHITECTURES: dict[str, dict[str, str]] = {
+    r.name: dict(r.target_backbones) for r in REGISTERED.values()
+}
 
 
-def architecture_for(kind: str, model_type: str) -> str:
-    """The drafter architecture `kind` builds for a target whose text model_type is this."""
+def architecture_for(kind: str, model_type: str, backbone: str = "auto") -> str:
+    """The drafter architecture `kind` builds for a target whose text model_type is this;
+    `backbone` "target": the target family's own layers, ConfigError where `kind` has none."""
+    if backbone == "target":
+        own = {**ARCHITECTURES[kind], **TARGET_ARCHITECTURES[kind]}
+        if model_type not in own:
+            raise ConfigError(
+                f"backbone: target: the {kind} drafter has no {model_type} decoder layers (it has "
+                f"them for {', '.join(sorted(own))}); use backbone: auto"
+            )
+        return own[model_type]
     return ARCHITECTURES[kind].get(model_type, GENERIC_ARCHITECTURES[kind])
 
 
@@ -79,6 +94,7 @@ def draft_config_from_target(
     kind: str,
     target_layer_ids: list[int],
     num_draft_layers: int,
+    backbone: str = "auto",
     draft_vocab_size: int | None = None,
 ):
     """What every drafter config starts as: the target's text config (a deep copy for the
@@ -89,11 +105,12 @@ def draft_config_from_target(
     model_type = families.family(text)
     num_target_layers = int(text.num_hidden_layers)
     ids = validate_layer_ids(target_layer_ids, num_target_layers)
-    if model_type in ARCHITECTURES[kind]:
+    architecture = architecture_for(kind, model_type, backbone)
+    if architecture != GENERIC_ARCHITECTURES[kind]:
         cfg = copy.deepcopy(text)
     else:
         cfg = families.qwen3_style_config(text)
-    cfg.architectures = [architecture_for(kind, model_type)]
+    cfg.architectures = [architecture]
     cfg.num_target_layers = num_target_layers
     cfg.num_hidden_layers = int(num_draft_layers)
     cfg.layer_types = ["full_attention"] * int(num_draft_layers)
@@ -207,6 +224,30 @@ def read_init_state(path, target_config=None) -> dict[str, torch.Tensor]:
     return _read_drafter(path, target_config, shared_ok=True)[1]
 
 
+def check_init_state(state: dict[str, torch.Tensor], config, source) -> None:
+    """`model.init_from`'s weights (`read_init_state` of `source`) against the run's drafter,
+    built from `config` on the meta device: ConfigError naming the first tensor the drafter has
+    no place for, has in another shape, or trains and the checkpoint lacks (the embedding and
+    lm_head are the target's). Nothing of the checkpoint is dropped, nothing left random."""
+    with torch.device("meta"):
+        model = build_draft_model(config)
+    own = model.state_dict()
+    shared = set(model.shared_parameter_names())
+    problems = [f"{n} (no such weight in the run's drafter)" for n in sorted(set(state) - set(own))]
+    problems += [
+        f"{n} (shape {tuple(state[n].shape)}, the run's drafter {tuple(own[n].shape)})"
+        for n in sorted(set(state) & set(own))
+        if tuple(state[n].shape) != tuple(own[n].shape)
+    ]
+    problems += [f"{n} (missing)" for n in sorted(set(own) - set(state) - shared)]
+    if problems:
+        more = f", +{len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(
+            f"model.init_from: {source} does not fit the run's drafter: "
+            f"{'; '.join(problems[:3])}{more}; set the model section to the checkpoint's"
+        )
+
+
 def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
     """(the drafter built from the directory's config, its checked tensors)."""
     path = Path(path)
@@ -216,7 +257,7 @@ def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
         model = build_draft_model(config_from_dict(data, target_config))
     except ConfigError as err:
         raise ConfigError(f"{cfg_file}: {err}") from None
-    state = read_state_dict(path)
+    state = type(model).native_state_dict(read_state_dict(path), model.config)
     own = model.state_dict()
     if "d2t" in state and "t2d" in own and "t2d" not in state:  # vLLM's Eagle3 reads d2t alone
         ids = state["d2t"].to(torch.int64) + torch.arange(state["d2t"].numel())
@@ -257,12 +298,7 @@ def draft_config_dict(config) -> dict:
     return data
 
 
-def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Writes `config.json` + `model.safetensors`. `state_dict` overrides the module's own
-    (the engine passes gathered ZeRO-3 weights)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = state_dict if state_dict is not None else model.state_dict()
+def _write_weights(out: Path, state: dict[str, torch.Tensor]) -> None:
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     # NOTE: tied targets (Gemma4, small Qwen3) can hand one tensor as both embed_tokens and
     # lm_head; safetensors refuses shared storage, so each name gets its own copy.
@@ -273,15 +309,58 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
             state[name] = tensor.clone()
         seen.add(ptr)
     save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _write_config(out: Path, data: dict) -> None:
+    tmp = out / ".config.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out / "config.json")
+
+
+def _native_config(model) -> dict:
+    """The drafter's config.json dict as our backends read it, with its `architectures`."""
     data = draft_config_dict(model.config)
     family_hook = getattr(type(model), "interchange_config_dict", None)  # Gemma4 layout
     if family_hook is not None:
         data = family_hook(data, model.config)
     data["architectures"] = [type(model).architecture]
-    data = serving.engine_dict(data)
-    tmp = out / ".config.json.tmp"
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(out / "config.json")
+    return data
+
+
+def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Writes `config.json` + `model.safetensors`. `state_dict` overrides the module's own
+    (the engine passes gathered ZeRO-3 weights)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = state_dict if state_dict is not None else model.state_dict()
+    # a reduced draft vocabulary's d2t / t2d (drafters/common/vocab.py) keep their names in
+    # every layout: the engines' loaders read them so (vLLM's d2t), and so does ours
+    maps = {k: state[k] for k in VOCAB_MAPS if k in state}
+    layers = {k: v for k, v in state.items() if k not in maps}
+    _write_weights(out, {**type(model).interchange_state_dict(layers, model.config), **maps})
+    _write_config(out, serving.engine_dict(_native_config(model)))
+    return out
+
+
+def save_speculators_model(
+    model, out_dir, state_dict: dict[str, torch.Tensor] | None = None, *, target_path: str
+) -> Path:
+    """Writes the drafter in the speculators format (drafters/speculators_format.py) for the
+    target at `target_path` (its verifier): `config.json` + `model.safetensors`, without the
+    embedding and lm_head for a kind whose speculators checkpoints leave them to the target.
+    ConfigError (before anything is written) names what the format cannot hold."""
+    state = state_dict if state_dict is not None else model.state_dict()
+    native = _native_config(model)
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    data = speculators_format.speculators_dict(
+        native, speculators_format.verifier_of(target_path), dtype
+    )
+    shared = tuple(model.shared_parameter_names())
+    keep = speculators_format.saved_names(native, list(state), shared)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(out, {name: state[name] for name in keep})
+    _write_config(out, data)
     return out
 
 

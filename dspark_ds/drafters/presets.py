@@ -26,6 +26,7 @@ from dataclasses import Field, dataclass, field, fields, make_dataclass, replace
 from typing import Any, Literal, get_type_hints
 
 from dspark_ds.drafters.common.checks import Checker
+from dspark_ds.drafters.common.divergences import LK_ETA, parse_terms
 from dspark_ds.drafters.common.registration import Preset
 from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
@@ -116,6 +117,13 @@ class DrafterConfig:
     the data): the head is the target's rows of them, frozen, written with EAGLE-3's d2t / t2d
     maps; a token outside is never proposed. None or 0: the whole vocabulary (the target's own
     head)."""
+    loss_terms: dict[str, float] = field(default_factory=dict)
+    """Distribution terms added to the loss, name → weight, against the target's aligned
+    distribution: kl (KL(p_target‖q_draft)), rkl (reverse KL), jsd, tv (1 - overlap), nla
+    (-log overlap), lk (exp(-lk_eta·overlap) blend of kl and tv); e.g. {"tv": 0.9}. {} = none
+    (docs/algorithm.md#distribution-terms-and-position-schedules)."""
+    lk_eta: float = LK_ETA
+    """η of the lk term: its weight on KL is exp(-η·overlap)."""
 
     def validate(self, prefix: str | None = "model") -> DrafterConfig:
         """Checks the fields the drafter kind reads; raises ConfigError naming the option
@@ -124,6 +132,8 @@ class DrafterConfig:
         check("kind", self.kind in REGISTERED, f"must be one of {' / '.join(REGISTERED)}")
         check.at_least_1("num_draft_layers")
         check("draft_vocab_size", (self.draft_vocab_size or 0) >= 0, "must be >= 0")
+        parse_terms(self.loss_terms, check.name("loss_terms"))  # a ConfigError naming the term
+        check("lk_eta", self.lk_eta >= 0, "must be >= 0")
         self.own_fields().check_fields(check)
         return self
 

@@ -12,7 +12,8 @@ is written, then the process leaves with an exit code that says why.
 The first signal a rank receives decides for that rank (`Signals.request`); the ranks agree in
 each step's control all_reduce, the one that also checks the loss is finite (the trainer's
 `_control`), and leave after that step: if any rank was asked to requeue, every rank requeues
-(`exit_code_for`).
+(`exit_code_for`). The handled signals are unblocked while the handlers are in place: one that
+a launcher's inherited mask held back is taken then.
 """
 
 from __future__ import annotations
@@ -55,12 +56,20 @@ class Signals:
     def __init__(self):
         self.received: int | None = None
         self._previous: dict[int, object] = {}
+        self._was_blocked: set[int] = set()
 
     def install(self) -> None:
-        for sig in (*_REQUEUE_SIGNALS, signal.SIGINT):
+        handled = (*_REQUEUE_SIGNALS, signal.SIGINT)
+        for sig in handled:
             self._previous[sig] = signal.signal(sig, self._handle)
+        # NOTE: a launcher that leaves these blocked (the mask is inherited across exec) would
+        # make the run deaf to pre-emption: unblocked here, one sent before is delivered now
+        self._was_blocked = set(signal.pthread_sigmask(signal.SIG_UNBLOCK, handled)) & set(handled)
 
     def restore(self) -> None:
+        if self._was_blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, self._was_blocked)
+            self._was_blocked = set()
         for sig, handler in self._previous.items():
             # NOTE: SIGINT stays at its default once the first Ctrl-C is handled
             if not (sig == signal.SIGINT and self.received == signal.SIGINT):

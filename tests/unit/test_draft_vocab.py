@@ -18,9 +18,9 @@ from dspark_ds.drafters import (
     save_draft_model,
 )
 from dspark_ds.drafters.common.vocab import top_tokens, vocab_maps
-from dspark_ds.drafters.dspark.config import DSPARK_LOSS
+from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.dspark.loss import dspark_loss
-from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss, recompute_dspark_loss
+from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss
 from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.eagle3.loss import chunked_eagle3_loss, eagle3_loss
 from dspark_ds.errors import ConfigError
@@ -131,8 +131,61 @@ def test_dspark_loss_over_the_draft_vocabulary_by_hand():
         hit.sum()
     )
     # the chunked paths agree
-    for loss_fn in (chunked_dspark_loss, recompute_dspark_loss):
-        chunked = loss_fn(model, feats, None, chunk_anchors=3, over_ranks=False)
+    for recompute in (False, True):
+        chunked = chunked_dspark_loss(
+            model, feats, None, chunk_anchors=3, over_ranks=False, recompute=recompute
+        )
+        torch.testing.assert_close(chunked.sums, step.sums, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(chunked.loss, step.loss, rtol=1e-4, atol=1e-5)
+
+
+def test_distribution_terms_and_dpace_over_the_draft_vocabulary_by_hand():
+    """The distribution terms compare the draft with the target's distribution restricted to the
+    draft vocabulary and renormalised, on every supervised slot (a label outside counts for them,
+    not for the CE); D-PACE counts such a slot as never accepted (s = a)."""
+    ids = draft_ids(tiny_qwen3_config().vocab_size)
+    model, full_head = reduced_dspark(
+        ids, confidence_head_alpha=0.0, confidence_head_with_markov=False
+    )
+    batch = random_batch(model, seed=2)
+    out = model(**batch)
+    alpha = 0.3
+    weights = LossWeights(
+        4.0, 1.0, 0.0, 0.0, loss_terms={"kl": 0.5, "tv": 0.2}, loss_schedule="dpace",
+        dpace_alpha=alpha,
+    )  # fmt: skip
+    step = dspark_loss(out, weights, over_ranks=False)
+    sums = dict(zip(step.names, step.sums.tolist()))
+
+    feats = model.forward_hidden(
+        **batch, anchor_positions=out.anchor_positions, block_keep_mask=out.block_keep_mask
+    )
+    valid, inside = out.eval_mask.float(), out.label_in_vocab
+    assert bool((~inside & out.eval_mask).any())
+    # the target's full logits over V, restricted to the draft tokens, renormalised
+    full = feats.target_prev_hidden.float() @ full_head.T
+    log_p = torch.log_softmax(full[..., ids.sort().values], -1)
+    log_q = torch.log_softmax(out.draft_logits.detach().float(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    tv = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    ce = F.cross_entropy(
+        out.draft_logits.detach().reshape(-1, N).float(),
+        out.target_ids.reshape(-1),
+        reduction="none",
+    ).view_as(valid)
+    s_j = torch.where(inside, (1 - alpha) * torch.exp(-ce) + alpha, torch.full_like(ce, alpha))
+    s_j = torch.where(out.eval_mask, s_j, torch.ones_like(s_j))
+    prefix = torch.cumprod(s_j, -1) * valid
+    w = (prefix.flip(-1).cumsum(-1).flip(-1) * valid).detach()
+    assert sums["den_terms"] == float(valid.sum())
+    assert sums["den_ce"] == float((valid * inside).sum())
+    assert sums["num_kl"] == pytest.approx(float((kl * w).sum()), rel=1e-4)
+    assert sums["num_tv"] == pytest.approx(float((tv * w).sum()), rel=1e-4)
+    assert sums["num_ce"] == pytest.approx(float((ce * w * inside).sum()), rel=1e-4)
+    for recompute in (False, True):
+        chunked = chunked_dspark_loss(
+            model, feats, None, weights, chunk_anchors=3, over_ranks=False, recompute=recompute
+        )
         torch.testing.assert_close(chunked.sums, step.sums, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(chunked.loss, step.loss, rtol=1e-4, atol=1e-5)
 

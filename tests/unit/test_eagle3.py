@@ -424,7 +424,12 @@ def test_incremental_rounds_match_a_fresh_cache():
             assert cache.seq_length == start
 
 
-def test_chunked_loss_matches_reference_loss_metrics_and_gradients():
+# each distribution term (drafters/common/divergences.py) on both paths
+TERMS = [{}, {"kl": 0.5, "tv": 1.0}, {"lk": 1.0, "jsd": 0.3, "nla": 0.2}, {"rkl": 0.7}]
+
+
+@pytest.mark.parametrize("terms", TERMS, ids=lambda t: "-".join(t) or "soft-ce")
+def test_chunked_loss_matches_reference_loss_metrics_and_gradients(terms):
     from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
 
     model = make_model(num_draft_layers=1).train()
@@ -434,8 +439,9 @@ def test_chunked_loss_matches_reference_loss_metrics_and_gradients():
     for impl in ("reference", "chunked"):
         model.zero_grad()
         loss, metrics = eagle3_forward_and_loss(
-            model, batch, step_loss_decay=0.8, impl=impl, chunk_rows=5
+            model, batch, step_loss_decay=0.8, impl=impl, chunk_rows=5, loss_terms=terms
         )
+        assert {f"{name}_loss" for name in terms} <= set(metrics)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results[impl] = (loss.item(), metrics, grads)

@@ -89,6 +89,37 @@ def test_chunked_trainable_lm_head_gets_its_gradient(impl):
     _assert_same(model, _batch(model), DSPARK_ARGS, 4, impl)
 
 
+ALL_TERMS = {"kl": 0.3, "rkl": 0.2, "jsd": 0.5, "tv": 0.4, "nla": 0.1, "lk": 0.7}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss_terms": ALL_TERMS},
+        *({"loss_terms": {name: 1.0}, "l1_loss_alpha": 0.0} for name in ALL_TERMS),
+        {"loss_schedule": "dpace"},
+        {"loss_schedule": "dpace", "loss_terms": {"lk": 1.0, "jsd": 0.5}},
+        {"loss_schedule": "geometric", "loss_terms": {"tv": 1.0}},
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_chunked_equals_reference_with_distribution_terms(options, impl):
+    """Each distribution term and schedule: loss, metrics (their `<term>_loss` too) and
+    gradients of the chunked paths are the reference's."""
+    model = tiny_drafter()
+    _assert_same(model, _batch(model), dict(DSPARK_ARGS, **options), 3, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_terms_with_a_trainable_lm_head(impl):
+    """The terms' gradient reaches the target side too when compute_logits trains."""
+    model = tiny_drafter(**DFLASH)
+    model.lm_head.requires_grad_(True)
+    args = dict(DFLASH_ARGS, loss_terms={"kl": 0.5, "lk": 0.5}, loss_schedule="dpace")
+    _assert_same(model, _batch(model), args, 4, impl)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_chunked_without_grad_gives_the_same_metrics(impl):
     model = tiny_drafter()

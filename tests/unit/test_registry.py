@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.common.registration import CONFIDENCE_HEAD
 from dspark_ds.drafters.dspark.config import LossWeights
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
@@ -140,19 +140,7 @@ def test_each_kind_gives_its_step_shape_part_and_its_tags(name):
     # `model` section (read by its activation and FLOP terms), its eval tags from a drafter
     model = preset(name, num_draft_layers=1, num_anchors=8, block_size=4, ttt_length=3)
     kind = get_kind(model.kind)
-    shape = StepShape(
-        batch=1,
-        seq_len=32,
-        hidden=64,
-        intermediate=160,
-        vocab=1000,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        draft_layers=1,
-        taps=3,
-        drafter=kind.cost.step_part(model),
-    )
+    shape = StepShape.of(Widths(64, 160, 1000, 4, 2, 16, 1, 3), 1, 32, kind.cost.step_part(model))
     for stage in (0, 3):
         assert sum(kind.cost.activation_bytes(shape, PerfConfig(), "cpu", stage).values()) > 0
         assert sum(kind.cost.step_flops(shape, PerfConfig(), "cpu", stage).values()) > 0
@@ -184,6 +172,26 @@ def test_eagle3_chunk_size_comes_from_perf(monkeypatch):
         losses[impl] = get_kind("eagle3").train.training_step(model, batch, ctx).loss
     assert seen == [6]
     torch.testing.assert_close(losses["chunked"], losses["reference"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_the_loss_options_reach_each_kinds_step(kind):
+    """model.loss_terms / lk_eta (and DSpark's loss_schedule) are what the step trains on."""
+    model = tiny_drafter() if kind == "dspark" else tiny_eagle3()
+    batch = random_batch(model, batch=2, seq_len=16)
+    batch["sample_ids"] = torch.tensor([0, 1])
+    extra = {"loss_schedule": "dpace"} if kind == "dspark" else {}
+    losses = {}
+    for name, terms in (("plain", {}), ("terms", {"tv": 2.0, "lk": 1.0})):
+        m = preset(kind, loss_terms=terms, lk_eta=1.0, **extra)
+        ctx = StepContext(model=m, perf=PerfConfig(), loss_impl="chunked", seed=1)
+        out = get_kind(kind).train.training_step(model, batch, ctx)
+        metrics = get_kind(kind).train.metrics(out.global_sums(), m)
+        assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-5)
+        losses[name] = (out.loss.item(), metrics)
+    (plain, _), (with_terms, m) = losses["plain"], losses["terms"]
+    assert with_terms == pytest.approx(plain + 2.0 * m["tv_loss"] + m["lk_loss"], rel=1e-5)
+    assert "tv_loss" not in losses["plain"][1]
 
 
 def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():

@@ -1,7 +1,7 @@
 """What a drafter kind declares to the registry (drafters/registry.py) before any of its code is
 imported: its `model` fields, its presets and the size block that shrinks them, its backends,
-its serving formats, what it can do (`Capabilities`, plain data) and where its `DrafterKind`
-class is.
+its serving formats, its speculators format, what it can do (`Capabilities`, plain data) and
+where its `DrafterKind` class is.
 
 Each kind's folder holds one `Registration` (`drafters/<kind>/config.py`, next to its fields:
 drafters/presets.py `with_kind_fields` appends them to the common ones, so a recipe stays one
@@ -15,7 +15,7 @@ module needs the `model` section these modules build.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
@@ -85,6 +85,7 @@ class Capabilities:
 # (`Registration.backends`' third field)
 QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
 GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
+DEEPSEEK_V4_CONFIG = "transformers.models.deepseek_v4.configuration_deepseek_v4:DeepseekV4Config"
 
 
 def on_backbones(package: str, model_suffix: str) -> dict[str, Any]:
@@ -133,3 +134,9 @@ class Registration:
     capabilities: Capabilities
     """What it can do (how it drafts, its heads, the perf paths it honours, its bench
     variants)."""
+    speculators: ModuleType | None = None
+    """Its side of the speculators checkpoint format (ARCHITECTURES, MODEL_TYPES, FIELDS,
+    SAVES_SHARED, to_speculators, from_speculators: drafters/speculators_format.py); None: it has none."""
+    target_backbones: Mapping[str, str] = field(default_factory=dict)
+    """Target text model_type -> architecture built with `model.backbone: target` (the target
+    family's own decoder layers), for the families that have one beyond `architectures`."""

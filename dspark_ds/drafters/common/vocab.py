@@ -25,6 +25,9 @@ from torch import nn
 
 from dspark_ds.errors import ConfigError
 
+VOCAB_MAPS = ("d2t", "t2d")
+"""The buffers of a reduced draft vocabulary, named as EAGLE-3, speculators and vLLM name them."""
+
 
 def draft_vocab_size(config) -> int:
     """N of a drafter's transformers config; 0 = the whole vocabulary."""

@@ -8,12 +8,20 @@ to a small target (`DSparkSizes`) and its registration.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from dspark_ds.drafters.common.checks import Checker
+from dspark_ds.drafters.common.divergences import (
+    DPACE_ALPHA,
+    LK_ETA,
+    check_schedule,
+    parse_terms,
+)
 from dspark_ds.drafters.common.registration import (
     CONFIDENCE_HEAD,
+    DEEPSEEK_V4_CONFIG,
     MARKOV_HEAD,
     Capabilities,
     Claim,
@@ -21,29 +29,43 @@ from dspark_ds.drafters.common.registration import (
     Registration,
     on_backbones,
 )
-from dspark_ds.drafters.dspark import serving
+from dspark_ds.drafters.dspark import serving, speculators_format
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
 from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS, LOSS_IMPLEMENTATIONS
 
 
 @dataclass(frozen=True)
 class LossWeights:
-    """The weights of the DSpark loss (docs/algorithm.md#the-loss)."""
+    """The weights of the DSpark loss (docs/algorithm.md#the-loss): the four of the paper, then
+    the distribution terms and the position schedule (drafters/common/divergences.py; their
+    defaults leave the paper's loss unchanged). Each is the `model` field of the same name."""
 
     loss_decay_gamma: float | None
     ce_loss_alpha: float
     l1_loss_alpha: float
     confidence_head_alpha: float
+    loss_terms: tuple[tuple[str, float], ...] | Mapping[str, float] = ()
+    """((name, weight), ...) of the active distribution terms; a mapping is read as one."""
+    lk_eta: float = LK_ETA
+    loss_schedule: str = "exp"
+    loss_decay_ratio: float = 0.8
+    dpace_alpha: float = DPACE_ALPHA
+
+    def __post_init__(self) -> None:
+        # NOTE: a tuple keeps the frozen dataclass hashable and equal however it was spelt
+        terms = self.loss_terms
+        object.__setattr__(self, "loss_terms", parse_terms(dict(terms) if terms else None))
+        check_schedule(self.loss_schedule)
+
+    @property
+    def dpace(self) -> bool:
+        return self.loss_schedule == "dpace"
 
     @classmethod
     def of(cls, model: Any) -> LossWeights:
-        """The weights a `model` section (a DSpark / DFlash one) sets."""
-        return cls(
-            loss_decay_gamma=model.loss_decay_gamma,
-            ce_loss_alpha=model.ce_loss_alpha,
-            l1_loss_alpha=model.l1_loss_alpha,
-            confidence_head_alpha=model.confidence_head_alpha,
-        )
+        """The weights a `model` section (a DSpark / DFlash one) sets: its fields of the same
+        names."""
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls)})
 
 
 DSPARK_LOSS = LossWeights(
@@ -51,6 +73,10 @@ DSPARK_LOSS = LossWeights(
 )
 # DFlash: cross-entropy only, no confidence head (and no Markov head).
 DFLASH_LOSS = replace(DSPARK_LOSS, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
+
+
+BACKBONES = ("auto", "target")
+V4_BACKBONE = "DSparkDraftModel"  # vLLM's architecture name for DeepSeek-V4's DSpark
 
 
 @dataclass
@@ -82,10 +108,26 @@ class DSparkFields:
     """Weight of the cross-entropy term (DFlash: 1.0)."""
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha
     """Weight of the L1 (2·total variation) term (DFlash: 0.0)."""
+    loss_schedule: str = "exp"
+    """Position weights of the loss in a block: "exp" (exp(-j/loss_decay_gamma), the paper's),
+    "geometric" (loss_decay_ratio^j) or "dpace" (from the draft's own detached confidence
+    exp(-CE): a slot weighs as much as the accepted tokens that need it; the confidence head's
+    loss keeps "exp"). docs/algorithm.md#distribution-terms-and-position-schedules."""
+    loss_decay_ratio: float = 0.8
+    """r of loss_schedule "geometric": slot j weighs r^j."""
+    dpace_alpha: float = DPACE_ALPHA
+    """Smoothing a of loss_schedule "dpace": s = (1 - a)·exp(-CE) + a, in (0, 1]."""
+    backbone: Literal["auto", "target"] = "auto"
+    """The draft layers. auto: the target family's own for Qwen3 and Gemma4 targets, the
+    Qwen3-style layers sized from the target for every other family. target: the target
+    family's own decoder layers where the drafter has them (DeepSeek-V4: its sliding-window
+    attention, MoE and hyper-connections, the layout vLLM's V4 DSpark serves; Qwen3, Gemma4:
+    as auto); another family is refused by name (docs/drafters.md#deepseek-v4s-own-drafter)."""
 
     def check_fields(self, check: Checker) -> None:
         """These fields' checks (`DrafterConfig.validate`, when model.kind is dspark)."""
         check.at_least_1("block_size", "num_anchors")
+        check("backbone", self.backbone in BACKBONES, f"expected one of {BACKBONES}")
         check("markov_rank", self.markov_rank >= 0, "must be >= 0")
         if self.markov_rank > 0:
             check(
@@ -95,11 +137,17 @@ class DSparkFields:
             )
         for name in ("confidence_head_alpha", "ce_loss_alpha", "l1_loss_alpha"):
             check(name, getattr(self, name) >= 0, "must be >= 0")
+        # the common fields' distribution terms (presets.py) train too
+        terms = getattr(check.cfg, "loss_terms", None) or {}
         check(
             "ce_loss_alpha",
-            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0,
+            self.ce_loss_alpha + self.l1_loss_alpha + self.confidence_head_alpha > 0
+            or any(w > 0 for w in terms.values()),
             "all loss weights are 0; nothing would be trained",
         )
+        check_schedule(self.loss_schedule, check.name("loss_schedule"))
+        check("loss_decay_ratio", 0 < self.loss_decay_ratio <= 1, "must be in (0, 1]")
+        check("dpace_alpha", 0 < self.dpace_alpha <= 1, "must be in (0, 1]")
         if self.confidence_head_alpha > 0 and self.confidence_head_with_markov:
             check(
                 "confidence_head_with_markov",
@@ -158,7 +206,10 @@ PRESETS: dict[str, Preset] = {
             markov_rank=0,
             confidence_head_with_markov=False,
             sample_from_anchor=False,
-            **asdict(DFLASH_LOSS),
+            loss_decay_gamma=DFLASH_LOSS.loss_decay_gamma,
+            ce_loss_alpha=DFLASH_LOSS.ce_loss_alpha,
+            l1_loss_alpha=DFLASH_LOSS.l1_loss_alpha,
+            confidence_head_alpha=DFLASH_LOSS.confidence_head_alpha,
         ),
         # NOTE: sized, it keeps DSpark's block layout, not the preset's: the demo's comparison
         # isolates the heads (the README's figures were measured so); docs/serving.md
@@ -166,14 +217,23 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+_BACKBONES = on_backbones("dspark_ds.drafters.dspark", "DSparkModel")
+_BACKBONES["backends"][V4_BACKBONE] = (
+    "dspark_ds.drafters.dspark.deepseek_v4",
+    "DeepseekV4DSparkModel",
+    DEEPSEEK_V4_CONFIG,
+)
+
 REGISTRATION = Registration(
     name="dspark",
     fields=DSparkFields,
     kind_class="dspark_ds.drafters.dspark.kind:DSpark",
     presets=PRESETS,
     sizes=DSparkSizes,
-    **on_backbones("dspark_ds.drafters.dspark", "DSparkModel"),
+    **_BACKBONES,
+    target_backbones={"deepseek_v4": V4_BACKBONE},
     serving=serving,
+    speculators=speculators_format,
     capabilities=Capabilities(
         label="DSpark / DFlash",
         drafting="parallel",

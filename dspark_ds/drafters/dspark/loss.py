@@ -1,7 +1,8 @@
 """The DSpark loss (docs/algorithm.md#the-loss) and its metrics (docs/metrics.md).
 
-loss = (α_ce·CE + α_l1·L1 + α_c·BCE) · world_size, where each term's denominator is summed
-over every data-parallel rank first. DeepSpeed / DDP average gradients over ranks; the
+loss = (α_ce·CE + α_l1·L1 + Σ_t α_t·D_t + α_c·BCE) · world_size, where each term's denominator is summed
+over every data-parallel rank first (D_t: the distribution terms of `model.loss_terms`,
+drafters/common/divergences.py). DeepSpeed / DDP average gradients over ranks; the
 `· world_size` undoes that average, so one step on N ranks equals one step on one rank over
 the same global batch (one weighted mean over every rank's tokens).
 
@@ -13,26 +14,22 @@ ranks and read as floats (`dspark_metrics`): the straight-line reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from dspark_ds import distributed
+from dspark_ds.drafters.common.divergences import (
+    dpace_weights,
+    slot_divergences,
+    static_position_weights,
+)
 from dspark_ds.drafters.dspark.blocks import DSparkForwardOutput
 from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.kind import StepOutput, ratio
 
 EPS = 1e-6
-
-
-def position_weights(eval_mask: torch.Tensor, loss_decay_gamma: float | None) -> torch.Tensor:
-    """w_j = eval_mask · exp(-j / γ_decay); no decay when γ_decay is None or <= 0."""
-    w = eval_mask.to(torch.float32)
-    if loss_decay_gamma is not None and loss_decay_gamma > 0:
-        j = torch.arange(w.shape[-1], device=w.device, dtype=torch.float32)
-        w = w * torch.exp(-j / float(loss_decay_gamma))
-    return w
 
 
 def accept_rate(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -61,6 +58,7 @@ class SlotTerms:
     ce: torch.Tensor  # cross-entropy of the draft logits vs target_ids
     l1: torch.Tensor | None  # Σ_v |p_d - p_t|; None without aligned target logits
     greedy_hit: torch.Tensor  # bool, argmax(draft) == target_id
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # the distribution terms
 
 
 @dataclass
@@ -73,15 +71,33 @@ class LossPlan:
     """
 
     w: torch.Tensor  # [B, A, G] position weights
-    w_ce: torch.Tensor  # [B, A, G] the CE's: w, 0 where the label is outside the draft vocabulary
     valid: torch.Tensor  # [B, A, G] eval_mask as fp32
-    local_den: dict[str, torch.Tensor]  # this rank's den_ce, den_l1, den_conf
+    local_den: dict[str, torch.Tensor]  # this rank's den_ce, den_l1, den_conf, den_terms
     coef_ce: torch.Tensor  # 0-d fp32
     coef_l1: torch.Tensor  # 0 when the L1 term is off (alpha 0, or no supervised slot anywhere)
     coef_conf: torch.Tensor
     use_l1: bool  # the L1 term is computed (alpha > 0)
     has_conf: bool  # the confidence BCE is computed
+    coef_terms: dict[str, torch.Tensor] = field(default_factory=dict)  # per distribution term
+    lk_eta: float = 3.0
+    dpace_alpha: float | None = None  # D-PACE's smoothing when the schedule is "dpace"
     in_vocab: torch.Tensor | None = None  # [B, A, G] bool: the label is in the draft vocabulary
+
+    def main_weights(self, ce: torch.Tensor) -> torch.Tensor:
+        """The weights of L1 and the distribution terms: `w`, or D-PACE's of the (detached)
+        per-slot CE, blocks on the last dimension (a label outside the draft vocabulary counts
+        as never accepted: exp(-CE) = 0). The confidence BCE keeps `w`."""
+        if self.dpace_alpha is None:
+            return self.w
+        ce = ce.view_as(self.valid)
+        if self.in_vocab is not None:
+            ce = torch.where(self.in_vocab, ce.detach(), torch.full_like(ce, float("inf")))
+        return dpace_weights(ce, self.valid, self.dpace_alpha)
+
+    def ce_weights(self, main: torch.Tensor) -> torch.Tensor:
+        """The CE's weights from `main_weights`: 0 where the label is outside the draft
+        vocabulary (the draft cannot name it)."""
+        return main if self.in_vocab is None else main * self.in_vocab.to(main.dtype)
 
 
 def plan_loss(
@@ -97,36 +113,52 @@ def plan_loss(
     `over_ranks=False`: this rank's own, for a loss nothing is back-propagated through).
 
     `in_vocab` (a reduced draft vocabulary, drafters/common/vocab.py): a slot whose label is
-    outside it has no CE term (the draft cannot name it; its L1 and confidence terms stay, over
-    the draft vocabulary) and counts as a greedy miss."""
+    outside it has no CE term (the draft cannot name it; its L1, distribution and confidence
+    terms stay, over the draft vocabulary) and counts as a greedy miss."""
     world_size = distributed.world_size() if over_ranks else 1
     if weights.l1_loss_alpha > 0 and not has_aligned:
         raise ValueError(
             "l1_loss_alpha > 0 needs aligned_target_logits (pass target_last_hidden_states)"
+        )
+    if weights.loss_terms and not has_aligned:
+        raise ValueError(
+            f"loss_terms {dict(weights.loss_terms)} need aligned_target_logits (pass "
+            "target_last_hidden_states)"
         )
     has_conf = has_confidence and weights.confidence_head_alpha > 0
     if has_conf and not has_aligned:
         raise ValueError(
             "the confidence head needs aligned_target_logits (pass target_last_hidden_states)"
         )
-    w = position_weights(eval_mask, weights.loss_decay_gamma)
+    w = static_position_weights(
+        eval_mask,
+        weights.loss_schedule,
+        decay_gamma=weights.loss_decay_gamma,
+        decay_ratio=weights.loss_decay_ratio,
+    )
     use_l1 = has_aligned and weights.l1_loss_alpha > 0
-    w_ce = w if in_vocab is None else w * in_vocab.to(w.dtype)
-    total = w.sum()
+    # D-PACE's weights depend on the logits: its terms are averaged over the supervised slots
+    base = eval_mask.to(torch.float32) if weights.dpace else w
+    total = base.sum()
+    # the CE's: the slots whose label the draft vocabulary holds; L1 and the terms keep them all
+    den_ce = total if in_vocab is None else (base * in_vocab.to(base.dtype)).sum()
     zero = torch.zeros_like(total)
-    local = torch.stack([w_ce.sum(), total if use_l1 else zero, total if has_conf else zero])
+    den_conf = w.sum() if has_conf else zero
+    local = torch.stack([den_ce, total if use_l1 else zero, den_conf, total])
     den = distributed.all_reduce_(local.clone()) if over_ranks else local
     coef_l1 = _coef(weights.l1_loss_alpha, world_size, den[1])
     return LossPlan(
         w=w,
-        w_ce=w_ce,
         valid=eval_mask.to(torch.float32),
-        local_den=dict(zip(("den_ce", "den_l1", "den_conf"), local.unbind())),
+        local_den=dict(zip(("den_ce", "den_l1", "den_conf", "den_terms"), local.unbind())),
         coef_ce=_coef(weights.ce_loss_alpha, world_size, den[0]),
         coef_l1=torch.where(den[1] > 0, coef_l1, torch.zeros_like(coef_l1)),
         coef_conf=_coef(weights.confidence_head_alpha, world_size, den[2]) if has_conf else zero,
         use_l1=use_l1,
         has_conf=has_conf,
+        coef_terms={n: _coef(a, world_size, den[3]) for n, a in weights.loss_terms},
+        lk_eta=weights.lk_eta,
+        dpace_alpha=weights.dpace_alpha if weights.dpace else None,
         in_vocab=in_vocab,
     )
 
@@ -148,9 +180,13 @@ def compute_dspark_loss(
     ce_loss_alpha: float = DSPARK_LOSS.ce_loss_alpha,
     l1_loss_alpha: float = DSPARK_LOSS.l1_loss_alpha,
     confidence_head_alpha: float = DSPARK_LOSS.confidence_head_alpha,
+    **options,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Returns (loss to backpropagate, metrics). Metrics are global over all ranks."""
-    weights = LossWeights(loss_decay_gamma, ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+    """Returns (loss to backpropagate, metrics). Metrics are global over all ranks. `options`:
+    LossWeights' other fields (loss_terms, lk_eta, loss_schedule, ...)."""
+    weights = LossWeights(
+        loss_decay_gamma, ce_loss_alpha, l1_loss_alpha, confidence_head_alpha, **options
+    )
     step = dspark_loss(out, weights)
     return step.loss, dspark_metrics(step.global_sums(), weights)
 
@@ -173,11 +209,16 @@ def dspark_loss(
         logits.reshape(-1, vocab).float(), out.target_ids.reshape(-1), reduction="none"
     )
     dist_l1 = None
+    extra = {}
     if out.aligned_target_logits is not None:
         dist_l1 = l1_distance(logits, out.aligned_target_logits)
+        if plan.coef_terms:
+            extra = slot_divergences(
+                logits, out.aligned_target_logits, plan.coef_terms, lk_eta=plan.lk_eta
+            )
     with torch.no_grad():
         greedy = logits.argmax(-1) == out.target_ids
-    terms = SlotTerms(ce=ce.view_as(plan.w), l1=dist_l1, greedy_hit=greedy)
+    terms = SlotTerms(ce=ce.view_as(plan.w), l1=dist_l1, greedy_hit=greedy, extra=extra)
     return finish_loss(
         plan,
         terms,
@@ -198,22 +239,26 @@ def finish_loss(
 ) -> StepOutput:
     """Loss and this rank's metric sums from per-slot terms.
 
-    `main_loss`: the CE + L1 part, Σ coef·num, when the caller computed it (and its
-    gradient) itself; otherwise it is built here from the differentiable `terms`.
+    `main_loss`: the CE + L1 + distribution-terms part, Σ coef·num, when the caller computed it
+    (and its gradient) itself; otherwise it is built here from the differentiable `terms`.
     """
     w = plan.w
-    num_ce = (terms.ce * plan.w_ce).sum()
+    w_main = plan.main_weights(terms.ce)
+    num_ce = (terms.ce * plan.ce_weights(w_main)).sum()
     zero = num_ce.new_zeros(())
     num_l1 = zero
     c_star = None
     if terms.l1 is not None:
         c_star = (1.0 - 0.5 * terms.l1).clamp(0.0, 1.0)
         if plan.use_l1:
-            num_l1 = (terms.l1 * w).sum()
+            num_l1 = (terms.l1 * w_main).sum()
+    num_terms = {f"num_{n}": (terms.extra[n] * w_main).sum() for n in plan.coef_terms}
     if main_loss is None:
         main_loss = plan.coef_ce * num_ce
         if plan.use_l1:
             main_loss = main_loss + plan.coef_l1 * num_l1
+        for name, coef in plan.coef_terms.items():
+            main_loss = main_loss + coef * num_terms[f"num_{name}"]
     num_conf = zero
     loss = main_loss
     if plan.has_conf:
@@ -235,6 +280,7 @@ def finish_loss(
         plan.has_conf,
     )
     sums = {**plan.local_den, "num_ce": num_ce, "num_l1": num_l1, "num_conf": num_conf, **stats}
+    sums.update({k: v.detach() for k, v in num_terms.items()})
     return StepOutput.of(loss, sums)
 
 
@@ -292,9 +338,12 @@ def dspark_metrics(g: dict[str, float], weights: LossWeights) -> dict[str, float
         m["confidence_abs_error"] = ratio(g["conf_abs"], g["den_conf"])
         m["confidence_bias"] = ratio(g["conf_bias"], g["den_conf"])
         m["confidence_cumprod_bias"] = ratio(g["conf_cumprod_bias"], g["den_conf"])
+    for name, _ in weights.loss_terms:  # each on the supervised slots' (the CE's without a
+        m[f"{name}_loss"] = ratio(g[f"num_{name}"], g["den_terms"])  # draft vocabulary)
     m["loss"] = (
         weights.ce_loss_alpha * m["ce_loss"]
         + (weights.l1_loss_alpha * m["l1_loss"] if "l1_loss" in m else 0.0)
         + (weights.confidence_head_alpha * m["confidence_loss"] if has_conf else 0.0)
+        + sum(alpha * m[f"{name}_loss"] for name, alpha in weights.loss_terms)
     )
     return m

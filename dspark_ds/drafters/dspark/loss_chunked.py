@@ -22,11 +22,18 @@ Shape legend: B batch, A anchors, G block size, V vocab, H hidden, N = rows of a
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from dspark_ds.drafters.common.divergences import (
+    divergences_and_grad,
+    dpace_weights,
+    slot_divergences,
+)
 from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.dspark.loss import LossPlan, SlotTerms, finish_loss, l1_distance, plan_loss
 from dspark_ds.drafters.kind import StepOutput
@@ -101,12 +108,13 @@ class _ChunkRunner:
         target_state = self.target_prev_hidden
         if target_state is not None:
             target_state = target_state.reshape(bsz * num_blocks, G, -1)
-        w, w_ce = plan.w.reshape(-1), plan.w_ce.reshape(-1)
-        a_ce = w_ce * plan.coef_ce  # d(main_loss)/d(ce) per slot
-        a_l1 = w * plan.coef_l1 if plan.use_l1 else None
+        dpace = plan.dpace_alpha is not None
+        w, a_ce, a_l1 = self._slot_weights()
+        w_out = w.clone()
 
         ce_out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
         l1_out = torch.empty_like(ce_out) if target_state is not None else None
+        extra_out = {n: torch.empty_like(ce_out) for n in plan.coef_terms if l1_out is not None}
         hit_out = torch.empty(ids.shape, dtype=torch.bool, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if self.with_grad else None
         grad_params: list[torch.Tensor | None] = [None] * len(params)
@@ -119,11 +127,12 @@ class _ChunkRunner:
                 logits = draft_logits(self.model, h, prev[b0:b1])
             target_logits = None
             if target_state is not None:
-                # Differentiable only if compute_logits has trainable parameters (a frozen
+                # Differentiable only if target_logits has trainable parameters (a frozen
                 # lm_head, the normal case, makes this a plain forward).
                 with torch.set_grad_enabled(self.with_grad):
-                    target_logits = self.model.compute_logits(target_state[b0:b1])
+                    target_logits = self.model.target_logits(target_state[b0:b1])
             target_grad = target_logits is not None and target_logits.requires_grad
+
             grad_logits, grad_target = _slot_terms_and_grad(
                 logits.detach().reshape(r1 - r0, -1),
                 None if target_logits is None else target_logits.detach().reshape(r1 - r0, -1),
@@ -134,15 +143,15 @@ class _ChunkRunner:
                 None if l1_out is None else l1_out[r0:r1],
                 hit_out[r0:r1],
                 target_grad=target_grad,
+                weigh=partial(self._dpace, w_out, (r0, r1), G) if dpace else None,
             )
+            if extra_out:
+                grad_logits, grad_target = self._terms(
+                    logits, target_logits, w_out[r0:r1], extra_out, (r0, r1), target_grad,
+                    grad_logits, grad_target,
+                )  # fmt: skip
             if self.with_grad:
-                outputs, grad_outputs = [logits], [grad_logits.to(logits.dtype).view_as(logits)]
-                if grad_target is not None:
-                    outputs.append(target_logits)
-                    grad_outputs.append(grad_target.to(target_logits.dtype).view_as(target_logits))
-                got = torch.autograd.grad(
-                    outputs, (h, *params), grad_outputs=grad_outputs, allow_unused=True
-                )
+                got = _push_back(logits, target_logits, grad_logits, grad_target, (h, *params))
                 grad_hidden[b0:b1] += got[0]
                 for i, g in enumerate(got[1:]):
                     if g is None:
@@ -151,25 +160,86 @@ class _ChunkRunner:
                         grad_params[i] = g.float()
                     else:  # NOTE: in place: a [V, r] Markov gradient per chunk otherwise
                         grad_params[i].add_(g)
-                # NOTE: the lists hold this chunk's [N, V] logits and gradient: left alive,
-                # they would sit beside the next chunk's until its autograd.grad
-                del outputs, grad_outputs, got
+                del got
             del logits, target_logits, grad_logits, grad_target
 
-        main = plan.coef_ce * (ce_out * w_ce).sum()
-        if a_l1 is not None:
-            main = main + plan.coef_l1 * (l1_out * w).sum()
-        shape = self.target_ids.shape
-        terms = (
-            ce_out.view(shape),
-            hit_out.view(shape),
-            *(() if l1_out is None else (l1_out.view(shape),)),
-        )
         grads = None
         if self.with_grad:
             grads = [grad_hidden.view_as(hidden_BAGH).to(hidden_BAGH.dtype)]
             grads += [None if g is None else g.to(p.dtype) for g, p in zip(grad_params, params)]
-        return main, terms, grads
+        return (*self._outputs(w_out, ce_out, hit_out, l1_out, extra_out), grads)
+
+    def _slot_weights(self):
+        """(w, a_ce, a_l1) per flat slot: the position weights (ones under D-PACE, whose weights
+        are each chunk's own, `_dpace`) and d(main_loss)/d(ce), d(main_loss)/d(l1); no CE where
+        the label is outside a reduced draft vocabulary."""
+        plan = self.plan
+        w = plan.w.reshape(-1)
+        if plan.dpace_alpha is not None:
+            w = torch.ones_like(w)
+        in_vocab = None if plan.in_vocab is None else plan.in_vocab.reshape(-1)
+        a_ce = (w if in_vocab is None else w * in_vocab) * plan.coef_ce
+        a_l1 = w * plan.coef_l1 if plan.use_l1 else None
+        return w, a_ce, a_l1
+
+    def _dpace(self, w_out, rows, G, ce_N):
+        """D-PACE's weights of a chunk's slots `rows` from its CE, written into `w_out` (a label
+        outside the draft vocabulary: never accepted, exp(-CE) = 0)."""
+        r0, r1 = rows
+        plan = self.plan
+        if plan.in_vocab is not None:
+            ce_N = ce_N.masked_fill(~plan.in_vocab.reshape(-1)[r0:r1], float("inf"))
+        valid = plan.valid.reshape(-1)[r0:r1]
+        w_out[r0:r1] = dpace_weights(ce_N.view(-1, G), valid.view(-1, G), plan.dpace_alpha).view(-1)
+        return w_out[r0:r1]
+
+    def _outputs(self, w, ce, hit, l1, extra):
+        """main_loss = Σ coef·w·(ce, l1, each term), and the per-slot terms in the order
+        `chunked_dspark_loss` reads them: ce, hits, then l1 and the terms when computed."""
+        plan = self.plan
+        main = plan.coef_ce * (ce * plan.ce_weights(w.view_as(plan.w)).reshape(-1)).sum()
+        if plan.use_l1:
+            main = main + plan.coef_l1 * (l1 * w).sum()
+        for name, value in extra.items():
+            main = main + plan.coef_terms[name] * (value * w).sum()
+        shape = self.target_ids.shape
+        tail = () if l1 is None else (l1, *extra.values())
+        return main, tuple(t.view(shape) for t in (ce, hit, *tail))
+
+    def _terms(self, logits, target_logits, w_N, extra_out, rows, target_grad, g_draft, g_target):
+        """The distribution terms of a chunk: fills `extra_out`; adds their gradient (of
+        Σ coef·w·term) to the CE + L1 one of the draft logits and, when `target_grad`, of the
+        target logits."""
+        r0, r1 = rows
+        coefs = self.plan.coef_terms
+        row_coefs = {n: w_N * c for n, c in coefs.items()} if self.with_grad else None
+        values, g_d, g_t = divergences_and_grad(
+            logits.detach().reshape(r1 - r0, -1),
+            target_logits.detach().reshape(r1 - r0, -1),
+            coefs,
+            lk_eta=self.plan.lk_eta,
+            row_coefs=row_coefs,
+            target_grad=target_grad,
+        )
+        for name, value in values.items():
+            extra_out[name][r0:r1] = value
+        if g_d is not None:
+            g_draft = g_draft.add_(g_d)
+        if g_t is not None:
+            g_target = g_t if g_target is None else g_target.add_(g_t)
+        return g_draft, g_target
+
+
+def _push_back(logits, target_logits, grad_logits, grad_target, inputs):
+    """The chunk's logit gradients pushed through the heads: the gradients of `inputs`.
+
+    NOTE: a function of its own: the lists hold this chunk's [N, V] logits and gradient, and
+    left alive they would sit beside the next chunk's until its autograd.grad."""
+    outputs, grad_outputs = [logits], [grad_logits.to(logits.dtype).view_as(logits)]
+    if grad_target is not None:
+        outputs.append(target_logits)
+        grad_outputs.append(grad_target.to(target_logits.dtype).view_as(target_logits))
+    return torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, allow_unused=True)
 
 
 @torch.no_grad()
@@ -183,9 +253,11 @@ def _slot_terms_and_grad(
     l1_out: torch.Tensor | None,
     hit_out: torch.Tensor,
     target_grad: bool = False,
+    weigh=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Fills the per-slot CE, L1 and greedy hits; returns d(a_ce·ce + a_l1·l1)/d(logits)
-    and, when `target_grad`, d(a_l1·l1)/d(target logits) (None otherwise).
+    and, when `target_grad`, d(a_l1·l1)/d(target logits) (None otherwise). `weigh`: the
+    per-slot weights of the CE just computed (D-PACE's), which a_ce and a_l1 are multiplied by.
 
     Written with few full passes over [N, V] and in-place updates: on CPU this part is
     memory-bound, and the chunk is sized to stay in cache.
@@ -194,6 +266,10 @@ def _slot_terms_and_grad(
     hit_out.copy_(d.argmax(-1) == ids_N)
     p = torch.log_softmax(d, dim=-1)
     ce_out.copy_(-p.gather(-1, ids_N.unsqueeze(-1)).squeeze(-1))
+    if weigh is not None:
+        w_N = weigh(ce_out)
+        a_ce_N = None if a_ce_N is None else a_ce_N * w_N
+        a_l1_N = None if a_l1_N is None else a_l1_N * w_N
     p.exp_()  # log p -> p, in place
     neg_s = q = None
     if target_logits_NV is not None:
@@ -244,13 +320,46 @@ def chunked_dspark_loss(
     *,
     chunk_anchors: int = CHUNK_ANCHORS_CPU,
     over_ranks: bool = True,
+    recompute: bool = False,
+    pad_to_blocks: int = 0,
 ) -> StepOutput:
     """`dspark_loss` on `model.forward_hidden(...)` output (`feats`), chunked.
 
     Same loss, metric sums and gradients as the reference path (to fp32 rounding). The caller
     backpropagates once (no retain_graph / double backward).
+
+    `recompute` (ZeRO-3): the same chunks, differentiated by plain autograd, each chunk under
+    `torch.utils.checkpoint` (its V-sized tensors recomputed in backward). Every parameter is
+    reached through a module call (lm_head, Markov, confidence), forward and recompute alike,
+    so ZeRO-3's hooks gather and release partitioned weights as in any activation-checkpointed
+    model; the fused path instead hands autograd gradients of parameters it differentiated
+    itself. The price: the chunk's logits are computed twice. Live memory stays
+    O(chunk × G × V).
+
+    `pad_to_blocks` (with `recompute`): run as many chunks as that many blocks take, the last
+    ones empty. NOTE: under ZeRO-3 every rank must call the heads equally often (each call
+    gathers their partitioned weights with the other ranks); ranks that dropped different
+    numbers of empty blocks pad to the count they all share (the micro-batch's rows ×
+    num_anchors).
     """
     plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
+    if recompute:
+        terms, main = _recomputed_terms(model, feats, plan, chunk_anchors, pad_to_blocks), None
+    else:
+        terms, main = _fused_terms(model, feats, plan, chunk_anchors)
+    return finish_loss(
+        plan,
+        terms,
+        eval_mask=feats.eval_mask,
+        block_keep_mask=feats.block_keep_mask,
+        confidence_pred=confidence_pred,
+        main_loss=main,
+    )
+
+
+def _fused_terms(model: nn.Module, feats, plan: LossPlan, chunk_anchors: int):
+    """(The per-slot terms, the CE + L1 + terms part of the loss) with each chunk's gradient
+    computed right away (`_VocabChunks`)."""
     # Every trainable parameter is offered to the chunk's autograd.grad (unused ones get
     # None), so a backend whose compute_logits has its own parameters stays correct.
     params = tuple(p for p in model.parameters() if p.requires_grad)
@@ -265,22 +374,22 @@ def chunked_dspark_loss(
         with_grad,
     )
     if with_grad:
-        main, ce, hit, *l1 = _VocabChunks.apply(runner, feats.hidden, *params)
+        main, ce, hit, *rest = _VocabChunks.apply(runner, feats.hidden, *params)
     else:
-        main, (ce, hit, *l1), _ = runner.run(feats.hidden, params)
-    terms = SlotTerms(ce=ce, l1=l1[0] if l1 else None, greedy_hit=hit)
-    return finish_loss(
-        plan,
-        terms,
-        eval_mask=feats.eval_mask,
-        block_keep_mask=feats.block_keep_mask,
-        confidence_pred=confidence_pred,
-        main_loss=main,
+        main, (ce, hit, *rest), _ = runner.run(feats.hidden, params)
+    has_l1 = feats.target_prev_hidden is not None
+    terms = SlotTerms(
+        ce=ce,
+        l1=rest[0] if has_l1 else None,
+        greedy_hit=hit,
+        extra=dict(zip(plan.coef_terms, rest[1:])) if has_l1 else {},
     )
+    return terms, main
 
 
-def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH):
-    """Per-slot CE, L1 and greedy hits of a chunk of blocks, with plain autograd ops."""
+def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH, names=(), lk_eta=0.0):
+    """Per-slot CE, L1, greedy hits and the distribution terms `names` of a chunk of blocks,
+    with plain autograd ops."""
     logits = draft_logits(model, hidden_cGH, prev_cG)
     flat = logits.reshape(-1, logits.shape[-1]).float()
     ids = ids_cG.reshape(-1)
@@ -288,37 +397,17 @@ def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH):
     with torch.no_grad():
         hit = flat.argmax(-1) == ids
     l1 = None
+    extra = ()
     if target_state_cGH is not None:
-        target = model.compute_logits(target_state_cGH)
-        l1 = l1_distance(flat, target.reshape(flat.shape))
-    return ce, l1, hit
+        target = model.target_logits(target_state_cGH).reshape(flat.shape)
+        l1 = l1_distance(flat, target)
+        terms = slot_divergences(flat, target, names, lk_eta=lk_eta)
+        extra = tuple(terms[n] for n in names)
+    return ce, l1, hit, *extra
 
 
-def recompute_dspark_loss(
-    model: nn.Module,
-    feats,
-    confidence_pred: torch.Tensor | None,
-    weights: LossWeights = DSPARK_LOSS,
-    *,
-    chunk_anchors: int = CHUNK_ANCHORS_CPU,
-    over_ranks: bool = True,
-    pad_to_blocks: int = 0,
-) -> StepOutput:
-    """`chunked_dspark_loss` for ZeRO-3: the same chunks, differentiated by plain autograd,
-    each chunk under `torch.utils.checkpoint` (its V-sized tensors recomputed in backward).
-
-    Every parameter is reached through a module call (lm_head, Markov, confidence), forward
-    and recompute alike, so ZeRO-3's hooks gather and release partitioned weights as in any
-    activation-checkpointed model; the fused path instead hands autograd gradients of
-    parameters it differentiated itself. The price: the chunk's logits are computed twice.
-    Live memory stays O(chunk × G × V).
-
-    `pad_to_blocks`: run as many chunks as that many blocks take, the last ones empty. NOTE:
-    under ZeRO-3 every rank must call the heads equally often (each call gathers their
-    partitioned weights with the other ranks); ranks that dropped different numbers of empty
-    blocks pad to the count they all share (the micro-batch's rows × num_anchors).
-    """
-    plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
+def _recomputed_terms(model: nn.Module, feats, plan: LossPlan, chunk_anchors, pad_to_blocks):
+    """The per-slot terms, each chunk under `torch.utils.checkpoint` while grad is enabled."""
     bsz, num_blocks, G, H = feats.hidden.shape
     hidden = feats.hidden.reshape(bsz * num_blocks, G, H)
     prev = feats.prev_token_ids.reshape(-1, G)
@@ -327,7 +416,8 @@ def recompute_dspark_loss(
     if target_state is not None:
         target_state = target_state.reshape(bsz * num_blocks, G, -1)
     recompute = torch.is_grad_enabled()
-    ce, l1, hit = [], [], []
+    names = tuple(plan.coef_terms) if target_state is not None else ()
+    ce, l1, hit, extra = [], [], [], {n: [] for n in names}
     for b0 in range(0, max(hidden.shape[0], pad_to_blocks), chunk_anchors):
         chunk = slice(b0, b0 + chunk_anchors)
         args = (
@@ -336,6 +426,8 @@ def recompute_dspark_loss(
             prev[chunk],
             ids[chunk],
             None if target_state is None else target_state[chunk],
+            names,
+            plan.lk_eta,
         )
         if recompute:
             # NOTE: ZeRO-3 releases a frozen head weight (the target's lm_head) after each call,
@@ -349,16 +441,12 @@ def recompute_dspark_loss(
         ce.append(out[0])
         l1.append(out[1])
         hit.append(out[2])
+        for name, value in zip(names, out[3:]):
+            extra[name].append(value)
     shape = feats.target_ids.shape
-    terms = SlotTerms(
+    return SlotTerms(
         ce=torch.cat(ce).view(shape),
         l1=None if target_state is None else torch.cat(l1).view(shape),
         greedy_hit=torch.cat(hit).view(shape),
-    )
-    return finish_loss(
-        plan,
-        terms,
-        eval_mask=feats.eval_mask,
-        block_keep_mask=feats.block_keep_mask,
-        confidence_pred=confidence_pred,
+        extra={n: torch.cat(v).view(shape) for n, v in extra.items()},
     )

@@ -43,10 +43,12 @@ class Eagle3Train(KindTrain):
             impl=ctx.loss_impl,
             chunk_rows=chunk_rows,
             over_ranks=ctx.training,
+            loss_terms=ctx.model.loss_terms,
+            lk_eta=ctx.model.lk_eta,
         )
 
     def metrics(self, sums: Mapping[str, float], model: DrafterConfig) -> dict[str, float]:
-        return loss.eagle3_metrics(dict(sums), model.step_loss_decay)
+        return loss.eagle3_metrics(dict(sums), model.step_loss_decay, model.loss_terms)
 
 
 class Eagle3Decode(KindDecode):

@@ -351,7 +351,9 @@ def save_speculators_model(
     ConfigError (before anything is written) names what the format cannot hold."""
     state = state_dict if state_dict is not None else model.state_dict()
     native = _native_config(model)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    # the weights' dtype (not a draft vocabulary's int64 d2t / bool t2d)
+    weight = next(v for v in state.values() if v.is_floating_point())
+    dtype = str(weight.dtype).removeprefix("torch.")
     data = speculators_format.speculators_dict(
         native, speculators_format.verifier_of(target_path), dtype
     )

@@ -84,6 +84,17 @@ def test_a_draft_vocabulary_trains_exports_and_decodes_losslessly(
         got = exported.state_dict()[name]
         assert got.dtype == tensor.dtype, name
         torch.testing.assert_close(got, tensor, msg=name)
+    # and in the speculators format: its N-row head and maps kept, the embedding the target's
+    spec = tmp_path / "speculators"
+    check(python([*cmd, "--output_dir", str(spec), "--format", "speculators"], timeout_s=600))
+    assert json.loads((spec / "config.json").read_text())["draft_vocab_size"] == 64
+    with safe_open(str(spec / "model.safetensors"), "pt") as f:
+        assert {"lm_head.weight", "d2t", "t2d"} <= set(f.keys())
+    with safe_open(str(Path(tiny_target) / "model.safetensors"), "pt") as f:
+        shared = (f.get_tensor("model.embed_tokens.weight"), f.get_tensor("lm_head.weight"))
+    from_spec = load_draft_model(spec, shared_weights=shared)
+    for name, tensor in live.state_dict().items():
+        torch.testing.assert_close(from_spec.state_dict()[name], tensor, msg=name)
 
     if (
         kind == "dspark" and zero == "zero2"

@@ -243,6 +243,19 @@ def test_eagle3_loss_over_the_draft_vocabulary():
     for k in range(3):
         names = [n for n in sums if n.startswith("greedy") and n.endswith(f"@{k}")]
         assert names and sums[names[0]] == float(hits[k]), names
+    # the distribution terms against the target's restricted distribution (step 0: the target's
+    # logits of the next position), on both paths
+    terms = {"kl": 0.5, "tv": 0.2}
+    step = eagle3_loss(out, over_ranks=False, loss_terms=terms)
+    sums = dict(zip(step.names, step.sums.tolist()))
+    log_p = torch.log_softmax(full[:, 1:, ids.sort().values].detach(), -1)
+    log_q = torch.log_softmax(out.draft_logits[:, :-1, 0].detach().float(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    mask = out.eval_mask[:, :-1, 0].float()
+    assert sums["num_kl@0"] == pytest.approx(float((kl * mask).sum()), rel=1e-4)
+    chunked = chunked_eagle3_loss(drafter, feats, chunk_rows=7, over_ranks=False, loss_terms=terms)
+    torch.testing.assert_close(chunked.sums, step.sums, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunked.loss, step.loss, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

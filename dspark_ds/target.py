@@ -396,10 +396,17 @@ def share_embeddings_and_head(drafter: nn.Module, target: FrozenTarget) -> None:
     def shape(p: torch.Tensor) -> tuple[int, ...]:  # a ZeRO-3 partitioned Parameter: ds_shape
         return tuple(getattr(p, "ds_shape", p.shape))
 
-    for name, module, weight in (
-        ("embed_tokens", drafter.embed_tokens, target.embed_weight),
-        ("lm_head", drafter.lm_head, target.lm_head_weight),
-    ):
+    pairs = [("embed_tokens", drafter.embed_tokens, target.embed_weight)]
+    if getattr(drafter, "draft_vocab", 0):  # its own head: the target's rows of its tokens
+        head, own = target.lm_head_weight, drafter.lm_head.weight
+        # NOTE: ZeRO-3-partitioned, the engine copies them gathered (engine/drafter.py)
+        if not (hasattr(head, "ds_shape") or hasattr(own, "ds_shape")):
+            with torch.no_grad():
+                own.copy_(drafter.head_weight_rows(head.detach()))
+        own.requires_grad_(False)
+    else:
+        pairs.append(("lm_head", drafter.lm_head, target.lm_head_weight))
+    for name, module, weight in pairs:
         if shape(module.weight) != shape(weight):
             raise ConfigError(
                 f"{name}: target weight {shape(weight)} != drafter {shape(module.weight)}"

@@ -103,6 +103,9 @@ class Inventory(Widths):
     drafter_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
     """The drafter's modules that hold parameters directly (ZeRO-3 gathers per module)."""
     target_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
+    draft_head: int = 0
+    """Elements of a reduced draft vocabulary's head (`model.draft_vocab_size`: the drafter's own
+    copy of the target's rows, also with the target in the job); 0: the target's own lm_head."""
     attention: str | None = None
     """The attention path the drafter's layers force (`forced_attention`), or None."""
 
@@ -259,7 +262,9 @@ def inventory(run_cfg) -> Inventory:
             or getattr(tcfg, "intermediate_size", None)
             or draft_cfg.intermediate_size
         ),
-        vocab=int(tcfg.vocab_size),
+        # the rows of the drafter's head: its logits, loss and lm_head FLOPs (a reduced draft
+        # vocabulary's N, drafters/common/vocab.py)
+        vocab=int(drafter.lm_head.weight.shape[0]),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
@@ -277,5 +282,6 @@ def inventory(run_cfg) -> Inventory:
         target_modules=sum(1 for _ in target.modules()),
         drafter_param_modules=module_params(drafter),
         target_param_modules=module_params(target),
+        draft_head=drafter.lm_head.weight.numel() if drafter.draft_vocab else 0,
         attention=getattr(drafter, "forced_attention", None),
     )

@@ -104,6 +104,13 @@ class TokenStore:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def token_arrays(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, loss_mask) of every sample, flat (read whole from the file when mapped)."""
+        if self._ids is not None:
+            return self._ids, self._mask
+        with safe_open(self.path, framework="pt") as f:
+            return f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+
     def __getstate__(self):  # NOTE: safetensors handles do not survive fork/pickle; reopen.
         return {**self.__dict__, "_file": None}
 

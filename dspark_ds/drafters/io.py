@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from dspark_ds.drafters import serving, speculators_format
 from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
+from dspark_ds.drafters.common.vocab import VOCAB_MAPS, check_draft_vocab_size
 from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import save_safetensors
@@ -94,6 +95,7 @@ def draft_config_from_target(
     target_layer_ids: list[int],
     num_draft_layers: int,
     backbone: str = "auto",
+    draft_vocab_size: int | None = None,
 ):
     """What every drafter config starts as: the target's text config (a deep copy for the
     families with their own backbone, the Qwen3-style translation for the others) with the
@@ -118,6 +120,9 @@ def draft_config_from_target(
     cfg.target_layer_ids = ids
     cfg.target_model_type = str(getattr(target_config, "model_type", None) or model_type)
     cfg.target_text_model_type = model_type
+    n = check_draft_vocab_size(draft_vocab_size, int(text.vocab_size))
+    if n:  # written only when reduced: a whole-vocabulary config stays as it was
+        cfg.draft_vocab_size = n
     return cfg, text
 
 
@@ -254,9 +259,15 @@ def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
         raise ConfigError(f"{cfg_file}: {err}") from None
     state = type(model).native_state_dict(read_state_dict(path), model.config)
     own = model.state_dict()
+    if "d2t" in state and "t2d" in own and "t2d" not in state:  # vLLM's Eagle3 reads d2t alone
+        ids = state["d2t"].to(torch.int64) + torch.arange(state["d2t"].numel())
+        state["t2d"] = torch.zeros(own["t2d"].numel(), dtype=torch.bool)
+        state["t2d"][ids.clamp(0, own["t2d"].numel() - 1)] = True
     names = model.shared_parameter_names()
     if shared is not None:
         for name, tensor in zip(names, shared):
+            if name == "lm_head.weight" and "d2t" in state:  # the target's rows of its tokens
+                tensor = tensor[state["d2t"].to(torch.int64) + torch.arange(state["d2t"].numel())]
             state.setdefault(name, tensor)
     missing = sorted(set(own) - set(state))
     if missing and set(missing) <= set(names):
@@ -322,7 +333,11 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = state_dict if state_dict is not None else model.state_dict()
-    _write_weights(out, type(model).interchange_state_dict(state, model.config))
+    # a reduced draft vocabulary's d2t / t2d (drafters/common/vocab.py) keep their names in
+    # every layout: the engines' loaders read them so (vLLM's d2t), and so does ours
+    maps = {k: state[k] for k in VOCAB_MAPS if k in state}
+    layers = {k: v for k, v in state.items() if k not in maps}
+    _write_weights(out, {**type(model).interchange_state_dict(layers, model.config), **maps})
     _write_config(out, serving.engine_dict(_native_config(model)))
     return out
 
@@ -336,7 +351,9 @@ def save_speculators_model(
     ConfigError (before anything is written) names what the format cannot hold."""
     state = state_dict if state_dict is not None else model.state_dict()
     native = _native_config(model)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    # the weights' dtype (not a draft vocabulary's int64 d2t / bool t2d)
+    weight = next(v for v in state.values() if v.is_floating_point())
+    dtype = str(weight.dtype).removeprefix("torch.")
     data = speculators_format.speculators_dict(
         native, speculators_format.verifier_of(target_path), dtype
     )

@@ -112,6 +112,11 @@ class DrafterConfig:
     `<|mask|>` token (Qwen3 recipes use 151669)."""
     init_from: str | None = None
     """Start from an exported drafter directory instead of a random init (fine-tuning)."""
+    draft_vocab_size: int | None = None
+    """Draft over the N most frequent target tokens of the training data (counted once, beside
+    the data): the head is the target's rows of them, frozen, written with EAGLE-3's d2t / t2d
+    maps; a token outside is never proposed. None or 0: the whole vocabulary (the target's own
+    head)."""
     loss_terms: dict[str, float] = field(default_factory=dict)
     """Distribution terms added to the loss, name → weight, against the target's aligned
     distribution: kl (KL(p_target‖q_draft)), rkl (reverse KL), jsd, tv (1 - overlap), nla
@@ -126,6 +131,7 @@ class DrafterConfig:
         check = Checker(self, prefix)
         check("kind", self.kind in REGISTERED, f"must be one of {' / '.join(REGISTERED)}")
         check.at_least_1("num_draft_layers")
+        check("draft_vocab_size", (self.draft_vocab_size or 0) >= 0, "must be >= 0")
         parse_terms(self.loss_terms, check.name("loss_terms"))  # a ConfigError naming the term
         check("lk_eta", self.lk_eta >= 0, "must be >= 0")
         self.own_fields().check_fields(check)
@@ -166,7 +172,9 @@ def preset_fields(name: str) -> dict[str, object]:
     """The fields a preset sets that its drafter kind reads (what a recipe must agree with)."""
     cfg = preset(name)
     return {
-        k: getattr(cfg, k) for k in cfg.kind_fields() if k not in ("mask_token_id", "init_from")
+        k: getattr(cfg, k)
+        for k in cfg.kind_fields()
+        if k not in ("mask_token_id", "init_from", "draft_vocab_size")
     }
 
 

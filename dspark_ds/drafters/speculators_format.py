@@ -11,8 +11,13 @@ to_speculators and from_speculators); this module holds what every kind shares a
     data = speculators_dict(native, verifier)   # what `dspark-ds export --format speculators` writes
     native = native_dict(data, target_config)   # what load_draft_model reads (drafters/serving.py)
 
-An option speculators has and dspark-ds does not (another proposal method, a reduced draft
-vocabulary, other draft layers) is a ConfigError naming it: nothing is dropped on the way in.
+A reduced draft vocabulary (drafters/common/vocab.py) is written as speculators writes one:
+`draft_vocab_size` N, the `d2t` / `t2d` buffers among the weights, and the head's N rows kept in
+the directory even by a kind that leaves the whole-vocabulary head to the target (speculators'
+runtimes do not take the reduced one from the target).
+
+An option speculators has and dspark-ds does not (another proposal method, other draft layers)
+is a ConfigError naming it: nothing is dropped on the way in.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ _BOOKKEEPING = (
     "tie_word_embeddings",
     "_name_or_path",
 )
+HEAD = "lm_head.weight"
+"""The drafter's head: the target's lm_head, or a reduced draft vocabulary's N rows of it."""
 _COMMON = (
     "speculators_model_type",
     "speculators_config",
@@ -137,7 +144,7 @@ def speculators_dict(native: dict, verifier: dict, dtype: str = "float32") -> di
     layer["tie_word_embeddings"] = False
     return {
         **kind_fields,
-        "draft_vocab_size": int(native["vocab_size"]),
+        "draft_vocab_size": int(native.get("draft_vocab_size") or native["vocab_size"]),
         "dtype": dtype,
         "speculators_config": {
             "algorithm": kind_fields["speculators_model_type"],
@@ -155,9 +162,12 @@ def speculators_dict(native: dict, verifier: dict, dtype: str = "float32") -> di
 
 def saved_names(native: dict, names: list[str], shared: tuple[str, ...]) -> list[str]:
     """Which of a drafter's parameter names the speculators directory holds: all, or all but
-    the target's embedding and lm_head (`shared`) for a kind that leaves them to the target."""
+    the target's embedding and lm_head (`shared`) for a kind that leaves them to the target;
+    a reduced draft vocabulary's head (`HEAD`, N of the target's rows) stays, as speculators
+    keeps it."""
     fmt = _format_of_architecture(native["architectures"][0])
-    return [n for n in names if fmt.SAVES_SHARED or n not in shared]
+    head = {HEAD} if native.get("draft_vocab_size") else set()
+    return [n for n in names if fmt.SAVES_SHARED or n not in shared or n in head]
 
 
 # ---- reading -------------------------------------------------------------------------------------
@@ -195,7 +205,8 @@ def _speculative_tokens(data: dict, model_type: str) -> int:
 
 
 def _layer_config(data: dict) -> dict:
-    """transformer_layer_config, checked: Qwen3 full-attention layers over the whole vocabulary."""
+    """transformer_layer_config, checked: Qwen3 full-attention layers, a draft vocabulary of at
+    most the whole one."""
     layer = data.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ConfigError("transformer_layer_config: missing from the speculators config.json")
@@ -216,11 +227,12 @@ def _layer_config(data: dict) -> dict:
             raise ConfigError(f"transformer_layer_config.{key}: missing")
     vocab = int(layer["vocab_size"])
     draft_vocab = data.get("draft_vocab_size")
-    if draft_vocab is None or int(draft_vocab) != vocab:
+    if draft_vocab is None:
+        raise ConfigError("draft_vocab_size: missing from the speculators config.json")
+    if not 0 < int(draft_vocab) <= vocab:
         raise ConfigError(
-            f"draft_vocab_size: {draft_vocab} against the vocabulary's {vocab} (a reduced "
-            "draft vocabulary, with d2t / t2d maps); dspark-ds drafters predict the target's "
-            "whole vocabulary"
+            f"draft_vocab_size: {draft_vocab}; a draft vocabulary holds 1 to the vocabulary's "
+            f"{vocab} tokens"
         )
     hidden = data.get("target_hidden_size")
     if hidden is not None and int(hidden) != int(layer["hidden_size"]):
@@ -272,6 +284,9 @@ def native_dict(data: dict, target_config=None) -> dict:
     layer = _layer_config(data)
     num_layers, target_type, text_type = _target_family(data, target_config)
     kind = fmt.from_speculators(data, layer, tokens)
+    draft_vocab = int(data["draft_vocab_size"])
+    if draft_vocab != int(layer["vocab_size"]):  # reduced: its d2t / t2d are in the weights
+        kind["draft_vocab_size"] = draft_vocab
     return {
         **layer,
         **kind,

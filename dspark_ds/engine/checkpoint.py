@@ -123,7 +123,8 @@ def checkpoint_trainable_fp32(tag_dir: str | Path) -> dict[str, torch.Tensor]:
             raise ConfigError(f"{tag_dir}: no DeepSpeed model states")
         # NOTE: DeepSpeed's own checkpoints carry non-tensor objects; only load those we wrote.
         state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
-    return {k: v.float() for k, v in state.items()}
+    # integer / bool buffers (a draft vocabulary's d2t, t2d) keep their dtype
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
 def full_fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -151,6 +152,7 @@ def full_fp32_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
         return None
     # persistent buffers (e.g. Gemma4's layer_scalar) are saved too; ZeRO never shards them
     for name, value in model.state_dict().items():
-        if name not in out:
-            out[name] = value.detach().float().cpu().clone()
+        if name not in out:  # integer / bool ones (a draft vocabulary's d2t, t2d) as they are
+            value = value.detach().float() if value.is_floating_point() else value.detach()
+            out[name] = value.cpu().clone()
     return out

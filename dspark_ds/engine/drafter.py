@@ -109,6 +109,19 @@ def _build_partitioned(
     return model
 
 
+def _copy_head_rows(model: nn.Module, target) -> None:
+    """A draft vocabulary's head (model.draft_vocab_size) from the in-job target's lm_head, when
+    ZeRO-3 partitions either: both gathered, copied on rank 0 (`share_embeddings_and_head`
+    copies them when neither is)."""
+    head, own = target.lm_head_weight, model.lm_head.weight
+    if not (hasattr(head, "ds_shape") or hasattr(own, "ds_shape")):
+        return
+    with import_deepspeed().zero.GatheredParameters([head, own], modifier_rank=0):
+        if dist.get_rank() == 0:
+            with torch.no_grad():
+                own.copy_(model.head_weight_rows(head.detach()))
+
+
 class DrafterEngine:
     """A drafter wrapped by a DeepSpeed engine (`ds`); `module` is the bare drafter."""
 
@@ -153,6 +166,8 @@ class DrafterEngine:
             model = _build_whole(make_model, seed, init_state, shared_weights)
         if target is not None:
             share_embeddings_and_head(model, target)
+            if getattr(model, "draft_vocab", 0):
+                _copy_head_rows(model, target)
         trainable = [p for p in model.parameters() if p.requires_grad]
         ds_engine, _, _, _ = import_deepspeed().initialize(
             model=model,

@@ -11,6 +11,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -80,6 +81,8 @@ def step_shape(cfg: TrainBenchConfig):
     """The `StepShape` of the bench's micro-batch (what the kind's FLOP count reads)."""
     width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
     widths = Widths.of_config(target_config(cfg), cfg.model.num_draft_layers, cfg.num_target_layers)
+    # the head's rows: a reduced draft vocabulary's N
+    widths = replace(widths, vocab=cfg.model.draft_vocab_size or widths.vocab)
     drafter = cfg.kind.cost.step_part(cfg.model)
     return StepShape.of(widths, cfg.batch_size, cfg.seq_len, drafter, width, width)
 

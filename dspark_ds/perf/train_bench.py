@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -100,6 +100,9 @@ class TrainBenchConfig:
     """Tapped target layers, so the context projection is (n·H -> H)."""
     vocab_size: int = 32000
     """Vocabulary size V."""
+    draft_vocab_size: int = 0
+    """The drafter's reduced draft vocabulary N (`model.draft_vocab_size`: an N-row head); 0 =
+    the whole vocabulary."""
     seq_len: int = 2048
     """Sequence length S."""
     batch_size: int = 1
@@ -165,7 +168,9 @@ class TrainBenchConfig:
     def model(self):
         """The benched drafter's `model` section: the preset, sized (ConfigError naming the
         field)."""
-        return sized(self.drafter, self.sizes.block(self.drafter)).validate(prefix=None)
+        model = sized(self.drafter, self.sizes.block(self.drafter))
+        model = replace(model, draft_vocab_size=self.draft_vocab_size or None)
+        return model.validate(prefix=None)
 
     @property
     def kind(self):
@@ -293,8 +298,9 @@ def add_reference_ratios(results: list[dict], reference: str) -> None:
 
 def format_table(cfg: TrainBenchConfig, results: list[dict]) -> str:
     shape = (
-        f"{cfg.kind.report.describe(cfg.model)}; H={cfg.hidden_size} V={cfg.vocab_size} "
-        f"S={cfg.seq_len} B={cfg.batch_size} {cfg.dtype} {cfg.device} "
+        f"{cfg.kind.report.describe(cfg.model)}; H={cfg.hidden_size} V={cfg.vocab_size}"
+        + (f" draft V={cfg.draft_vocab_size} " if cfg.draft_vocab_size else " ")
+        + f"S={cfg.seq_len} B={cfg.batch_size} {cfg.dtype} {cfg.device} "
         f"threads={cfg.num_threads} chunk={cfg.chunk_anchors} matmul={cfg.dtype}[{cfg.matmul_n}]"
     )
     head = (

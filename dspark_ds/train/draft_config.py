@@ -3,9 +3,17 @@ target's own config, its errors named by the run's options (`model.*`, `target.*
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
+
+import torch
+from torch import nn
 
 from dspark_ds.config import TrainRunConfig
+from dspark_ds.data.vocab_counts import token_counts
+from dspark_ds.drafters import build_draft_model
+from dspark_ds.drafters.common.vocab import draft_vocab_size, top_tokens, vocab_maps
 from dspark_ds.drafters.presets import DrafterConfig
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
@@ -54,3 +62,29 @@ def make_draft_config(cfg: TrainRunConfig):
         if field in {f.name for f in fields(DrafterConfig)}:
             raise ConfigError(f"model.{field}:{why}") from err
         raise ConfigError(f"target.path: {field}:{why}") from err
+
+
+def drafter_maker(
+    draft_config, source, run_dir: str | Path, init_state: dict | None = None
+) -> Callable[[], nn.Module]:
+    """What builds the run's drafter (random init). Collective with a draft vocabulary
+    (`model.draft_vocab_size`): its N tokens are the most frequent supervised ones of the
+    training data `source` (data/vocab_counts.py), the same on every rank, installed as the
+    drafter's d2t / t2d before its head is copied from the target's rows; a start from a
+    drafter with one (`init_state`, model.init_from) keeps that drafter's."""
+    n = draft_vocab_size(draft_config)
+    if not n:
+        return lambda: build_draft_model(draft_config)
+    vocab = int(draft_config.vocab_size)
+    if init_state is not None and "d2t" in init_state:
+        ids = init_state["d2t"].to(torch.int64) + torch.arange(init_state["d2t"].numel())
+    else:
+        ids = top_tokens(token_counts(source, vocab, run_dir), n)
+    d2t, t2d = vocab_maps(ids, vocab)
+
+    def make() -> nn.Module:
+        model = build_draft_model(draft_config)
+        model.set_draft_vocab(d2t, t2d)
+        return model
+
+    return make

@@ -73,7 +73,7 @@ def export_checkpoint(
     model = build_draft_model(draft_cfg)
     embed, head = target_shared_weights(target_path)
     state = assemble_state_dict(model, trainable, embed, head)
-    state = {k: v.to(dtype) for k, v in state.items()}
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if format == "speculators":
         out = save_speculators_model(model, output_dir, state, target_path=str(target_path))
     else:
@@ -89,6 +89,11 @@ def assemble_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The full drafter state: trainable weights + the target's shared ones; strict."""
     own = model.state_dict()
+    if getattr(model, "draft_vocab", 0):  # the target's rows of the draft vocabulary
+        if "d2t" not in trainable:
+            raise ConfigError("checkpoint: has no d2t, but the drafter has a draft vocabulary")
+        model.set_draft_vocab(trainable["d2t"], trainable.get("t2d"))
+        head = model.head_weight_rows(head)
     shared = dict(zip(model.shared_parameter_names(), (embed, head)))
     state = {**trainable, **shared}
     missing = sorted(set(own) - set(state))
@@ -104,7 +109,9 @@ def assemble_state_dict(
                 f"{name}: checkpoint shape {tuple(tensor.shape)} != drafter "
                 f"{tuple(own[name].shape)}"
             )
-    return {name: state[name].float() for name in own}
+    return {
+        name: state[name].float() if own[name].is_floating_point() else state[name] for name in own
+    }
 
 
 def run_export(cfg) -> Path:

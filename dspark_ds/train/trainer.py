@@ -47,7 +47,7 @@ from dspark_ds.config import TrainRunConfig, dump_config, to_plain
 from dspark_ds.cost.devices import peak_flops
 from dspark_ds.cost.flops import WindowFlops, target_in_job
 from dspark_ds.distributed import print0
-from dspark_ds.drafters import build_draft_model, save_draft_model
+from dspark_ds.drafters import save_draft_model
 from dspark_ds.drafters.io import check_init_state, draft_config_dict, read_init_state
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext, StepOutput
 from dspark_ds.drafters.registry import get_kind
@@ -62,7 +62,7 @@ from dspark_ds.tracking.system import NodeMetrics, discover_layout
 from dspark_ds.train import rundir, signals
 from dspark_ds.train.batches import build_batch_source, served_client
 from dspark_ds.train.checkpoint import CheckpointManager
-from dspark_ds.train.draft_config import make_draft_config
+from dspark_ds.train.draft_config import drafter_maker, make_draft_config
 from dspark_ds.train.lineage import log_export, start_tracking
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
 from dspark_ds.train.rng import seed_everything
@@ -237,7 +237,7 @@ class Trainer:
             init_state = read_init_state(self.cfg.model.init_from, target_config)
             check_init_state(init_state, self.draft_config, self.cfg.model.init_from)
         return DrafterEngine.build(
-            lambda: build_draft_model(self.draft_config),
+            drafter_maker(self.draft_config, self.source, self.run_dir, init_state),
             ds_config=self.ds_config,
             seed=self.cfg.train.seed,
             target=self.target,
@@ -307,8 +307,11 @@ class Trainer:
         error = None
         if self.rank == 0:
             # online, `state` already holds the target's own (shared) weights
-            names = self.engine.module.shared_parameter_names()
+            module = self.engine.module
+            names = module.shared_parameter_names()
             for name, weight in zip(names, self.shared or ()):
+                if name == "lm_head.weight":  # its rows of a draft vocabulary
+                    weight = module.head_weight_rows(weight)
                 if name in state:
                     state[name] = weight.detach().float().cpu().clone()
             try:

@@ -12,10 +12,11 @@ own config class (`engine.config.zero_settings`).
   grads, ZeRO-3 also the params (except the persistent ones); offload_optimizer moves the fp32
   states to host RAM, offload_param the params. DeepSpeed's own estimators
   (estimate_zero2/zero3_model_states_mem_needs) are kept beside ours for bf16.
-- the frozen embedding + lm_head (2·V·H): with the target in the job (online / hybrid) the
-  drafter uses the target's own Parameters, counted once with the target; offline a copy in the
-  compute dtype. ZeRO-3 partitions them (and the in-job target) and gathers the lm_head / one
-  target layer while in use.
+- the frozen embedding + lm_head (2·V·H; (V + N)·H with a draft vocabulary of N, whose head
+  of N rows the drafter holds itself, also with the target in the job): with the target in the
+  job (online / hybrid) the drafter uses the target's own Parameters, counted once with the
+  target; offline a copy in the compute dtype. ZeRO-3 partitions them (and the in-job target)
+  and gathers the lm_head / one target layer while in use.
 - the in-job target's weights (whole on every GPU under ZeRO-0/1/2) and its forward (no grad):
   one layer's working set.
 - hpZ (zero_hpz_partition_size h > 1): the secondary partition, every partitioned parameter
@@ -293,12 +294,15 @@ def frozen_and_target(
     host: dict[str, float] = {}
     in_job = "target_weights" in target
     off_param = zero.offload_param is not None
+    head = inv.vocab * inv.hidden  # the drafter's lm_head: a draft vocabulary's N rows
     if zero.stage == 3:
         if not in_job:
             (host if off_param else device)["frozen_embed_lm_head"] = inv.frozen * b / world
-        device["frozen_gathered"] = inv.frozen / 2 * b  # the lm_head, gathered while in use
+        device["frozen_gathered"] = head * b  # the lm_head, gathered while in use
     elif not in_job:
         device["frozen_embed_lm_head"] = inv.frozen * b
+    elif inv.draft_head:  # the target's own embedding, but a head of its own
+        device["draft_head"] = inv.draft_head * b
     if in_job and zero.stage == 3:
         (host if off_param else device)["target_weights"] = target["target_weights"] / world
         # one decoder layer gathered at a time while the target runs

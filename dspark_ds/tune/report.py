@@ -46,7 +46,8 @@ def headline(cfg: TunerConfig, inv: Inventory, run_cfg, machine: Machine, nodes:
         f"{inv.frozen / 1e6:.1f} M frozen params, target {inv.target_params / 1e9:.2f} B "
         f"({run_cfg.data.mode}), micro-batch {run_cfg.data.batch_size} × "
         f"{run_cfg.data.max_length}, global batch {run_cfg.train.global_batch_size}, "
-        f"V={inv.vocab}, {run_cfg.train.precision}",
+        f"V={inv.vocab}{' (draft vocabulary)' if inv.draft_head else ''}, "
+        f"{run_cfg.train.precision}",
         f"cluster {nodes} node(s) × {machine.gpus_per_node} "
         f"{'rank(s)' if cfg.device == 'cpu' else 'GPU(s)'} of "
         f"{machine.gpu_memory_bytes / GB:.0f} GiB, {machine.host_memory_bytes / GB:.0f} GiB "

@@ -14,6 +14,9 @@ answers (transformers, in process), which vLLM's speculative outputs must equal 
   regeneration stop in one line naming the server and OPENAI_API_KEY; with it, the key is in
   none of the files the runs wrote, the MLflow store included;
 - Eagle3 (`method: eagle3`): the same parity;
+- Eagle3 and DFlash with a reduced draft vocabulary (three quarters of the tokens the training
+  answers hold, the most frequent; some answers' tokens outside it): vLLM's `d2t` path, the
+  same outputs and the same parity;
 - DSpark: vLLM's own config validation and weight loader take the export (`dspark-ds
   serve-check`), no tensor missing or unexpected (vLLM runs DSpark in its V2 runner only,
   which needs a GPU).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +36,7 @@ import torch
 from dspark_ds import cli
 from dspark_ds.config import TrackingConfig
 from dspark_ds.drafters import save_draft_model
+from dspark_ds.drafters.common.vocab import top_tokens
 from dspark_ds.drafters.io import draft_config_dict
 from dspark_ds.drafters.presets import preset
 from dspark_ds.drafters.serving import serving_format
@@ -60,6 +65,7 @@ DRAFTERS = {
     "eagle3": preset("eagle3", num_draft_layers=1, ttt_length=4),
     "dspark": preset("dspark", num_draft_layers=1, block_size=4, num_anchors=16, markov_rank=16),
 }
+REDUCED = {k: DRAFTERS[k] for k in ("eagle3", "dflash")}  # with a draft vocabulary: vLLM's d2t
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +96,22 @@ def tiny(tmp_path_factory):
             target, model, sequences, layer_ids=LAYER_IDS, mask_token_id=MASK_ID, steps=60
         )
         exports[name] = save_draft_model(drafter, root / name)
+    # a reduced draft vocabulary: the answers' most frequent tokens (some answers' tokens are
+    # outside it, never proposed)
+    answered = torch.cat([full[0, n:] for full, n in sequences])
+    vocab_n = len(answered.unique()) * 3 // 4
+    ids = top_tokens(torch.bincount(answered, minlength=target.config.vocab_size), vocab_n)
+    for name, model in REDUCED.items():
+        drafter = train_tiny_drafter(
+            target,
+            replace(model, draft_vocab_size=vocab_n),
+            sequences,
+            layer_ids=LAYER_IDS,
+            mask_token_id=MASK_ID,
+            steps=60,
+            draft_ids=ids,
+        )
+        exports[f"{name}_vocab"] = save_draft_model(drafter, root / f"{name}_vocab")
     prompts = [
         encode_prompt(tokenizer, t, {"enable_thinking": False})[0].tolist() for t in evaluated
     ]
@@ -100,6 +122,7 @@ def tiny(tmp_path_factory):
         exports=exports,
         prompts=prompts,
         answers=answers,
+        vocab_n=vocab_n,
     )
 
 
@@ -232,6 +255,31 @@ class TestEagle3:
         _check_parity(
             run_eval(_eval(tiny, "eagle3", server.url, tracking=TrackingConfig(enabled=False)))
         )
+
+
+@pytest.mark.parametrize("kind", list(REDUCED))
+def test_a_draft_vocabulary_served_with_its_d2t_with_our_acceptance(tiny, reference, kind):
+    name = f"{kind}_vocab"
+    spec = _spec(tiny, name)
+    assert spec["method"] == kind
+    config = json.loads((tiny.exports[name] / "config.json").read_text())
+    assert config["draft_vocab_size"] == tiny.vocab_n
+    d2t = load_d2t(tiny.exports[name])
+    outside = {t for a in reference for t in a} - set((d2t + torch.arange(tiny.vocab_n)).tolist())
+    assert outside  # answers vLLM had to give without a draft of those tokens
+    with VllmServer(tiny.target, speculative=spec, log=tiny.root / f"{name}.log") as server:
+        print(f"[serving] {name}, {tiny.vocab_n} draft tokens: started in {server.start_s:.1f} s")
+        outputs = [server.complete(p, MAX_NEW_TOKENS) for p in tiny.prompts]
+        assert outputs == reference
+        cfg = _eval(tiny, name, server.url, tracking=TrackingConfig(enabled=False))
+        _check_parity(run_eval(cfg))
+
+
+def load_d2t(export: Path) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(export / "model.safetensors"), "pt") as f:
+        return f.get_tensor("d2t")
 
 
 def test_dspark_export_passes_vllms_config_validation_and_weight_loader(tiny):

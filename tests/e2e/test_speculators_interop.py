@@ -23,16 +23,18 @@ from dspark_ds.drafters.io import save_draft_model, save_speculators_model
 from dspark_ds.eval.decoding import speculative_generate
 
 from helpers.evaluation import decoding_prompts, greedy_reference
-from helpers.speculators_env import make_drafter, run_probe
+from helpers.speculators_env import draft_ids, make_drafter, run_probe
 from helpers.vllm_serving import require_vllm
 
 pytestmark = pytest.mark.slow
 
 OURS = ("dspark", "dspark_gated", "dspark_rnn", "dflash", "dflash_anchor", "eagle3")
+REDUCED = ("dspark_reduced", "dflash_reduced", "eagle3_reduced")  # 200 of the 384 tokens
 ANCHORS = torch.tensor([2, 7, 11])
 SEQ = 20
 # speculators' own drafters for the tiny target (from_training_args keywords): taps given in its
-# counting (the embedding output is 0), γ 4
+# counting (the embedding output is 0), γ 4; `<kind>_reduced`: over the draft vocabulary
+# helpers/speculators_env.draft_ids gives ours, its d2t / t2d handed to from_training_args
 THEIRS = {
     "dspark": dict(
         layers=2,
@@ -49,6 +51,7 @@ THEIRS = {
         layers=1, args=dict(target_layer_ids=[0, 2, 3], norm_before_residual=False, ttt_steps=3)
     ),
 }
+THEIRS |= {f"{name}_reduced": spec for name, spec in THEIRS.items()}
 
 
 def _inputs(model_or_taps, steps: int, seed: int) -> dict:
@@ -93,22 +96,23 @@ def interop(tiny_target, tmp_path_factory):
     work = tmp_path_factory.mktemp("speculators")
     target = Qwen3ForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     ours, jobs = {}, {"target": tiny_target, "build": [], "load": []}
-    for i, name in enumerate(OURS):
+    for i, name in enumerate(OURS + REDUCED):
         model = make_drafter(name, target)
         save_speculators_model(model, work / name, target_path=tiny_target)
         torch.save(_inputs(model, getattr(model, "ttt_length", 0), i), work / f"{name}.in.pt")
         ours[name] = model
     for i, (name, spec) in enumerate(THEIRS.items()):
-        args = dict(spec["args"], draft_vocab_size=384)
-        if name != "eagle3":
+        kind = name.removesuffix("_reduced")
+        ids = draft_ids(384) if name.endswith("_reduced") else None
+        args = dict(spec["args"], draft_vocab_size=len(ids) if ids else 384)
+        if kind != "eagle3":
             args["mask_token_id"] = 383
-        jobs["build"].append(
-            dict(out=str(work / f"theirs_{name}"), type=name, layers=spec["layers"], args=args)
-        )
+        build = dict(out=str(work / f"theirs_{name}"), type=kind, layers=spec["layers"], args=args)
+        jobs["build"].append({**build, "draft_ids": ids} if ids else build)
         steps = args.get("ttt_steps", 0)
         taps = len(args["target_layer_ids"])
         torch.save(_inputs(taps, steps, 10 + i), work / f"theirs_{name}.in.pt")
-    for name in [*OURS, *(f"theirs_{n}" for n in THEIRS)]:
+    for name in [*OURS, *REDUCED, *(f"theirs_{n}" for n in THEIRS)]:
         jobs["load"].append(
             dict(
                 dir=str(work / name),
@@ -122,7 +126,7 @@ def interop(tiny_target, tmp_path_factory):
     return {"work": work, "target": target, "ours": ours, "tiny_target": tiny_target}
 
 
-@pytest.mark.parametrize("name", OURS)
+@pytest.mark.parametrize("name", OURS + REDUCED)
 def test_speculators_loads_our_export_with_the_same_logits(interop, name):
     work, model = interop["work"], interop["ours"][name]
     result = torch.load(work / f"{name}.out.pt")
@@ -152,7 +156,7 @@ def test_speculators_converter_agrees_with_our_export(interop):
     assert all(torch.equal(theirs[k], ours[k]) for k in ours)
 
 
-@pytest.mark.parametrize("name", ("dspark", "dflash", "eagle3"))
+@pytest.mark.parametrize("name", ("dspark", "dflash", "eagle3") + REDUCED)
 def test_our_config_json_has_the_keys_speculators_writes(interop, name):
     work = interop["work"]
     mine = json.loads((work / name / "config.json").read_text())

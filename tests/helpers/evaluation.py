@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
+from dspark_ds.drafters.common.vocab import vocab_maps
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.decoding import speculative_generate
@@ -50,9 +51,11 @@ def random_drafter(
     markov_std: float | None = None,
     num_draft_layers: int = 1,
     backbone: str = "auto",
+    draft_ids: torch.Tensor | None = None,
 ):
     """A randomly initialised drafter for `target` (embedding and lm_head copied from it);
-    `backbone` is the `model.backbone` field."""
+    `backbone` is the `model.backbone` field, `draft_ids` the target ids of a reduced draft
+    vocabulary (its head: their rows)."""
     torch.manual_seed(seed)
     vocab = target.config.vocab_size
     cfg = build_draft_config(
@@ -67,8 +70,11 @@ def random_drafter(
         markov_head_type=markov_head_type,
         confidence_head_alpha=1.0 if confidence else 0.0,
         confidence_head_with_markov=confidence and markov_rank > 0,
+        draft_vocab_size=0 if draft_ids is None else len(draft_ids),
     )
     drafter = build_draft_model(cfg).eval()
+    if draft_ids is not None:
+        drafter.set_draft_vocab(vocab_maps(draft_ids, vocab)[0])
     drafter.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
     if markov_std is not None:
         with torch.no_grad():

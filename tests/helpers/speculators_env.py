@@ -1,6 +1,7 @@
 """The speculators-format tests' helpers (tests/unit/ and tests/e2e/test_speculators_interop.py).
 
-- ``make_drafter(name, target)``: the drafters the format covers, random, for a loaded target.
+- ``make_drafter(name, target)``: the drafters the format covers, random, for a loaded target
+  (``<name>_reduced``: over a reduced draft vocabulary, ``draft_ids``).
 
 speculators 0.9.0 in its own environment:
 
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
+from dspark_ds.drafters.common.vocab import vocab_maps
 from dspark_ds.drafters.eagle3.build import build_eagle3_config
 
 from helpers.drafters import with_target_weights
@@ -63,17 +65,29 @@ def run_probe(jobs: dict, work: Path, timeout_s: float = 240.0) -> str:
     return proc.stdout
 
 
+def draft_ids(vocab: int, n: int = 200) -> list[int]:
+    """A reduced draft vocabulary's target ids: `n` of them, at random (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    return sorted(torch.randperm(vocab, generator=g)[:n].tolist())
+
+
 def _spread(model, target, seed: int):
     torch.manual_seed(seed)
+    if getattr(model, "draft_vocab", 0):
+        ids = torch.tensor(draft_ids(target.config.vocab_size, model.draft_vocab))
+        model.set_draft_vocab(vocab_maps(ids, target.config.vocab_size)[0])
     return with_target_weights(model, target)
 
 
 def make_drafter(name: str, target):
     """The drafters the format covers: DSpark (vanilla / gated / RNN Markov heads), DFlash in
-    both layouts, Eagle3; two or three tapped layers, -1 (the embedding output) among them."""
+    both layouts, Eagle3; two or three tapped layers, -1 (the embedding output) among them;
+    `<name>_reduced`: the same over a reduced draft vocabulary (`draft_ids`)."""
     cfg = target.config
+    name, reduced = name.removesuffix("_reduced"), name.endswith("_reduced")
+    vocab = {"draft_vocab_size": len(draft_ids(cfg.vocab_size)) if reduced else None}
     if name == "eagle3":
-        draft = build_eagle3_config(cfg, target_layer_ids=[-1, 1, 2], num_draft_layers=1)
+        draft = build_eagle3_config(cfg, target_layer_ids=[-1, 1, 2], num_draft_layers=1, **vocab)
         return _spread(build_draft_model(draft), target, 3)
     heads = dict(markov_rank=8, confidence_head_alpha=1.0, confidence_head_with_markov=True)
     fields = {
@@ -92,5 +106,6 @@ def make_drafter(name: str, target):
         block_size=4,
         num_anchors=8,
         **fields,
+        **vocab,
     )
     return _spread(build_draft_model(draft), target, 1)

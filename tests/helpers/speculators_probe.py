@@ -5,7 +5,8 @@ environment (`helpers.speculators_env.run_probe`); it imports nothing of dspark-
 
 JOBS.json: {"target": the tiny target directory,
             "build": [{"out": DIR, "type": "dspark" | "dflash" | "eagle3", "layers": N,
-                       "args": {from_training_args keywords}}],
+                       "args": {from_training_args keywords},
+                       "draft_ids": [a reduced draft vocabulary's target ids] (optional)}],
             "convert": [{"dir": DIR, "out": DIR}],
             "load": [{"dir": DIR, "inputs": FILE.pt, "out": FILE.pt}]}
 
@@ -40,8 +41,14 @@ def build(target: str, job: dict) -> None:
         target, layers, "qwen3", None, None, list(range(layers))
     )
     torch.manual_seed(int(job.get("seed", 0)))
+    maps = {}
+    if job.get("draft_ids"):  # speculators' own convention: d2t offsets, t2d a mask
+        ids = torch.tensor(sorted(job["draft_ids"]), dtype=torch.long)
+        t2d = torch.zeros(layer_config.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        maps = dict(d2t=ids - torch.arange(len(ids)), t2d=t2d)
     model = classes[job["type"]].from_training_args(
-        layer_config, verifier_name_or_path=target, draft_attn_impl="eager", **job["args"]
+        layer_config, verifier_name_or_path=target, draft_attn_impl="eager", **job["args"], **maps
     )
     frozen = ("embed_tokens", "lm_head", "verifier_lm_head", "verifier_norm")
     with torch.no_grad():

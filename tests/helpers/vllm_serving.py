@@ -184,9 +184,11 @@ def train_tiny_drafter(
     steps: int,
     seed: int = 0,
     lr: float = 3e-3,
+    draft_ids=None,
 ):
     """A drafter of `model_cfg` (a DrafterConfig) trained `steps` Adam steps on `sequences`
-    (`greedy_sequences`), one sequence per step, features from the target; in eval mode."""
+    (`greedy_sequences`), one sequence per step, features from the target; in eval mode.
+    `draft_ids`: the target ids of its draft vocabulary (`model_cfg.draft_vocab_size` of them)."""
     from dspark_ds.drafters import build_draft_model
     from dspark_ds.drafters.kind import StepContext
     from dspark_ds.drafters.perf import PerfConfig
@@ -199,6 +201,10 @@ def train_tiny_drafter(
         target.config, model_cfg, target_layer_ids=layer_ids, mask_token_id=mask_token_id
     )
     drafter = build_draft_model(config)
+    if draft_ids is not None:
+        from dspark_ds.drafters.common.vocab import vocab_maps
+
+        drafter.set_draft_vocab(vocab_maps(draft_ids, int(config.vocab_size))[0])
     drafter.initialize_embeddings_and_head(
         target.get_input_embeddings().weight, target.get_output_embeddings().weight
     )

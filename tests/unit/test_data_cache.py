@@ -262,3 +262,23 @@ def test_estimate_matches_the_built_size(env, built):
     )
     assert quick["total_bytes"] == 10_000 * (4 + 1 + 4 * 32 * 2)
     assert json.loads(json.dumps(quick))["human"].endswith("MiB")
+
+
+def test_the_token_counts_of_a_cache_are_those_of_its_data(env, built, tmp_path):
+    """A draft vocabulary counted from the cache (offline) or from its prepared data (online)
+    is the same; the counts are written beside each."""
+    import shutil
+    from types import SimpleNamespace
+
+    from dspark_ds.data.vocab_counts import COUNTS_FILE, token_counts
+
+    root, _ = env
+    prep = shutil.copytree(root / "prep", tmp_path / "prep")
+    cache_dir = shutil.copytree(built[0], tmp_path / "cache")
+    online = SimpleNamespace(samples=TokenStore.load(prep), cache=None)
+    offline = SimpleNamespace(samples=None, cache=TargetCache(cache_dir))
+    want = token_counts(online, 384, tmp_path / "run")
+    assert torch.equal(token_counts(offline, 384, tmp_path / "run"), want) and int(want.sum()) > 0
+    assert (prep / COUNTS_FILE).is_file() and (cache_dir / COUNTS_FILE).is_file()
+    # the cache still opens and verifies with the file beside its shards
+    assert len(TargetCache(cache_dir)) == 14

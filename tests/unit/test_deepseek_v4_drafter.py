@@ -297,6 +297,30 @@ def test_the_export_is_vllms_v4_dspark_layout_and_loads_back(target, drafter, tm
     )
 
 
+def test_a_reduced_draft_vocabulary_keeps_its_maps_beside_the_v4_layout(target, tmp_path):
+    """d2t / t2d travel under their own names beside the `mtp.{i}.*` weights; the head (the
+    target's rows of the draft tokens) is left to the target, read back from its rows."""
+    ids = torch.tensor([0, 2, 3, 5, 7, 8, 11, 13, 14, 15])
+    drafter = random_drafter(
+        target, layer_ids=(0, 2), markov_std=0.5, num_draft_layers=LAYERS, backbone="target",
+        draft_ids=ids,
+    )  # fmt: skip
+    assert drafter.lm_head.weight.shape[0] == len(ids)
+    save_draft_model(drafter, tmp_path)
+    names = set(json.loads(_safetensors_header(tmp_path / "model.safetensors")))
+    assert {"d2t", "t2d"} <= names and not {n for n in names if "lm_head" in n}
+    assert f"mtp.{LAYERS - 1}.markov_head.markov_w2.weight" in names
+    loaded = load_draft_model(tmp_path, shared_weights=_shared(target))
+    assert loaded.draft_target_ids().tolist() == ids.tolist()
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    fmt = serving_format({**loaded.config.to_dict(), "architectures": ["DSparkDraftModel"]})
+    assert fmt.vllm_method is None and "draft_vocab_size: 10" in fmt.warnings[0]
+    prompts = decoding_prompts(VOCAB)[:2]
+    want = [greedy_reference(target, p, 8, with_generate=False) for p in prompts]
+    check_greedy_rounds(target, loaded, prompts, want, 8, ())
+
+
 def _safetensors_header(path: Path) -> str:
     raw = path.read_bytes()
     return raw[8 : 8 + int.from_bytes(raw[:8], "little")].decode()

@@ -77,6 +77,7 @@ SHARED = {"embed_tokens.weight", "lm_head.weight"}
 
 
 DRAFTERS = ("dspark", "dspark_gated", "dspark_rnn", "dflash", "dflash_anchor", "eagle3")
+REDUCED = ("dspark_reduced", "dflash_reduced", "eagle3_reduced")  # 200 of the 384 tokens
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def _shared(target):
     return target.model.embed_tokens.weight, target.lm_head.weight
 
 
-@pytest.mark.parametrize("name", DRAFTERS)
+@pytest.mark.parametrize("name", DRAFTERS + REDUCED)
 def test_the_export_is_speculators_layout_and_reads_back_exactly(
     name, target, tiny_target, tmp_path
 ):
@@ -109,7 +110,14 @@ def test_the_export_is_speculators_layout_and_reads_back_exactly(
     assert tokens == getattr(model.config, "block_size", getattr(model.config, "ttt_length", 0))
     written = set(read_state_dict(out))
     own = set(model.state_dict())
-    assert written == (own if model_type == "eagle3" else own - SHARED)
+    reduced = name.endswith("_reduced")
+    assert data["draft_vocab_size"] == (200 if reduced else target.config.vocab_size)
+    assert data["transformer_layer_config"]["vocab_size"] == target.config.vocab_size
+    # a reduced head stays in the directory whatever the kind (speculators keeps it)
+    left = set() if model_type == "eagle3" else SHARED - ({"lm_head.weight"} if reduced else set())
+    assert written == own - left
+    assert ({"d2t", "t2d"} <= written) == reduced
+    assert data["dtype"] == "float32"  # the weights', not the maps' int64 / bool
 
     back = load_draft_model(out, target_config=target.config, shared_weights=_shared(target))
     assert type(back) is type(model)
@@ -141,7 +149,7 @@ def _decode(target, drafter, monkeypatch):
     return runs
 
 
-@pytest.mark.parametrize("name", ("dspark", "dflash", "eagle3"))
+@pytest.mark.parametrize("name", ("dspark", "dflash", "eagle3") + REDUCED)
 def test_decoding_a_speculators_export_equals_the_native_one(
     name, target, tiny_target, tmp_path, monkeypatch
 ):
@@ -218,7 +226,8 @@ REFUSED = [
     ("dspark", "speculators_config.proposal_methods.0.proposal_type", "tree", "proposal_type"),
     ("dspark", "speculators_config.proposal_methods.0.verifier_accept_k", 5, "verifier_accept_k"),
     ("dspark", "speculators_config.proposal_methods.0.speculative_tokens", 2, "speculative_tokens"),
-    ("dspark", "draft_vocab_size", 128, "draft_vocab_size: 128 .*d2t"),
+    ("dspark", "draft_vocab_size", 500, "draft_vocab_size: 500; a draft vocabulary holds 1 to"),
+    ("dspark", "draft_vocab_size", None, "draft_vocab_size: missing"),
     ("dspark", "transformer_layer_config.model_type", "llama", "model_type: 'llama'"),
     (
         "dspark",

@@ -99,7 +99,10 @@ class TargetSharedWeights:
         self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, freeze: bool = True
     ) -> None:
         """Copies the target's embedding and lm_head (docs/algorithm.md#the-drafter) and
-        freezes them."""
+        freezes them; with a draft vocabulary (drafters/common/vocab.py), the lm_head's rows of
+        its tokens."""
+        if getattr(self, "draft_vocab", 0):
+            lm_head_weight = self.head_weight_rows(lm_head_weight)
         for name, dst, src in (
             ("embed_tokens", self.embed_tokens.weight, embed_weight),
             ("lm_head", self.lm_head.weight, lm_head_weight),

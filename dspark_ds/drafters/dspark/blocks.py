@@ -24,6 +24,7 @@ class DSparkForwardOutput:
     confidence_pred: torch.Tensor | None = None  # [B, A, G] fp32 logits
     aligned_target_logits: torch.Tensor | None = None  # [B, A, G, V]
     anchor_positions: torch.Tensor | None = None  # [B, A] the anchors used
+    label_in_vocab: torch.Tensor | None = None  # [B, A, G] bool; None: no draft vocabulary
 
 
 def build_anchor_candidate_mask(loss_mask: torch.Tensor) -> torch.Tensor:

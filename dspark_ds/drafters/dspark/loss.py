@@ -72,7 +72,7 @@ class LossPlan:
 
     w: torch.Tensor  # [B, A, G] position weights
     valid: torch.Tensor  # [B, A, G] eval_mask as fp32
-    local_den: dict[str, torch.Tensor]  # this rank's den_ce, den_l1, den_conf
+    local_den: dict[str, torch.Tensor]  # this rank's den_ce, den_l1, den_conf, den_terms
     coef_ce: torch.Tensor  # 0-d fp32
     coef_l1: torch.Tensor  # 0 when the L1 term is off (alpha 0, or no supervised slot anywhere)
     coef_conf: torch.Tensor
@@ -81,13 +81,23 @@ class LossPlan:
     coef_terms: dict[str, torch.Tensor] = field(default_factory=dict)  # per distribution term
     lk_eta: float = 3.0
     dpace_alpha: float | None = None  # D-PACE's smoothing when the schedule is "dpace"
+    in_vocab: torch.Tensor | None = None  # [B, A, G] bool: the label is in the draft vocabulary
 
     def main_weights(self, ce: torch.Tensor) -> torch.Tensor:
-        """The weights of CE, L1 and the distribution terms: `w`, or D-PACE's of the (detached)
-        per-slot CE, blocks on the last dimension. The confidence BCE keeps `w`."""
+        """The weights of L1 and the distribution terms: `w`, or D-PACE's of the (detached)
+        per-slot CE, blocks on the last dimension (a label outside the draft vocabulary counts
+        as never accepted: exp(-CE) = 0). The confidence BCE keeps `w`."""
         if self.dpace_alpha is None:
             return self.w
-        return dpace_weights(ce.view_as(self.valid), self.valid, self.dpace_alpha)
+        ce = ce.view_as(self.valid)
+        if self.in_vocab is not None:
+            ce = torch.where(self.in_vocab, ce.detach(), torch.full_like(ce, float("inf")))
+        return dpace_weights(ce, self.valid, self.dpace_alpha)
+
+    def ce_weights(self, main: torch.Tensor) -> torch.Tensor:
+        """The CE's weights from `main_weights`: 0 where the label is outside the draft
+        vocabulary (the draft cannot name it)."""
+        return main if self.in_vocab is None else main * self.in_vocab.to(main.dtype)
 
 
 def plan_loss(
@@ -97,9 +107,14 @@ def plan_loss(
     has_aligned: bool,
     has_confidence: bool,
     over_ranks: bool = True,
+    in_vocab: torch.Tensor | None = None,
 ) -> LossPlan:
     """Checks the inputs and sums the denominators over every rank (one small all_reduce;
-    `over_ranks=False`: this rank's own, for a loss nothing is back-propagated through)."""
+    `over_ranks=False`: this rank's own, for a loss nothing is back-propagated through).
+
+    `in_vocab` (a reduced draft vocabulary, drafters/common/vocab.py): a slot whose label is
+    outside it has no CE term (the draft cannot name it; its L1, distribution and confidence
+    terms stay, over the draft vocabulary) and counts as a greedy miss."""
     world_size = distributed.world_size() if over_ranks else 1
     if weights.l1_loss_alpha > 0 and not has_aligned:
         raise ValueError(
@@ -123,24 +138,28 @@ def plan_loss(
     )
     use_l1 = has_aligned and weights.l1_loss_alpha > 0
     # D-PACE's weights depend on the logits: its terms are averaged over the supervised slots
-    total = eval_mask.to(torch.float32).sum() if weights.dpace else w.sum()
+    base = eval_mask.to(torch.float32) if weights.dpace else w
+    total = base.sum()
+    # the CE's: the slots whose label the draft vocabulary holds; L1 and the terms keep them all
+    den_ce = total if in_vocab is None else (base * in_vocab.to(base.dtype)).sum()
     zero = torch.zeros_like(total)
     den_conf = w.sum() if has_conf else zero
-    local = torch.stack([total, total if use_l1 else zero, den_conf])
+    local = torch.stack([den_ce, total if use_l1 else zero, den_conf, total])
     den = distributed.all_reduce_(local.clone()) if over_ranks else local
     coef_l1 = _coef(weights.l1_loss_alpha, world_size, den[1])
     return LossPlan(
         w=w,
         valid=eval_mask.to(torch.float32),
-        local_den=dict(zip(("den_ce", "den_l1", "den_conf"), local.unbind())),
+        local_den=dict(zip(("den_ce", "den_l1", "den_conf", "den_terms"), local.unbind())),
         coef_ce=_coef(weights.ce_loss_alpha, world_size, den[0]),
         coef_l1=torch.where(den[1] > 0, coef_l1, torch.zeros_like(coef_l1)),
         coef_conf=_coef(weights.confidence_head_alpha, world_size, den[2]) if has_conf else zero,
         use_l1=use_l1,
         has_conf=has_conf,
-        coef_terms={n: _coef(a, world_size, den[0]) for n, a in weights.loss_terms},
+        coef_terms={n: _coef(a, world_size, den[3]) for n, a in weights.loss_terms},
         lk_eta=weights.lk_eta,
         dpace_alpha=weights.dpace_alpha if weights.dpace else None,
+        in_vocab=in_vocab,
     )
 
 
@@ -184,6 +203,7 @@ def dspark_loss(
         has_aligned=out.aligned_target_logits is not None,
         has_confidence=out.confidence_pred is not None,
         over_ranks=over_ranks,
+        in_vocab=out.label_in_vocab,
     )
     ce = F.cross_entropy(
         logits.reshape(-1, vocab).float(), out.target_ids.reshape(-1), reduction="none"
@@ -224,7 +244,7 @@ def finish_loss(
     """
     w = plan.w
     w_main = plan.main_weights(terms.ce)
-    num_ce = (terms.ce * w_main).sum()
+    num_ce = (terms.ce * plan.ce_weights(w_main)).sum()
     zero = num_ce.new_zeros(())
     num_l1 = zero
     c_star = None
@@ -248,8 +268,9 @@ def finish_loss(
         num_conf = (bce * w).sum()
         loss = loss + plan.coef_conf * num_conf
 
+    hit = terms.greedy_hit if plan.in_vocab is None else terms.greedy_hit & plan.in_vocab
     stats = _local_stats(
-        terms.greedy_hit,
+        hit,
         eval_mask,
         block_keep_mask,
         confidence_pred,
@@ -317,8 +338,8 @@ def dspark_metrics(g: dict[str, float], weights: LossWeights) -> dict[str, float
         m["confidence_abs_error"] = ratio(g["conf_abs"], g["den_conf"])
         m["confidence_bias"] = ratio(g["conf_bias"], g["den_conf"])
         m["confidence_cumprod_bias"] = ratio(g["conf_cumprod_bias"], g["den_conf"])
-    for name, _ in weights.loss_terms:  # each on the CE's denominator (its weights)
-        m[f"{name}_loss"] = ratio(g[f"num_{name}"], g["den_ce"])
+    for name, _ in weights.loss_terms:  # each on the supervised slots' (the CE's without a
+        m[f"{name}_loss"] = ratio(g[f"num_{name}"], g["den_terms"])  # draft vocabulary)
     m["loss"] = (
         weights.ce_loss_alpha * m["ce_loss"]
         + (weights.l1_loss_alpha * m["l1_loss"] if "l1_loss" in m else 0.0)

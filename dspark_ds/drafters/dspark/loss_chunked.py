@@ -22,6 +22,8 @@ Shape legend: B batch, A anchors, G block size, V vocab, H hidden, N = rows of a
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -106,13 +108,9 @@ class _ChunkRunner:
         target_state = self.target_prev_hidden
         if target_state is not None:
             target_state = target_state.reshape(bsz * num_blocks, G, -1)
-        # D-PACE: the weights are the chunk's own (its CE's), set once the CE is known
         dpace = plan.dpace_alpha is not None
-        w = torch.ones_like(plan.w.reshape(-1)) if dpace else plan.w.reshape(-1)
-        a_ce = w * plan.coef_ce  # d(main_loss)/d(ce) per slot
-        a_l1 = w * plan.coef_l1 if plan.use_l1 else None
+        w, a_ce, a_l1 = self._slot_weights()
         w_out = w.clone()
-        valid = plan.valid.reshape(-1)
 
         ce_out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
         l1_out = torch.empty_like(ce_out) if target_state is not None else None
@@ -135,12 +133,6 @@ class _ChunkRunner:
                     target_logits = self.model.target_logits(target_state[b0:b1])
             target_grad = target_logits is not None and target_logits.requires_grad
 
-            def weigh(ce_N, r0=r0, r1=r1):
-                w_out[r0:r1] = dpace_weights(
-                    ce_N.view(-1, G), valid[r0:r1].view(-1, G), plan.dpace_alpha
-                ).view(-1)
-                return w_out[r0:r1]
-
             grad_logits, grad_target = _slot_terms_and_grad(
                 logits.detach().reshape(r1 - r0, -1),
                 None if target_logits is None else target_logits.detach().reshape(r1 - r0, -1),
@@ -151,7 +143,7 @@ class _ChunkRunner:
                 None if l1_out is None else l1_out[r0:r1],
                 hit_out[r0:r1],
                 target_grad=target_grad,
-                weigh=weigh if dpace else None,
+                weigh=partial(self._dpace, w_out, (r0, r1), G) if dpace else None,
             )
             if extra_out:
                 grad_logits, grad_target = self._terms(
@@ -177,11 +169,35 @@ class _ChunkRunner:
             grads += [None if g is None else g.to(p.dtype) for g, p in zip(grad_params, params)]
         return (*self._outputs(w_out, ce_out, hit_out, l1_out, extra_out), grads)
 
+    def _slot_weights(self):
+        """(w, a_ce, a_l1) per flat slot: the position weights (ones under D-PACE, whose weights
+        are each chunk's own, `_dpace`) and d(main_loss)/d(ce), d(main_loss)/d(l1); no CE where
+        the label is outside a reduced draft vocabulary."""
+        plan = self.plan
+        w = plan.w.reshape(-1)
+        if plan.dpace_alpha is not None:
+            w = torch.ones_like(w)
+        in_vocab = None if plan.in_vocab is None else plan.in_vocab.reshape(-1)
+        a_ce = (w if in_vocab is None else w * in_vocab) * plan.coef_ce
+        a_l1 = w * plan.coef_l1 if plan.use_l1 else None
+        return w, a_ce, a_l1
+
+    def _dpace(self, w_out, rows, G, ce_N):
+        """D-PACE's weights of a chunk's slots `rows` from its CE, written into `w_out` (a label
+        outside the draft vocabulary: never accepted, exp(-CE) = 0)."""
+        r0, r1 = rows
+        plan = self.plan
+        if plan.in_vocab is not None:
+            ce_N = ce_N.masked_fill(~plan.in_vocab.reshape(-1)[r0:r1], float("inf"))
+        valid = plan.valid.reshape(-1)[r0:r1]
+        w_out[r0:r1] = dpace_weights(ce_N.view(-1, G), valid.view(-1, G), plan.dpace_alpha).view(-1)
+        return w_out[r0:r1]
+
     def _outputs(self, w, ce, hit, l1, extra):
         """main_loss = Σ coef·w·(ce, l1, each term), and the per-slot terms in the order
         `chunked_dspark_loss` reads them: ce, hits, then l1 and the terms when computed."""
         plan = self.plan
-        main = plan.coef_ce * (ce * w).sum()
+        main = plan.coef_ce * (ce * plan.ce_weights(w.view_as(plan.w)).reshape(-1)).sum()
         if plan.use_l1:
             main = main + plan.coef_l1 * (l1 * w).sum()
         for name, value in extra.items():
@@ -292,6 +308,7 @@ def _plan(
         has_aligned=feats.target_prev_hidden is not None,
         has_confidence=confidence_pred is not None,
         over_ranks=over_ranks,
+        in_vocab=feats.label_in_vocab,
     )
 
 

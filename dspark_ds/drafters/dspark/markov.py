@@ -19,11 +19,15 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 class VanillaMarkov(nn.Module):
     """bias_k = W2 W1[x_{k-1}] (paper Eq. 5)."""
 
-    def __init__(self, vocab_size: int, markov_rank: int, hidden_size: int):
+    def __init__(
+        self, vocab_size: int, markov_rank: int, hidden_size: int, out_size: int | None = None
+    ):
         super().__init__()
         self.markov_rank = markov_rank
+        # W1 reads the previous token (a target id); W2 writes the head's logits (the draft
+        # vocabulary's `out_size`, as speculators' Markov head)
         self.markov_w1 = nn.Embedding(vocab_size, markov_rank)
-        self.markov_w2 = nn.Linear(markov_rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(markov_rank, out_size or vocab_size, bias=False)
 
     def prev_embeddings(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(token_ids.long())
@@ -53,10 +57,13 @@ class VanillaMarkov(nn.Module):
         temperature,
         generator=None,
         forced_tokens=None,
+        to_target=None,
     ):
         """base_logits [B, G, V] -> (tokens [B, G], corrected logits [B, G, V]).
 
         `forced_tokens [B, G]` replaces each draw by the given token (scoring a known draft).
+        `to_target`: maps a drawn index to its target id (a reduced draft vocabulary: the
+        logits are over it, the tokens and the next slot's input are target ids).
         """
         state = self.init_state(hidden_states[:, 0, :])
         prev = first_prev_token_ids.long()
@@ -66,6 +73,8 @@ class VanillaMarkov(nn.Module):
             step_logits = base_logits[:, k, :] + bias.to(base_logits.dtype)
             if forced_tokens is None:
                 prev = sample_from_logits(step_logits, temperature, generator)
+                if to_target is not None:
+                    prev = to_target(prev)
             else:
                 prev = forced_tokens[:, k].long()
             tokens.append(prev)
@@ -76,8 +85,8 @@ class VanillaMarkov(nn.Module):
 class GatedMarkov(VanillaMarkov):
     """bias_k = W2 (g ⊙ e), g = σ(gate_proj([h_k; e])), e = W1[x_{k-1}]."""
 
-    def __init__(self, vocab_size: int, markov_rank: int, hidden_size: int):
-        super().__init__(vocab_size, markov_rank, hidden_size)
+    def __init__(self, vocab_size: int, markov_rank: int, hidden_size: int, out_size=None):
+        super().__init__(vocab_size, markov_rank, hidden_size, out_size)
         self.gate_proj = nn.Linear(hidden_size + markov_rank, markov_rank)
 
     def _step(self, state, token_ids, hidden):
@@ -93,8 +102,8 @@ class RNNMarkov(VanillaMarkov):
     bias_k = W2 tanh(o).
     """
 
-    def __init__(self, vocab_size: int, markov_rank: int, hidden_size: int):
-        super().__init__(vocab_size, markov_rank, hidden_size)
+    def __init__(self, vocab_size: int, markov_rank: int, hidden_size: int, out_size=None):
+        super().__init__(vocab_size, markov_rank, hidden_size, out_size)
         self.joint_proj = nn.Linear(2 * markov_rank + hidden_size, 3 * markov_rank)
 
     def init_state(self, like: torch.Tensor) -> torch.Tensor:
@@ -108,7 +117,7 @@ class RNNMarkov(VanillaMarkov):
         return state, self.markov_w2(torch.tanh(out))
 
 
-def build_markov_head(config) -> VanillaMarkov | None:
+def build_markov_head(config, out_size: int | None = None) -> VanillaMarkov | None:
     rank = int(getattr(config, "markov_rank", 0) or 0)
     if rank == 0:
         return None
@@ -116,7 +125,7 @@ def build_markov_head(config) -> VanillaMarkov | None:
     heads = {"vanilla": VanillaMarkov, "gated": GatedMarkov, "rnn": RNNMarkov}
     if kind not in heads:
         raise ConfigError(f"markov_head_type: expected one of {MARKOV_HEAD_TYPES}, got {kind!r}")
-    return heads[kind](int(config.vocab_size), rank, int(config.hidden_size))
+    return heads[kind](int(config.vocab_size), rank, int(config.hidden_size), out_size)
 
 
 class ConfidenceHead(nn.Module):

@@ -19,6 +19,7 @@ from dspark_ds.drafters.common.forward import TrainingForward
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext
 from dspark_ds.drafters.common.sampling import sample_from_logits
+from dspark_ds.drafters.common.vocab import DraftVocab
 from dspark_ds.drafters.dspark.block_attention import attend, build_block_mask
 from dspark_ds.drafters.dspark.blocks import (
     DSparkForwardOutput,
@@ -38,11 +39,12 @@ class DSparkHiddenOutput:
 
     hidden: torch.Tensor  # [B, A, G, H] the backbone's draft states (input of compute_logits)
     prev_token_ids: torch.Tensor  # [B, A, G] token before each slot (Markov / confidence input)
-    target_ids: torch.Tensor  # [B, A, G]
+    target_ids: torch.Tensor  # [B, A, G] labels (draft ids with a draft vocabulary)
     eval_mask: torch.Tensor  # [B, A, G] bool
     block_keep_mask: torch.Tensor  # [B, A] bool
     anchor_positions: torch.Tensor  # [B, A]
     target_prev_hidden: torch.Tensor | None = None  # [B, A, G, H] target state one step back
+    label_in_vocab: torch.Tensor | None = None  # [B, A, G] bool; None: no draft vocabulary
 
 
 class DraftAttention:
@@ -75,7 +77,7 @@ class DraftAttention:
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
-class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
+class DSparkDraftModel(TrainingForward, TargetSharedWeights, DraftVocab, nn.Module):
     """Base class; see the module docstring. Construct through a backend or `build_draft_model`."""
 
     architecture: str = ""
@@ -116,8 +118,9 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
         self.rotary_emb = self.make_rotary()
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = self.make_norm(hidden)
-        self.lm_head = nn.Linear(hidden, int(config.vocab_size), bias=False)
-        self.markov_head = build_markov_head(config)
+        self.init_draft_vocab()
+        self.lm_head = nn.Linear(hidden, self.head_rows(), bias=False)
+        self.markov_head = build_markov_head(config, self.head_rows())
         self.confidence_head = None
         self.confidence_head_with_markov = False
         if bool(getattr(config, "enable_confidence_head", False)):
@@ -178,6 +181,7 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
             confidence_pred=self.predict_confidence(hidden_BAGH, feats.prev_token_ids),
             aligned_target_logits=aligned,
             anchor_positions=feats.anchor_positions,
+            label_in_vocab=feats.label_in_vocab,
         )
 
     def forward_hidden(
@@ -243,10 +247,12 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
 
         anchor_tokens = input_ids.gather(1, anchor_positions)
         prev_ids = torch.cat([anchor_tokens.unsqueeze(-1), target_ids[..., :-1]], dim=-1)
+        labels, in_vocab = self.draft_labels(target_ids)
         return DSparkHiddenOutput(
             hidden=hidden_BAGH,
             prev_token_ids=prev_ids,
-            target_ids=target_ids,
+            target_ids=labels,
+            label_in_vocab=in_vocab,
             eval_mask=eval_mask,
             block_keep_mask=block_keep_mask,
             anchor_positions=anchor_positions,
@@ -345,20 +351,25 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-to-right sampling through the Markov head: (tokens [B, G], logits [B, G, V]).
 
+        `base_logits` are over the draft vocabulary (`compute_logits`); the tokens are target
+        ids and the logits over the whole vocabulary (-inf outside a reduced one).
         `forced_tokens` skips the draws and scores the given tokens instead.
         """
         if self.markov_head is None:
+            logits = self.full_vocab_logits(base_logits)
             if forced_tokens is not None:
-                return forced_tokens.long(), base_logits
-            return sample_from_logits(base_logits, temperature, generator), base_logits
-        return self.markov_head.sample_block(
+                return forced_tokens.long(), logits
+            return sample_from_logits(logits, temperature, generator), logits
+        tokens, logits = self.markov_head.sample_block(
             base_logits,
             first_prev_token_ids=first_prev_token_ids,
             hidden_states=hidden_states,
             temperature=temperature,
             generator=generator,
             forced_tokens=forced_tokens,
+            to_target=self.to_target_ids,
         )
+        return tokens, self.full_vocab_logits(logits)
 
     def propose_round(self, r: DraftRound) -> Proposal:
         """One round (the kind's `propose`): `[x_start, MASK × (γ-1)]` per row in one

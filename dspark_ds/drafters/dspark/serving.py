@@ -189,6 +189,11 @@ def serving_format(data: dict) -> dict:
         )
     elif head != "vanilla":  # vLLM's loader has no place for the gate / GRU weights
         why = f"markov_head_type: vLLM's DSpark has the vanilla Markov head, not {head!r}"
+    elif data.get("draft_vocab_size"):  # its head and Markov W2 are vocabulary-sized
+        why = (
+            f"draft_vocab_size: {data['draft_vocab_size']}; vLLM's dspark method has no draft "
+            "vocabulary map (d2t), its DFlash and Eagle3 methods do"
+        )
     elif data["architectures"][0] == V4:
         why = _v4_unservable(data)
     return dict(

@@ -19,7 +19,11 @@ def eagle3_config(
     reference's `Qwen3Eagle3Model` fields (`target_layer_ids`, `ttt_length`, `step_loss_decay`,
     `draft_num_hidden_layers`, `num_target_layers`). Raises ConfigError naming the field."""
     cfg, text = draft_config_from_target(
-        target_config, "eagle3", target_layer_ids, model.num_draft_layers
+        target_config,
+        "eagle3",
+        target_layer_ids,
+        model.num_draft_layers,
+        draft_vocab_size=model.draft_vocab_size,
     )
     cfg.draft_num_hidden_layers = int(model.num_draft_layers)
     cfg.ttt_length = int(model.ttt_length)

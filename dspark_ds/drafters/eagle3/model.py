@@ -38,6 +38,7 @@ from dspark_ds.drafters.common.forward import TrainingForward
 from dspark_ds.drafters.common.layers import TargetSharedWeights, apply_rope, run_layer
 from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedContext, first_stop
 from dspark_ds.drafters.common.sampling import sample_from_logits
+from dspark_ds.drafters.common.vocab import DraftVocab
 from dspark_ds.errors import ConfigError
 
 EAGLE3_FIELDS = ("target_layer_ids", "num_target_layers", "ttt_length", "step_loss_decay")
@@ -52,7 +53,7 @@ class Eagle3Hidden:
     """The unrolled forward before the vocabulary projection (the chunked loss's input)."""
 
     hidden: torch.Tensor  # [B, S, T, H] raw (un-normed) output of step k at position t
-    target_ids: torch.Tensor  # [B, S, T]
+    target_ids: torch.Tensor  # [B, S, T] (draft ids with a draft vocabulary; -1 outside it)
     eval_mask: torch.Tensor  # [B, S, T] bool
     target_last_hidden_states: torch.Tensor | None = None  # [B, S, H]
 
@@ -185,7 +186,7 @@ class Eagle3Attention:
 
 
 # ---- the family-independent model ------------------------------------------------------------
-class Eagle3DraftModel(TrainingForward, TargetSharedWeights, nn.Module):
+class Eagle3DraftModel(TrainingForward, TargetSharedWeights, DraftVocab, nn.Module):
     """Base class; a backend supplies its layer, norm, rotary embedding and logits."""
 
     architecture: str = ""
@@ -213,7 +214,8 @@ class Eagle3DraftModel(TrainingForward, TargetSharedWeights, nn.Module):
         self.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = self.make_norm(hidden)
         self.rotary_emb = self.make_rotary()
-        self.lm_head = nn.Linear(hidden, int(config.vocab_size), bias=False)
+        self.init_draft_vocab()
+        self.lm_head = nn.Linear(hidden, self.head_rows(), bias=False)
         self.reset_parameters()
 
     # ---- what a backend provides (layer hooks: TargetSharedWeights) ---------------------------
@@ -309,9 +311,13 @@ class Eagle3DraftModel(TrainingForward, TargetSharedWeights, nn.Module):
                 keys.append(k_new)
                 values.append(v_new)
             hiddens.append(h)
+        labels = torch.stack([shift_left(input_ids, k + 2) for k in range(steps)], dim=-1)
+        labels, in_vocab = self.draft_labels(labels)
+        if in_vocab is not None:  # never the draft's argmax: a greedy miss
+            labels = torch.where(in_vocab, labels, -1)
         return Eagle3Hidden(
             hidden=torch.stack(hiddens, dim=2),
-            target_ids=torch.stack([shift_left(input_ids, k + 2) for k in range(steps)], dim=-1),
+            target_ids=labels,
             eval_mask=build_ttt_eval_mask(loss_mask, steps),
             target_last_hidden_states=target_last_hidden_states,
         )
@@ -385,7 +391,7 @@ class Eagle3DraftModel(TrainingForward, TargetSharedWeights, nn.Module):
         rows = last.shape[0]
         tokens, logits = [], []
         for i in range(r.budget):
-            step_logits = self.compute_logits(last)  # [R, 1, V]
+            step_logits = self.full_vocab_logits(self.compute_logits(last))  # [R, 1, V]
             token = sample_from_logits(step_logits, r.temperature, r.generator)  # [R, 1]
             tokens.append(token)
             logits.append(step_logits)

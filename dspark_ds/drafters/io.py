@@ -7,6 +7,8 @@ A drafter directory is `config.json` (the draft text config plus the kind's fiel
 `model.safetensors` (or shards with `model.safetensors.index.json`), in the format the engines
 load as it is (drafters/serving.py: chosen by the kind and layout; DeepSpec's for DSpark, the
 DFlash and vLLM Eagle3 formats for the others). `architectures` selects the backend.
+`save_speculators_model` writes speculators 0.9's directory instead
+(drafters/speculators_format.py), which every reader here reads too.
 
 `config.json` keeps the `model_type` of the drafter's backbone: the target's own for Qwen3 and
 Gemma4 targets (qwen3, gemma4_text), "qwen3" for every other family, whose drafter is the
@@ -32,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dspark_ds.drafters import serving
+from dspark_ds.drafters import serving, speculators_format
 from dspark_ds.drafters.common import families
 from dspark_ds.drafters.common.target_config import text_config, validate_layer_ids
 from dspark_ds.drafters.registry import REGISTERED
@@ -199,6 +201,30 @@ def read_init_state(path, target_config=None) -> dict[str, torch.Tensor]:
     return _read_drafter(path, target_config, shared_ok=True)[1]
 
 
+def check_init_state(state: dict[str, torch.Tensor], config, source) -> None:
+    """`model.init_from`'s weights (`read_init_state` of `source`) against the run's drafter,
+    built from `config` on the meta device: ConfigError naming the first tensor the drafter has
+    no place for, has in another shape, or trains and the checkpoint lacks (the embedding and
+    lm_head are the target's). Nothing of the checkpoint is dropped, nothing left random."""
+    with torch.device("meta"):
+        model = build_draft_model(config)
+    own = model.state_dict()
+    shared = set(model.shared_parameter_names())
+    problems = [f"{n} (no such weight in the run's drafter)" for n in sorted(set(state) - set(own))]
+    problems += [
+        f"{n} (shape {tuple(state[n].shape)}, the run's drafter {tuple(own[n].shape)})"
+        for n in sorted(set(state) & set(own))
+        if tuple(state[n].shape) != tuple(own[n].shape)
+    ]
+    problems += [f"{n} (missing)" for n in sorted(set(own) - set(state) - shared)]
+    if problems:
+        more = f", +{len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(
+            f"model.init_from: {source} does not fit the run's drafter: "
+            f"{'; '.join(problems[:3])}{more}; set the model section to the checkpoint's"
+        )
+
+
 def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
     """(the drafter built from the directory's config, its checked tensors)."""
     path = Path(path)
@@ -243,12 +269,7 @@ def draft_config_dict(config) -> dict:
     return data
 
 
-def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Writes `config.json` + `model.safetensors`. `state_dict` overrides the module's own
-    (the engine passes gathered ZeRO-3 weights)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    state = state_dict if state_dict is not None else model.state_dict()
+def _write_weights(out: Path, state: dict[str, torch.Tensor]) -> None:
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     # NOTE: tied targets (Gemma4, small Qwen3) can hand one tensor as both embed_tokens and
     # lm_head; safetensors refuses shared storage, so each name gets its own copy.
@@ -259,15 +280,53 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
             state[name] = tensor.clone()
         seen.add(ptr)
     save_safetensors(state, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _write_config(out: Path, data: dict) -> None:
+    tmp = out / ".config.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out / "config.json")
+
+
+def _native_config(model) -> dict:
+    """The drafter's config.json dict as our backends read it, with its `architectures`."""
     data = draft_config_dict(model.config)
     family_hook = getattr(type(model), "interchange_config_dict", None)  # Gemma4 layout
     if family_hook is not None:
         data = family_hook(data, model.config)
     data["architectures"] = [type(model).architecture]
-    data = serving.engine_dict(data)
-    tmp = out / ".config.json.tmp"
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    tmp.replace(out / "config.json")
+    return data
+
+
+def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Writes `config.json` + `model.safetensors`. `state_dict` overrides the module's own
+    (the engine passes gathered ZeRO-3 weights)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(out, state_dict if state_dict is not None else model.state_dict())
+    _write_config(out, serving.engine_dict(_native_config(model)))
+    return out
+
+
+def save_speculators_model(
+    model, out_dir, state_dict: dict[str, torch.Tensor] | None = None, *, target_path: str
+) -> Path:
+    """Writes the drafter in the speculators format (drafters/speculators_format.py) for the
+    target at `target_path` (its verifier): `config.json` + `model.safetensors`, without the
+    embedding and lm_head for a kind whose speculators checkpoints leave them to the target.
+    ConfigError (before anything is written) names what the format cannot hold."""
+    state = state_dict if state_dict is not None else model.state_dict()
+    native = _native_config(model)
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    data = speculators_format.speculators_dict(
+        native, speculators_format.verifier_of(target_path), dtype
+    )
+    shared = tuple(model.shared_parameter_names())
+    keep = speculators_format.saved_names(native, list(state), shared)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(out, {name: state[name] for name in keep})
+    _write_config(out, data)
     return out
 
 

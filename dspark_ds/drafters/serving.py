@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from dspark_ds.drafters import speculators_format
 from dspark_ds.drafters.registry import REGISTERED
 from dspark_ds.errors import ConfigError
 
@@ -97,9 +98,12 @@ def engine_dict(data: dict) -> dict:
 
 def native_dict(data: dict, target_config=None) -> dict:
     """A directory's config.json dict (ours, DeepSpec's, or an engine format's: vLLM's and
-    SGLang's DFlash, vLLM's Eagle3) -> the drafter config dict our backends build from.
-    `target_config` (the target's Hugging Face config) fills what a published checkpoint leaves
-    out (the target's layer count). ConfigError names what cannot be read."""
+    SGLang's DFlash, vLLM's Eagle3, the speculators format) -> the drafter config dict our
+    backends build from. `target_config` (the target's Hugging Face config) fills what a
+    published checkpoint leaves out (the target's layer count). ConfigError names what cannot
+    be read."""
+    if speculators_format.is_speculators(data):
+        return speculators_format.native_dict(data, target_config)
     archs = data.get("architectures") or []
     if not archs:
         raise ConfigError("architectures: missing from the drafter config.json")

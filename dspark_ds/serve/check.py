@@ -24,7 +24,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from dspark_ds.drafters.io import (
     read_state_dict,
 )
 from dspark_ds.drafters.serving import serving_format
+from dspark_ds.drafters.speculators_format import is_speculators
 from dspark_ds.errors import ConfigError
 from dspark_ds.files import check_exists
 from dspark_ds.target import TargetPathConfig
@@ -134,6 +135,13 @@ def describe(drafter_dir: str, target_path: str) -> tuple[dict, object]:
     fmt = serving_format(native)
     if fmt is None:
         raise ConfigError(f"{path / 'config.json'}: {config.architectures[0]} has no engine format")
+    if is_speculators(data) and fmt.sglang_algorithm is not None:
+        note = (
+            "a speculators checkpoint: vLLM reads it as it is; the SGLang command is for the "
+            "engine format (dspark-ds export --format native), SGLang's reading of this one is "
+            "not checked here"
+        )
+        fmt = replace(fmt, warnings=(*fmt.warnings, note))
     return native, fmt
 
 

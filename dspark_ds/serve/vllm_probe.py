@@ -11,7 +11,8 @@ GPU, the target's config and the `SpeculativeConfig` are validated and the runne
 is reported as skipped), then the drafter's vLLM model class built and given every tensor of
 the directory through its `load_weights`: vLLM's loader raises on a tensor it has no place for
 (unexpected); a parameter no tensor reached, other than those the model's own weight mapper
-declares optional, is missing.
+declares optional and the lm_head / embedding vLLM shares from the target when the directory has
+none, is missing.
 
 `generate`: `vllm.LLM` with the drafter, greedy completions of the token-id prompts, the
 outputs and the speculative-decoding counters (`LLM.get_metrics`).
@@ -121,6 +122,12 @@ def load(target: str, drafter: str, method: str, k: int) -> dict:
             model.load_weights(iter(state.items()))
         except (ValueError, KeyError, AssertionError, RuntimeError) as err:
             result.update(ok=False, error=f"{type(err).__name__}: {err}")
+    # vLLM gives a draft whose directory has no lm_head / embedding the target's when it loads
+    # it (its proposer's _maybe_share_lm_head and embedding sharing: DFlash and speculators
+    # checkpoints leave both to the target)
+    for flag, name in (("has_own_lm_head", "lm_head"), ("has_own_embed_tokens", "embed_tokens")):
+        if getattr(model, flag, True) is False:
+            optional.add(name)
     prefixes = {id(m): n for n, m in model.named_modules()}
     got = set()
     for module, names in loaded:

@@ -13,7 +13,7 @@ import yaml
 
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model, save_draft_model
-from dspark_ds.drafters.io import config_from_dict
+from dspark_ds.drafters.io import config_from_dict, save_speculators_model
 from dspark_ds.engine.checkpoint import checkpoint_trainable_fp32
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import target_shared_weights
@@ -47,9 +47,13 @@ def export_checkpoint(
     target_path: str | None = None,
     dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
+    format: str = "native",
 ) -> Path:
-    """Any ZeRO stage's checkpoint → interchange directory (docs/checkpoint-format.md). A
-    non-empty `output_dir` is refused unless `overwrite`."""
+    """Any ZeRO stage's checkpoint → interchange directory (docs/checkpoint-format.md), in the
+    engines' format of the drafter's kind (`format` "native") or speculators' ("speculators").
+    A non-empty `output_dir` is refused unless `overwrite`."""
+    if format not in ("native", "speculators"):
+        raise ConfigError(f"format: native or speculators, got {format!r}")
     try:
         tag_dir = resolve_tag_dir(checkpoint)
     except ConfigError as err:
@@ -69,7 +73,11 @@ def export_checkpoint(
     model = build_draft_model(draft_cfg)
     embed, head = target_shared_weights(target_path)
     state = assemble_state_dict(model, trainable, embed, head)
-    out = save_draft_model(model, output_dir, {k: v.to(dtype) for k, v in state.items()})
+    state = {k: v.to(dtype) for k, v in state.items()}
+    if format == "speculators":
+        out = save_speculators_model(model, output_dir, state, target_path=str(target_path))
+    else:
+        out = save_draft_model(model, output_dir, state)
     run_id_file = tag_dir.parent.parent / "mlflow_run_id"  # <run>/checkpoints/<tag>
     if run_id_file.is_file():  # the export names the run that trained it (tracking.md)
         write_export_record(out, run_id_file.read_text().strip(), None)
@@ -108,6 +116,7 @@ def run_export(cfg) -> Path:
         target_path=cfg.target.path,
         dtype=getattr(torch, cfg.dtype),
         overwrite=cfg.overwrite,
+        format=cfg.format,
     )
 
     print0(f"[export] wrote {out}")

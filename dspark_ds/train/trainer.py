@@ -48,7 +48,7 @@ from dspark_ds.cost.devices import peak_flops
 from dspark_ds.cost.flops import WindowFlops, target_in_job
 from dspark_ds.distributed import print0
 from dspark_ds.drafters import build_draft_model, save_draft_model
-from dspark_ds.drafters.io import draft_config_dict, read_init_state
+from dspark_ds.drafters.io import check_init_state, draft_config_dict, read_init_state
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext, StepOutput
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.engine.checkpoint import full_fp32_state_dict
@@ -235,6 +235,7 @@ class Trainer:
                 self.cfg.target.path, trust_remote_code=self.cfg.target.trust_remote_code
             )
             init_state = read_init_state(self.cfg.model.init_from, target_config)
+            check_init_state(init_state, self.draft_config, self.cfg.model.init_from)
         return DrafterEngine.build(
             lambda: build_draft_model(self.draft_config),
             ds_config=self.ds_config,

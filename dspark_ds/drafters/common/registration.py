@@ -1,7 +1,7 @@
 """What a drafter kind declares to the registry (drafters/registry.py) before any of its code is
 imported: its `model` fields, its presets and the size block that shrinks them, its backends,
-its serving formats, what it can do (`Capabilities`, plain data) and where its `DrafterKind`
-class is.
+its serving formats, its speculators format, what it can do (`Capabilities`, plain data) and
+where its `DrafterKind` class is.
 
 Each kind's folder holds one `Registration` (`drafters/<kind>/config.py`, next to its fields:
 drafters/presets.py `with_kind_fields` appends them to the common ones, so a recipe stays one
@@ -133,3 +133,6 @@ class Registration:
     capabilities: Capabilities
     """What it can do (how it drafts, its heads, the perf paths it honours, its bench
     variants)."""
+    speculators: ModuleType | None = None
+    """Its side of the speculators checkpoint format (ARCHITECTURES, MODEL_TYPES, FIELDS,
+    SAVES_SHARED, to_speculators, from_speculators: drafters/speculators_format.py); None: it has none."""

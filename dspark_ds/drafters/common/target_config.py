@@ -35,3 +35,19 @@ def validate_layer_ids(layer_ids, num_layers: int, field: str = "target_layer_id
             f"{num_layers} decoder layers; -1 = the embedding output)"
         )
     return ids
+
+
+def from_speculators_ids(data: dict, field: str) -> list[int]:
+    """Our `target_layer_ids` from a speculators checkpoint's field of tapped layers
+    (drafters/speculators_format.py): speculators counts the embedding output as layer 0 (its id
+    i is the input of decoder layer i), so ours is theirs - 1. ConfigError naming `field` when
+    it is missing or not strictly increasing."""
+    ids = data.get(field)
+    if not ids:
+        raise ConfigError(f"{field}: missing from the speculators config.json")
+    ids = [int(i) for i in ids]
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ConfigError(
+            f"{field}: {ids}; dspark-ds reads the tapped layers in increasing order only"
+        )
+    return [i - 1 for i in ids]

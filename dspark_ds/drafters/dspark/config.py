@@ -28,7 +28,7 @@ from dspark_ds.drafters.common.registration import (
     Registration,
     on_backbones,
 )
-from dspark_ds.drafters.dspark import serving
+from dspark_ds.drafters.dspark import serving, speculators_format
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
 from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS, LOSS_IMPLEMENTATIONS
 
@@ -222,6 +222,7 @@ REGISTRATION = Registration(
     sizes=DSparkSizes,
     **on_backbones("dspark_ds.drafters.dspark", "DSparkModel"),
     serving=serving,
+    speculators=speculators_format,
     capabilities=Capabilities(
         label="DSpark / DFlash",
         drafting="parallel",

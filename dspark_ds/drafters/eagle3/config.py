@@ -16,7 +16,7 @@ from dspark_ds.drafters.common.registration import (
     Registration,
     on_backbones,
 )
-from dspark_ds.drafters.eagle3 import serving
+from dspark_ds.drafters.eagle3 import serving, speculators_format
 from dspark_ds.drafters.eagle3.model import TTT_ATTN_IMPLEMENTATIONS
 
 # the loss of unrolled step k is weighted by STEP_LOSS_DECAY ** k
@@ -75,6 +75,7 @@ REGISTRATION = Registration(
     sizes=Eagle3Sizes,
     **on_backbones("dspark_ds.drafters.eagle3", "Eagle3Model"),
     serving=serving,
+    speculators=speculators_format,
     capabilities=Capabilities(
         label="Eagle3",
         drafting="unrolled",

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from dspark_ds.drafters import build_draft_model
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.common.target_config import global_attr
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.errors import ConfigError
@@ -76,24 +76,16 @@ def module_params(model: torch.nn.Module) -> tuple[ModuleParams, ...]:
     return tuple(out)
 
 
-@dataclass
-class Inventory:
-    """Parameter counts and the shapes the activations depend on."""
+@dataclass(frozen=True)
+class Inventory(Widths):
+    """Parameter counts and the shapes the activations depend on (its `Widths`)."""
 
     trainable: int
     frozen: int
     largest_module: int
     """Elements of the largest module (DeepSpeed's `largest_layer_params`)."""
     target_params: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    draft_layers: int
     target_layers: int
-    taps: int
     trainable_numels: tuple[int, ...] = field(default=(), repr=False)
     """Elements of each trainable parameter, in the drafter's order (ZeRO-3's persistence)."""
     target_layer_params: int = 0
@@ -111,6 +103,8 @@ class Inventory:
     drafter_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
     """The drafter's modules that hold parameters directly (ZeRO-3 gathers per module)."""
     target_param_modules: tuple[ModuleParams, ...] = field(default=(), repr=False)
+    attention: str | None = None
+    """The attention path the drafter's layers force (`forced_attention`), or None."""
 
     def persistent(self, param_threshold: int, model_threshold: int) -> int:
         """Trainable elements ZeRO-3 keeps whole on every rank: parameters of at most
@@ -142,20 +136,14 @@ class Inventory:
     def step_shape(self, run_cfg) -> StepShape:
         """One micro-batch of the run through these sizes (the kind's activation input; its own
         part from the kind, `DrafterKind.cost.step_part`)."""
-        return StepShape(
-            batch=run_cfg.data.batch_size,
-            seq_len=run_cfg.data.max_length,
-            hidden=self.hidden,
-            intermediate=self.intermediate,
-            vocab=self.vocab,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            draft_layers=self.draft_layers,
-            taps=self.taps,
+        return StepShape.of(
+            self,
+            run_cfg.data.batch_size,
+            run_cfg.data.max_length,
             drafter=get_kind(run_cfg.model.kind).cost.step_part(run_cfg.model),
             compute_bytes=2 if run_cfg.train.precision == "bf16" else 4,
             feature_bytes=DTYPE_BYTES[run_cfg.target.dtype],
+            attention=self.attention,
         )
 
 
@@ -264,8 +252,13 @@ def inventory(run_cfg) -> Inventory:
         ),
         target_params=sum(p.numel() for p in target.parameters()),
         hidden=int(tcfg.hidden_size),
-        # the drafter's MLP width (a MoE target without a dense one sizes it from its experts)
-        intermediate=int(getattr(tcfg, "intermediate_size", None) or draft_cfg.intermediate_size),
+        # the drafter's MLP width (a MoE target without a dense one sizes it from its experts;
+        # a drafter of MoE layers says what a token runs through: `active_mlp_width`)
+        intermediate=int(
+            getattr(drafter, "active_mlp_width", None)
+            or getattr(tcfg, "intermediate_size", None)
+            or draft_cfg.intermediate_size
+        ),
         vocab=int(tcfg.vocab_size),
         heads=heads,
         kv_heads=kv_heads,
@@ -284,4 +277,5 @@ def inventory(run_cfg) -> Inventory:
         target_modules=sum(1 for _ in target.modules()),
         drafter_param_modules=module_params(drafter),
         target_param_modules=module_params(target),
+        attention=getattr(drafter, "forced_attention", None),
     )

@@ -1,4 +1,6 @@
-"""What both regeneration paths (the target in the ranks, inference servers) share on disk.
+"""What both regeneration paths (the target in the ranks, inference servers) share: what they
+write on disk, the checks of their paths (`check_paths`) and their prompt renderer
+(`prompt_chat`).
 
 Each writing process appends finished rows to its part file
 ``<output>.parts/part-<rank>-of-<world>.jsonl`` and records, next to it in
@@ -15,9 +17,12 @@ import hashlib
 import json
 from pathlib import Path
 
+from dspark_ds import distributed as dist
+from dspark_ds.data.chat import ChatTokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.tokens import atomic_write_text
-from dspark_ds.files import sha256_file
+from dspark_ds.errors import ConfigError
+from dspark_ds.files import check_exists, check_model_path, sha256_file
 
 
 def parts_dir(output: str) -> Path:
@@ -111,6 +116,36 @@ def discard_earlier_rows(output: str, rank: int, world: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def check_paths(cfg: RegenerateConfig, *, need_target: bool) -> None:
+    """The output is named and the input files, the target and the tokenizer exist (the servers'
+    path names no target: `need_target` False)."""
+    if not cfg.output:
+        raise ConfigError("output is required (the jsonl to write)")
+    if need_target and not cfg.target.path:
+        raise ConfigError("target.path is required")
+    for i, path in enumerate(cfg.data.paths):
+        check_exists(path, f"data.paths[{i}]")
+    check_model_path(cfg.target.path, "target.path")
+    check_model_path(cfg.data.tokenizer, "data.tokenizer")
+
+
+def open_part(cfg: RegenerateConfig, rank: int, world: int, inputs: dict) -> Path:
+    """This rank's part file, ready to append to, with `inputs` recorded next to it. Rows an
+    earlier run wrote with other inputs are refused by every rank together (or discarded on
+    restart)."""
+    part = part_path(cfg.output, rank, world)
+    problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
+    problems = [p for p in dist.all_gather_object(problem) if p]
+    if problems:  # every rank refuses together
+        raise ConfigError(refuse_message(problems[0]))
+    if cfg.restart:
+        discard_earlier_rows(cfg.output, rank, world)
+        dist.barrier()
+    part.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(inputs_path(part), json.dumps(inputs, indent=1, sort_keys=True))
+    return part
+
+
 def read_part(path: Path) -> list[dict]:
     """Records of a part file; a torn last line (crash mid-write) is cut off the file."""
     if not path.exists():
@@ -121,6 +156,18 @@ def read_part(path: Path) -> list[dict]:
         with open(path, "r+b") as f:
             f.truncate(end)
     return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def prompt_chat(cfg: RegenerateConfig, tokenizer) -> ChatTokenizer:
+    """What renders the prompts of both paths (no loss mask: only prompts are rendered here),
+    with the data's own system prompt and thinking setting."""
+    return ChatTokenizer(
+        tokenizer,
+        cfg.data.max_length,
+        cfg.data.enable_thinking,
+        cfg.data.system_prompt,
+        chat_format="answer_only",
+    )
 
 
 def split_prompt(messages: list[dict]) -> tuple[list[dict], list[str]]:

@@ -29,25 +29,13 @@ from tqdm import tqdm
 
 from dspark_ds import distributed as dist
 from dspark_ds import logs
+from dspark_ds.data import regen_parts as parts
 from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.fleet import Fleet, FleetDown, RequestFailed
 from dspark_ds.data.formats import ReadStats, read_conversations
-from dspark_ds.data.regen_parts import (
-    answer_settings,
-    discard_earlier_rows,
-    earlier_rows_problem,
-    inputs_path,
-    inputs_record,
-    merge_parts,
-    part_path,
-    read_part,
-    refuse_message,
-    split_prompt,
-)
-from dspark_ds.data.tokens import atomic_write_text
 from dspark_ds.errors import ConfigError, TrainingStopped
-from dspark_ds.files import check_exists, check_model_path, first_line
+from dspark_ds.files import first_line
 
 FSYNC_INTERVAL_S = 1.0
 
@@ -94,7 +82,7 @@ class _ServerRun:
 
     def __init__(self, cfg: RegenerateConfig):
         self.cfg = cfg
-        self.part = part_path(cfg.output, 0, 1)
+        self.part = parts.part_path(cfg.output, 0, 1)
         self.counts = {"written": 0, "failed": 0, "skipped": 0, "already_done": 0}
         self.truncated_turns = 0
         self.fleet: Fleet | None = None
@@ -112,29 +100,16 @@ class _ServerRun:
                 f"data.tokenizer: cannot load {name!r} ({first_line(err)}); the server path "
                 "reads the target's tokenizer to apply data.max_length: set data.tokenizer"
             ) from None
-        chat = ChatTokenizer(
-            tok,
-            cfg.data.max_length,
-            cfg.data.enable_thinking,
-            cfg.data.system_prompt,
-            chat_format="answer_only",
-        )
-        return chat, name
+        return parts.prompt_chat(cfg, tok), name
 
     def _open_part(self, model: str, tokenizer: str) -> set[int]:
         """Refuses rows of other inputs (or discards them on restart); the ids already answered."""
         cfg = self.cfg
-        inputs = inputs_record(
-            answer_settings(cfg) | {"server.model": model, "data.tokenizer": tokenizer}
+        inputs = parts.inputs_record(
+            parts.answer_settings(cfg) | {"server.model": model, "data.tokenizer": tokenizer}
         )
-        problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
-        if problem:
-            raise ConfigError(refuse_message(problem))
-        if cfg.restart:
-            discard_earlier_rows(cfg.output, 0, 1)
-        self.part.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(inputs_path(self.part), json.dumps(inputs, indent=1, sort_keys=True))
-        return {rec["id"] for rec in read_part(self.part) if "error" not in rec}
+        parts.open_part(cfg, 0, 1, inputs)
+        return {rec["id"] for rec in parts.read_part(self.part) if "error" not in rec}
 
     def _rows(self, done: set[int]) -> list:
         stats = ReadStats()
@@ -151,7 +126,7 @@ class _ServerRun:
     async def _answer_row(self, row, chat: ChatTokenizer, fields: dict) -> dict | None:
         """The row's record (answered, or failed with the reason); None: skipped."""
         cfg = self.cfg
-        system, users = split_prompt(row.messages)
+        system, users = parts.split_prompt(row.messages)
         first = system + [{"role": "user", "content": users[0]}]
         if len(chat.prompt_ids(first)) >= cfg.data.max_length:
             return None  # the prompt alone exceeds max_length
@@ -288,12 +263,7 @@ class _ServerRun:
 
 
 def _check_inputs(cfg: RegenerateConfig) -> None:
-    if not cfg.output:
-        raise ConfigError("output is required (the jsonl to write)")
-    for i, path in enumerate(cfg.data.paths):
-        check_exists(path, f"data.paths[{i}]")
-    check_model_path(cfg.target.path, "target.path")
-    check_model_path(cfg.data.tokenizer, "data.tokenizer")
+    parts.check_paths(cfg, need_target=False)
     _, world = dist.rank_and_world()
     if world > 1:
         raise ConfigError(
@@ -321,7 +291,7 @@ def regenerate_with_servers(cfg: RegenerateConfig) -> dict:
             f"{run.part}, the same command resumes"
         ) from None
     extra = run.summary()
-    total = merge_parts(cfg.output, 1)
+    total = parts.merge_parts(cfg.output, 1)
     total["skipped"] = run.counts["skipped"]
     total["already_done"] = run.counts["already_done"]
     dist.log(

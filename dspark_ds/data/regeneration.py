@@ -24,24 +24,11 @@ import torch
 from tqdm import tqdm
 
 from dspark_ds import distributed as dist
+from dspark_ds.data import regen_parts as parts
 from dspark_ds.data.chat import ChatTokenizer, load_tokenizer
 from dspark_ds.data.config import RegenerateConfig
 from dspark_ds.data.formats import ReadStats, read_conversations
-from dspark_ds.data.regen_parts import (
-    answer_settings,
-    discard_earlier_rows,
-    earlier_rows_problem,
-    inputs_path,
-    inputs_record,
-    merge_parts,
-    part_path,
-    read_part,
-    refuse_message,
-    split_prompt,
-)
 from dspark_ds.data.tokens import atomic_write_text
-from dspark_ds.errors import ConfigError
-from dspark_ds.files import check_exists, check_model_path
 from dspark_ds.target import config_sha256, load_causal_lm
 from dspark_ds.target_checkpoint import read_target_config
 
@@ -54,7 +41,7 @@ def run_inputs(cfg: RegenerateConfig) -> dict:
         revision=cfg.target.revision,
         trust_remote_code=cfg.target.trust_remote_code,
     )
-    settings = answer_settings(cfg) | {
+    settings = parts.answer_settings(cfg) | {
         "target.path": cfg.target.path,
         "target.revision": cfg.target.revision,
         "target.dtype": cfg.target.dtype,
@@ -63,7 +50,7 @@ def run_inputs(cfg: RegenerateConfig) -> dict:
         # the batch decides the padding and each batch's sampling seed
         "batch_size": cfg.batch_size,
     }
-    return inputs_record(settings)
+    return parts.inputs_record(settings)
 
 
 class _Generator:
@@ -110,7 +97,7 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
     """Answer every user turn of ``rows``; one output record per row (ok or failed)."""
     convs = []
     for row in rows:
-        system, users = split_prompt(row.messages)
+        system, users = parts.split_prompt(row.messages)
         convs.append(
             {
                 "id": row.index,
@@ -163,48 +150,18 @@ def _regenerate_batch(gen: _Generator, rows, cfg: RegenerateConfig) -> list[dict
     return out
 
 
-def _check_paths(cfg: RegenerateConfig) -> None:
-    if not cfg.output:
-        raise ConfigError("output is required (the jsonl to write)")
-    if not cfg.target.path:
-        raise ConfigError("target.path is required")
-    for i, path in enumerate(cfg.data.paths):
-        check_exists(path, f"data.paths[{i}]")
-    check_model_path(cfg.target.path, "target.path")
-    check_model_path(cfg.data.tokenizer, "data.tokenizer")
-
-
 def _open_part(cfg: RegenerateConfig, rank: int, world: int) -> tuple[Path, set[int]]:
-    """This rank's part file, ready to append to, and the ids it already holds. Rows an earlier
-    run wrote with other inputs are refused by every rank together (or discarded on restart)."""
-    part = part_path(cfg.output, rank, world)
-    inputs = run_inputs(cfg)
-    problem = None if cfg.restart else earlier_rows_problem(cfg.output, inputs)
-    problems = [p for p in dist.all_gather_object(problem) if p]
-    if problems:  # every rank refuses together
-        raise ConfigError(refuse_message(problems[0]))
-    if cfg.restart:
-        discard_earlier_rows(cfg.output, rank, world)
-        dist.barrier()
-    part.parent.mkdir(parents=True, exist_ok=True)
+    """This rank's part file (`open_part`) and the ids it already holds."""
+    part = parts.open_part(cfg, rank, world, run_inputs(cfg))
     part.with_suffix(".done").unlink(missing_ok=True)  # a stale one would start the merge early
-    atomic_write_text(inputs_path(part), json.dumps(inputs, indent=1, sort_keys=True))
-    return part, {rec["id"] for rec in read_part(part)}
+    return part, {rec["id"] for rec in parts.read_part(part)}
 
 
 def _load_generator(cfg: RegenerateConfig) -> _Generator:
     device = torch.device(cfg.target.device) if cfg.target.device else dist.local_device()
     model = load_causal_lm(cfg.target).to(device).eval()
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, cfg.target.trust_remote_code)
-    # Only prompts are rendered here (no loss mask), with the data's own system prompt.
-    chat = ChatTokenizer(
-        tok,
-        cfg.data.max_length,
-        cfg.data.enable_thinking,
-        cfg.data.system_prompt,
-        chat_format="answer_only",
-    )
-    return _Generator(cfg, chat, model, device)
+    return _Generator(cfg, parts.prompt_chat(cfg, tok), model, device)
 
 
 def _rows_to_answer(
@@ -217,7 +174,7 @@ def _rows_to_answer(
     for row in read_conversations(cfg.data.paths, cfg.data.skip_bad_rows, stats):
         if row.index % world != rank:
             continue
-        system, users = split_prompt(row.messages)
+        system, users = parts.split_prompt(row.messages)
         if row.index in done:
             counts["already_done"] += 1
         elif len(chat.prompt_ids(system + [{"role": "user", "content": users[0]}])) >= (
@@ -248,11 +205,11 @@ def _answer_into(part: Path, gen: _Generator, mine: list, cfg, rank: int, counts
 
 def _merge_when_all_done(cfg: RegenerateConfig, rank: int, world: int) -> dict | None:
     """Rank 0 (or, without a process group, whichever rank finds every part done) merges."""
-    done_files = [part_path(cfg.output, r, world).with_suffix(".done") for r in range(world)]
+    done_files = [parts.part_path(cfg.output, r, world).with_suffix(".done") for r in range(world)]
     all_done = all(f.exists() for f in done_files)
     if not (rank == 0 if dist.has_group() else all_done):
         return None
-    total = merge_parts(cfg.output, world)
+    total = parts.merge_parts(cfg.output, world)
     total["skipped"] = sum(json.loads(f.read_text())["skipped"] for f in done_files)
     dist.log(
         f"[regenerate] {cfg.output}: written {total['written']}, failed "
@@ -269,7 +226,7 @@ def regenerate(cfg: RegenerateConfig) -> dict:
         from dspark_ds.data.regen_servers import regenerate_with_servers
 
         return regenerate_with_servers(cfg)
-    _check_paths(cfg)
+    parts.check_paths(cfg, need_target=True)
     dist.init("gloo", always=False, settings=cfg.distributed)
     rank, world = dist.rank_and_world()
     part, done = _open_part(cfg, rank, world)

@@ -54,10 +54,23 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
 GENERIC_ARCHITECTURES: dict[str, str] = {
     r.name: r.generic_architecture for r in REGISTERED.values()
 }
+# drafter kind -> target text model_type -> architecture of `model.backbone: target` beyond those
+TARGET_ARCHITECTURES: dict[str, dict[str, str]] = {
+    r.name: dict(r.target_backbones) for r in REGISTERED.values()
+}
 
 
-def architecture_for(kind: str, model_type: str) -> str:
-    """The drafter architecture `kind` builds for a target whose text model_type is this."""
+def architecture_for(kind: str, model_type: str, backbone: str = "auto") -> str:
+    """The drafter architecture `kind` builds for a target whose text model_type is this;
+    `backbone` "target": the target family's own layers, ConfigError where `kind` has none."""
+    if backbone == "target":
+        own = {**ARCHITECTURES[kind], **TARGET_ARCHITECTURES[kind]}
+        if model_type not in own:
+            raise ConfigError(
+                f"backbone: target: the {kind} drafter has no {model_type} decoder layers (it has "
+                f"them for {', '.join(sorted(own))}); use backbone: auto"
+            )
+        return own[model_type]
     return ARCHITECTURES[kind].get(model_type, GENERIC_ARCHITECTURES[kind])
 
 
@@ -76,7 +89,11 @@ def _backend(architecture: str):
 
 
 def draft_config_from_target(
-    target_config, kind: str, target_layer_ids: list[int], num_draft_layers: int
+    target_config,
+    kind: str,
+    target_layer_ids: list[int],
+    num_draft_layers: int,
+    backbone: str = "auto",
 ):
     """What every drafter config starts as: the target's text config (a deep copy for the
     families with their own backbone, the Qwen3-style translation for the others) with the
@@ -86,11 +103,12 @@ def draft_config_from_target(
     model_type = families.family(text)
     num_target_layers = int(text.num_hidden_layers)
     ids = validate_layer_ids(target_layer_ids, num_target_layers)
-    if model_type in ARCHITECTURES[kind]:
+    architecture = architecture_for(kind, model_type, backbone)
+    if architecture != GENERIC_ARCHITECTURES[kind]:
         cfg = copy.deepcopy(text)
     else:
         cfg = families.qwen3_style_config(text)
-    cfg.architectures = [architecture_for(kind, model_type)]
+    cfg.architectures = [architecture]
     cfg.num_target_layers = num_target_layers
     cfg.num_hidden_layers = int(num_draft_layers)
     cfg.layer_types = ["full_attention"] * int(num_draft_layers)
@@ -234,7 +252,7 @@ def _read_drafter(path, target_config, *, shared_ok: bool, shared=None):
         model = build_draft_model(config_from_dict(data, target_config))
     except ConfigError as err:
         raise ConfigError(f"{cfg_file}: {err}") from None
-    state = read_state_dict(path)
+    state = type(model).native_state_dict(read_state_dict(path), model.config)
     own = model.state_dict()
     names = model.shared_parameter_names()
     if shared is not None:
@@ -303,7 +321,8 @@ def save_draft_model(model, out_dir, state_dict: dict[str, torch.Tensor] | None 
     (the engine passes gathered ZeRO-3 weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_weights(out, state_dict if state_dict is not None else model.state_dict())
+    state = state_dict if state_dict is not None else model.state_dict()
+    _write_weights(out, type(model).interchange_state_dict(state, model.config))
     _write_config(out, serving.engine_dict(_native_config(model)))
     return out
 

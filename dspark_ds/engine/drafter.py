@@ -27,19 +27,6 @@ from dspark_ds.errors import ConfigError
 from dspark_ds.target import share_embeddings_and_head
 
 
-@torch.no_grad()
-def _init_module_like_drafter(module: nn.Module, std: float) -> None:
-    # NOTE: mirrors DSparkDraftModel.reset_parameters for one module. Under zero.Init the
-    # drafter's own reset runs on already-partitioned (empty) tensors and does nothing, so the
-    # engine re-initialises module by module, gathered. The 1-rank vs 2-rank test pins this.
-    if isinstance(module, nn.Linear):
-        module.weight.normal_(0.0, std)
-        if module.bias is not None:
-            module.bias.zero_()
-    elif isinstance(module, nn.Embedding):
-        module.weight.normal_(0.0, std)
-
-
 def _use_zero_init(ds_config: dict, zero_init: bool | None) -> bool:
     """deepspeed.zero_init: None = on under ZeRO-3; never outside ZeRO-3."""
     stage = zero_stage(ds_config)
@@ -104,7 +91,10 @@ def _build_partitioned(
             continue
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
             if rank == 0:
-                _init_module_like_drafter(module, std)
+                # NOTE: under zero.Init the drafter's own reset ran on already-partitioned
+                # (empty) tensors and did nothing; each module is initialised here, gathered,
+                # as its reset would (the 1-rank vs 2-rank test pins this)
+                model.init_module(module, std)
                 for pname, p in module.named_parameters(recurse=False):
                     full = f"{name}.{pname}" if name else pname
                     if init_state is not None and full in init_state:

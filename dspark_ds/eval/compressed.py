@@ -28,6 +28,7 @@ rows at different positions cannot share a cache, so batched decoding is refused
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 
 import torch
@@ -88,7 +89,43 @@ def _restore(layer, state: dict) -> None:
         setattr(layer, name, dict(value) if isinstance(value, dict) else value)
 
 
-class CompressedState:
+class RecordedInputs(ABC):
+    """Forward pre-hooks on some of a target's modules (by layer index) that hand each one's
+    input to `_record` during `recording`, after `_note` saw the cache: what a rollback
+    replays (this module's `CompressedState`, recurrent.py's `RecurrentState`)."""
+
+    def __init__(self, modules: dict[int, nn.Module]):
+        self._recording = False
+        for layer_idx, module in modules.items():
+            module.register_forward_pre_hook(self._hook(layer_idx), with_kwargs=True)
+
+    def _hook(self, layer_idx: int):
+        def record(_module, args, kwargs):
+            if self._recording:
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                self._record(layer_idx, hidden, kwargs)
+
+        return record
+
+    @abstractmethod
+    def _note(self, cache) -> None: ...
+
+    @abstractmethod
+    def _record(self, layer_idx: int, hidden: torch.Tensor, kwargs: dict) -> None: ...
+
+    @contextmanager
+    def recording(self, cache):
+        """`_note` the cache's state, then record the hooked modules' inputs during the forward
+        run inside the block."""
+        self._note(cache)
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+
+class CompressedState(RecordedInputs):
     """Snapshot, record and replay of DeepSeek-V4's compressed layers (module docstring).
 
     Built once per target (its hooks stay registered), from `for_target`."""
@@ -97,9 +134,7 @@ class CompressedState:
         self.attentions = attentions
         self._noted: dict[int, dict] | None = None
         self._inputs: dict[int, dict] = {}
-        self._recording = False
-        for layer_idx, attention in attentions.items():
-            attention.register_forward_pre_hook(self._hook(layer_idx), with_kwargs=True)
+        super().__init__(attentions)
 
     @classmethod
     def for_target(cls, target) -> CompressedState:
@@ -118,25 +153,13 @@ class CompressedState:
         target._dspark_ds_compressed_state = state
         return state
 
-    def _hook(self, layer_idx: int):
-        def record(_module, args, kwargs):
-            if self._recording:
-                hidden = args[0] if args else kwargs["hidden_states"]
-                self._inputs[layer_idx] = dict(kwargs, hidden_states=hidden)
-
-        return record
-
-    @contextmanager
-    def recording(self, cache):
-        """Note the compressed layers' states, then record their attention inputs during the
-        forward run inside the block."""
+    def _note(self, cache) -> None:
+        """The compressed layers' states (their attention inputs are recorded next)."""
         self._noted = {i: _note(cache.layers[i]) for i in self.attentions}
         self._inputs = {}
-        self._recording = True
-        try:
-            yield
-        finally:
-            self._recording = False
+
+    def _record(self, layer_idx: int, hidden: torch.Tensor, kwargs: dict) -> None:
+        self._inputs[layer_idx] = dict(kwargs, hidden_states=hidden)
 
     def discard(self) -> None:
         self._noted = None

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,12 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError
-from dspark_ds.eval.compressed import COMPRESSED_FAMILIES, CompressedState, is_compressed_layer
+from dspark_ds.eval.compressed import (
+    COMPRESSED_FAMILIES,
+    CompressedState,
+    RecordedInputs,
+    is_compressed_layer,
+)
 
 # Text model_type -> the decoder layer's attribute holding the stateful mixer (a module with
 # `layer_idx`, called as mixer(hidden_states=..., cache=..., attention_mask=...)).
@@ -242,7 +246,7 @@ def row_states(cache):
                 yield layer.recurrent_states, s
 
 
-class RecurrentState:
+class RecurrentState(RecordedInputs):
     """Snapshot, record and replay of a hybrid target's stateful layers (module docstring).
 
     Built once per decoder; `None` from `for_target` when the target has no such layer."""
@@ -251,9 +255,7 @@ class RecurrentState:
         self.target = target
         self.mixers = mixers
         self._snapshot: _Snapshot | None = None
-        self._recording = False
-        for layer_idx, mixer in mixers.items():
-            mixer.register_forward_pre_hook(self._hook(layer_idx), with_kwargs=True)
+        super().__init__(mixers)
 
     @classmethod
     def for_target(cls, target) -> RecurrentState | None:
@@ -279,20 +281,10 @@ class RecurrentState:
         target._dspark_ds_recurrent_state = state
         return state
 
-    def _hook(self, layer_idx: int):
-        def record(module, args, kwargs):
-            if self._recording:
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                self._snapshot.inputs[layer_idx] = hidden
-            return None
-
-        return record
-
     # -- around a forward ------------------------------------------------------------------------
-    @contextmanager
-    def recording(self, cache):
-        """Snapshot the states of `cache`'s stateful layers, then record the mixers' inputs
-        during the forward run inside the block."""
+    def _note(self, cache) -> None:
+        """Snapshot the states of `cache`'s stateful layers (the mixers' inputs are recorded
+        next)."""
         conv, recurrent = {}, {}
         for i, layer in _linear_layers(cache).items():
             conv[i] = {
@@ -306,11 +298,9 @@ class RecurrentState:
                 if layer.has_previous_state[s] and layer.is_recurrent_states_initialized[s]
             }
         self._snapshot = _Snapshot(conv, recurrent, {})
-        self._recording = True
-        try:
-            yield
-        finally:
-            self._recording = False
+
+    def _record(self, layer_idx: int, hidden: torch.Tensor, kwargs: dict) -> None:
+        self._snapshot.inputs[layer_idx] = hidden
 
     def discard(self) -> None:
         self._snapshot = None

@@ -113,34 +113,29 @@ def _fmt(value, digits: int = 3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
+# the text table's columns: (header, field of `result_dict`, digits of a float; 0: not a float)
+TABLE_COLUMNS = (
+    ("benchmark", "benchmark", 0),
+    ("prompts", "num_prompts", 0),
+    ("rounds", "rounds", 0),
+    ("tau", "tau", 3),
+    ("proposal", "mean_proposal_length", 2),
+    ("tok/s", "tokens_per_s", 1),
+    ("speedup", "speedup", 2),
+    ("draft_s", "draft_time_s", 2),
+    ("verify_s", "verify_time_s", 2),
+)
+
+
 def format_table(results: list[BenchmarkResult]) -> str:
     """A fixed-width text table: one row per benchmark plus the τ average."""
     block = max((len(r.accept_rate_by_position) for r in results), default=0)
-    header = [
-        "benchmark",
-        "prompts",
-        "rounds",
-        "tau",
-        "proposal",
-        "tok/s",
-        "speedup",
-        "draft_s",
-        "verify_s",
-    ] + [f"acc@{k}" for k in range(block)]
+    header = [name for name, _, _ in TABLE_COLUMNS] + [f"acc@{k}" for k in range(block)]
     rows = [header]
     for r in results:
+        d = result_dict(r)
         rows.append(
-            [
-                r.benchmark,
-                str(r.num_prompts),
-                str(r.rounds),
-                _fmt(r.tau),
-                _fmt(r.mean_proposal_length, 2),
-                _fmt(r.tokens_per_s, 1),
-                _fmt(r.speedup, 2),
-                _fmt(r.draft_time_s, 2),
-                _fmt(r.verify_time_s, 2),
-            ]
+            [_fmt(d[key], digits) for _, key, digits in TABLE_COLUMNS]
             + [_fmt(a) for a in r.accept_rate_by_position]
         )
     avg = average_row(results)
@@ -315,20 +310,11 @@ def plot_threshold_sweep(path: Path, sweep: list[dict]) -> Path:
         ax.set_xlabel("confidence threshold")
         ax.set_ylabel("τ", color="C0")
         ax2 = ax.twinx()
-        ax2.plot(
-            thr,
-            [row["accepted_fraction"] for row in sweep],
-            "s-",
-            color="C1",
-            label="accepted drafts kept",
-        )
-        ax2.plot(
-            thr,
-            [row["verify_tokens_saved"] for row in sweep],
-            "^-",
-            color="C2",
-            label="verify tokens saved",
-        )
+        for key, style, color, label in (
+            ("accepted_fraction", "s-", "C1", "accepted drafts kept"),
+            ("verify_tokens_saved", "^-", "C2", "verify tokens saved"),
+        ):
+            ax2.plot(thr, [row[key] for row in sweep], style, color=color, label=label)
         ax2.set_ylim(0, 1)
         ax2.set_ylabel("fraction")
         lines = ax.get_lines() + ax2.get_lines()

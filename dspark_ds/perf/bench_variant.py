@@ -17,7 +17,7 @@ import torch
 from transformers import Qwen3Config
 
 from dspark_ds.drafters import build_draft_model
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.kind import TRAIN_KEYS, StepContext
 from dspark_ds.drafters.presets import DrafterSizes
 from dspark_ds.perf.train_bench import TrainBenchConfig
@@ -79,21 +79,9 @@ def build_batch(cfg: TrainBenchConfig, device: str):
 def step_shape(cfg: TrainBenchConfig):
     """The `StepShape` of the bench's micro-batch (what the kind's FLOP count reads)."""
     width = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
-    return StepShape(
-        batch=cfg.batch_size,
-        seq_len=cfg.seq_len,
-        hidden=cfg.hidden_size,
-        intermediate=cfg.intermediate_size,
-        vocab=cfg.vocab_size,
-        heads=cfg.num_attention_heads,
-        kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.hidden_size // cfg.num_attention_heads,
-        draft_layers=cfg.model.num_draft_layers,
-        taps=cfg.num_target_layers,
-        drafter=cfg.kind.cost.step_part(cfg.model),
-        compute_bytes=width,
-        feature_bytes=width,
-    )
+    widths = Widths.of_config(target_config(cfg), cfg.model.num_draft_layers, cfg.num_target_layers)
+    drafter = cfg.kind.cost.step_part(cfg.model)
+    return StepShape.of(widths, cfg.batch_size, cfg.seq_len, drafter, width, width)
 
 
 def step_flops(cfg: TrainBenchConfig, variant: str) -> float:

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dspark_ds.cost.inventory import KNOWN_TARGETS
 from dspark_ds.distributed import free_port
 from dspark_ds.drafters import load_draft_model
 from dspark_ds.drafters.presets import DEFAULT_PRESET, DrafterSizes
@@ -55,13 +56,18 @@ from dspark_ds.perf.train_bench import TrainBenchConfig, run_train_bench
 from dspark_ds.serve import check as serve_check
 from dspark_ds.target import TargetPathConfig
 
+TARGET_WIDTHS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+"""The bench's widths, named as a target's config names them."""
+# Qwen3-8B: the widths of its public config (the tuner's KNOWN_TARGETS), a DSpark drafter of 5
 QWEN3_8B_SHAPE = dict(
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=12288,
+    {k: KNOWN_TARGETS["Qwen/Qwen3-8B"][k] for k in TARGET_WIDTHS},
     num_target_layers=5,
-    vocab_size=151936,
     seq_len=4096,
     sizes=DrafterSizes.with_block(
         DEFAULT_PRESET, num_draft_layers=5, num_anchors=512, block_size=7, markov_rank=256

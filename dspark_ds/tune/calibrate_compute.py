@@ -10,7 +10,7 @@ import torch
 
 from dspark_ds.cost.flops import forward_flops
 from dspark_ds.cost.inventory import target_config_of
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.common.target_config import global_attr, text_config
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.engine.probes import cpu_adam
@@ -111,21 +111,9 @@ class Compute:
             self.target.append(TargetForward(config, layer_ids, 1, r["seq_len"], device, dtype))
         text = text_config(_reference_config(run_cfg, r, False))
         kind = get_kind(model.kind)
-        shape = StepShape(
-            batch=1,
-            seq_len=r["seq_len"],
-            hidden=r["hidden"],
-            intermediate=r["intermediate"],
-            vocab=r["vocab"],
-            heads=r["heads"],
-            kv_heads=int(global_attr(text, "num_key_value_heads")),
-            head_dim=r["head_dim"],
-            draft_layers=r["draft_layers"],
-            taps=len(layer_ids),
-            drafter=kind.cost.step_part(model),
-            compute_bytes=torch.tensor([], dtype=dtype).element_size(),
-            feature_bytes=torch.tensor([], dtype=dtype).element_size(),
-        )
+        widths = Widths.of_config(text, r["draft_layers"], len(layer_ids))
+        width = torch.tensor([], dtype=dtype).element_size()
+        shape = StepShape.of(widths, 1, r["seq_len"], kind.cost.step_part(model), width, width)
         self.drafter_flops = sum(kind.cost.step_flops(shape, perf, device.type, 0).values())
         layer_params = sum(p.numel() for p in self.target[0].target.decoder.layers.parameters())
         attention = [(r["heads"] * r["head_dim"], None)] * r["layers"]

@@ -39,7 +39,7 @@ from dspark_ds.train.checkpoint_files import latest_tag
 from dspark_ds.train.lineage import zero_option
 from dspark_ds.tune.cluster import Machine, with_values
 from dspark_ds.tune.config import TunerConfig, ZeroOption
-from dspark_ds.tune.prediction import option_step, options_host_work
+from dspark_ds.tune.prediction import PredictionInputs, option_step, options_host_work
 from dspark_ds.tune.steptime import step_time
 
 LOG_FILE = "train_log.jsonl"  # train/metrics.py's
@@ -238,7 +238,7 @@ def machine_from_run(cfg: TunerConfig, machine: Machine) -> tuple[Machine, dict]
     here = with_values(machine, {"gpus_per_node": per_node, "peak_flops": peak}, source)
     option = ZeroOption(zero_option(log.ds_config), point.deepspeed.config)
     work = options_host_work(point, [option], cfg.device or "cuda", here)
-    step = option_step(cfg, point, inventory(point), here, option, nodes, work)
+    step = option_step(PredictionInputs(cfg, point, inventory(point), here, work), option, nodes)
 
     def predict(fraction: float) -> Prediction:
         rates = {"sustained_fraction": fraction, "target_sustained_fraction": fraction}

@@ -19,7 +19,7 @@ from dspark_ds.tune.cluster import Machine, engine_mode, resolve, save_profile, 
 from dspark_ds.tune.config import OPTIONS, TunerConfig, ZeroOption
 from dspark_ds.tune.dataio import measure_read, reads_cache
 from dspark_ds.tune.estimate import Estimate, option_zero, resolved_ds_config
-from dspark_ds.tune.prediction import loss_stages, predict_one
+from dspark_ds.tune.prediction import PredictionInputs, loss_stages, predict_one
 from dspark_ds.tune.search import point_args, point_config, search
 
 LAUNCHER = "the launcher's ranks"
@@ -73,18 +73,17 @@ def measure_points(cfg: TunerConfig, run_cfg, inv: Inventory, options) -> dict[s
         )
     flags = cfg.cluster.flag_values()
     machine = with_values(machine, {k: v for k, v in ranks.items() if k not in flags}, LAUNCHER)
-    return {e.option: e.point for e in search(cfg, run_cfg, inv, machine, options, 1, None)}
+    given = PredictionInputs(cfg, run_cfg, inv, machine, None)
+    return {e.option: e.point for e in search(given, options, 1)}
 
 
-def at_points(
-    cfg: TunerConfig, run_cfg, inv: Inventory, machine: Machine, options, points: dict, ops: dict
-) -> list[Estimate]:
+def at_points(given: PredictionInputs, options, points: dict) -> list[Estimate]:
     """Each option predicted at its given point on one node (what `--measure` ran)."""
     out = []
     for option in options:
         point = points[option.name]
-        at = point_config(run_cfg, **point_args(point))
-        est = predict_one(cfg, at, inv, machine, option, 1, ops)
+        at = point_config(given.run_cfg, **point_args(point))
+        est = predict_one(replace(given, run_cfg=at), option, 1)
         est.point = dict(point, accum=est.step["accum"])
         out.append(est)
     return out

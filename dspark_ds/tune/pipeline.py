@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dspark_ds.cost.flops import target_served
@@ -23,7 +23,7 @@ from dspark_ds.tune.fleet import as_served, fleet_lines, size_fleet
 from dspark_ds.tune.fromrun import lines as from_run_lines
 from dspark_ds.tune.fromrun import machine_from_run
 from dspark_ds.tune.onsite import Calibrated, at_points, calibrate_and_measure, here, measure_points
-from dspark_ds.tune.prediction import options_host_work, predict, predict_one
+from dspark_ds.tune.prediction import PredictionInputs, options_host_work, predict, predict_one
 from dspark_ds.tune.report import report
 from dspark_ds.tune.search import point_args, point_config, search
 from dspark_ds.tune.sweep_runs import log_sweep
@@ -129,18 +129,19 @@ def _machine(cfg: TunerConfig) -> tuple[TunerConfig, Tuning]:
 def _predict(cfg: TunerConfig, t: Tuning) -> None:
     """Each option's point on each node count (the points measured, under `--measure`), at the
     recipe's own micro-batch, and at each measurement's own calibration samples."""
-    run_cfg, inv, machine, options, work = t.run_cfg, t.inv, t.machine, t.options, t.work
+    given = PredictionInputs(cfg, t.run_cfg, t.inv, t.machine, t.work)
     if t.points is not None:  # the points measured
-        t.scaling = {1: at_points(cfg, run_cfg, inv, machine, options, t.points, work)}
+        t.scaling = {1: at_points(given, t.options, t.points)}
     else:
-        t.scaling = {n: search(cfg, run_cfg, inv, machine, options, n, work) for n in t.node_counts}
-    t.as_given = predict(cfg, run_cfg, inv, machine, options, t.node_counts[0], work)
+        t.scaling = {n: search(given, t.options, n) for n in t.node_counts}
+    t.as_given = predict(given, t.options, t.node_counts[0])
     # each option measured between calibration samples: its prediction from those samples
-    for option in options:
+    for option in t.options:
         if option.name in t.found.own:
             own_machine, own_work = t.found.own[option.name]
-            at = point_config(run_cfg, **point_args(t.points[option.name]))
-            est = predict_one(cfg, at, inv, own_machine, option, 1, own_work)
+            at = point_config(t.run_cfg, **point_args(t.points[option.name]))
+            own = replace(given, run_cfg=at, machine=own_machine, ops=own_work)
+            est = predict_one(own, option, 1)
             t.at_measurement[option.name] = est.step["predicted_step_s"]
 
 

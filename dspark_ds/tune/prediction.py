@@ -4,6 +4,9 @@ nodes, from the recipe's inventory and host work and the machine's figures; what
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from dspark_ds.cost.flops import target_in_job
@@ -38,48 +41,38 @@ def options_host_work(run_cfg, options: list[ZeroOption], device: str, machine: 
         torch.set_num_threads(threads)
 
 
-def predict(
-    cfg: TunerConfig,
-    run_cfg,
-    inv: Inventory,
-    machine: Machine,
-    options: list[ZeroOption],
-    nodes: int,
-    ops: dict,
-) -> list[Estimate]:
+@dataclass(frozen=True)
+class PredictionInputs:
+    """What predicting an option reads besides the option and its node count."""
+
+    cfg: TunerConfig
+    run_cfg: Any
+    """The recipe (at a point: `search.point_config`)."""
+    inv: Inventory
+    machine: Machine
+    ops: dict | None
+    """The recipe's host work (`workload.host_work`)."""
+
+
+def predict(given: PredictionInputs, options: list[ZeroOption], nodes: int) -> list[Estimate]:
     """Memory and step time of each option on `nodes` nodes."""
-    return [predict_one(cfg, run_cfg, inv, machine, o, nodes, ops) for o in options]
+    return [predict_one(given, o, nodes) for o in options]
 
 
-def predict_one(
-    cfg: TunerConfig,
-    run_cfg,
-    inv: Inventory,
-    machine: Machine,
-    option: ZeroOption,
-    nodes: int,
-    ops: dict,
-) -> Estimate:
+def predict_one(given: PredictionInputs, option: ZeroOption, nodes: int) -> Estimate:
     """Memory and step time of one option on `nodes` nodes."""
-    est = estimate(option, inv, run_cfg, cfg, machine, nodes)
-    est.step = step_time(option_step(cfg, run_cfg, inv, machine, option, nodes, ops)).as_dict()
+    est = estimate(option, given.inv, given.run_cfg, given.cfg, given.machine, nodes)
+    est.step = step_time(option_step(given, option, nodes)).as_dict()
     return est
 
 
-def option_step(
-    cfg: TunerConfig,
-    run_cfg,
-    inv: Inventory,
-    machine: Machine,
-    option: ZeroOption,
-    nodes: int,
-    ops: dict,
-) -> Step:
+def option_step(given: PredictionInputs, option: ZeroOption, nodes: int) -> Step:
     """What the step-time model reads for one option on `nodes` nodes."""
+    cfg, run_cfg, inv, machine = given.cfg, given.run_cfg, given.inv, given.machine
     device = cfg.device or "cuda"
     world = nodes * machine.gpus_per_node
     zero, b = option_zero(option, run_cfg, world, device, machine.gpus_per_node)
-    wl = workload(inv, run_cfg, device, zero.stage, ops)
+    wl = workload(inv, run_cfg, device, zero.stage, given.ops)
     persistent = inv.persistent_numels(
         zero.param_persistence_threshold, zero.model_persistence_threshold // world
     )

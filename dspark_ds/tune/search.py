@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from dspark_ds.errors import ConfigError
 from dspark_ds.tune.config import ZeroOption
-from dspark_ds.tune.prediction import predict_one
+from dspark_ds.tune.prediction import PredictionInputs, predict_one
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,14 @@ def point_args(point: dict) -> dict:
     }
 
 
-def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, ops):
+def search_option(given: PredictionInputs, option: ZeroOption, nodes: int):
     """The option's point on `nodes` nodes: an `Estimate` (from `prediction.predict_one`) at the
     fastest predicted micro-batch that fits (among equal times, the larger), or at micro-batch
     1 when none fits; a micro-batch that does not fit as it is is tried again recomputing the
     draft layers (unless `cfg.recompute` is false). Its `point` holds the micro-batch, whether
     it recomputes, the accumulation, the global batch held, the note and every point tried."""
-    world = nodes * machine.gpus_per_node
+    cfg, run_cfg = given.cfg, given.run_cfg
+    world = nodes * given.machine.gpus_per_node
     plan = batch_plan(run_cfg, world)
     micro_batches = [
         m for m in plan.micro_batches if not cfg.micro_batches or m in cfg.micro_batches
@@ -99,7 +100,7 @@ def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, op
         if recompute and (not cfg.recompute or tried[-1]["fits"]):
             continue
         at = point_config(run_cfg, micro, plan.global_batch, recompute)
-        est = predict_one(cfg, at, inv, machine, option, nodes, ops)
+        est = predict_one(replace(given, run_cfg=at), option, nodes)
         point = {
             "micro_batch": micro,
             "recompute": recompute,
@@ -135,6 +136,6 @@ def search_option(cfg, run_cfg, inv, machine, option: ZeroOption, nodes: int, op
     return chosen
 
 
-def search(cfg, run_cfg, inv, machine, options: list[ZeroOption], nodes: int, ops) -> list:
+def search(given: PredictionInputs, options: list[ZeroOption], nodes: int) -> list:
     """Each option's point on `nodes` nodes (`search_option`)."""
-    return [search_option(cfg, run_cfg, inv, machine, o, nodes, ops) for o in options]
+    return [search_option(given, o, nodes) for o in options]

@@ -148,6 +148,10 @@ def resized_config(config, *, hidden, intermediate, heads, head_dim, vocab, laye
         setattr(text, key, value)
     if getattr(text, "global_head_dim", None):  # Gemma4's wide global heads
         text.global_head_dim = head_dim
+    if getattr(text, "kv_lora_rank", None) and getattr(text, "qk_rope_head_dim", None):
+        # MLA (GLM-5, DeepSeek-V3.x): its rotary embedding is head_dim wide and rotates the
+        # queries' and keys' rope part, so the two stay equal
+        text.qk_rope_head_dim = head_dim
     if config is not text and getattr(config, "vocab_size", None):
         config.vocab_size = vocab
     return config

@@ -116,13 +116,25 @@ def checked_blocks(naive_block, model, batch: dict, out):
             yield b, a, rest
 
 
-def with_target_weights(drafter, target):
+def parity_rounds(model):
+    """The training forward of `model` on one random row, then, for each anchor block, what an
+    inference round from it starts from: yields (the forward's output, the batch, the row's
+    ids, the anchor's index and position, a fresh cache). Run under no_grad."""
+    batch = random_batch(model, batch=1)
+    out = model(**batch)
+    ids = batch["input_ids"][0]
+    for a in range(out.anchor_positions.shape[1]):
+        yield out, batch, ids, a, int(out.anchor_positions[0, a]), model.new_cache()
+
+
+def with_target_weights(drafter, target, std: float = 0.2):
     """`drafter` (freshly built, seeded by the caller) with larger random weights than the
-    default init, so that drafts vary, and the target's embedding and lm_head; in eval mode."""
+    default init (matrices N(0, std)), so that drafts vary, and the target's embedding and
+    lm_head; in eval mode."""
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, std)
     drafter.initialize_embeddings_and_head(
         target.get_input_embeddings().weight, target.get_output_embeddings().weight
     )

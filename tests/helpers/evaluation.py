@@ -13,6 +13,7 @@ from dspark_ds.drafters import build_draft_config, build_draft_model
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.decoding import speculative_generate
+from dspark_ds.eval.target_step import TargetDecoder
 
 from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import qwen3_target_config
@@ -48,8 +49,10 @@ def random_drafter(
     seed: int = 1,
     markov_std: float | None = None,
     num_draft_layers: int = 1,
+    backbone: str = "auto",
 ):
-    """A randomly initialised drafter for `target` (embedding and lm_head copied from it)."""
+    """A randomly initialised drafter for `target` (embedding and lm_head copied from it);
+    `backbone` is the `model.backbone` field."""
     torch.manual_seed(seed)
     vocab = target.config.vocab_size
     cfg = build_draft_config(
@@ -58,6 +61,7 @@ def random_drafter(
         mask_token_id=vocab - 1,
         num_draft_layers=num_draft_layers,
         block_size=block_size,
+        backbone=backbone,
         num_anchors=8,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,
@@ -216,6 +220,47 @@ def continuation_pvalues(counts: torch.Tensor, exact: torch.Tensor) -> list[floa
         chi_square_pvalue(counts.sum(dim=(1, 2)), exact.sum(dim=(1, 2))),
         chi_square_pvalue(counts.sum(dim=0), exact.sum(dim=0)),
     ]
+
+
+def decoding_pairs(build, families, vocab: int) -> dict[str, tuple]:
+    """Each family's tiny target (`build(family, vocab)`) and a random drafter on its layers 0
+    and 2: what the lossless-decoding tests run."""
+    out = {}
+    for family in families:
+        target = build(family, vocab)
+        out[family] = (target, random_drafter(target, layer_ids=(0, 2), markov_std=0.5))
+    return out
+
+
+def check_sampled_distribution(
+    target, prompt, samples: int, min_accepted: float, batch_size: int | None = None
+) -> None:
+    """T = 1 speculative decoding of `prompt`, `samples` times, by a random drafter (one tapped
+    layer, γ 3, Markov rank 4) gives the target's own distribution of 3-token continuations
+    (chi-square p-values over 1e-3), with more than `min_accepted` drafts kept (rows cut back
+    to different lengths)."""
+    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
+    exact = exact_continuation_probs(target, prompt, 3)
+    counts, accepted = sampled_continuations(target, drafter, prompt, samples, 3, batch_size)
+    assert accepted > min_accepted, accepted
+    pvalues = continuation_pvalues(counts, exact)
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def rolled_back_and_clean(
+    target, ids: torch.Tensor, start: int, kept: int, junk: list[int]
+) -> tuple[TargetDecoder, TargetDecoder]:
+    """A decoder that saw ids[:, :start], then verified ids[:, start:kept] followed by `junk`
+    (drafts the round rejects) and kept the real tokens; and one that only saw ids[:, :kept]."""
+    rolled = TargetDecoder(target, [])
+    rolled.forward(ids[:, :start])
+    rolled.keep(start)
+    rolled.forward(torch.cat([ids[:, start:kept], torch.tensor([junk])], dim=1))
+    rolled.keep(kept)
+    clean = TargetDecoder(target, [])
+    clean.forward(ids[:, :kept])
+    clean.keep(kept)
+    return rolled, clean
 
 
 def record_proposals(monkeypatch, drafter) -> list[list[int]]:

@@ -19,10 +19,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from helpers.dist import _env, free_port
+from helpers.system import wait_healthy
 
 
 class MlflowServer:
@@ -44,14 +44,9 @@ class MlflowServer:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the MLflow server exited"
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
-                    return
-            except OSError:
-                time.sleep(0.3)
+        if wait_healthy(f"{self.uri}/health", self.proc, timeout_s, poll_s=0.3, request_s=2):
+            return
+        assert self.proc.poll() is None, "the MLflow server exited"
         raise RuntimeError(f"no MLflow server at {self.uri} after {timeout_s} s")
 
     def kill(self) -> None:

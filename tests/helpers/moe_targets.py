@@ -22,35 +22,33 @@ shared), MLA ranks 16 (KV) / 32 (query):
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers.tiny_models import build_tiny_tokenizer, special_token_ids, tiny_widths
-
-_MLA = dict(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-_DEEPSEEK_MOE = dict(
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
+from helpers.tiny_models import (
+    DEEPSEEK_MLA,
+    DEEPSEEK_MOE,
+    build_tiny_tokenizer,
+    special_token_ids,
+    tiny_widths,
 )
+
+_MLA = {**DEEPSEEK_MLA, "q_lora_rank": 32}
 _DSA = dict(index_topk=4, index_head_dim=16, index_n_heads=16)
 MOE_TARGETS: dict[str, dict] = {
-    "deepseek_v32": {**_MLA, **_DEEPSEEK_MOE, **_DSA, "num_key_value_heads": 4},
+    "deepseek_v32": {**_MLA, **DEEPSEEK_MOE, **_DSA, "num_key_value_heads": 4},
     "glm_moe_dsa": {
         **_MLA,
-        **_DEEPSEEK_MOE,
+        **DEEPSEEK_MOE,
         **_DSA,
         "num_key_value_heads": 4,
         "indexer_types": ["full", "full", "shared", "full"],
     },
-    "kimi_k25": {**_MLA, **_DEEPSEEK_MOE, "num_key_value_heads": 4},  # its text model's
+    "kimi_k25": {**_MLA, **DEEPSEEK_MOE, "num_key_value_heads": 4},  # its text model's
     "minimax_m2": dict(
         head_dim=16, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
     ),
@@ -166,3 +164,25 @@ def _publish_final_norm(file: Path) -> None:
     tensors = load_file(file)
     tensors["norm.weight"] = tensors.pop("model.norm.weight")
     save_file(tensors, file, metadata={"format": "pt"})
+
+
+def deepseek_v4_native_config(target_dir: str | Path, out_dir: str | Path) -> str:
+    """The tiny DeepSeek-V4 target's config.json as DeepSeek writes its own (what vLLM reads:
+    `compress_ratios`, `num_hash_layers`, `rope_theta` / `compress_rope_theta`; no
+    `layer_types` / `mlp_layer_types`, whose values the transformers vLLM pins refuses), with
+    DeepSeek's ratios 4 / 128 for the compressed layers (the only ones transformers reads back).
+    A config to validate, not a checkpoint: no weights. Returns `out_dir`."""
+    data = json.loads((Path(target_dir) / "config.json").read_text())
+    types = data.pop("layer_types")
+    data.pop("compress_rates")
+    ratio = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    data["compress_ratios"] = [ratio.get(t, 0) for t in types]
+    data["num_hash_layers"] = data.pop("mlp_layer_types").count("hash_moe")
+    rope = data.pop("rope_parameters")
+    data["rope_theta"] = rope["main"]["rope_theta"]
+    data["compress_rope_theta"] = rope["compress"]["rope_theta"]
+    data["qk_rope_head_dim"] = int(data["head_dim"] * data["partial_rotary_factor"])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(data, indent=2))
+    return str(out)

@@ -263,10 +263,7 @@ class MultiHostCluster(SlurmCluster):
         if os.geteuid() != 0:
             raise PermissionError("network namespaces need root")
         remove_stale_namespaces()
-        self.root.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.root, 0o755)
-        for d in ("munge", "state", "spool", "log"):
-            (self.root / d).mkdir(exist_ok=True)
+        self._make_dirs()
         self._make_network()
         self._start_munge()
         self._write_conf()
@@ -317,47 +314,30 @@ class MultiHostCluster(SlurmCluster):
     def _write_conf(self) -> None:
         ctld_port, slurmd_port = 6817, 6818  # every host has its own network: no collisions
         r = self.root
-        nodes = "\n".join(
+        settings = self._conf_settings(ctld_port, slurmd_port)
+        settings.update(
+            ClusterName="dsparkmulti",
+            SlurmctldHost=f"{self.host}({self.addrs[self.host]})",
+            SlurmUser="root",
+            TaskPlugin=self.task_plugin,
+            MpiDefault=self.mpi_default,
+            KillWait=self.kill_wait_s,
+            SlurmdTimeout=self.slurmd_timeout_s,
+            SlurmdSpoolDir=f"{r / 'spool'}/%n",
+            SlurmdPidFile=f"{r}/slurmd.%n.pid",
+            SlurmdLogFile=f"{r / 'log'}/slurmd.%n.log",
+            SlurmdParameters="config_overrides",
+        )
+        nodes = [
             f"NodeName={h} NodeAddr={self.addrs[h]} NodeHostname={h} CPUs={self.cpus} "
             f"RealMemory={self.real_memory_mb} State=UNKNOWN"
             for h in self.hosts
+        ]
+        self._write_conf_text(
+            f"written by tests/helpers/multihost.py: {self.n} hosts in network namespaces",
+            settings,
+            nodes,
         )
-        self.conf.write_text(f"""\
-# written by tests/helpers/multihost.py: {self.n} hosts in network namespaces
-ClusterName=dsparkmulti
-SlurmctldHost={self.host}({self.addrs[self.host]})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire_s}
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-ProctrackType=proctrack/linuxproc
-TaskPlugin={self.task_plugin}
-SlurmdParameters=config_overrides
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-MpiDefault={self.mpi_default}
-JobRequeue=1
-ReturnToService=2
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-KillWait={self.kill_wait_s}
-MinJobAge=600
-InactiveLimit=0
-SlurmctldTimeout=60
-SlurmdTimeout={self.slurmd_timeout_s}
-StateSaveLocation={r / "state"}
-SlurmdSpoolDir={r / "spool"}/%n
-SlurmctldPidFile={self.pid_files["slurmctld"]}
-SlurmdPidFile={r}/slurmd.%n.pid
-SlurmctldLogFile={r / "log" / "slurmctld.log"}
-SlurmdLogFile={r / "log"}/slurmd.%n.log
-{nodes}
-PartitionName=debug Nodes={self.nodelist} Default=YES MaxTime=INFINITE State=UP
-""")
 
         # NOTE: PMIx's per-step directories would collide in the /tmp the hosts share
         (self.root / "mpi.conf").write_text(f"PMIxCliTmpDirBase={self.node_local / 'pmix'}\n")

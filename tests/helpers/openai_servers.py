@@ -25,9 +25,10 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from helpers.system import wait_healthy
 
 
 def free_port() -> int:
@@ -59,19 +60,11 @@ class TransformersServe:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"transformers serve exited {self.proc.returncode}:\n{self.tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
+        url = f"http://127.0.0.1:{self.port}/health"
+        if wait_healthy(url, self.proc, timeout_s, poll_s=0.2, request_s=2):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"transformers serve exited {self.proc.returncode}:\n{self.tail()}")
         raise RuntimeError(f"transformers serve not healthy after {timeout_s} s:\n{self.tail()}")
 
     def start(self) -> TransformersServe:

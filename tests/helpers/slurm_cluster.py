@@ -94,12 +94,16 @@ class SlurmCluster:
         return proc.stdout
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def start(self, timeout_s: float = 60) -> SlurmCluster:
+    def _make_dirs(self) -> None:
+        """The root (others may traverse it) and its munge, state, spool and log folders."""
         self.root.mkdir(parents=True, exist_ok=True)
         # munged refuses sockets in directories others cannot traverse
         os.chmod(self.root, 0o755)
         for d in ("munge", "state", "spool", "log"):
             (self.root / d).mkdir(exist_ok=True)
+
+    def start(self, timeout_s: float = 60) -> SlurmCluster:
+        self._make_dirs()
         self._start_munge()
         self._write_conf()
         for daemon in ("slurmctld", "slurmd"):
@@ -155,45 +159,66 @@ class SlurmCluster:
         if dec.returncode != 0 or "Success" not in dec.stdout:
             raise RuntimeError(f"munge -n | unmunge failed: {dec.stdout}{dec.stderr}")
 
-    def _write_conf(self) -> None:
-        ctld_port, slurmd_port = _free_ports(2)
+    def _conf_settings(self, ctld_port: int, slurmd_port: int) -> dict[str, object]:
+        """slurm.conf's settings, in the order written (the node and partition lines follow)."""
         r = self.root
         user = "root" if os.geteuid() == 0 else os.environ.get("USER", "root")
-        self.conf.write_text(f"""\
-# written by tests/helpers/slurm_cluster.py: one node, no cgroups, no accounting
-ClusterName=dsparktest
-SlurmctldHost={self.host}(127.0.0.1)
-SlurmUser={user}
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={self.munge_socket},cred_expire={self.cred_expire_s}
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-MpiDefault=none
-JobRequeue=1
-ReturnToService=2
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-KillWait=30
-MinJobAge=600
-InactiveLimit=0
-SlurmctldTimeout=60
-SlurmdTimeout=60
-StateSaveLocation={r / "state"}
-SlurmdSpoolDir={r / "spool"}
-SlurmctldPidFile={self.pid_files["slurmctld"]}
-SlurmdPidFile={self.pid_files["slurmd"]}
-SlurmctldLogFile={r / "log" / "slurmctld.log"}
-SlurmdLogFile={r / "log" / "slurmd.log"}
-NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.real_memory_mb} State=UNKNOWN
-PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
-""")
+        return {
+            "ClusterName": "dsparktest",
+            "SlurmctldHost": f"{self.host}(127.0.0.1)",
+            "SlurmUser": user,
+            "SlurmdUser": "root",
+            "AuthType": "auth/munge",
+            "CredType": "cred/munge",
+            "AuthInfo": f"socket={self.munge_socket},cred_expire={self.cred_expire_s}",
+            "SlurmctldPort": ctld_port,
+            "SlurmdPort": slurmd_port,
+            "ProctrackType": "proctrack/linuxproc",
+            "TaskPlugin": "task/none",
+            "SelectType": "select/cons_tres",
+            "SelectTypeParameters": "CR_Core",
+            "SchedulerType": "sched/backfill",
+            "MpiDefault": "none",
+            "JobRequeue": 1,
+            "ReturnToService": 2,
+            "AccountingStorageType": "accounting_storage/none",
+            "JobCompType": "jobcomp/none",
+            "KillWait": 30,
+            "MinJobAge": 600,
+            "InactiveLimit": 0,
+            "SlurmctldTimeout": 60,
+            "SlurmdTimeout": 60,
+            "StateSaveLocation": r / "state",
+            "SlurmdSpoolDir": r / "spool",
+            "SlurmctldPidFile": self.pid_files["slurmctld"],
+            "SlurmdPidFile": r / "slurmd.pid",
+            "SlurmctldLogFile": r / "log" / "slurmctld.log",
+            "SlurmdLogFile": r / "log" / "slurmd.log",
+        }
+
+    def _write_conf_text(self, comment: str, settings: dict[str, object], nodes: list[str]) -> None:
+        """slurm.conf: the `comment` line, `settings`, the `nodes` lines, the partition."""
+        lines = [f"# {comment}", *(f"{k}={v}" for k, v in settings.items()), *nodes]
+        lines.append(
+            f"PartitionName=debug Nodes={self.nodelist} Default=YES MaxTime=INFINITE State=UP"
+        )
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    @property
+    def nodelist(self) -> str:
+        return self.host
+
+    def _write_conf(self) -> None:
+        ctld_port, slurmd_port = _free_ports(2)
+        node = (
+            f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} "
+            f"RealMemory={self.real_memory_mb} State=UNKNOWN"
+        )
+        self._write_conf_text(
+            "written by tests/helpers/slurm_cluster.py: one node, no cgroups, no accounting",
+            self._conf_settings(ctld_port, slurmd_port),
+            [node],
+        )
 
     def stop(self) -> None:
         """Cancel what still runs, then stop the daemons by their pid files."""

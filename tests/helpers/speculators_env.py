@@ -1,4 +1,4 @@
-"""The speculators-format tests' helpers (tests/unit/ and tests/e2e/test_speculators_format.py).
+"""The speculators-format tests' helpers (tests/unit/ and tests/e2e/test_speculators_interop.py).
 
 - ``make_drafter(name, target)``: the drafters the format covers, random, for a loaded target.
 
@@ -24,6 +24,7 @@ import torch
 from dspark_ds.drafters import build_draft_config, build_draft_model
 from dspark_ds.drafters.eagle3.build import build_eagle3_config
 
+from helpers.drafters import with_target_weights
 from helpers.system import INSTALL
 
 DEFAULT_ENV = "~/.cache/dspark-ds/speculators-venv"
@@ -64,12 +65,7 @@ def run_probe(jobs: dict, work: Path, timeout_s: float = 240.0) -> str:
 
 def _spread(model, target, seed: int):
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    model.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
-    return model.eval()
+    return with_target_weights(model, target)
 
 
 def make_drafter(name: str, target):

@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 
@@ -46,3 +48,20 @@ def require_python_module(probe: str, name: str, pip: str) -> None:
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         pytest.fail(f"{missing_message([name], pip=pip)}: {tail[0]}", pytrace=False)
+
+
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout_s: float, poll_s: float, request_s: float
+) -> bool:
+    """Asks `url` (a server's /health) every `poll_s` seconds: True once it answers 200, False
+    when `proc` (the server) exited first or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=request_s) as resp:
+                if resp.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(poll_s)
+    return False

@@ -245,6 +245,20 @@ def build_tiny_target(
     return str(out_dir)
 
 
+# DeepSeek's MLA attention and routed + shared experts, tiny (DeepSeek-V3 here, and the MoE
+# targets of moe_targets.py built on them)
+DEEPSEEK_MLA = dict(
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8
+)
+DEEPSEEK_MOE = dict(
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+)
 # Tiny configs of the target families tested beyond Qwen3 and Gemma4: each keeps what makes
 # its family differ (MoE routing and the per-expert checkpoint layout, MLA attention, attention
 # sinks with sliding windows, YaRN RoPE, q/k/v biases, tied embeddings).
@@ -276,21 +290,7 @@ FAMILIES: dict[str, dict] = {
             "truncate": False,
         },
     ),
-    "deepseek_v3": dict(
-        num_key_value_heads=4,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=24,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        n_group=1,
-        topk_group=1,
-    ),
+    "deepseek_v3": dict(num_key_value_heads=4, **DEEPSEEK_MOE, **DEEPSEEK_MLA),
 }
 
 
@@ -453,3 +453,27 @@ def assert_reads_like_from_pretrained(path, state: dict[str, torch.Tensor]) -> N
         n = value.numel()
         assert torch.equal(source.read(n // 3, n - 1), value.reshape(-1)[n // 3 : n - 1]), name
     assert {n for n, _ in model.named_parameters()} <= seen
+
+
+def targets_by_family(tmp_path_factory, name: str, build, families) -> dict[str, str]:
+    """One tiny target of each of `families`, `build(out_dir, family)` under a folder `name`."""
+    root = tmp_path_factory.mktemp(name)
+    return {f: build(root / f, f) for f in families}
+
+
+def assert_taps_are_hidden_states(path):
+    """A target of `path` loaded with layers -1, 0, 2, 3 tapped (loading runs check_head): the
+    hooks give what output_hidden_states gives (id i = hidden_states[i + 1], a layer's residual
+    streams averaged where it keeps several), the last one the final normed state. Returns
+    (the target, the ids it ran, output_hidden_states's output) for a family's own checks."""
+    from dspark_ds.target import TargetConfig, load_target
+
+    target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    hidden, last = target(ids)
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    states = [h.mean(dim=2) if h.dim() == 4 else h for h in out.hidden_states]
+    assert torch.equal(hidden, torch.cat([states[i + 1] for i in (-1, 0, 2, 3)], dim=-1))
+    assert torch.equal(last, out.hidden_states[4])
+    return target, ids, out

@@ -29,7 +29,7 @@ import torch
 from dspark_ds.distributed import free_port
 from dspark_ds.serve.check import vllm_env, vllm_python
 
-from helpers.system import INSTALL
+from helpers.system import INSTALL, wait_healthy
 
 START_TIMEOUT_S = 420.0
 
@@ -89,20 +89,11 @@ class VllmServer:
         return self
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = self.log.read_text().strip().splitlines()[-15:]
-                raise RuntimeError(
-                    f"vLLM server exited {self.proc.returncode}:\n" + "\n".join(tail)
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)
+        if wait_healthy(f"{self.url}/health", self.proc, START_TIMEOUT_S, poll_s=1.0, request_s=5):
+            return
+        if self.proc.poll() is not None:
+            tail = self.log.read_text().strip().splitlines()[-15:]
+            raise RuntimeError(f"vLLM server exited {self.proc.returncode}:\n" + "\n".join(tail))
         raise TimeoutError(f"vLLM server not ready after {START_TIMEOUT_S:g} s ({self.log})")
 
     def __exit__(self, *exc) -> None:

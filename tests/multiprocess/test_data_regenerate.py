@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 from dspark_ds.data.config import DataConfig, RegenerateConfig
 from dspark_ds.data.formats import read_conversations
-from dspark_ds.data.regeneration import merge_parts, read_part, regenerate
+from dspark_ds.data.regen_parts import merge_parts, read_part
+from dspark_ds.data.regeneration import regenerate
 from dspark_ds.target import TargetConfig
 
 from helpers.tiny_models import write_chat_jsonl

@@ -73,3 +73,32 @@ def test_trains_a_few_steps_of_the_tiny_recipe_and_the_export_decodes(family, tm
     ids = torch.randint(4, 300, (1, 10), generator=torch.Generator().manual_seed(1))
     got, _ = speculative_generate(target, drafter, ids, max_new_tokens=12)
     assert got.tolist() == greedy_without_cache(target, ids, 12, set()).tolist()
+
+
+def test_deepseek_v4s_own_drafter_trains_under_zero3_and_its_export_decodes(tmp_path):
+    """`model.backbone: target` on DeepSeek-V4: the V4 draft layers (experts partitioned under
+    ZeRO-3, initialised module by module as the whole drafter is) train to the ZeRO-2 losses;
+    the export (vLLM's V4 DSpark layout, no embedding / lm_head) loads with the target's and
+    decodes losslessly."""
+    path = build_tiny_moe_target(tmp_path / "v4", "deepseek_v4")
+    losses = {}
+    for zero in ("zero2", "zero3"):
+        argv = ["-m", "dspark_ds.cli", "train", "--config", "dspark_ds/recipes/tiny_cpu.yaml"]
+        argv += ["--target.path", path, "--target.layer_ids", "[-1, 0, 2]"]
+        argv += ["--output_dir", str(tmp_path / zero), "--train.max_steps", "3"]
+        argv += ["--train.synthetic_samples", "32", "--train.progress_bar", "false"]
+        argv += ["--tracking.enabled", "false", "--deepspeed.config", zero]
+        argv += ["--model.backbone", "target"]
+        check(python(argv, timeout_s=600))
+        log = (tmp_path / zero / "tiny_cpu" / "train_log.jsonl").read_text().splitlines()
+        losses[zero] = [json.loads(line)["loss"] for line in log]
+    assert len(losses["zero2"]) == 3 and all(math.isfinite(x) for x in losses["zero2"])
+    torch.testing.assert_close(losses["zero3"], losses["zero2"], rtol=1e-3, atol=1e-4)
+    export = tmp_path / "zero3" / "tiny_cpu" / "export"
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["DSparkDraftModel"]
+    target = load_target(TargetConfig(path=path, layer_ids=[0], dtype="float32"), "cpu").model
+    shared = (target.model.embed_tokens.weight, target.lm_head.weight)
+    drafter = load_draft_model(export, shared_weights=shared)
+    ids = torch.randint(4, 300, (1, 10), generator=torch.Generator().manual_seed(1))
+    got, _ = speculative_generate(target, drafter, ids, max_new_tokens=12)
+    assert got.tolist() == greedy_without_cache(target, ids, 12, set()).tolist()

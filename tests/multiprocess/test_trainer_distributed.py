@@ -356,6 +356,33 @@ def test_export_from_checkpoint_equals_live_weights(runs, name):
     assert model.config.block_size == 4 and model.config.markov_rank == 16
 
 
+def test_export_in_the_speculators_format(runs):
+    """`dspark-ds export --format speculators` of B's ZeRO-3 checkpoint: the run's weights under
+    speculators' config (the run's target as its verifier), without the target's embedding and
+    lm_head, read back as the native export's drafter."""
+    from dspark_ds.cli import main as cli_main
+    from dspark_ds.drafters import load_draft_model
+
+    out = runs["root"] / "export_speculators"
+    argv = ["export", "--checkpoint", str(runs["out"] / "b_z3"), "--output_dir", str(out)]
+    assert cli_main([*argv, "--format", "speculators"]) == 0
+    data = json.loads((out / "config.json").read_text())
+    assert data["speculators_model_type"] == "dspark" and data["block_size"] == 4
+    assert data["speculators_config"]["verifier"]["name_or_path"] == str(
+        Path(runs["target"]).resolve()
+    )
+    live = load_file(Path(runs["res"]["b_z3"]["export_dir"]) / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == live.keys() - {"embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(live[k], got[k]) for k in got)
+    native = load_draft_model(Path(runs["res"]["b_z3"]["export_dir"]))
+    shared = (native.embed_tokens.weight, native.lm_head.weight)
+    back = load_draft_model(out, shared_weights=shared)  # the verifier gives the layer count
+    assert back.config.markov_rank == 16 and back.config.num_target_layers == (
+        native.config.num_target_layers
+    )
+
+
 def test_resume_two_ranks_on_one(runs):
     """B's ZeRO-3 2-rank checkpoint at step 4, continued on 1 rank: the same steps 5..8.
 

@@ -68,10 +68,12 @@ def test_qwen3_8b_on_8x80gb(capsys):
 
 
 def reference_logits_bytes() -> float:
-    from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.common.memory import StepShape, Widths
     from dspark_ds.drafters.dspark.memory import DSparkShape, loss_bytes
 
-    shape = StepShape(1, 4096, 4096, 12288, 151936, 32, 8, 128, 5, 5, DSparkShape(512, 7, 256))
+    shape = StepShape.of(
+        Widths(4096, 12288, 151936, 32, 8, 128, 5, 5), 1, 4096, DSparkShape(512, 7, 256)
+    )
     return loss_bytes(shape, "reference", 256)["logits"]
 
 

@@ -58,25 +58,15 @@ def test_dspark_flops_match_torch_counter(loss):
     """The DSpark FLOP model (blockwise attention, the CPU default; SDPA's CPU kernel has no
     FLOP formula in torch's counter, so the dense path is not checked here) within 3 % of the
     matmuls the step runs, for each loss path (the recompute form computes the chunk logits
-    twice)."""
-    from dspark_ds.drafters.common.memory import StepShape
+    twice), on the small shape `dspark-ds gpu-check` benches on a CPU."""
     from dspark_ds.drafters.dspark.config import LossWeights
-    from dspark_ds.drafters.dspark.memory import DSparkShape, micro_batch_flops
+    from dspark_ds.drafters.dspark.memory import micro_batch_flops
     from dspark_ds.drafters.dspark.step import forward_and_loss
-    from dspark_ds.drafters.presets import DrafterSizes
-    from dspark_ds.perf.bench_variant import build_batch, build_model
+    from dspark_ds.perf.bench_variant import build_batch, build_model, step_shape
+    from dspark_ds.perf.gpu_check import SMALL_SHAPE
     from dspark_ds.perf.train_bench import TrainBenchConfig
 
-    cfg = TrainBenchConfig(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=160,
-        num_target_layers=3,
-        vocab_size=3000,
-        seq_len=256,
-        sizes=DrafterSizes.with_block("dspark", num_anchors=48, block_size=5, markov_rank=16),
-    )
+    cfg = TrainBenchConfig(**SMALL_SHAPE)
     torch.manual_seed(0)
     model = build_model(cfg)
     model.attn_implementation = "blockwise"
@@ -86,14 +76,13 @@ def test_dspark_flops_match_torch_counter(loss):
             model, batch, dataclasses.asdict(LossWeights.of(cfg.model)), impl=loss, chunk_anchors=8
         )
         out.backward()
-    shape = StepShape(1, 256, 64, 160, 3000, 4, 2, 16, 2, 3, DSparkShape(48, 5, 16), 4, 4)
-    model_flops = sum(micro_batch_flops(shape, "blockwise", loss).values())
+    model_flops = sum(micro_batch_flops(step_shape(cfg), "blockwise", loss).values())
     assert model_flops == pytest.approx(counted.total, rel=0.03)
 
 
 @pytest.mark.parametrize("loss", ["chunked", "reference"])
 def test_eagle3_flops_match_torch_counter(loss):
-    from dspark_ds.drafters.common.memory import StepShape
+    from dspark_ds.drafters.common.memory import StepShape, Widths
     from dspark_ds.drafters.eagle3.build import build_eagle3_config
     from dspark_ds.drafters.eagle3.loss import eagle3_forward_and_loss
     from dspark_ds.drafters.eagle3.memory import Eagle3Shape
@@ -115,7 +104,7 @@ def test_eagle3_flops_match_torch_counter(loss):
     with MatmulFlops() as counted:
         out, _ = eagle3_forward_and_loss(model, batch, impl=loss, chunk_rows=64)
         out.backward()
-    shape = StepShape(B, S, 64, 160, 3000, 4, 2, 16, 1, 3, Eagle3Shape(ttt_length=4))
+    shape = StepShape.of(Widths(64, 160, 3000, 4, 2, 16, 1, 3), B, S, Eagle3Shape(ttt_length=4))
     flops = get_kind("eagle3").cost.step_flops(shape, PerfConfig(loss_impl=loss), "cpu", 0)
     assert sum(flops.values()) == pytest.approx(counted.total, rel=0.03)
 
@@ -180,12 +169,11 @@ def qwen3_8b():
 
 
 def _steps(qwen3_8b, machine: Machine, nodes: int) -> dict:
-    from dspark_ds.tune.prediction import predict
+    from dspark_ds.tune.prediction import PredictionInputs, predict
 
     cfg, run_cfg, inv, work = qwen3_8b
-    return {
-        e.option: e.step for e in predict(cfg, run_cfg, inv, machine, tune.OPTIONS, nodes, work)
-    }
+    given = PredictionInputs(cfg, run_cfg, inv, machine, work)
+    return {e.option: e.step for e in predict(given, tune.OPTIONS, nodes)}
 
 
 def test_each_option_adds_its_own_terms(qwen3_8b):

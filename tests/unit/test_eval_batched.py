@@ -13,6 +13,7 @@ from dspark_ds.eval import speculative_generate, target_generate, verify
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.policy import schedule_prefixes
 
+from helpers.drafters import with_target_weights
 from helpers.evaluation import (
     chi_square_pvalue,
     exact_continuation_probs,
@@ -38,13 +39,7 @@ def _prompts(lengths, vocab=64, seed=0):
 def _eagle3(target, seed=0):
     cfg = build_eagle3_config(target.config, target_layer_ids=[0, 1], ttt_length=4)
     torch.manual_seed(seed)
-    drafter = build_draft_model(cfg)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
-    drafter.initialize_embeddings_and_head(target.model.embed_tokens.weight, target.lm_head.weight)
-    return drafter.eval()
+    return with_target_weights(build_draft_model(cfg), target, std=0.3)
 
 
 def _record_drafts_batched(monkeypatch) -> dict[int, list[list[int]]]:

@@ -18,7 +18,15 @@ from dspark_ds.drafters.dspark.loss import compute_dspark_loss
 from dspark_ds.drafters.io import save_draft_model
 from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS
 
-from helpers.drafters import DFLASH, MASK_ID, VOCAB, checked_blocks, random_batch, tiny_drafter
+from helpers.drafters import (
+    DFLASH,
+    MASK_ID,
+    VOCAB,
+    checked_blocks,
+    parity_rounds,
+    random_batch,
+    tiny_drafter,
+)
 from helpers.gemma4 import (
     CAP,
     greedy_without_cache,
@@ -301,13 +309,8 @@ def test_batched_forward_equals_naive_gemma4_blocks(heads, text):
 def test_gemma4_train_serve_parity():
     """An inference round at start=p (KV cache) == the training block at anchor p."""
     model = gemma4_drafter(markov_head_type="rnn")
-    batch = random_batch(model, batch=1)
     with torch.no_grad():
-        out = model(**batch)
-        ids = batch["input_ids"][0]
-        for a in range(out.anchor_positions.shape[1]):
-            p = int(out.anchor_positions[0, a])
-            cache = model.new_cache()
+        for out, batch, ids, a, p, cache in parity_rounds(model):
             # two context chunks: the cache appends across rounds
             half = p // 2
             block = torch.full((1, model.block_size), model.mask_token_id)

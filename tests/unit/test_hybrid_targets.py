@@ -29,19 +29,21 @@ from dspark_ds.eval.target_step import TargetDecoder
 
 from helpers.evaluation import (
     check_greedy_rounds,
-    continuation_pvalues,
+    check_sampled_distribution,
+    decoding_pairs,
     decoding_prompts,
-    exact_continuation_probs,
     greedy_reference,
     random_drafter,
-    sampled_continuations,
+    rolled_back_and_clean,
 )
 from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import (
     HYBRID_FAMILIES,
     assert_reads_like_from_pretrained,
+    assert_taps_are_hidden_states,
     build_tiny_hybrid_target,
     hybrid_config,
+    targets_by_family,
     tiny_hybrid_model,
 )
 
@@ -51,11 +53,7 @@ FAMILIES = list(HYBRID_FAMILIES)
 
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for family in FAMILIES:
-        target = tiny_hybrid_model(family, VOCAB)
-        out[family] = (target, random_drafter(target, layer_ids=(0, 2), markov_std=0.5))
-    return out
+    return decoding_pairs(tiny_hybrid_model, FAMILIES, VOCAB)
 
 
 def _states(decoder: TargetDecoder) -> list[torch.Tensor]:
@@ -75,16 +73,7 @@ def _relative_error(a: TargetDecoder, b: TargetDecoder) -> float:
 def _rolled_back(target, ids: torch.Tensor) -> tuple[TargetDecoder, TargetDecoder]:
     """A decoder that verified junk after ids[:, 8:10] and kept the 2 real tokens, and one that
     only ever saw ids[:, :10]."""
-    junk = torch.tensor([[3, 1, 4]])
-    rolled = TargetDecoder(target, [])
-    rolled.forward(ids[:, :8])
-    rolled.keep(8)
-    rolled.forward(torch.cat([ids[:, 8:10], junk], dim=1))
-    rolled.keep(10)
-    clean = TargetDecoder(target, [])
-    clean.forward(ids[:, :10])
-    clean.keep(10)
-    return rolled, clean
+    return rolled_back_and_clean(target, ids, 8, 10, [3, 1, 4])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -126,9 +115,7 @@ def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, 
 
 # ---- T = 1 ------------------------------------------------------------------------------------
 
-NUM_NEW = 3
 SAMPLES = 400
-ALPHA = 1e-3
 
 
 @pytest.mark.slow
@@ -139,13 +126,8 @@ def test_sampled_speculative_decoding_has_the_hybrid_targets_distribution(family
     target = tiny_hybrid_model(family, 8, seed=0)
     with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x4 in all
         target.get_output_embeddings().weight.div_(2.0)
-    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5]])
-    exact = exact_continuation_probs(target, prompt, NUM_NEW)
-    counts, accepted = sampled_continuations(target, drafter, prompt, SAMPLES, NUM_NEW, 50)
-    assert accepted > 0.1 * SAMPLES, accepted
-    pvalues = continuation_pvalues(counts, exact)
-    assert min(pvalues) > ALPHA, pvalues
+    check_sampled_distribution(target, prompt, SAMPLES, 0.1 * SAMPLES, batch_size=50)
 
 
 # ---- refused by name --------------------------------------------------------------------------
@@ -203,8 +185,7 @@ def test_decoding_with_the_stale_state_is_not_lossless(monkeypatch):
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrids")
-    return {f: build_tiny_hybrid_target(root / f, f) for f in FAMILIES}
+    return targets_by_family(tmp_path_factory, "hybrids", build_tiny_hybrid_target, FAMILIES)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -236,16 +217,8 @@ def test_hybrid_features_and_checkpoint_reads(family, hybrid_dirs):
     """The hooks' features equal output_hidden_states (check_head passed on load), and every
     parameter read tensor by tensor (what ZeRO-3 ranks read their partitions from; MoE experts
     fused by transformers' converters) equals from_pretrained's."""
-
-    from dspark_ds.target import TargetConfig, load_target
-
     path = hybrid_dirs[family]
-    target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
-    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    hidden, last = target(ids)
-    out = target.model(input_ids=ids, output_hidden_states=True)
-    want = torch.cat([out.hidden_states[i + 1] for i in (-1, 0, 2, 3)], dim=-1)
-    assert torch.equal(hidden, want) and torch.equal(last, out.hidden_states[4])
+    target, _, _ = assert_taps_are_hidden_states(path)
     assert_reads_like_from_pretrained(path, target.model.state_dict())
 
 

@@ -23,6 +23,8 @@ from dspark_ds.errors import ConfigError
 # their logarithms are the logits (softmax(log p) = p).
 P = [[0.5, 0.25, 0.25], [0.7, 0.2, 0.1]]
 Q = [[0.25, 0.5, 0.25], [0.1, 0.3, 0.6]]
+# the CE term alone, what the schedules weight in their tests
+CE_ONLY = dict(ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
 
 
 def _logits(rows):
@@ -203,9 +205,7 @@ def test_dpace_loss_is_its_hand_computation():
     w = [s[0] + s[0] * s[1], s[0] * s[1]]
     loss, m = compute_dspark_loss(
         _out(),
-        ce_loss_alpha=1.0,
-        l1_loss_alpha=0.0,
-        confidence_head_alpha=0.0,
+        **CE_ONLY,
         loss_schedule="dpace",
         loss_terms={"jsd": 2.0},
     )
@@ -228,9 +228,7 @@ def test_dpace_keeps_the_exp_weights_for_the_confidence_head():
 def test_geometric_schedule_weights_the_loss():
     loss, _ = compute_dspark_loss(
         _out(),
-        ce_loss_alpha=1.0,
-        l1_loss_alpha=0.0,
-        confidence_head_alpha=0.0,
+        **CE_ONLY,
         loss_schedule="geometric",
         loss_decay_ratio=0.5,
     )

@@ -14,7 +14,7 @@ from dspark_ds.drafters.dspark.blocks import (
     sample_anchor_positions,
 )
 
-from helpers.drafters import DFLASH, checked_blocks, random_batch, tiny_drafter
+from helpers.drafters import DFLASH, checked_blocks, parity_rounds, random_batch, tiny_drafter
 
 HEADS = [
     dict(markov_head_type="vanilla"),
@@ -125,13 +125,8 @@ def test_batched_forward_equals_naive_blocks(heads):
 def test_teacher_forcing_equals_forced_sampling(heads):
     """Training's teacher-forced block logits == inference's left-to-right logits forced to labels."""
     model = tiny_drafter(**heads)
-    batch = random_batch(model, batch=1)
     with torch.no_grad():
-        out = model(**batch)
-        ids = batch["input_ids"][0]
-        for a in range(out.anchor_positions.shape[1]):
-            p = int(out.anchor_positions[0, a])
-            cache = model.new_cache()
+        for out, batch, ids, a, p, cache in parity_rounds(model):
             block = torch.full((1, model.query_block), model.mask_token_id)
             block[0, 0] = ids[p]
             hidden = model.forward_draft_block(

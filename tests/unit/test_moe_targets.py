@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from dspark_ds.drafters import build_draft_config
+from dspark_ds.drafters.io import TARGET_ARCHITECTURES
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.batched import batched_generate
 from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
@@ -38,17 +39,21 @@ from dspark_ds.target_weights import TargetWeights
 from helpers.evaluation import (
     BATCHED_POLICIES,
     check_greedy_rounds,
-    continuation_pvalues,
+    check_sampled_distribution,
+    decoding_pairs,
     decoding_prompts,
-    exact_continuation_probs,
     greedy_reference,
-    random_drafter,
-    sampled_continuations,
+    rolled_back_and_clean,
 )
 from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target, tiny_moe_model
-from helpers.tiny_models import assert_reads_like_from_pretrained
+from helpers.tiny_models import (
+    assert_reads_like_from_pretrained,
+    assert_taps_are_hidden_states,
+    targets_by_family,
+)
 
 FAMILIES = list(MOE_TARGETS)
+RECIPES = Path(__file__).parents[2] / "dspark_ds" / "recipes"
 BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
 DECODED = [*BATCHED, "deepseek_v4"]  # one row
 VOCAB = 16
@@ -56,8 +61,7 @@ VOCAB = 16
 
 @pytest.fixture(scope="module")
 def target_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_targets")
-    return {f: build_tiny_moe_target(root / f, f) for f in FAMILIES}
+    return targets_by_family(tmp_path_factory, "moe_targets", build_tiny_moe_target, FAMILIES)
 
 
 # ---- the drafter, the features, the checkpoint --------------------------------------------------
@@ -85,17 +89,11 @@ def test_features_head_and_tensor_by_tensor_reads(family, target_dirs):
     """Hooks = output_hidden_states (each layer's residual streams averaged), check_head passed
     on load, every parameter of the reader (ZeRO-3's) = from_pretrained's."""
     path = target_dirs[family]
-    target = load_target(TargetConfig(path=path, layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu")
-    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    hidden, last = target(ids)
-    with torch.no_grad():
-        out = target.model(input_ids=ids, output_hidden_states=True)
-    states = [h.mean(dim=2) if h.dim() == 4 else h for h in out.hidden_states]
+    target, ids, out = assert_taps_are_hidden_states(path)
     if family == "deepseek_v4":  # 2 residual streams; the embedding in each
         assert out.hidden_states[1].shape == (2, 12, 2, 64)
-        assert torch.equal(states[0], target.model.get_input_embeddings()(ids))
-    assert torch.equal(hidden, torch.cat([states[i + 1] for i in (-1, 0, 2, 3)], dim=-1))
-    assert torch.equal(last, out.hidden_states[4])
+        embedded = target.model.get_input_embeddings()(ids)
+        assert torch.equal(out.hidden_states[0].mean(dim=2), embedded)
     assert_reads_like_from_pretrained(path, target.model.state_dict())
 
 
@@ -121,11 +119,7 @@ def test_kimi_k25_is_its_text_model_alone(target_dirs):
 
 @pytest.fixture(scope="module")
 def models():
-    out = {}
-    for family in DECODED:
-        target = tiny_moe_model(family, VOCAB)
-        out[family] = (target, random_drafter(target, layer_ids=(0, 2), markov_std=0.5))
-    return out
+    return decoding_pairs(tiny_moe_model, DECODED, VOCAB)
 
 
 NEW = 10
@@ -155,14 +149,7 @@ def test_a_rejected_draft_leaves_no_indexer_key_behind(family, models):
     target, _ = models[family]
     ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        rolled = TargetDecoder(target, [])
-        rolled.forward(ids[:, :8])
-        rolled.keep(8)
-        rolled.forward(torch.cat([ids[:, 8:10], torch.tensor([[3, 1, 4]])], dim=1))
-        rolled.keep(10)
-        clean = TargetDecoder(target, [])
-        clean.forward(ids[:, :10])
-        clean.keep(10)
+        rolled, clean = rolled_back_and_clean(target, ids, 8, 10, [3, 1, 4])
         indexed = 0
         for mine, theirs in zip(rolled.cache.layers, clean.cache.layers):
             torch.testing.assert_close(mine.keys, theirs.keys)
@@ -183,13 +170,8 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(family):
     target = tiny_moe_model(family, 8, seed=0)
     with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
         target.get_output_embeddings().weight.div_(4.0)
-    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5, 6]])
-    exact = exact_continuation_probs(target, prompt, 3)
-    counts, accepted = sampled_continuations(target, drafter, prompt, 300, batch_size=50)
-    assert accepted > 30, accepted  # rows cut back to different lengths, some kept drafts
-    pvalues = continuation_pvalues(counts, exact)
-    assert min(pvalues) > 1e-3, pvalues
+    check_sampled_distribution(target, prompt, 300, 30, batch_size=50)
 
 
 def test_the_family_table_says_what_trains_and_decodes():
@@ -201,6 +183,17 @@ def test_the_family_table_says_what_trains_and_decodes():
         cells = [cell.strip() for cell in row.split("|")]
         assert cells[3] == "✓", family
         assert cells[4] == ("✓ lossless" if family in BATCHED else "✓ lossless, one row"), family
+        # `model.backbone: target`: DeepSeek-V4's own drafter, the others refused by name
+        own = family in TARGET_ARCHITECTURES["dspark"]
+        assert cells[6].startswith("✓" if own else "refused by name"), family
+        config = tiny_moe_model(family, VOCAB).config
+        if own:
+            build_draft_config(config, target_layer_ids=[0], mask_token_id=1, backbone="target")
+        else:
+            with pytest.raises(ConfigError, match="^backbone: target: the dspark drafter has no"):
+                build_draft_config(config, target_layer_ids=[0], mask_token_id=1, backbone="target")
+        recipe = cells[7].strip("`")
+        assert recipe == "—" or (RECIPES / f"{recipe}.yaml").exists(), family
 
 
 def _compressed_states(decoder: TargetDecoder) -> list[torch.Tensor]:
@@ -220,15 +213,7 @@ def _v4_rolled_back(target, ids) -> tuple[TargetDecoder, TargetDecoder]:
     """A decoder that verified junk after ids[:, 8:11] and kept the 3 real tokens (the sliding
     window of 8 full, a compressed-sparse window of 2 and a heavily-compressed one of 4 closed
     with junk in them), and one that only saw ids[:, :11]."""
-    rolled = TargetDecoder(target, [])
-    rolled.forward(ids[:, :8])
-    rolled.keep(8)
-    rolled.forward(torch.cat([ids[:, 8:11], torch.tensor([[3, 1, 4, 1, 5]])], dim=1))
-    rolled.keep(11)
-    clean = TargetDecoder(target, [])
-    clean.forward(ids[:, :11])
-    clean.keep(11)
-    return rolled, clean
+    return rolled_back_and_clean(target, ids, 8, 11, [3, 1, 4, 1, 5])
 
 
 def test_deepseek_v4s_compressed_attention_is_rolled_back_exactly(models, monkeypatch):
@@ -272,13 +257,8 @@ def test_sampled_one_row_decoding_has_deepseek_v4s_distribution():
     target = tiny_moe_model("deepseek_v4", 8, seed=0)
     with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
         target.get_output_embeddings().weight.div_(4.0)
-    drafter = random_drafter(target, layer_ids=(0,), block_size=3, markov_rank=4, markov_std=1.0)
     prompt = torch.tensor([[1, 2, 3, 5, 6, 1, 2]])
-    exact = exact_continuation_probs(target, prompt, 3)
-    counts, accepted = sampled_continuations(target, drafter, prompt, 200)
-    assert accepted > 30, accepted
-    pvalues = continuation_pvalues(counts, exact)
-    assert min(pvalues) > 1e-3, pvalues
+    check_sampled_distribution(target, prompt, 200, 30)
 
 
 def test_an_attention_kernel_the_family_lacks_is_one_line(target_dirs):
@@ -289,3 +269,19 @@ def test_an_attention_kernel_the_family_lacks_is_one_line(target_dirs):
     assert load_causal_lm(TargetConfig(path=path, dtype="float32")).config.model_type == (
         "deepseek_v4"
     )
+
+
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_the_tuners_narrow_copy_of_an_mla_target_runs(family):
+    """`dspark-ds tune` times its host work on a narrow copy of the target (tune/workload.py):
+    MLA's rope part is narrowed with the head size, so the copy runs a forward."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark_ds.tune.workload import NARROW, narrow_config
+
+    config = narrow_config(tiny_moe_model(family, VOCAB).config)
+    assert config.qk_rope_head_dim == NARROW["head_dim"]
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        logits = model(torch.randint(0, NARROW["vocab"], (1, 6))).logits
+    assert logits.shape == (1, 6, NARROW["vocab"]) and torch.isfinite(logits).all()

@@ -37,7 +37,12 @@ def test_recipe_parses(path):
     assert cfg.train.weight_decay == 0.0 and cfg.train.precision == "bf16"
     assert cfg.train.global_batch_size == 512 and cfg.train.num_epochs == 10
     assert cfg.train.max_grad_norm == 1.0 and cfg.data.max_length == 4096
-    assert (cfg.model.block_size, cfg.model.num_draft_layers, cfg.model.num_anchors) == (7, 5, 512)
+    shape = (cfg.model.block_size, cfg.model.num_draft_layers, cfg.model.num_anchors)
+    if path.stem in PUBLISHED_SHAPES:  # the published drafter's shape, not the paper's
+        assert shape == PUBLISHED_SHAPES[path.stem][:3]
+        assert cfg.model.backbone == PUBLISHED_SHAPES[path.stem][3]
+    else:
+        assert shape == (7, 5, 512) and cfg.model.backbone == "auto"
     assert cfg.model.loss_decay_gamma == 4.0
     if path.stem.startswith("dspark"):
         assert cfg.model.markov_rank == 256 and cfg.model.markov_head_type == "vanilla"
@@ -53,6 +58,10 @@ def test_recipe_parses(path):
         ids = [5, 17, 29, 41, 46]
     if "qwen3_5_9b" in path.stem:  # Qwen3.5-9B, 32 layers (a hybrid): the same rule
         ids = [1, 8, 15, 22, 29]
+    if "deepseek_v4_flash" in path.stem:  # DeepSeek-V4-Flash, 43 layers: default_layer_ids(43)
+        ids = [1, 11, 20, 30, 40]
+    if "glm5" in path.stem:  # GLM-5, 78 layers: default_layer_ids(78)
+        ids = [1, 20, 38, 56, 75]
     assert cfg.target.layer_ids == ids
 
 
@@ -82,7 +91,11 @@ def test_the_qwen3_5_recipe_builds_its_drafter_from_a_qwen3_5_9b_config(algo):
     assert "partial_rotary_factor" not in drafter.rope_parameters
 
 
-PAPER_RECIPES = [p for p in RECIPES if "tiny" not in p.stem]
+# recipes in the shape of a drafter published for their target (block size, layers, anchors,
+# backbone): DeepSeek's V4 drafter, 3 of V4's own layers (vLLM's V4 DSpark builds
+# n_mtp_layers or 3) drafting blocks of 5 (docs/drafters.md#deepseek-v4s-own-drafter)
+PUBLISHED_SHAPES = {"dspark_deepseek_v4_flash": (5, 3, 512, "target")}
+PAPER_RECIPES = [p for p in RECIPES if "tiny" not in p.stem and p.stem not in PUBLISHED_SHAPES]
 # the tiny CPU recipes shrink the drafter; these fields say which variant it is, and must agree
 VARIANT_FIELDS = (
     "kind",
@@ -108,6 +121,41 @@ def test_paper_recipe_is_its_preset(path):
     model = parse_config("train", ["--config", str(path)]).model
     got = {k: getattr(model, k) for k in preset_fields(name)}
     assert got == preset_fields(name)
+
+
+@pytest.mark.parametrize(
+    ("stem", "family", "vocab", "layers"),
+    [
+        ("dspark_deepseek_v4_flash", "deepseek_v4", 129280, 43),
+        ("dspark_glm5", "glm_moe_dsa", 154880, 78),
+    ],
+)
+def test_the_2026_recipes_build_their_drafter_from_the_published_config(
+    stem, family, vocab, layers
+):
+    """transformers' defaults are the published configs (DeepSeek-V4-Flash: 43 layers, hidden
+    4096, vocabulary 129280; GLM-5: 78 layers, hidden 6144, vocabulary 154880): the tapped ids
+    follow default_layer_ids, the mask id lies in the vocabulary, and the drafter is DeepSeek's
+    V4 layout (DSparkDraftModel) for V4, the Qwen3-style one for GLM-5."""
+    from transformers import AutoConfig
+
+    from dspark_ds.drafters.dspark.build import build_draft_config
+    from dspark_ds.target import default_layer_ids
+
+    cfg = parse_config("train", ["--config", str(RECIPES[0].parent / f"{stem}.yaml")])
+    target = AutoConfig.for_model(family)
+    assert (target.vocab_size, target.num_hidden_layers) == (vocab, layers)
+    assert cfg.target.layer_ids == default_layer_ids(layers)
+    assert 0 <= cfg.model.mask_token_id < vocab
+    fields = {f: getattr(cfg.model, f) for f in ("num_draft_layers", "block_size", "backbone")}
+    drafter = build_draft_config(
+        target,
+        target_layer_ids=cfg.target.layer_ids,
+        mask_token_id=cfg.model.mask_token_id,
+        **fields,
+    )
+    want = "DSparkDraftModel" if family == "deepseek_v4" else "Qwen3DSparkModel"
+    assert drafter.architectures == [want] and drafter.target_model_type == family
 
 
 @pytest.mark.parametrize("path", [p for p in RECIPES if "tiny" in p.stem], ids=lambda p: p.stem)

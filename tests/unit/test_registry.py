@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.common.registration import CONFIDENCE_HEAD
 from dspark_ds.drafters.dspark.config import LossWeights
 from dspark_ds.drafters.dspark.loss import compute_dspark_loss
@@ -140,19 +140,7 @@ def test_each_kind_gives_its_step_shape_part_and_its_tags(name):
     # `model` section (read by its activation and FLOP terms), its eval tags from a drafter
     model = preset(name, num_draft_layers=1, num_anchors=8, block_size=4, ttt_length=3)
     kind = get_kind(model.kind)
-    shape = StepShape(
-        batch=1,
-        seq_len=32,
-        hidden=64,
-        intermediate=160,
-        vocab=1000,
-        heads=4,
-        kv_heads=2,
-        head_dim=16,
-        draft_layers=1,
-        taps=3,
-        drafter=kind.cost.step_part(model),
-    )
+    shape = StepShape.of(Widths(64, 160, 1000, 4, 2, 16, 1, 3), 1, 32, kind.cost.step_part(model))
     for stage in (0, 3):
         assert sum(kind.cost.activation_bytes(shape, PerfConfig(), "cpu", stage).values()) > 0
         assert sum(kind.cost.step_flops(shape, PerfConfig(), "cpu", stage).values()) > 0

@@ -2,7 +2,7 @@
 `dspark-ds export --format speculators` writes, read back by every reader of a drafter directory
 (eval, model.init_from, serve-check) with the same decoding as the native export, and each
 speculators option without a counterpart here refused by name. speculators' own loader and
-forward on these directories: tests/e2e/test_speculators_format.py."""
+forward on these directories: tests/e2e/test_speculators_interop.py."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.errors import ConfigError
 from dspark_ds.eval.decoding import speculative_generate
-from dspark_ds.target import FrozenTarget, TargetConfig, load_target
+from dspark_ds.target import FrozenTarget, TargetConfig
 from dspark_ds.target_weights import StoredTensor, read_header
 
 from helpers.drafters import tiny_dspark_config, with_target_weights
@@ -28,7 +28,10 @@ from helpers.gemma4 import greedy_without_cache
 from helpers.tiny_models import (
     FAMILIES,
     assert_reads_like_from_pretrained,
+    assert_taps_are_hidden_states,
     build_tiny_family_target,
+    targets_by_family,
+    tiny_widths,
 )
 
 LAYER_IDS = [-1, 0, 2]  # of 4 layers: the embedding output, two decoder layers
@@ -36,8 +39,7 @@ LAYER_IDS = [-1, 0, 2]  # of 4 layers: the embedding output, two decoder layers
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("families")
-    return {f: build_tiny_family_target(root / f, f) for f in FAMILIES}
+    return targets_by_family(tmp_path_factory, "families", build_tiny_family_target, FAMILIES)
 
 
 def _load(path: str) -> torch.nn.Module:
@@ -100,15 +102,8 @@ def test_the_drafter_is_qwen3_style_and_sized_from_the_target(family, family_dir
 def test_tapped_features_are_the_targets_hidden_states(family, family_dirs):
     """The hooks give what output_hidden_states gives (id i = hidden_states[i + 1], the last
     one normed), and the logits are lm_head(final state): what the drafter shares."""
-    target = load_target(
-        TargetConfig(path=family_dirs[family], layer_ids=[-1, 0, 2, 3], dtype="float32"), "cpu"
-    )  # from_config ran check_head
-    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    hidden, last = target(ids)
-    out = target.model(input_ids=ids, output_hidden_states=True)
-    want = torch.cat([out.hidden_states[i + 1] for i in (-1, 0, 2, 3)], dim=-1)
-    assert torch.equal(hidden, want)
-    assert torch.equal(last, out.hidden_states[4])
+    target, _, out = assert_taps_are_hidden_states(family_dirs[family])
+    last = out.hidden_states[4]
     torch.testing.assert_close(out.logits, target.model.get_output_embeddings()(last))
 
 
@@ -209,14 +204,7 @@ def test_a_head_the_config_does_not_announce_is_refused_when_the_target_runs(fam
     model.forward = scaled_logits
     with pytest.raises(ConfigError, match="llama target's logits differ from lm_head"):
         target.check_head()
-    phi_cfg = AutoConfig.for_model(
-        "phi",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-    )
+    phi_cfg = AutoConfig.for_model("phi", **tiny_widths(64, num_hidden_layers=2))
     phi = AutoModelForCausalLM.from_config(phi_cfg)
     with pytest.raises(ConfigError, match="phi target's lm_head has a bias"):
         FrozenTarget(phi, [0]).check_head()
@@ -226,12 +214,7 @@ def test_train_names_the_target_option_for_a_refused_family(tmp_path, capsys):
     from dspark_ds.cli import main as cli_main
 
     cfg = AutoConfig.for_model(
-        "gemma2",
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        final_logit_softcapping=30.0,
+        "gemma2", **tiny_widths(64, num_hidden_layers=2, final_logit_softcapping=30.0)
     )
     cfg.save_pretrained(tmp_path / "gemma2")
     argv = ["train", "--config", "dspark_ds/recipes/tiny_cpu.yaml"]

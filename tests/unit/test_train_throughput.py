@@ -11,7 +11,7 @@ import torch
 from dspark_ds.config import TrainRunConfig, parse
 from dspark_ds.cost.devices import peak_flops
 from dspark_ds.cost.flops import WindowFlops
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.kind import SAMPLER_STATS, StepOutput
 from dspark_ds.drafters.registry import get_kind
 from dspark_ds.tracking.mlflow import Tracker
@@ -31,19 +31,8 @@ def reference_flops(tokens: float, anchors: float, stage: int) -> float:
     from dspark_ds.drafters.dspark.memory import DSparkShape
     from dspark_ds.drafters.perf import PerfConfig
 
-    shape = StepShape(
-        batch=1,
-        seq_len=tokens,
-        hidden=H,
-        intermediate=F,
-        vocab=V,
-        heads=HEADS,
-        kv_heads=KV,
-        head_dim=D,
-        draft_layers=5,
-        taps=5,
-        drafter=DSparkShape(num_anchors=anchors, block_size=7, markov_rank=256),
-    )
+    widths = Widths(H, F, V, HEADS, KV, D, draft_layers=5, taps=5)
+    shape = StepShape.of(widths, 1, tokens, DSparkShape(anchors, block_size=7, markov_rank=256))
     drafter = sum(get_kind("dspark").cost.step_flops(shape, PerfConfig(), "cuda", stage).values())
     target = 2 * tokens * LAYERS * LAYER_PARAMS + 4 * (tokens**2 / 2) * HEADS * D * LAYERS
     return drafter + target
@@ -174,21 +163,9 @@ def test_a_gemma4_run_counts_its_full_attention_drafter_and_its_sliding_layers(t
     layer_params = sum(p.numel() for p in layers.parameters())
     T, anchors = 64, 8
     model = run_cfg.model
-    shape = StepShape(
-        batch=1,
-        seq_len=T,
-        hidden=32,
-        intermediate=64,
-        vocab=inv.vocab,
-        heads=4,
-        kv_heads=1,
-        head_dim=16,
-        draft_layers=model.num_draft_layers,
-        taps=3,
-        drafter=DSparkShape(
-            num_anchors=anchors, block_size=model.block_size, markov_rank=model.markov_rank
-        ),
-    )
+    widths = Widths(32, 64, inv.vocab, 4, 1, 16, model.num_draft_layers, taps=3)
+    part = DSparkShape(anchors, block_size=model.block_size, markov_rank=model.markov_rank)
+    shape = StepShape.of(widths, 1, T, part)
     drafter = sum(get_kind("dspark").cost.step_flops(shape, PerfConfig(), "cuda", 3).values())
     sliding_pairs, full_pairs = 8 * T - 8 * 8 / 2, T * T / 2
     target = 2 * T * layer_params + 4 * 2 * (32 * sliding_pairs + 64 * full_pairs)

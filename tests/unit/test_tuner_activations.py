@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen3Config
 
 from dspark_ds.drafters import build_draft_config, build_draft_model
-from dspark_ds.drafters.common.memory import StepShape
+from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.memory import DSparkShape, saved_bytes
 from dspark_ds.drafters.dspark.memory import micro_batch_bytes as activation_bytes
@@ -27,9 +27,15 @@ LOSS_ARGS = dict(
 )
 # (the vocabulary-sized loss dominates; the layers and the loss weigh alike; the layers dominate)
 SHAPES = {
-    "vocab": StepShape(1, 256, 64, 160, 16000, 4, 2, 16, 2, 3, DSparkShape(32, 4, 16), 4, 4),
-    "mixed": StepShape(1, 384, 128, 320, 6000, 8, 2, 16, 2, 3, DSparkShape(48, 6, 32), 4, 4),
-    "layers": StepShape(1, 384, 128, 640, 2000, 8, 2, 16, 2, 3, DSparkShape(48, 6, 16), 4, 4),
+    "vocab": StepShape.of(
+        Widths(64, 160, 16000, 4, 2, 16, 2, 3), 1, 256, DSparkShape(32, 4, 16), 4, 4
+    ),
+    "mixed": StepShape.of(
+        Widths(128, 320, 6000, 8, 2, 16, 2, 3), 1, 384, DSparkShape(48, 6, 32), 4, 4
+    ),
+    "layers": StepShape.of(
+        Widths(128, 640, 2000, 8, 2, 16, 2, 3), 1, 384, DSparkShape(48, 6, 16), 4, 4
+    ),
 }
 CHUNK_ANCHORS = 5
 
@@ -169,7 +175,9 @@ def test_eagle3_recomputed_layers_save_what_the_model_says():
     c = config
     widths = (c.hidden_size, c.intermediate_size, c.vocab_size)
     heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-    shape = StepShape(2, 20, *widths, *heads, c.num_hidden_layers, 3, Eagle3Shape(3), 4, 4)
+    shape = StepShape.of(
+        Widths(*widths, *heads, c.num_hidden_layers, 3), 2, 20, Eagle3Shape(3), 4, 4
+    )
     peaks, models = [], []
     for recompute in (False, True):
         perf = PerfConfig(
@@ -193,7 +201,9 @@ def test_eagle3_recomputed_layers_save_what_the_model_says():
 def test_qwen3_8b_shape_per_path():
     """The Qwen3-8B DSpark shape of issue 13 (B 1, S 4096, A 512, γ 7, bf16): the compiled-flex
     chunked path (chunk 256) needs well under the dense / reference path's working memory."""
-    shape = StepShape(1, 4096, 4096, 12288, 151936, 32, 8, 128, 5, 5, DSparkShape(512, 7, 256))
+    shape = StepShape.of(
+        Widths(4096, 12288, 151936, 32, 8, 128, 5, 5), 1, 4096, DSparkShape(512, 7, 256)
+    )
     flex = sum(activation_bytes(shape, "flex", "chunked", 256).values())
     dense = sum(activation_bytes(shape, "dense", "reference", 256).values())
     assert 9 * 2**30 < flex < 10.5 * 2**30 and 14 * 2**30 < dense < 16 * 2**30
@@ -201,7 +211,7 @@ def test_qwen3_8b_shape_per_path():
 
 
 # Long sequences at fixed anchors: one draft layer 64 wide, A 48 (three blockwise chunks), γ 4
-LONG = StepShape(1, 512, 64, 160, 2000, 4, 2, 16, 1, 3, DSparkShape(48, 4, 16), 4, 4)
+LONG = StepShape.of(Widths(64, 160, 2000, 4, 2, 16, 1, 3), 1, 512, DSparkShape(48, 4, 16), 4, 4)
 LENGTHS = (512, 1024, 2048)
 
 

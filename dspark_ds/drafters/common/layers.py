@@ -67,14 +67,32 @@ class TargetSharedWeights:
         """Family / kind fix-ups of the config.json dict `save_draft_model` writes."""
         return data
 
+    @classmethod
+    def interchange_state_dict(cls, state: dict, config) -> dict:
+        """Our parameter names -> the weight names the engines' loader for this backend reads
+        (the same names, except DeepSeek-V4's layout)."""
+        return state
+
+    @classmethod
+    def native_state_dict(cls, state: dict, config) -> dict:
+        """The inverse of `interchange_state_dict`, for a directory's tensors."""
+        return state
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         std = float(getattr(self.config, "initializer_range", 0.02))
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+            self.init_module(module, std)
+
+    @staticmethod
+    @torch.no_grad()
+    def init_module(module: nn.Module, std: float) -> None:
+        """One module's own parameters at their initial values (what `reset_parameters` does
+        to each; under ZeRO-3 the engine calls it module by module, gathered)."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, std)
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
 
     @torch.no_grad()
     def initialize_embeddings_and_head(

@@ -10,8 +10,10 @@ activation terms (`cost.activation_bytes`) and its matmul FLOPs (`cost.step_flop
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from dspark_ds.drafters.common.target_config import global_attr
 
 LAYERS_RECOMPUTE = "draft_layers_recompute"
 """The FLOPs component of a kind's `step_flops` under perf.activation_checkpointing: the draft
@@ -19,13 +21,10 @@ layers' forward run again in backward (the tuner's `recompute` term)."""
 
 
 @dataclass(frozen=True)
-class StepShape:
-    """One micro-batch of one rank, and the drafter sizes it flows through."""
+class Widths:
+    """The target's and the drafter's widths the activations and FLOPs depend on (a `StepShape`
+    has them, and the tuner's `Inventory` of the recipe)."""
 
-    batch: int
-    """B: sequences per micro-batch."""
-    seq_len: int
-    """S: tokens per sequence (data.max_length)."""
     hidden: int
     intermediate: int
     vocab: int
@@ -35,6 +34,32 @@ class StepShape:
     draft_layers: int
     taps: int
     """Tapped target layers (n)."""
+
+    @classmethod
+    def of_config(cls, config, draft_layers: int, taps: int) -> Widths:
+        """The widths of a target's text config as it stands (its own head size and KV heads),
+        with the drafter's depth and taps."""
+        return cls(
+            hidden=int(global_attr(config, "hidden_size")),
+            intermediate=int(global_attr(config, "intermediate_size")),
+            vocab=int(global_attr(config, "vocab_size")),
+            heads=int(global_attr(config, "num_attention_heads")),
+            kv_heads=int(global_attr(config, "num_key_value_heads")),
+            head_dim=int(global_attr(config, "head_dim")),
+            draft_layers=draft_layers,
+            taps=taps,
+        )
+
+
+@dataclass(frozen=True)
+class StepShape(Widths):
+    """One micro-batch of one rank, and the drafter sizes it flows through (its `Widths` first:
+    `StepShape.of` names the micro-batch's own fields)."""
+
+    batch: int
+    """B: sequences per micro-batch."""
+    seq_len: int
+    """S: tokens per sequence (data.max_length)."""
     drafter: Any
     """The kind's part of the shape (`DrafterKind.cost.step_part` of the run's `model` section)."""
     compute_bytes: int = 2
@@ -43,6 +68,34 @@ class StepShape:
     """Bytes per element of the target features (the target's dtype)."""
     aligned: bool = True
     """The target's last hidden states are in the batch (what a kind's loss compares with)."""
+    attention: str | None = None
+    """The attention path the drafter's layers force whatever perf.attn_implementation says
+    (DeepSeek-V4's own layers: "dense", for their per-head sink); None: the perf section's."""
+
+    @classmethod
+    def of(
+        cls,
+        widths: Widths,
+        batch: int,
+        seq_len: int,
+        drafter: Any,
+        compute_bytes: int = 2,
+        feature_bytes: int = 2,
+        **micro,
+    ) -> StepShape:
+        """The shape of `batch` sequences of `seq_len` tokens through `widths` (a `Widths`, or
+        anything that is one, like the tuner's `Inventory`); `micro`: the micro-batch's other
+        fields by name (aligned, attention; their defaults otherwise)."""
+        own = {f.name: getattr(widths, f.name) for f in fields(Widths)}
+        return cls(
+            **own,
+            batch=batch,
+            seq_len=seq_len,
+            drafter=drafter,
+            compute_bytes=compute_bytes,
+            feature_bytes=feature_bytes,
+            **micro,
+        )
 
     @property
     def context_tokens(self) -> int:

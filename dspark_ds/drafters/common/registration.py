@@ -15,7 +15,7 @@ module needs the `model` section these modules build.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
@@ -85,6 +85,7 @@ class Capabilities:
 # (`Registration.backends`' third field)
 QWEN3_CONFIG = "transformers.models.qwen3.configuration_qwen3:Qwen3Config"
 GEMMA4_CONFIG = "transformers.models.gemma4.configuration_gemma4:Gemma4TextConfig"
+DEEPSEEK_V4_CONFIG = "transformers.models.deepseek_v4.configuration_deepseek_v4:DeepseekV4Config"
 
 
 def on_backbones(package: str, model_suffix: str) -> dict[str, Any]:
@@ -136,3 +137,6 @@ class Registration:
     speculators: ModuleType | None = None
     """Its side of the speculators checkpoint format (ARCHITECTURES, MODEL_TYPES, FIELDS,
     SAVES_SHARED, to_speculators, from_speculators: drafters/speculators_format.py); None: it has none."""
+    target_backbones: Mapping[str, str] = field(default_factory=dict)
+    """Target text model_type -> architecture built with `model.backbone: target` (the target
+    family's own decoder layers), for the families that have one beyond `architectures`."""

@@ -15,7 +15,7 @@ def dspark_config(
     """The DSpark / DFlash drafter config of `model` (a validated "dspark" section) for this
     target (docs/algorithm.md#the-drafter). Raises ConfigError naming the offending field."""
     cfg, text = draft_config_from_target(
-        target_config, "dspark", target_layer_ids, model.num_draft_layers
+        target_config, "dspark", target_layer_ids, model.num_draft_layers, model.backbone
     )
     vocab = int(text.vocab_size)
     if not 0 <= int(mask_token_id) < vocab:

@@ -9,7 +9,7 @@ to a small target (`DSparkSizes`) and its registration.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from dspark_ds.drafters.common.checks import Checker
@@ -21,6 +21,7 @@ from dspark_ds.drafters.common.divergences import (
 )
 from dspark_ds.drafters.common.registration import (
     CONFIDENCE_HEAD,
+    DEEPSEEK_V4_CONFIG,
     MARKOV_HEAD,
     Capabilities,
     Claim,
@@ -62,18 +63,9 @@ class LossWeights:
 
     @classmethod
     def of(cls, model: Any) -> LossWeights:
-        """The weights a `model` section (a DSpark / DFlash one) sets."""
-        return cls(
-            loss_decay_gamma=model.loss_decay_gamma,
-            ce_loss_alpha=model.ce_loss_alpha,
-            l1_loss_alpha=model.l1_loss_alpha,
-            confidence_head_alpha=model.confidence_head_alpha,
-            loss_terms=model.loss_terms,
-            lk_eta=model.lk_eta,
-            loss_schedule=model.loss_schedule,
-            loss_decay_ratio=model.loss_decay_ratio,
-            dpace_alpha=model.dpace_alpha,
-        )
+        """The weights a `model` section (a DSpark / DFlash one) sets: its fields of the same
+        names."""
+        return cls(**{f.name: getattr(model, f.name) for f in fields(cls)})
 
 
 DSPARK_LOSS = LossWeights(
@@ -81,6 +73,10 @@ DSPARK_LOSS = LossWeights(
 )
 # DFlash: cross-entropy only, no confidence head (and no Markov head).
 DFLASH_LOSS = replace(DSPARK_LOSS, ce_loss_alpha=1.0, l1_loss_alpha=0.0, confidence_head_alpha=0.0)
+
+
+BACKBONES = ("auto", "target")
+V4_BACKBONE = "DSparkDraftModel"  # vLLM's architecture name for DeepSeek-V4's DSpark
 
 
 @dataclass
@@ -121,10 +117,17 @@ class DSparkFields:
     """r of loss_schedule "geometric": slot j weighs r^j."""
     dpace_alpha: float = DPACE_ALPHA
     """Smoothing a of loss_schedule "dpace": s = (1 - a)·exp(-CE) + a, in (0, 1]."""
+    backbone: Literal["auto", "target"] = "auto"
+    """The draft layers. auto: the target family's own for Qwen3 and Gemma4 targets, the
+    Qwen3-style layers sized from the target for every other family. target: the target
+    family's own decoder layers where the drafter has them (DeepSeek-V4: its sliding-window
+    attention, MoE and hyper-connections, the layout vLLM's V4 DSpark serves; Qwen3, Gemma4:
+    as auto); another family is refused by name (docs/drafters.md#deepseek-v4s-own-drafter)."""
 
     def check_fields(self, check: Checker) -> None:
         """These fields' checks (`DrafterConfig.validate`, when model.kind is dspark)."""
         check.at_least_1("block_size", "num_anchors")
+        check("backbone", self.backbone in BACKBONES, f"expected one of {BACKBONES}")
         check("markov_rank", self.markov_rank >= 0, "must be >= 0")
         if self.markov_rank > 0:
             check(
@@ -214,13 +217,21 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+_BACKBONES = on_backbones("dspark_ds.drafters.dspark", "DSparkModel")
+_BACKBONES["backends"][V4_BACKBONE] = (
+    "dspark_ds.drafters.dspark.deepseek_v4",
+    "DeepseekV4DSparkModel",
+    DEEPSEEK_V4_CONFIG,
+)
+
 REGISTRATION = Registration(
     name="dspark",
     fields=DSparkFields,
     kind_class="dspark_ds.drafters.dspark.kind:DSpark",
     presets=PRESETS,
     sizes=DSparkSizes,
-    **on_backbones("dspark_ds.drafters.dspark", "DSparkModel"),
+    **_BACKBONES,
+    target_backbones={"deepseek_v4": V4_BACKBONE},
     serving=serving,
     speculators=speculators_format,
     capabilities=Capabilities(

@@ -129,10 +129,10 @@ class _ChunkRunner:
                 logits = draft_logits(self.model, h, prev[b0:b1])
             target_logits = None
             if target_state is not None:
-                # Differentiable only if compute_logits has trainable parameters (a frozen
+                # Differentiable only if target_logits has trainable parameters (a frozen
                 # lm_head, the normal case, makes this a plain forward).
                 with torch.set_grad_enabled(self.with_grad):
-                    target_logits = self.model.compute_logits(target_state[b0:b1])
+                    target_logits = self.model.target_logits(target_state[b0:b1])
             target_grad = target_logits is not None and target_logits.requires_grad
 
             def weigh(ce_N, r0=r0, r1=r1):
@@ -303,13 +303,46 @@ def chunked_dspark_loss(
     *,
     chunk_anchors: int = CHUNK_ANCHORS_CPU,
     over_ranks: bool = True,
+    recompute: bool = False,
+    pad_to_blocks: int = 0,
 ) -> StepOutput:
     """`dspark_loss` on `model.forward_hidden(...)` output (`feats`), chunked.
 
     Same loss, metric sums and gradients as the reference path (to fp32 rounding). The caller
     backpropagates once (no retain_graph / double backward).
+
+    `recompute` (ZeRO-3): the same chunks, differentiated by plain autograd, each chunk under
+    `torch.utils.checkpoint` (its V-sized tensors recomputed in backward). Every parameter is
+    reached through a module call (lm_head, Markov, confidence), forward and recompute alike,
+    so ZeRO-3's hooks gather and release partitioned weights as in any activation-checkpointed
+    model; the fused path instead hands autograd gradients of parameters it differentiated
+    itself. The price: the chunk's logits are computed twice. Live memory stays
+    O(chunk × G × V).
+
+    `pad_to_blocks` (with `recompute`): run as many chunks as that many blocks take, the last
+    ones empty. NOTE: under ZeRO-3 every rank must call the heads equally often (each call
+    gathers their partitioned weights with the other ranks); ranks that dropped different
+    numbers of empty blocks pad to the count they all share (the micro-batch's rows ×
+    num_anchors).
     """
     plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
+    if recompute:
+        terms, main = _recomputed_terms(model, feats, plan, chunk_anchors, pad_to_blocks), None
+    else:
+        terms, main = _fused_terms(model, feats, plan, chunk_anchors)
+    return finish_loss(
+        plan,
+        terms,
+        eval_mask=feats.eval_mask,
+        block_keep_mask=feats.block_keep_mask,
+        confidence_pred=confidence_pred,
+        main_loss=main,
+    )
+
+
+def _fused_terms(model: nn.Module, feats, plan: LossPlan, chunk_anchors: int):
+    """(The per-slot terms, the CE + L1 + terms part of the loss) with each chunk's gradient
+    computed right away (`_VocabChunks`)."""
     # Every trainable parameter is offered to the chunk's autograd.grad (unused ones get
     # None), so a backend whose compute_logits has its own parameters stays correct.
     params = tuple(p for p in model.parameters() if p.requires_grad)
@@ -334,14 +367,7 @@ def chunked_dspark_loss(
         greedy_hit=hit,
         extra=dict(zip(plan.coef_terms, rest[1:])) if has_l1 else {},
     )
-    return finish_loss(
-        plan,
-        terms,
-        eval_mask=feats.eval_mask,
-        block_keep_mask=feats.block_keep_mask,
-        confidence_pred=confidence_pred,
-        main_loss=main,
-    )
+    return terms, main
 
 
 def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH, names=(), lk_eta=0.0):
@@ -356,38 +382,15 @@ def _chunk_terms(model, hidden_cGH, prev_cG, ids_cG, target_state_cGH, names=(),
     l1 = None
     extra = ()
     if target_state_cGH is not None:
-        target = model.compute_logits(target_state_cGH).reshape(flat.shape)
+        target = model.target_logits(target_state_cGH).reshape(flat.shape)
         l1 = l1_distance(flat, target)
         terms = slot_divergences(flat, target, names, lk_eta=lk_eta)
         extra = tuple(terms[n] for n in names)
     return ce, l1, hit, *extra
 
 
-def recompute_dspark_loss(
-    model: nn.Module,
-    feats,
-    confidence_pred: torch.Tensor | None,
-    weights: LossWeights = DSPARK_LOSS,
-    *,
-    chunk_anchors: int = CHUNK_ANCHORS_CPU,
-    over_ranks: bool = True,
-    pad_to_blocks: int = 0,
-) -> StepOutput:
-    """`chunked_dspark_loss` for ZeRO-3: the same chunks, differentiated by plain autograd,
-    each chunk under `torch.utils.checkpoint` (its V-sized tensors recomputed in backward).
-
-    Every parameter is reached through a module call (lm_head, Markov, confidence), forward
-    and recompute alike, so ZeRO-3's hooks gather and release partitioned weights as in any
-    activation-checkpointed model; the fused path instead hands autograd gradients of
-    parameters it differentiated itself. The price: the chunk's logits are computed twice.
-    Live memory stays O(chunk × G × V).
-
-    `pad_to_blocks`: run as many chunks as that many blocks take, the last ones empty. NOTE:
-    under ZeRO-3 every rank must call the heads equally often (each call gathers their
-    partitioned weights with the other ranks); ranks that dropped different numbers of empty
-    blocks pad to the count they all share (the micro-batch's rows × num_anchors).
-    """
-    plan = _plan(feats, confidence_pred, weights, chunk_anchors, over_ranks)
+def _recomputed_terms(model: nn.Module, feats, plan: LossPlan, chunk_anchors, pad_to_blocks):
+    """The per-slot terms, each chunk under `torch.utils.checkpoint` while grad is enabled."""
     bsz, num_blocks, G, H = feats.hidden.shape
     hidden = feats.hidden.reshape(bsz * num_blocks, G, H)
     prev = feats.prev_token_ids.reshape(-1, G)
@@ -424,16 +427,9 @@ def recompute_dspark_loss(
         for name, value in zip(names, out[3:]):
             extra[name].append(value)
     shape = feats.target_ids.shape
-    terms = SlotTerms(
+    return SlotTerms(
         ce=torch.cat(ce).view(shape),
         l1=None if target_state is None else torch.cat(l1).view(shape),
         greedy_hit=torch.cat(hit).view(shape),
         extra={n: torch.cat(v).view(shape) for n, v in extra.items()},
-    )
-    return finish_loss(
-        plan,
-        terms,
-        eval_mask=feats.eval_mask,
-        block_keep_mask=feats.block_keep_mask,
-        confidence_pred=confidence_pred,
     )

@@ -242,15 +242,16 @@ def activation_bytes(
 ) -> dict[str, float]:
     """`micro_batch_bytes` for a run's shape and perf section on `device` (cuda | cpu) at ZeRO
     `stage`, resolving "auto" as training does (the kind's `activation_bytes`)."""
-    attn, loss = _paths(perf, device, stage)
+    attn, loss = _paths(perf, device, stage, shape)
     return micro_batch_bytes(
         shape, attn, loss, perf.chunk_anchors(device), perf.activation_checkpointing
     )
 
 
-def _paths(perf: PerfConfig, device: str, stage: int) -> tuple[str, str]:
-    """(attention, loss) paths training takes on `device` at ZeRO `stage`."""
-    attn = perf.attn_implementation
+def _paths(perf: PerfConfig, device: str, stage: int, shape: StepShape) -> tuple[str, str]:
+    """(attention, loss) paths training takes on `device` at ZeRO `stage` (the one the
+    drafter's layers force, if any)."""
+    attn = shape.attention or perf.attn_implementation
     if attn == "auto":  # the drafter's own rule (DSparkDraftModel.resolve_attn_implementation)
         attn = "flex" if device == "cuda" else "blockwise"
     return attn, loss_impl_for(perf.loss_impl, zero3=stage == 3)
@@ -325,5 +326,5 @@ def micro_batch_flops(
 def step_flops(shape: StepShape, perf: PerfConfig, device: str, stage: int) -> dict[str, float]:
     """`micro_batch_flops` for a run's shape and perf section on `device` at ZeRO `stage` (the
     attention and loss paths training takes there; the kind's `step_flops`)."""
-    attn, loss = _paths(perf, device, stage)
+    attn, loss = _paths(perf, device, stage, shape)
     return micro_batch_flops(shape, attn, loss, perf.activation_checkpointing)

@@ -36,7 +36,7 @@ from dspark_ds.errors import ConfigError
 class DSparkHiddenOutput:
     """`forward_hidden`: everything the loss needs, with hidden states instead of logits."""
 
-    hidden: torch.Tensor  # [B, A, G, H] final-normed draft states (input of compute_logits)
+    hidden: torch.Tensor  # [B, A, G, H] the backbone's draft states (input of compute_logits)
     prev_token_ids: torch.Tensor  # [B, A, G] token before each slot (Markov / confidence input)
     target_ids: torch.Tensor  # [B, A, G]
     eval_mask: torch.Tensor  # [B, A, G] bool
@@ -134,6 +134,11 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def target_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Logits of the target's own final states (the aligned logits the loss compares
+        with): `compute_logits`, unless a backend's norms its input (DeepSeek-V4's)."""
+        return self.compute_logits(state)
+
     # ---- the shared backbone ---------------------------------------------------------
     def project_context(self, target_hidden_states: torch.Tensor) -> torch.Tensor:
         """[B, L, n*H] tapped target features -> [B, L, H] context, shared by every layer."""
@@ -159,7 +164,7 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
         hidden_BAGH = feats.hidden
         aligned = None
         if feats.target_prev_hidden is not None:
-            aligned = self.compute_logits(feats.target_prev_hidden)
+            aligned = self.target_logits(feats.target_prev_hidden)
         logits = self.compute_logits(hidden_BAGH)
         if self.markov_head is not None:
             logits = self.markov_head.apply_block_logits(
@@ -285,7 +290,8 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
         cache: DraftKVCache,
         key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One draft block per row against the context in the cache -> normed hidden [B, G, H].
+        """One draft block per row against the context in the cache -> the backbone's hidden
+        [B, G, H] (normed; DeepSeek-V4's before its final norm: the input of compute_logits).
 
         block_input_ids / block_positions [B, G]; key_mask [B, cache.seq_length] marks the
         cached context each row may see (left-padded rows), None: all of it. The block's keys
@@ -312,7 +318,7 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, nn.Module):
         `[x_start, MASK...]` at `start` (the train / serve parity tests' entry).
 
         context_features [B, start - cache.seq_length, n*H] are the tapped target features of
-        the positions verified since the last round. Returns normed hidden [B, G, H].
+        the positions verified since the last round. Returns the backbone's hidden [B, G, H].
         """
         cached = cache.seq_length
         if cached + context_features.shape[1] != start:

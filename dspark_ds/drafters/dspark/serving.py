@@ -9,6 +9,13 @@
   (`DFlashDraftModel`: `dflash_config.mask_token_id` / `target_layer_ids`, `block_size` = the
   anchor + γ masks), which vLLM's and SGLang's `dflash` methods read (vLLM's CPU build too).
 
+- DSpark on DeepSeek-V4's own layers (`model.backbone: target`): vLLM's V4 DSpark directory
+  (`DSparkDraftModel`, drafters/dspark/deepseek_v4.py): the target's config with the draft
+  layers counted apart (`num_hidden_layers` the target's, `n_mtp_layers` the drafter's, vLLM
+  numbering them after the target's), `dspark_target_layer_ids`, `dspark_markov_rank`,
+  DeepSeek's own field names beside transformers' (`compress_ratios`, `num_hash_layers`,
+  `qk_rope_head_dim`), and the weights under `mtp.{i}.*` (drafters/common/deepseek_v4.py).
+
 `native_dict` also reads published DFlash checkpoints (z-lab's `*-DFlash-b16`, which leave
 their embedding and lm_head to the target's).
 """
@@ -19,8 +26,25 @@ from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError
 
 DFLASH = "DFlashDraftModel"
-ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel")
+V4 = "DSparkDraftModel"
+ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel", V4)
 READS = (*ARCHITECTURES, DFLASH)
+# DeepSeek's config names of the V4 attention types (its `compress_ratios`: 0 = sliding only)
+_V4_ATTENTION = ("compressed_sparse_attention", "heavily_compressed_attention")
+# transformers' fields vLLM's V4 layout writes DeepSeek's way (compress_ratios, num_hash_layers,
+# rope_theta / compress_rope_theta / rope_scaling; the drafter's own from the draft layer count)
+_V4_TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "rope_parameters")
+# what only vLLM's V4 layout has; our config holds them under its own names
+_V4_ENGINE_ONLY = (
+    "n_mtp_layers",
+    "dspark_target_layer_ids",
+    "dspark_markov_rank",
+    "dspark_block_size",
+    "compress_ratios",
+    "num_hash_layers",
+    "qk_rope_head_dim",
+    "norm_topk_prob",
+)
 # the heads' fields of our config; a DFlash directory has none
 _HEAD_FIELDS = (
     "markov_rank",
@@ -41,7 +65,64 @@ def _is_dflash(data: dict) -> bool:
     )
 
 
+def _v4_engine_dict(data: dict) -> dict:
+    """Ours -> vLLM's V4 DSpark config (the target's, with the draft layers apart)."""
+    # NOTE: vLLM reads DeepSeek's own config names; transformers' per-layer lists (whose
+    # values the transformers vLLM pins refuses) and nested RoPE are written DeepSeek's way
+    out = {k: v for k, v in data.items() if k not in _V4_TRANSFORMERS_ONLY}
+    target_types = list(data["target_layer_types"])
+    rates = data.get("compress_rates") or {}
+    rope = data.get("rope_parameters") or {}
+    compress = rope.get("compress") or {}
+    scaling = {
+        k: v for k, v in compress.items() if k not in ("rope_theta", "partial_rotary_factor")
+    }
+    out.update(
+        num_hidden_layers=int(data["num_target_layers"]),
+        n_mtp_layers=int(data["num_hidden_layers"]),
+        rope_theta=float((rope.get("main") or {}).get("rope_theta", data.get("rope_theta"))),
+        compress_rope_theta=float(compress.get("rope_theta", data.get("compress_rope_theta"))),
+        rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
+        dspark_target_layer_ids=[int(i) for i in data["target_layer_ids"]],
+        dspark_markov_rank=int(data.get("markov_rank") or 0),
+        dspark_block_size=int(data["block_size"]),
+        compress_ratios=[int(rates.get(t, 0)) if t in _V4_ATTENTION else 0 for t in target_types],
+        num_hash_layers=list(data["target_mlp_layer_types"]).count("hash_moe"),
+        qk_rope_head_dim=int(int(data["head_dim"]) * float(data["partial_rotary_factor"])),
+        norm_topk_prob=True,  # the router renormalises its top-k weights
+    )
+    return out
+
+
+def _v4_native_dict(data: dict) -> dict:
+    """vLLM's V4 DSpark config -> ours (the fields DeepSeek's own directory names its way)."""
+    out = {k: v for k, v in data.items() if k not in _V4_ENGINE_ONLY}
+    if "n_mtp_layers" not in data:
+        raise ConfigError("n_mtp_layers: missing from the DeepSeek-V4 DSpark config.json")
+    out["num_hidden_layers"] = int(data["n_mtp_layers"])
+    for ours, theirs in (
+        ("target_layer_ids", "dspark_target_layer_ids"),
+        ("markov_rank", "dspark_markov_rank"),
+        ("block_size", "dspark_block_size"),
+        ("mask_token_id", "dspark_noise_token_id"),
+    ):
+        if ours not in out and theirs in data:
+            out[ours] = data[theirs]
+    layers = int(out["num_hidden_layers"])
+    out.setdefault("num_target_layers", int(data["num_hidden_layers"]))
+    out.setdefault("target_layer_types", list(data.get("layer_types") or []))
+    out.setdefault("target_mlp_layer_types", list(data.get("mlp_layer_types") or []))
+    out["layer_types"] = ["sliding_attention"] * layers
+    out["mlp_layer_types"] = ["moe"] * layers
+    # transformers folds DeepSeek's RoPE fields (rope_theta, compress_rope_theta, rope_scaling)
+    # into its nested rope_parameters
+    out.setdefault("num_anchors", 512)  # training's own setting; the run's model section decides
+    return out
+
+
 def engine_dict(data: dict) -> dict:
+    if data["architectures"][0] == V4:
+        return _v4_engine_dict(data)
     if not _is_dflash(data):
         return data
     out = {k: v for k, v in data.items() if k not in _HEAD_FIELDS}
@@ -56,6 +137,8 @@ def engine_dict(data: dict) -> dict:
 
 
 def native_dict(data: dict, target_config=None) -> dict:
+    if data["architectures"][0] == V4:
+        return _v4_native_dict(data)
     if data["architectures"][0] != DFLASH:
         return data
     dflash = data.get("dflash_config") or {}
@@ -106,14 +189,28 @@ def serving_format(data: dict) -> dict:
         )
     elif head != "vanilla":  # vLLM's loader has no place for the gate / GRU weights
         why = f"markov_head_type: vLLM's DSpark has the vanilla Markov head, not {head!r}"
+    elif data["architectures"][0] == V4:
+        why = _v4_unservable(data)
     return dict(
-        name="DeepSpec DSpark",
+        name="DeepSeek-V4 DSpark" if data["architectures"][0] == V4 else "DeepSpec DSpark",
         architecture=data["architectures"][0],
         vllm_method=None if why else "dspark",
         num_speculative_tokens=gamma,
         vllm_v2_runner=True,
         warnings=[why] if why else [],
     )
+
+
+def _v4_unservable(data: dict) -> str | None:
+    """Why vLLM's V4 DSpark cannot serve this V4 drafter as trained, or None."""
+    if not data.get("sample_from_anchor", True):
+        return "sample_from_anchor: false; vLLM's V4 DSpark drafts in the anchor layout"
+    if data.get("enable_confidence_head") and not data.get("confidence_head_with_markov"):
+        return (
+            "confidence_head_with_markov: false; vLLM's V4 DSpark feeds its confidence head "
+            "the Markov features"
+        )
+    return None
 
 
 def parity_suspects(data: dict) -> list[str]:

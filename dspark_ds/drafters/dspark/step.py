@@ -17,7 +17,7 @@ from torch import nn
 from dspark_ds.drafters.dspark.blocks import sample_anchor_positions
 from dspark_ds.drafters.dspark.config import DSPARK_LOSS, LossWeights
 from dspark_ds.drafters.dspark.loss import dspark_loss, dspark_metrics
-from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss, recompute_dspark_loss
+from dspark_ds.drafters.dspark.loss_chunked import chunked_dspark_loss
 from dspark_ds.drafters.kind import StepOutput, bare
 from dspark_ds.drafters.perf import CHUNK_ANCHORS_CPU, LOSS_IMPLEMENTATIONS
 from dspark_ds.errors import ConfigError
@@ -97,7 +97,7 @@ def forward_loss(
     drafter itself); the chunked losses call the drafter's heads. batch: input_ids,
     target_hidden_states, loss_mask (+ target_last_hidden_states, anchor_positions,
     block_keep_mask); without anchors the drafter draws them from `generator`. over_ranks,
-    pad_to_blocks: see `plan_loss` and `recompute_dspark_loss`.
+    pad_to_blocks: see `plan_loss` and `chunked_dspark_loss`.
     """
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
@@ -108,11 +108,15 @@ def forward_loss(
     drafter = bare(model)
     feats = model(**inputs, generator=generator, return_hidden=True)
     confidence = drafter.predict_confidence(feats.hidden, feats.prev_token_ids)
-    args = dict(chunk_anchors=chunk_anchors, over_ranks=over_ranks)
-    if impl == "chunked":
-        return chunked_dspark_loss(drafter, feats, confidence, weights, **args)
-    return recompute_dspark_loss(
-        drafter, feats, confidence, weights, pad_to_blocks=pad_to_blocks, **args
+    return chunked_dspark_loss(
+        drafter,
+        feats,
+        confidence,
+        weights,
+        chunk_anchors=chunk_anchors,
+        over_ranks=over_ranks,
+        recompute=impl != "chunked",
+        pad_to_blocks=pad_to_blocks,
     )
 
 

@@ -1,0 +1,89 @@
+"""tools/peer_compare.py on a tiny budget: ours and speculators 0.9's drafters of every kind
+trained on the demo's work (a tiny target, a few steps, one seed), all evaluated by our
+evaluator; the table of peers.md and the records of peers.json come out for every kind.
+
+Needs the speculators environment tools/install.sh makes (a missing one fails naming it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark_ds.drafters.presets import PRESET_NAMES, PRESETS
+
+from helpers.speculators_env import require_speculators
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL = REPO / "tools" / "peer_compare.py"
+
+# the demo smoke's tiny target (tests/e2e/test_demo_pipeline.py), fewer prompts and steps
+TINY = """
+    --target.num_train_rows 200 --target.vocab_size 320
+    --target.hidden_size 32 --target.num_hidden_layers 3
+    --target.num_attention_heads 2 --target.num_key_value_heads 1
+    --target.intermediate_size 64 --target.max_steps 30 --target.batch_size 8
+    --target.lr 1e-2 --target.warmup_steps 2 --target.num_probe_rows 8
+    --target.num_threads 1
+    --data.num_train_prompts 16 --data.num_heldout_prompts 2
+    --data.max_new_tokens 16 --data.regenerate_batch_size 8
+    --drafter.dspark.num_draft_layers 1 --drafter.dspark.block_size 4
+    --drafter.dspark.markov_rank 8 --drafter.eagle3.ttt_length 4
+    --budget.max_steps 2 --budget.global_batch_size 2
+    --eval.max_new_tokens 8 --seeds [0]
+""".split()
+
+
+def _tool(monkeypatch):
+    spec = importlib.util.spec_from_file_location("peer_compare", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "peer_compare", module)  # its dataclass looks itself up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_peer_compare_writes_the_table_and_the_records_of_every_kind(tmp_path, monkeypatch):
+    env = Path(require_speculators()).parents[1]
+    monkeypatch.setenv("DSPARK_DS_CACHE", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "peers.md").write_text(
+        "# prose before\n\n<!-- peers table: written by tools/peer_compare.py -->\nold\n"
+        "<!-- end of the peers table -->\n\nprose after\n"
+    )
+    argv = [
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--docs_dir",
+        str(docs),
+        "--speculators_env",
+        str(env),
+        *TINY,
+    ]
+    assert _tool(monkeypatch).main(argv) == 0
+
+    records = json.loads((docs / "peers.json").read_text())
+    assert sorted(r["kind"] for r in records) == sorted(PRESET_NAMES)
+    for r in records:
+        assert r["seed"] == 0 and "tools/peer_compare.py" in r["command"]
+        assert r["budget"]["optimizer_steps"] == 2 and r["budget"]["sequences_per_step"] == 2
+        for side in ("ours", "theirs"):
+            assert r[side]["steps"] == 2, (r["kind"], side)  # each trainer ran the budget
+            for t in ("T0", "T1"):
+                gamma = r["budget"]["draft_length"]
+                assert 1.0 <= r[side][f"tau_{t}"] <= gamma + 1, (r["kind"], side, t)
+        assert r["theirs"]["options"]["lr"] == r["budget"]["lr"]
+        assert r["theirs"]["options"]["scheduler_type"] == "cosine"
+
+    text = (docs / "peers.md").read_text()
+    assert text.startswith("# prose before") and text.rstrip().endswith("prose after")
+    assert "\nold\n" not in text  # the table between the markers was replaced
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
+    assert sorted(row.split(" | ")[0][2:] for row in rows) == sorted(
+        PRESETS[k].label for k in PRESET_NAMES
+    )
+    assert "Made by `python tools/peer_compare.py --output_dir" in text

@@ -1,0 +1,370 @@
+"""dspark-ds against speculators 0.9 on the demo's work: the same target, prepared data,
+budget, learning rate and schedule for both trainers, every drafter evaluated by our evaluator
+on the same held-out prompts (docs/peers.md).
+
+    python tools/peer_compare.py                                  # docs/peers.md, peers.json
+    python tools/peer_compare.py --seeds [0] --budget.max_steps 40 --docs_dir /tmp/p
+
+Every option of `dspark-ds demo` applies (--budget.*, --drafter.*, --data.*, --target.*,
+--seeds, ...); the default seeds are 0, 1, 2. Per seed: the demo's stages up to training
+(regenerate, prepare, build-cache), then per drafter kind:
+
+- ours: `dspark-ds train` with the demo's settings (DemoPipeline.train), exported;
+- theirs: speculators' Trainer (tools/speculators_train.py, in the speculators environment
+  tools/install.sh makes) on the same prepared sequences, with the target's features computed
+  here by our FrozenTarget; the drafter's architecture is ours (its speculators config.json,
+  `save_speculators_model` of our drafter), its init, loss and optimizer speculators' own;
+- both read by `run_eval` (a speculators directory through the speculators-format reader) at
+  every temperature of the demo, on the demo's held-out prompts.
+
+Written: `output_dir` (the demo's layout; theirs under theirs/), `docs_dir`/peers.json (one
+record per kind and seed) and the table of `docs_dir`/peers.md (between its table markers; a
+file without them gets the table alone).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# the repository's own package, wherever this script is run from
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark_ds.config import parse  # noqa: E402
+from dspark_ds.data.tokens import TokenStore  # noqa: E402
+from dspark_ds.demo import launcher  # noqa: E402
+from dspark_ds.demo.config import DemoConfig  # noqa: E402
+from dspark_ds.demo.pipeline import DemoPipeline  # noqa: E402
+from dspark_ds.demo.summary import temp_key  # noqa: E402
+from dspark_ds.drafters import load_draft_model  # noqa: E402
+from dspark_ds.drafters.io import save_speculators_model  # noqa: E402
+from dspark_ds.drafters.presets import PRESETS, preset  # noqa: E402
+from dspark_ds.drafters.registry import get_kind  # noqa: E402
+from dspark_ds.errors import ConfigError  # noqa: E402
+from dspark_ds.target import FrozenTarget, TargetConfig, decoder_layers, residual_state  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "tools" / "speculators_train.py"
+DEFAULT_ENV = "~/.cache/dspark-ds/speculators-venv"
+TABLE_BEGIN = "<!-- peers table: written by tools/peer_compare.py -->"
+TABLE_END = "<!-- end of the peers table -->"
+
+
+@dataclass
+class PeerConfig(DemoConfig):
+    """tools/peer_compare.py: ours and speculators' drafters on the demo's work."""
+
+    output_dir: str = "runs/peers"
+    """Everything the comparison writes but the docs: the demo's layout, theirs under theirs/."""
+    seeds: list[int] | None = None
+    """Seeds (each repeats everything after the target, for both trainers); None = [0, 1, 2]."""
+    docs_dir: str = "docs"
+    """Where peers.json and peers.md's table go."""
+    speculators_env: str | None = None
+    """The speculators environment (tools/install.sh); None = $DSPARK_DS_SPECULATORS_ENV or
+    ~/.cache/dspark-ds/speculators-venv."""
+
+    def __post_init__(self) -> None:
+        if self.seeds is None:
+            self.seeds = [0, 1, 2]
+
+
+def speculators_python(cfg: PeerConfig) -> Path:
+    env = cfg.speculators_env or os.environ.get("DSPARK_DS_SPECULATORS_ENV") or DEFAULT_ENV
+    python = Path(env).expanduser() / "bin" / "python"
+    if not python.exists():
+        raise ConfigError(
+            f"speculators_env: no speculators environment at {python.parent.parent} (run "
+            "tools/install.sh, which makes it, or set --speculators_env)"
+        )
+    return python
+
+
+class TheirsPipeline(DemoPipeline):
+    """The demo's evaluation pointed at speculators' drafters (theirs/<kind>-s<seed>/run/model),
+    with its own run directories; the target and the data are the demo's."""
+
+    def __init__(self, cfg: DemoConfig, ours: DemoPipeline):
+        super().__init__(cfg)
+        self.runs_dir = self.out / "theirs"
+        self.conf_dir = self.runs_dir / "configs"
+        self.target = ours.target
+        self.num_anchors = ours.num_anchors
+
+    def export_dir(self, kind: str, seed: int) -> Path:
+        return self.runs_dir / f"{kind}-s{seed}" / "run" / "model"
+
+
+# ---- theirs: the features, the architecture, the run --------------------------------------
+def write_features(target_path: str, layer_ids: list[int], prepared: Path, out: Path) -> None:
+    """The prepared sequences with the target's features as speculators' trainer reads them:
+    `hidden_states` = the tapped layers (our ids, concatenated in order, as our cache holds
+    them), `verifier_last_hidden_states` = the last decoder layer's output before the final
+    norm (speculators applies the verifier's norm itself)."""
+    target = FrozenTarget.from_config(
+        TargetConfig(path=target_path, layer_ids=layer_ids, dtype="float32", device="cpu")
+    )
+    last: dict[str, torch.Tensor] = {}
+    layers = decoder_layers(target.decoder, target.num_layers)
+    hook = layers[-1].register_forward_hook(
+        lambda _m, _i, output: last.update(
+            state=residual_state(output[0] if isinstance(output, tuple) else output)
+        )
+    )
+    store, sequences = TokenStore.load(prepared), []
+    try:
+        for i in range(len(store)):
+            row = store[i]
+            hidden, _ = target(row["input_ids"].unsqueeze(0))
+            sequences.append(
+                {
+                    "input_ids": row["input_ids"].clone(),
+                    "loss_mask": row["loss_mask"].clone(),
+                    "hidden_states": hidden[0].clone(),
+                    "verifier_last_hidden_states": last["state"][0].clone(),
+                }
+            )
+    finally:
+        hook.remove()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"sequences": sequences}, out)
+
+
+def speculators_architecture(export: Path, target_path: str, out: Path) -> dict:
+    """Our trained drafter's architecture as a speculators config.json in `out` (the weights
+    are not kept: speculators initialises its own); the native config.json's dict."""
+    model = load_draft_model(export)
+    save_speculators_model(model, out, target_path=target_path)
+    (out / "model.safetensors").unlink()
+    return json.loads((export / "config.json").read_text())
+
+
+def their_job(pipe: DemoPipeline, kind: str, seed: int, work: Path) -> dict:
+    """tools/speculators_train.py's job for one drafter: the demo's budget (steps, sequences
+    per step, packed into one sequence of that many × max_length tokens), lr, warmup and
+    cosine decay; DSpark / DFlash get as many anchor blocks as ours, Eagle3 as many steps."""
+    c, b = pipe.cfg, pipe.cfg.budget
+    native = speculators_architecture(pipe.export_dir(kind, seed), str(pipe.target.path), work)
+    spec = json.loads((work / "config.json").read_text())
+    features = work / "features.pt"
+    write_features(
+        str(pipe.target.path), native["target_layer_ids"], prepared_dir(pipe, seed), features
+    )
+    anchors = 1
+    if get_kind(preset(kind).kind).capabilities.anchor_blocks:
+        anchors = pipe.anchors_of(kind, seed)
+    return {
+        "type": spec["speculators_model_type"],
+        "config_dir": str(work),
+        "target": str(pipe.target.path),
+        "features": str(features),
+        "out": str(work.parent / "run"),
+        "steps": b.max_steps,
+        "sequences_per_step": b.global_batch_size,
+        "total_seq_len": b.global_batch_size * c.data.max_length,
+        "lr": b.lr,
+        "warmup_ratio": b.warmup_ratio,
+        "max_anchors": b.global_batch_size * anchors,
+        "ttt_steps": c.draft_lengths()[kind],
+        "seed": seed,
+        "threads": pipe.nproc,
+    }
+
+
+def prepared_dir(pipe: DemoPipeline, seed: int) -> Path:
+    return pipe.seed_data(seed) / "prepared"
+
+
+def train_theirs(cfg: PeerConfig, jobs: list[dict], log: Path) -> None:
+    """speculators' Trainer on every job, in one process of its environment."""
+    jobs_file = log.with_suffix(".json")
+    jobs_file.write_text(json.dumps({"jobs": jobs}, indent=2))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    with log.open("w") as f:
+        rc = subprocess.run(
+            [str(speculators_python(cfg)), str(DRIVER), str(jobs_file)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            check=False,
+        ).returncode
+    if rc != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"speculators' training failed (exit {rc}); log {log}:\n{tail}")
+
+
+# ---- the comparison ------------------------------------------------------------------------
+def run_seed(cfg: PeerConfig, ours: DemoPipeline, theirs: TheirsPipeline, seed: int) -> dict:
+    """Both trainers on one seed's data; kind -> {"ours": ..., "theirs": ...}."""
+    s = ours.stages
+    s.run(f"regenerate-s{seed}", "the target answers the prompts", ours.regenerate, seed)
+    s.run(f"prepare-s{seed}", "chat template + assistant loss masks", ours.prepare, seed)
+    if cfg.data.mode == "offline":
+        s.run(f"build-cache-s{seed}", "target features for ours", ours.build_cache, seed)
+    for kind in cfg.drafters:
+        s.run(f"train-ours-{kind}-s{seed}", f"ours: {kind}", ours.train, kind, seed)
+    for kind in cfg.drafters:  # a rerun starts fresh
+        shutil.rmtree(theirs.runs_dir / f"{kind}-s{seed}", ignore_errors=True)
+    jobs = [
+        their_job(ours, kind, seed, theirs.runs_dir / f"{kind}-s{seed}" / "init")
+        for kind in cfg.drafters
+    ]
+    ours.log_dir.mkdir(parents=True, exist_ok=True)
+    log = ours.log_dir / f"train-theirs-s{seed}.log"
+    s.run(f"train-theirs-s{seed}", "speculators' trainer, every kind", train_theirs, cfg, jobs, log)
+    results = {}
+    for kind, job in zip(cfg.drafters, jobs):
+        mine = {"train": ours.results[seed][kind]["train"]}
+        other = {"train": json.loads(Path(job["out"], "result.json").read_text())}
+        for t in cfg.eval.temperatures:
+            key = temp_key(t)
+            mine[key] = s.run(f"eval-ours-{kind}-{key}-s{seed}", "", ours.evaluate, kind, t, seed)
+            other[key] = s.run(
+                f"eval-theirs-{kind}-{key}-s{seed}", "", theirs.evaluate, kind, t, seed
+            )
+        results[kind] = {"ours": mine, "theirs": other, "their_job": job}
+    return results
+
+
+def _side(entry: dict, temperatures: list[float]) -> dict:
+    out = {}
+    for t in temperatures:
+        row = entry[temp_key(t)]
+        out[f"tau_{temp_key(t)}"] = row["tau"]
+        out[f"accept_rate_by_position_{temp_key(t)}"] = row["accept_rate_by_position"]
+    train = entry["train"]
+    out["train_s"] = train.get("train_s")
+    out["steps"] = train.get("steps")
+    return out
+
+
+def records(cfg: PeerConfig, results: dict, seconds: dict, command: str) -> list[dict]:
+    """peers.json's records: one per kind and seed."""
+    b = cfg.budget
+    out = []
+    for seed, kinds in results.items():
+        for kind, entry in kinds.items():
+            ours = _side(entry["ours"], cfg.eval.temperatures)
+            ours["train_s"] = seconds.get(f"train-ours-{kind}-s{seed}")
+            theirs = _side(entry["theirs"], cfg.eval.temperatures)
+            job = entry["their_job"]
+            out.append(
+                {
+                    "kind": kind,
+                    "label": PRESETS[kind].label,
+                    "seed": seed,
+                    "ours": ours,
+                    "theirs": {**theirs, "options": entry["theirs"]["train"]["options"]},
+                    "budget": {
+                        "optimizer_steps": b.max_steps,
+                        "sequences_per_step": b.global_batch_size,
+                        "max_length": cfg.data.max_length,
+                        "tokens_per_step_at_most": b.global_batch_size * cfg.data.max_length,
+                        "lr": b.lr,
+                        "warmup_ratio": b.warmup_ratio,
+                        "schedule": "linear warmup, cosine decay to 0",
+                        "anchor_blocks_per_step": job["max_anchors"],
+                        "draft_length": job["ttt_steps"],
+                    },
+                    "command": command,
+                }
+            )
+    return out
+
+
+def _fmt(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def table(recs: list[dict], temperatures: list[float], command: str, date: str) -> str:
+    """The markdown table of the records (per kind and seed, then ours ≥ theirs counted)."""
+    keys = [temp_key(t) for t in temperatures]
+    head = ["drafter", "seed"]
+    for t in temperatures:
+        head += [f"τ T={t:g} ours", f"τ T={t:g} theirs"]
+    head += ["train s ours (job)", "train s theirs (loop)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in recs:
+        cells = [r["label"], str(r["seed"])]
+        for k in keys:
+            cells += [_fmt(r["ours"][f"tau_{k}"]), _fmt(r["theirs"][f"tau_{k}"])]
+        cells += [f"{r['ours']['train_s'] or 0:.0f}", f"{r['theirs']['train_s'] or 0:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for label in dict.fromkeys(r["label"] for r in recs):
+        mine = [r for r in recs if r["label"] == label]
+        counts = ", ".join(
+            f"T={t:g} {sum(r['ours'][f'tau_{k}'] >= r['theirs'][f'tau_{k}'] for r in mine)}"
+            f"/{len(mine)}"
+            for t, k in zip(temperatures, keys)
+        )
+        lines.append(f"- {label}: ours ≥ theirs in τ in {counts} seeds")
+    lines += ["", f"Made by `{command}` on {date}."]
+    return "\n".join(lines)
+
+
+def write_docs(docs: Path, recs: list[dict], text: str) -> None:
+    docs.mkdir(parents=True, exist_ok=True)
+    (docs / "peers.json").write_text(json.dumps(recs, indent=2) + "\n")
+    md = docs / "peers.md"
+    old = md.read_text() if md.is_file() else ""
+    block = f"{TABLE_BEGIN}\n{text}\n{TABLE_END}"
+    if TABLE_BEGIN in old and TABLE_END in old:
+        before, rest = old.split(TABLE_BEGIN, 1)
+        new = before + block + rest.split(TABLE_END, 1)[1]
+    else:
+        new = block + "\n"
+    md.write_text(new)
+
+
+def compare(cfg: PeerConfig, command: str) -> list[dict]:
+    speculators_python(cfg)  # before anything runs
+    ours = DemoPipeline(cfg)
+    ours.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.num_threads)
+    ours.stages.run("corpus", "synthetic chat corpus", ours.corpus)
+    ours.stages.run("target", "tokenizer + tiny Qwen3 target", ours.train_target)
+    if cfg.launcher == "fork":
+        ours.stages.run("imports", "for the forked ranks", launcher.preload, ours._stage_env())
+    theirs = TheirsPipeline(cfg, ours)
+    results: dict[int, dict] = {}
+    for seed in cfg.seeds:  # the docs are written after each seed: a cut run keeps its seeds
+        results[seed] = run_seed(cfg, ours, theirs, seed)
+        recs = records(cfg, results, ours.stages.seconds, command)
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        text = table(recs, cfg.eval.temperatures, command, date)
+        if len(results) < len(cfg.seeds):
+            text += (
+                f" Seeds measured so far: {list(results)} of {cfg.seeds} (the table is "
+                "written after each seed)."
+            )
+        write_docs(Path(cfg.docs_dir), recs, text)
+    print(f"[peers] done in {ours.stages.total:.0f} s: {Path(cfg.docs_dir) / 'peers.json'}")
+    return recs
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = parse(PeerConfig, argv, prog="tools/peer_compare.py")
+        command = shlex.join(["python", "tools/peer_compare.py", *argv])
+        t0 = time.perf_counter()
+        compare(cfg, command)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"[peers] {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

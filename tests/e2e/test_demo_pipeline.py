@@ -21,15 +21,13 @@ from dspark_ds.demo.config import DemoConfig
 from dspark_ds.demo.summary import build_summary, format_summary
 from dspark_ds.drafters.presets import preset, sized
 
+from helpers.tiny_models import TINY_DEMO_TARGET
+
 # A tiny target (seconds to train) and a budget of a few steps: the smoke checks that every
 # stage runs and fits together, not what the drafters learn.
-SMOKE_ARGS = """
-    --target.num_train_rows 200 --target.vocab_size 320
-    --target.hidden_size 32 --target.num_hidden_layers 3
-    --target.num_attention_heads 2 --target.num_key_value_heads 1
-    --target.intermediate_size 64 --target.max_steps 30 --target.batch_size 8
-    --target.lr 1e-2 --target.warmup_steps 2 --target.num_probe_rows 8
-    --target.num_threads 1
+SMOKE_ARGS = [
+    *TINY_DEMO_TARGET,
+    *"""
     --data.num_train_prompts 24 --data.num_heldout_prompts 4
     --data.max_new_tokens 24 --data.regenerate_batch_size 12
     --drafter.dspark.num_draft_layers 1 --drafter.dspark.block_size 4
@@ -37,7 +35,8 @@ SMOKE_ARGS = """
     --budget.max_steps 3 --budget.global_batch_size 4
     --budget.micro_batch_size 2
     --eval.max_new_tokens 12 --budget.zero zero3
-""".split()
+""".split(),
+]
 
 
 @pytest.mark.slow

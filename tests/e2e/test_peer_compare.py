@@ -16,25 +16,23 @@ import pytest
 from dspark_ds.drafters.presets import PRESET_NAMES, PRESETS
 
 from helpers.speculators_env import require_speculators
+from helpers.tiny_models import TINY_DEMO_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "peer_compare.py"
 
-# the demo smoke's tiny target (tests/e2e/test_demo_pipeline.py), fewer prompts and steps
-TINY = """
-    --target.num_train_rows 200 --target.vocab_size 320
-    --target.hidden_size 32 --target.num_hidden_layers 3
-    --target.num_attention_heads 2 --target.num_key_value_heads 1
-    --target.intermediate_size 64 --target.max_steps 30 --target.batch_size 8
-    --target.lr 1e-2 --target.warmup_steps 2 --target.num_probe_rows 8
-    --target.num_threads 1
+# the demo smoke's tiny target (helpers.tiny_models.TINY_DEMO_TARGET), fewer prompts and steps
+TINY = [
+    *TINY_DEMO_TARGET,
+    *"""
     --data.num_train_prompts 16 --data.num_heldout_prompts 2
     --data.max_new_tokens 16 --data.regenerate_batch_size 8
     --drafter.dspark.num_draft_layers 1 --drafter.dspark.block_size 4
     --drafter.dspark.markov_rank 8 --drafter.eagle3.ttt_length 4
     --budget.max_steps 2 --budget.global_batch_size 2
     --eval.max_new_tokens 8 --seeds [0]
-""".split()
+""".split(),
+]
 
 
 def _tool(monkeypatch):

@@ -147,6 +147,18 @@ def _trained_bpe(vocab_size: int) -> str:
     return tok.to_str()
 
 
+# `dspark-ds demo`'s target section at its smallest (seconds to train): the demo smoke's and the
+# peer comparison's
+TINY_DEMO_TARGET = """
+    --target.num_train_rows 200 --target.vocab_size 320
+    --target.hidden_size 32 --target.num_hidden_layers 3
+    --target.num_attention_heads 2 --target.num_key_value_heads 1
+    --target.intermediate_size 64 --target.max_steps 30 --target.batch_size 8
+    --target.lr 1e-2 --target.warmup_steps 2 --target.num_probe_rows 8
+    --target.num_threads 1
+""".split()
+
+
 def build_tiny_tokenizer(out_dir: str | Path, template: str = "qwen3", vocab_size: int = 384):
     """Train a byte-level BPE on ``_CORPUS`` and save it (with ``template``) to ``out_dir``."""
     from tokenizers import Tokenizer

@@ -114,8 +114,11 @@ def test_missing_or_empty_files_are_one_line_errors(capsys, tmp_path):
     empty.write_text("")
     line = _one_line_exit_2(capsys, *train, *real, "--data.paths", f"[{empty}]")
     assert f"data.paths[0]: {empty} is empty" in line
+    # NOTE: a hub-like target: the recipe's runs/tiny_target looks local (and is checked first)
+    # wherever the working directory holds a runs/ folder, as after a demo run from the checkout
+    hub = ["--target.path", "Qwen/Qwen3-0.6B"]
     for option in ("checkpoint.resume", "model.init_from"):
-        line = _one_line_exit_2(capsys, *train, f"--{option}", str(tmp_path / "gone"))
+        line = _one_line_exit_2(capsys, *train, *hub, f"--{option}", str(tmp_path / "gone"))
         assert f"{option}: " in line and f"{tmp_path / 'gone'} does not exist" in line
     # prepare on a file that holds no rows
     from helpers.tiny_models import build_tiny_tokenizer

@@ -41,9 +41,9 @@ def test_the_counts_are_those_of_the_supervised_tokens():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("kind", "zero"), [("dspark", "zero2"), ("eagle3", "zero2"), ("dspark", "zero3")]
-)
+# NOTE: ZeRO-2 through Eagle3 and ZeRO-3 through DSpark (the head copy is the kinds' common
+# code; DSpark's Markov rows are checked under the partitioned stage)
+@pytest.mark.parametrize(("kind", "zero"), [("eagle3", "zero2"), ("dspark", "zero3")])
 def test_a_draft_vocabulary_trains_exports_and_decodes_losslessly(
     tmp_path, tiny_target, kind, zero
 ):

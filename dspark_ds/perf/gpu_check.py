@@ -64,30 +64,37 @@ TARGET_WIDTHS = (
     "vocab_size",
 )
 """The bench's widths, named as a target's config names them."""
+
+
+def _bench_shape(widths, *, target_layers, seq_len, dtype, drafter):
+    """A `TrainBenchConfig`'s fields: the target's widths and a DSpark drafter of γ 7 (`drafter`:
+    its layers, anchors and Markov rank)."""
+    sizes = DrafterSizes.with_block(DEFAULT_PRESET, block_size=7, **drafter)
+    return dict(
+        widths,
+        num_target_layers=target_layers,
+        seq_len=seq_len,
+        sizes=sizes,
+        batch_size=1,
+        dtype=dtype,
+    )
+
+
 # Qwen3-8B: the widths of its public config (the tuner's KNOWN_TARGETS), a DSpark drafter of 5
-QWEN3_8B_SHAPE = dict(
+QWEN3_8B_SHAPE = _bench_shape(
     {k: KNOWN_TARGETS["Qwen/Qwen3-8B"][k] for k in TARGET_WIDTHS},
-    num_target_layers=5,
+    target_layers=5,
     seq_len=4096,
-    sizes=DrafterSizes.with_block(
-        DEFAULT_PRESET, num_draft_layers=5, num_anchors=512, block_size=7, markov_rank=256
-    ),
-    batch_size=1,
     dtype="bfloat16",
+    drafter=dict(num_draft_layers=5, num_anchors=512, markov_rank=256),
 )
-SMALL_SHAPE = dict(
-    hidden_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    num_target_layers=3,
-    vocab_size=2000,
+# a shape any CPU runs in seconds (widths in TARGET_WIDTHS' order)
+SMALL_SHAPE = _bench_shape(
+    dict(zip(TARGET_WIDTHS, (64, 4, 2, 128, 2000))),
+    target_layers=3,
     seq_len=256,
-    sizes=DrafterSizes.with_block(
-        DEFAULT_PRESET, num_draft_layers=2, num_anchors=32, block_size=7, markov_rank=16
-    ),
-    batch_size=1,
     dtype="float32",
+    drafter=dict(num_draft_layers=2, num_anchors=32, markov_rank=16),
 )
 SHAPES = {"qwen3-8b": QWEN3_8B_SHAPE, "small": SMALL_SHAPE}
 # the targets on one H200-class GPU (docs/performance.md; reported, not part of PASS / FAIL)
@@ -323,14 +330,7 @@ def part_decode(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult
         n = cfg.max_new_tokens
         with torch.no_grad():
             out, stats = speculative_generate(target, drafter, prompt, max_new_tokens=n)
-            ref = target.generate(
-                prompt,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
+            ref = _greedy(target, prompt, n)
         equal += out.tolist() == ref.tolist()
         committed += sum(stats.committed_per_round)
         rounds += stats.rounds
@@ -339,6 +339,19 @@ def part_decode(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult
         f"τ {committed / max(rounds, 1):.2f}"
     )
     return PartResult("decode", equal == cfg.num_prompts, detail)
+
+
+def _greedy(target, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """The target's own greedy continuation of exactly n tokens (no stop token), the reference
+    a lossless decode must equal."""
+    return target.generate(
+        prompt,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
 
 def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
@@ -368,14 +381,7 @@ def part_vllm(cfg: GpuCheckConfig, work: Path, target_dir: Path) -> PartResult:
         ids = torch.tensor([prompt], device=device)
         n = cfg.max_new_tokens
         with torch.no_grad():
-            ref = target.generate(
-                ids,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
+            ref = _greedy(target, ids, n)
         equal += ref[0, ids.shape[1] :].tolist() == got
     counters = result["generate"]["counters"]
     drafts = counters.get("vllm:spec_decode_num_drafts") or 0

@@ -21,17 +21,16 @@ from dspark_ds.demo.config import DemoConfig
 from dspark_ds.demo.summary import build_summary, format_summary
 from dspark_ds.drafters.presets import preset, sized
 
-from helpers.tiny_models import TINY_DEMO_TARGET
+from helpers.tiny_models import TINY_DEMO_DRAFTERS, TINY_DEMO_TARGET
 
 # A tiny target (seconds to train) and a budget of a few steps: the smoke checks that every
 # stage runs and fits together, not what the drafters learn.
 SMOKE_ARGS = [
     *TINY_DEMO_TARGET,
+    *TINY_DEMO_DRAFTERS,
     *"""
     --data.num_train_prompts 24 --data.num_heldout_prompts 4
     --data.max_new_tokens 24 --data.regenerate_batch_size 12
-    --drafter.dspark.num_draft_layers 1 --drafter.dspark.block_size 4
-    --drafter.dspark.markov_rank 8 --drafter.eagle3.ttt_length 4
     --budget.max_steps 3 --budget.global_batch_size 4
     --budget.micro_batch_size 2
     --eval.max_new_tokens 12 --budget.zero zero3

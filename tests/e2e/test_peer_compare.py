@@ -16,7 +16,7 @@ import pytest
 from dspark_ds.drafters.presets import PRESET_NAMES, PRESETS
 
 from helpers.speculators_env import require_speculators
-from helpers.tiny_models import TINY_DEMO_TARGET
+from helpers.tiny_models import TINY_DEMO_DRAFTERS, TINY_DEMO_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "peer_compare.py"
@@ -24,11 +24,10 @@ TOOL = REPO / "tools" / "peer_compare.py"
 # the demo smoke's tiny target (helpers.tiny_models.TINY_DEMO_TARGET), fewer prompts and steps
 TINY = [
     *TINY_DEMO_TARGET,
+    *TINY_DEMO_DRAFTERS,
     *"""
     --data.num_train_prompts 16 --data.num_heldout_prompts 2
     --data.max_new_tokens 16 --data.regenerate_batch_size 8
-    --drafter.dspark.num_draft_layers 1 --drafter.dspark.block_size 4
-    --drafter.dspark.markov_rank 8 --drafter.eagle3.ttt_length 4
     --budget.max_steps 2 --budget.global_batch_size 2
     --eval.max_new_tokens 8 --seeds [0]
 """.split(),

@@ -157,6 +157,17 @@ TINY_DEMO_TARGET = """
     --target.lr 1e-2 --target.warmup_steps 2 --target.num_probe_rows 8
     --target.num_threads 1
 """.split()
+# the same as `DemoTargetConfig` fields (num_threads 1: tiny ops, where 2 threads only add sync
+# cost, 10x on a busy machine)
+TINY_DEMO_TARGET_FIELDS = {
+    flag.removeprefix("--target."): json.loads(value)
+    for flag, value in zip(TINY_DEMO_TARGET[::2], TINY_DEMO_TARGET[1::2])
+}
+# the demo's drafters at their smallest (one DSpark layer, γ 4)
+TINY_DEMO_DRAFTERS = """
+    --drafter.dspark.num_draft_layers 1 --drafter.dspark.block_size 4
+    --drafter.dspark.markov_rank 8 --drafter.eagle3.ttt_length 4
+""".split()
 
 
 def build_tiny_tokenizer(out_dir: str | Path, template: str = "qwen3", vocab_size: int = 384):

@@ -20,6 +20,8 @@ from dspark_ds.demo.target import (
 )
 from dspark_ds.demo.tokenizer import IM_END, IM_START, MASK_TOKEN, PAD_TOKEN, train_tokenizer
 
+from helpers.tiny_models import TINY_DEMO_TARGET_FIELDS
+
 
 @pytest.fixture(scope="module")
 def corpus():
@@ -32,24 +34,11 @@ def tokenizer(corpus):
 
 
 def _tiny_cfg(tmp_path, **overrides) -> DemoTargetConfig:
-    fields = dict(
-        num_train_rows=200,
-        vocab_size=320,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_steps=25,
-        batch_size=8,
-        lr=1e-2,
-        warmup_steps=2,
-        num_probe_rows=16,
-        num_threads=1,  # NOTE: tiny ops; 2 threads only add sync cost (10x on a busy machine)
-        cache_dir=str(tmp_path / "cache"),
+    """The demo smoke's tiny target (2 layers, 25 steps, 16 probe rows here)."""
+    fields = {**dict(num_hidden_layers=2, max_steps=25, num_probe_rows=16), **overrides}
+    return DemoTargetConfig(
+        **{**TINY_DEMO_TARGET_FIELDS, "cache_dir": str(tmp_path / "cache"), **fields}
     )
-    fields.update(overrides)
-    return DemoTargetConfig(**fields)
 
 
 # ---------------------------------------------------------------- corpus

@@ -173,6 +173,10 @@ class Gemma4Backend:
     """The hooks of `TargetSharedWeights` and the config fix-ups a Gemma4 drafter shares
     across kinds (the kind's model class adds `make_layer`). Put it first in the bases."""
 
+    def __init__(self, config):
+        check_supported(config)
+        super().__init__(config)
+
     def make_embedding(self) -> nn.Module:
         hidden = int(self.config.hidden_size)
         pad = raw_attr(self.config, "pad_token_id")
@@ -190,8 +194,10 @@ class Gemma4Backend:
     def make_rotary(self) -> nn.Module:
         return Gemma4FullAttentionRotary(self.config)
 
-    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        """`final_logit_softcapping` (before any Markov bias)."""
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The shared lm_head's logits soft-capped by `final_logit_softcapping` (before any
+        Markov bias: a DSpark drafter adds it afterwards)."""
+        logits = self.lm_head(normed)
         cap = self.config.final_logit_softcapping
         if cap is None:
             return logits

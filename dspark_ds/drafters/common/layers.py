@@ -56,6 +56,11 @@ class TargetSharedWeights:
     def make_rotary(self) -> nn.Module:
         raise NotImplementedError
 
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits of an already normed state through the shared lm_head (a backend adds its
+        final-logit soft-capping here)."""
+        return self.lm_head(normed)
+
     @staticmethod
     def finalize_draft_config(cfg, target_text_config):
         """Family fix-ups of a drafter config built from a target (Gemma4 rebuilds its

@@ -3,13 +3,10 @@ around the DSpark draft attention. See docs/algorithm.md#gemma4 for what differs
 
 from __future__ import annotations
 
-import torch
-
 from dspark_ds.drafters.common.gemma4 import (
     Gemma4AttentionProjections,
     Gemma4Backend,
     Gemma4SandwichLayer,
-    check_supported,
 )
 from dspark_ds.drafters.dspark.model import DraftAttention, DSparkDraftModel
 
@@ -35,13 +32,5 @@ class Gemma4DSparkDecoderLayer(Gemma4SandwichLayer):
 class Gemma4DSparkModel(Gemma4Backend, DSparkDraftModel):
     architecture = "Gemma4DSparkModel"
 
-    def __init__(self, config):
-        check_supported(config)
-        super().__init__(config)
-
     def make_layer(self, layer_idx):
         return Gemma4DSparkDecoderLayer(self.config, layer_idx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # soft-capped before the Markov bias (the shared forward adds it afterwards)
-        return self.softcap(self.lm_head(hidden))

@@ -135,7 +135,8 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, DraftVocab, nn.Modu
 
     # ---- what a backend provides (see TargetSharedWeights for the layer hooks) -------
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Draft logits of the drafter's final (normed) states, before any Markov bias."""
+        return self.head_logits(hidden)
 
     def target_logits(self, state: torch.Tensor) -> torch.Tensor:
         """Logits of the target's own final states (the aligned logits the loss compares

@@ -36,21 +36,18 @@ SAVES_SHARED = False
 _CLASSES = {"dspark": "DSparkDraftModel", "dflash": "DFlashDraftModel"}
 _CONFIGS = {"dspark": "DSparkSpeculatorConfig", "dflash": "DFlashSpeculatorConfig"}
 # speculators' defaults for what a config.json may leave out
+_DSPARK_DEFAULTS = dict(
+    sample_from_anchor=True,
+    markov_rank=256,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+)
+# DFlash, DSpark's special case: no Markov head, no confidence head, no sample from the anchor
+_DFLASH_OFF = ("sample_from_anchor", "enable_confidence_head", "confidence_head_with_markov")
 _DEFAULTS = {
-    "dspark": dict(
-        sample_from_anchor=True,
-        markov_rank=256,
-        markov_head_type="vanilla",
-        enable_confidence_head=True,
-        confidence_head_with_markov=True,
-    ),
-    "dflash": dict(
-        sample_from_anchor=False,
-        markov_rank=0,
-        markov_head_type="vanilla",
-        enable_confidence_head=False,
-        confidence_head_with_markov=False,
-    ),
+    "dspark": _DSPARK_DEFAULTS,
+    "dflash": {**_DSPARK_DEFAULTS, **dict.fromkeys(_DFLASH_OFF, False), "markov_rank": 0},
 }
 
 

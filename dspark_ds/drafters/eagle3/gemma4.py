@@ -12,7 +12,6 @@ from dspark_ds.drafters.common.gemma4 import (
     Gemma4AttentionProjections,
     Gemma4Backend,
     Gemma4SandwichLayer,
-    check_supported,
 )
 from dspark_ds.drafters.eagle3.model import AttendFn, Eagle3Attention, Eagle3DraftModel
 
@@ -38,12 +37,5 @@ class Gemma4Eagle3DecoderLayer(Gemma4SandwichLayer):
 class Gemma4Eagle3Model(Gemma4Backend, Eagle3DraftModel):
     architecture = "Gemma4Eagle3Model"
 
-    def __init__(self, config):
-        check_supported(config)
-        super().__init__(config)
-
     def make_layer(self, layer_idx):
         return Gemma4Eagle3DecoderLayer(self.config, layer_idx)
-
-    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        return self.softcap(self.lm_head(normed))

@@ -218,12 +218,7 @@ class Eagle3DraftModel(TrainingForward, TargetSharedWeights, DraftVocab, nn.Modu
         self.lm_head = nn.Linear(hidden, self.head_rows(), bias=False)
         self.reset_parameters()
 
-    # ---- what a backend provides (layer hooks: TargetSharedWeights) ---------------------------
-    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Logits of an already normed state through the shared lm_head (a backend adds its
-        final-logit soft-capping here)."""
-        return self.lm_head(normed)
-
+    # ---- what a backend provides (layer hooks and head_logits: TargetSharedWeights) -----------
     def target_logits(self, target_last_hidden_states: torch.Tensor) -> torch.Tensor:
         """The target's logits from its final normed state, through the shared lm_head."""
         return self.head_logits(target_last_hidden_states.to(self.lm_head.weight.dtype))

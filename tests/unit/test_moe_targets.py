@@ -30,7 +30,9 @@ from transformers import AutoConfig
 from dspark_ds.drafters import build_draft_config
 from dspark_ds.drafters.io import TARGET_ARCHITECTURES
 from dspark_ds.errors import ConfigError
+from dspark_ds.eval import padded
 from dspark_ds.eval.batched import batched_generate
+from dspark_ds.eval.compressed import CompressedState
 from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
 from dspark_ds.eval.target_step import TargetDecoder
 from dspark_ds.target import TargetConfig, load_causal_lm, load_target
@@ -218,8 +220,6 @@ def test_deepseek_v4s_compressed_attention_is_rolled_back_exactly(models, monkey
     """After a round with rejected drafts, the compressed layers' windows, compressor buffers,
     entries, counts and overlaps equal those of a cache that saw the kept tokens only, and the
     next forward equals the full forward; without the rollback they do not."""
-    from dspark_ds.eval.compressed import CompressedState
-
     target, _ = models["deepseek_v4"]
     ids = torch.randint(0, VOCAB, (1, 15), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -264,9 +264,6 @@ def test_sampled_decoding_has_deepseek_v4s_distribution(batch_size):
 def test_batched_deepseek_v4_needs_a_cache_per_row_rolled_back(models, monkeypatch):
     """Without the replay of each row's compressed layers, or with the rows in one shared cache
     (eval/padded.py's layout), batched decoding does not give the target's greedy text."""
-    from dspark_ds.eval import padded
-    from dspark_ds.eval.compressed import CompressedState
-
     target, drafter = models["deepseek_v4"]
     prompts = decoding_prompts(VOCAB)
     want = [greedy_reference(target, p, NEW, with_generate=False).tolist() for p in prompts]
@@ -274,7 +271,7 @@ def test_batched_deepseek_v4_needs_a_cache_per_row_rolled_back(models, monkeypat
     def batched():
         try:
             results = batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
-        except RuntimeError as err:  # (the caches' shapes no longer agree)
+        except RuntimeError as err:  # (a shape error: the compressor's buffers, the windows)
             return str(err)
         return [r.output_ids.tolist() for r in results]
 

@@ -16,6 +16,10 @@ round for R rows:
 Finished rows leave the batch and queued prompts take their place (each prefilled alone, then
 left-padded into the batch), so the batch stays full until the queue is empty.
 
+A target whose cache cannot hold rows at different positions (DeepSeek-V4) keeps one target
+cache per row and runs its forwards row by row (eval/row_caches.py): the same rounds, the same
+verdicts, R target forwards a round.
+
 The target alone is the same loop with no drafter (m_r = 0): `dspark-ds eval --batch_size N`
 compares the two at the same batch size, on the same machine, in the same run.
 
@@ -33,12 +37,11 @@ from dspark_ds.drafters.common.rounds import DraftRound, Proposal, VerifiedConte
 from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
-from dspark_ds.eval.compressed import check_batched_target
-from dspark_ds.eval.padded import PaddedCaches, target_forward
+from dspark_ds.eval.padded import PaddedCaches, new_caches, target_forward
 from dspark_ds.eval.policy import POLICIES, SPS, VerifyPolicy
-from dspark_ds.eval.recurrent import RecurrentState
+from dspark_ds.eval.recurrent import rollback_state
 from dspark_ds.eval.rounds import Budget, DecodeStats, draft_budget, run_settings, settle, sync
-from dspark_ds.eval.target_step import check_drafter_matches_target, new_target_cache
+from dspark_ds.eval.target_step import check_drafter_matches_target
 
 
 @dataclass
@@ -109,9 +112,8 @@ class BatchedDecoder:
         self.batch_size = batch_size
         self.temperature, self.generator = temperature, generator
         self.stops = {int(t) for t in (stop_token_ids or [])}
-        check_batched_target(target.config)
         # the target alone keeps every column it verifies: nothing to roll back
-        self.states = RecurrentState.for_target(target) if drafter is not None else None
+        self.states = rollback_state(target) if drafter is not None else None
 
     def run(self, prompts: list[torch.Tensor]) -> list[BatchedResult]:
         """Decode every prompt [1, P]; results in prompt order."""
@@ -134,7 +136,7 @@ class BatchedDecoder:
     # -- rows entering and leaving the batch -----------------------------------------------------
     def _new_caches(self) -> PaddedCaches:
         draft = self.drafter.new_cache() if self.drafter is not None else None
-        return PaddedCaches(new_target_cache(self.target), draft, self.states)
+        return new_caches(self.target, draft, self.states)
 
     def _admit(self, queue: list[_Request], active, done, caches: PaddedCaches) -> None:
         """Prefill queued prompts into the free places of the batch."""

@@ -21,15 +21,17 @@ None of it is cut by a crop; all of it is put back exactly by snapshot and repla
    its compressors take exactly the kept tokens. The inputs at the kept positions are those of
    the verification forward (causal), so no MLP, no other layer and no lm_head runs again.
 
-The compressor's window positions and entry count are one per layer for all rows of a batch:
-rows at different positions cannot share a cache, so batched decoding is refused by name
-(`check_batched_target`); one row at a time decodes losslessly.
+The compressor's window positions and entry count are one per layer for all rows of a cache:
+rows at different positions cannot share one (`needs_row_caches`). Batched decoding gives each
+row in flight a cache of its own and runs the target row by row (eval/row_caches.py); each
+row's forward is recorded apart (`take`) and rolled back apart (`replay`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,14 +39,8 @@ from torch import nn
 from dspark_ds.drafters.common.target_config import text_config
 from dspark_ds.errors import ConfigError
 
-# Text model_type -> why batched decoding is refused.
-COMPRESSED_FAMILIES = {
-    "deepseek_v4": (
-        "its compressed attention keeps one compressor window position and entry count per "
-        "layer for all rows, so rows at different positions cannot share a cache (one row at "
-        "a time decodes losslessly: --batch_size 1, no scheduler)"
-    ),
-}
+# Text model_types whose compressed attention keeps one compressor position for all rows.
+COMPRESSED_FAMILIES = ("deepseek_v4",)
 # The per-layer dicts a compressed layer keeps ({"compressor": ..., "indexer": ...}).
 _STATE_DICTS = (
     "buffer_kv",
@@ -61,14 +57,10 @@ def is_compressed_layer(layer) -> bool:
     return hasattr(layer, "compressed_kv") and hasattr(layer, "entry_count")
 
 
-def check_batched_target(config) -> None:
-    """Refuse batched decoding of a target whose cache rows cannot be at different positions."""
-    family = str(getattr(text_config(config), "model_type", None))
-    if family in COMPRESSED_FAMILIES:
-        raise ConfigError(
-            f"{family}: batched speculative decoding is not supported: "
-            f"{COMPRESSED_FAMILIES[family]}"
-        )
+def needs_row_caches(config) -> bool:
+    """Whether rows at different positions cannot share one cache of a target with this config
+    (batched decoding then gives each row its own: eval/row_caches.py)."""
+    return str(getattr(text_config(config), "model_type", None)) in COMPRESSED_FAMILIES
 
 
 def _note(layer) -> dict:
@@ -125,6 +117,15 @@ class RecordedInputs(ABC):
             self._recording = False
 
 
+@dataclass
+class Recording:
+    """One recorded forward: each compressed layer's state before it, and its attention's
+    inputs during it (by layer index)."""
+
+    noted: dict[int, dict]
+    inputs: dict[int, dict]
+
+
 class CompressedState(RecordedInputs):
     """Snapshot, record and replay of DeepSeek-V4's compressed layers (module docstring).
 
@@ -165,20 +166,31 @@ class CompressedState(RecordedInputs):
         self._noted = None
         self._inputs = {}
 
-    @torch.no_grad()
+    def take(self) -> Recording | None:
+        """The last recorded forward's noted states and attention inputs, handed over (None:
+        nothing recorded): what `replay` puts back once the verdict is known."""
+        recording = None if self._noted is None else Recording(self._noted, self._inputs)
+        self.discard()
+        return recording
+
     def rollback(self, cache, keep_R: list[int], appended: int) -> None:
         """The state after the first keep_R[0] tokens of the last recorded forward (one row)."""
-        noted, inputs = self._noted, self._inputs
-        self.discard()
+        recording = self.take()
         if len(keep_R) != 1:
             raise RuntimeError("a compressed attention cache rolls back one row at a time")
-        keep = int(keep_R[0])
+        self.replay(cache, recording, int(keep_R[0]), appended)
+
+    @torch.no_grad()
+    def replay(self, cache, recording: Recording | None, keep: int, appended: int) -> None:
+        """`cache` (one row) as it was after the first `keep` of the `appended` tokens of the
+        forward `recording` was taken from: restored, then the kept inputs replayed."""
         if keep == appended:
             return
-        if noted is None:
+        if recording is None:
             raise RuntimeError(
                 "rollback of a compressed attention cache without a recorded forward"
             )
+        noted, inputs = recording.noted, recording.inputs
         for i, attention in self.attentions.items():
             _restore(cache.layers[i], noted[i])
             if keep == 0:

@@ -17,6 +17,10 @@ recurrent layers have no columns: their per-row states are snapshotted
 before each forward and, after the verdict, replayed up to each row's kept columns
 (eval/recurrent.py); rows leaving or entering the batch take their states along.
 
+A target whose cache cannot hold rows at different positions (DeepSeek-V4's compressed
+attention) has one target cache per row instead, unpadded, and runs row by row
+(eval/row_caches.py, `new_caches` picks); the drafter's cache is padded as above.
+
 Shape legend: R rows, S cache columns, h heads, D head dim, L new tokens per row.
 """
 
@@ -28,8 +32,10 @@ import torch
 from transformers import DynamicCache
 
 from dspark_ds.drafters.common.cache import DraftKVCache
+from dspark_ds.eval.compressed import CompressedState, needs_row_caches
 from dspark_ds.eval.recurrent import RecurrentState, crop_cache, row_states
-from dspark_ds.eval.target_step import forward_target
+from dspark_ds.eval.row_caches import RowCaches
+from dspark_ds.eval.target_step import forward_target, new_target_cache
 
 
 def _shift_rows_right(x: torch.Tensor, shift_R: torch.Tensor) -> torch.Tensor:
@@ -163,15 +169,17 @@ class _TargetSlots(_Slots):
 
 
 class PaddedCaches:
-    """The target and drafter caches of the rows in flight, left-padded to `length` columns."""
+    """The target and drafter caches of the rows in flight, left-padded to `length` columns
+    (a `RowCaches` target cache: one per row, unpadded)."""
 
     def __init__(
         self,
-        target_cache: DynamicCache,
+        target_cache: DynamicCache | RowCaches,
         draft_cache: DraftKVCache | None,
         states: RecurrentState | None = None,
     ):
-        self.slots: list[_Slots] = [_TargetSlots(target_cache)]
+        self.rows_apart = isinstance(target_cache, RowCaches)
+        self.slots: list[_Slots] = [] if self.rows_apart else [_TargetSlots(target_cache)]
         if draft_cache is not None:
             self.slots.append(_DraftSlots(draft_cache))
         self.target_cache, self.draft_cache = target_cache, draft_cache
@@ -205,7 +213,9 @@ class PaddedCaches:
             slots.crop_end(common, total)
         self.length = total - common
         self.pad = self.pad + shift
-        if self.states is not None:
+        if self.rows_apart:
+            self.target_cache.trim(keep_R.tolist(), appended)
+        elif self.states is not None:
             self.states.rollback(self.target_cache, keep_R.tolist(), appended)
         self._drop_common_padding()
 
@@ -239,6 +249,8 @@ class PaddedCaches:
         index = torch.tensor(rows, dtype=torch.long, device=self.pad.device)
         for slots in self.slots:
             slots.select_rows(index)
+        if self.rows_apart:
+            self.target_cache.select(rows)
         self.pad = self.pad.index_select(0, index)
         if not rows:
             self.length = 0
@@ -253,9 +265,26 @@ class PaddedCaches:
         total = max(self.length, other.length)
         self._pad_to(total)
         other._pad_to(total)
-        for mine, theirs in zip(self.slots, other.slots):
+        for mine, theirs in zip(self.slots, other.slots, strict=True):
             mine.append_rows(theirs)
+        if self.rows_apart:
+            self.target_cache.append(other.target_cache)
         self.pad = torch.cat([self.pad, other.pad])
+
+
+def new_caches(
+    target,
+    draft_cache: DraftKVCache | None,
+    states: RecurrentState | CompressedState | None = None,
+    rows: int = 1,
+) -> PaddedCaches:
+    """Empty caches for `rows` rows: one target cache they share, or one per row for a target
+    whose cache cannot hold rows at different positions (DeepSeek-V4: eval/row_caches.py, its
+    compressed layers rolled back row by row with `states`)."""
+    if needs_row_caches(target.config):
+        caches = [new_target_cache(target) for _ in range(rows)]
+        return PaddedCaches(RowCaches(caches, states), draft_cache)
+    return PaddedCaches(new_target_cache(target), draft_cache, states)
 
 
 @torch.inference_mode()
@@ -271,6 +300,8 @@ def target_forward(
     features [R, L, n*H] or None). `caches.trim` decides which new columns stay."""
     rows, length = ids_RL.shape
     positions = caches.starts().unsqueeze(1) + torch.arange(length, device=ids_RL.device)
+    if caches.rows_apart:  # (one forward per row, nothing padded)
+        return caches.target_cache.forward(target, ids_RL, positions, layer_ids, logits_to_keep)
     mask = torch.cat([caches.key_mask(), caches.key_mask().new_ones(rows, length)], dim=1)
     args = (target, caches.target_cache, ids_RL, positions, layer_ids)
     kwargs = dict(attention_mask=mask.long(), logits_to_keep=logits_to_keep)

@@ -20,9 +20,8 @@ import torch
 from tqdm import tqdm
 
 from dspark_ds.drafters.common.rounds import Proposal
-from dspark_ds.eval.padded import PaddedCaches, target_forward
+from dspark_ds.eval.padded import new_caches, target_forward
 from dspark_ds.eval.rounds import sync
-from dspark_ds.eval.target_step import new_target_cache
 
 POLICIES = ("full", "threshold", "scheduler")
 
@@ -119,7 +118,7 @@ def profile_sps(
     table = {}
     bar = tqdm(total=max_rows * max_tokens, desc="profile SPS", disable=not progress)
     for rows in range(1, max_rows + 1):
-        caches = PaddedCaches(new_target_cache(target), None)
+        caches = new_caches(target, None, rows=rows)
         caches.pad = torch.zeros(rows, dtype=torch.long, device=device)
         context = torch.randint(0, vocab, (rows, context_tokens), generator=gen).to(device)
         target_forward(target, caches, context, layer_ids, logits_to_keep=1)

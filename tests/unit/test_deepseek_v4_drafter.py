@@ -10,7 +10,8 @@ What is pinned, on the tiny V4 target of `helpers.moe_targets`:
   (pinned below from vLLM's source; with vLLM installed, its own `_remap_dspark_name` places
   every one), no embedding or lm_head (vLLM aliases the target's); our loader reads it back
   with no missing or unexpected weight, tensor for tensor;
-- greedy speculative decoding with it equals the target's greedy decoding (one row).
+- greedy speculative decoding with it equals the target's greedy decoding (one row, and batched
+  under every policy).
 
 Training (ZeRO-2 and ZeRO-3, the experts partitioned): tests/multiprocess/test_moe_targets_train.py.
 """
@@ -369,9 +370,11 @@ def test_vllms_own_name_mapping_places_every_exported_weight(drafter, tmp_path):
 
 
 def test_greedy_decoding_with_it_equals_the_targets(target, drafter):
+    """One row, and batched under every policy: the draft cache left-padded (the sliding window
+    counted over each row's real columns), the target's one cache per row."""
     prompts = decoding_prompts(VOCAB)
     want = [greedy_reference(target, p, 10) for p in prompts]
-    proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, 10, ())
+    proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, 10)
     assert 0 < accepted < proposed, (accepted, proposed)
 
 

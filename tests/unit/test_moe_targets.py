@@ -13,7 +13,8 @@
   sampling has the target's distribution (chi-square);
 - DeepSeek-V4: its compressed layers' windows, compressor buffers, entries and counts after a
   rolled-back round equal a cache's that saw the kept tokens only (and without the rollback
-  they do not); greedy and T = 1 decoding one row at a time lossless; batched refused by name.
+  they do not); greedy and T = 1 decoding lossless one row at a time and batched (a cache per
+  row, eval/row_caches.py; rows sharing one cache, or not rolled back, are not lossless).
 
 Training: `tests/multiprocess/test_moe_targets_train.py`.
 """
@@ -29,7 +30,9 @@ from transformers import AutoConfig
 from dspark_ds.drafters import build_draft_config
 from dspark_ds.drafters.io import TARGET_ARCHITECTURES
 from dspark_ds.errors import ConfigError
+from dspark_ds.eval import padded
 from dspark_ds.eval.batched import batched_generate
+from dspark_ds.eval.compressed import CompressedState
 from dspark_ds.eval.recurrent import check_recurrent_target, is_recurrent
 from dspark_ds.eval.target_step import TargetDecoder
 from dspark_ds.target import TargetConfig, load_causal_lm, load_target
@@ -37,7 +40,6 @@ from dspark_ds.target_checkpoint import causal_lm_config
 from dspark_ds.target_weights import TargetWeights
 
 from helpers.evaluation import (
-    BATCHED_POLICIES,
     check_greedy_rounds,
     check_sampled_distribution,
     decoding_pairs,
@@ -54,8 +56,8 @@ from helpers.tiny_models import (
 
 FAMILIES = list(MOE_TARGETS)
 RECIPES = Path(__file__).parents[2] / "dspark_ds" / "recipes"
-BATCHED = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # and decoded one row
-DECODED = [*BATCHED, "deepseek_v4"]  # one row
+KV_ONLY = ["deepseek_v32", "glm_moe_dsa", "kimi_k25", "minimax_m2"]  # no compressed attention
+DECODED = [*KV_ONLY, "deepseek_v4"]  # one row and batched
 VOCAB = 16
 
 
@@ -127,19 +129,17 @@ NEW = 10
 
 @pytest.mark.parametrize("family", DECODED)
 def test_greedy_speculative_decoding_equals_the_targets_greedy_generate(family, models):
-    """One row (full gamma, threshold) and batched with prompts entering and leaving (full gamma,
-    threshold, scheduler): drafts rejected in most rounds, some kept, so caches are cut back and
-    rows shifted every round. DeepSeek-V4: one row; batched refused by name."""
+    """One row (full gamma, threshold) and batched with prompts of 3, 9 and 6 tokens entering
+    and leaving (full gamma, threshold, scheduler): drafts rejected in most rounds, some kept, so
+    caches are cut back and rows shifted every round, the rows at different positions
+    (DeepSeek-V4: a cache per row)."""
     target, drafter = models[family]
     prompts = decoding_prompts(VOCAB)
     want = [greedy_reference(target, p, NEW) for p in prompts]
-    policies = BATCHED_POLICIES
-    if family not in BATCHED:
-        with pytest.raises(ConfigError, match=f"^{family}: batched speculative decoding is not"):
-            batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
-        policies = ()
-    proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, NEW, policies)
+    proposed, accepted = check_greedy_rounds(target, drafter, prompts, want, NEW)
     assert 0 < accepted < proposed, (accepted, proposed)
+    for r in batched_generate(target, None, prompts, batch_size=2, max_new_tokens=NEW):
+        assert r.output_ids.tolist() == want[r.index].tolist()  # the target alone, batched
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
@@ -175,14 +175,14 @@ def test_sampled_speculative_decoding_has_the_targets_distribution(family):
 
 
 def test_the_family_table_says_what_trains_and_decodes():
-    """docs/drafters.md's table of these families: each trains and decodes, DeepSeek-V4 one row
-    at a time (batched refused by name, above)."""
+    """docs/drafters.md's table of these families: each trains and decodes losslessly (one row
+    and batched, above)."""
     text = (Path(__file__).parents[2] / "docs" / "drafters.md").read_text()
     for family in FAMILIES:
         row = next(line for line in text.splitlines() if f"| `{family}` |" in line)
         cells = [cell.strip() for cell in row.split("|")]
         assert cells[3] == "✓", family
-        assert cells[4] == ("✓ lossless" if family in BATCHED else "✓ lossless, one row"), family
+        assert cells[4] == "✓ lossless", family
         # `model.backbone: target`: DeepSeek-V4's own drafter, the others refused by name
         own = family in TARGET_ARCHITECTURES["dspark"]
         assert cells[6].startswith("✓" if own else "refused by name"), family
@@ -220,8 +220,6 @@ def test_deepseek_v4s_compressed_attention_is_rolled_back_exactly(models, monkey
     """After a round with rejected drafts, the compressed layers' windows, compressor buffers,
     entries, counts and overlaps equal those of a cache that saw the kept tokens only, and the
     next forward equals the full forward; without the rollback they do not."""
-    from dspark_ds.eval.compressed import CompressedState
-
     target, _ = models["deepseek_v4"]
     ids = torch.randint(0, VOCAB, (1, 15), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -245,20 +243,44 @@ def test_which_families_keep_a_state_a_crop_does_not_roll_back():
     config = tiny_moe_model("deepseek_v4", VOCAB).config
     assert is_recurrent(config)
     check_recurrent_target(config)
-    for family in BATCHED:
+    for family in KV_ONLY:
         cfg = tiny_moe_model(family, VOCAB).config
         assert not is_recurrent(cfg), family
         check_recurrent_target(cfg)
 
 
-def test_sampled_one_row_decoding_has_deepseek_v4s_distribution():
-    """T = 1, one row at a time: x1 from the prefill, (x2, x3) from verification rounds, the
-    compressed layers rolled back after each."""
+@pytest.mark.parametrize("batch_size", [None, 40])
+def test_sampled_decoding_has_deepseek_v4s_distribution(batch_size):
+    """T = 1, one row at a time and batched (a cache per row): x1 from the prefill, (x2, x3)
+    from verification rounds, the compressed layers rolled back after each, batched rows cut
+    back to different lengths and so at different positions."""
     target = tiny_moe_model("deepseek_v4", 8, seed=0)
     with torch.no_grad():  # x8 is too sharp for a chi-square over 8 tokens: x2 in all
         target.get_output_embeddings().weight.div_(4.0)
     prompt = torch.tensor([[1, 2, 3, 5, 6, 1, 2]])
-    check_sampled_distribution(target, prompt, 200, 30)
+    check_sampled_distribution(target, prompt, 200, 30, batch_size)
+
+
+def test_batched_deepseek_v4_needs_a_cache_per_row_rolled_back(models, monkeypatch):
+    """Without the replay of each row's compressed layers, or with the rows in one shared cache
+    (eval/padded.py's layout), batched decoding does not give the target's greedy text."""
+    target, drafter = models["deepseek_v4"]
+    prompts = decoding_prompts(VOCAB)
+    want = [greedy_reference(target, p, NEW, with_generate=False).tolist() for p in prompts]
+
+    def batched():
+        try:
+            results = batched_generate(target, drafter, prompts, batch_size=2, max_new_tokens=NEW)
+        except RuntimeError as err:  # (a shape error: the compressor's buffers, the windows)
+            return str(err)
+        return [r.output_ids.tolist() for r in results]
+
+    assert batched() == want
+    with monkeypatch.context() as patch:
+        patch.setattr(CompressedState, "replay", lambda self, cache, recording, keep, n: None)
+        assert batched() != want
+    monkeypatch.setattr(padded, "needs_row_caches", lambda config: False)
+    assert batched() != want
 
 
 def test_an_attention_kernel_the_family_lacks_is_one_line(target_dirs):

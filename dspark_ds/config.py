@@ -33,7 +33,8 @@ from dspark_ds.target import TargetConfig, TargetPathConfig
 
 @dataclass
 class TrainConfig:
-    """Optimisation: AdamW with fp32 master weights, linear warmup then cosine decay."""
+    """Optimisation: AdamW (or Muon for the weight matrices) with fp32 master weights, linear
+    warmup then cosine decay."""
 
     lr: float = 6e-4
     """Peak learning rate."""
@@ -47,6 +48,19 @@ class TrainConfig:
     """AdamW betas."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every trained weight. muon: Muon (momentum orthogonalised by
+    Newton-Schulz, DeepSpeed's, partition-aware under ZeRO-1/2/3) for the draft layers' weight
+    matrices and the feature projection, AdamW (lr, betas, eps, weight_decay) for the rest:
+    norms, biases, vectors and vocabulary-sized matrices (docs/training.md#muon)."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate; None = train.lr. Each matrix's step is scaled to AdamW's
+    update RMS (0.2 × √max(rows, cols), torch's `match_rms_adamw`), so an AdamW rate carries
+    over."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay (the weights shrink by lr × muon_weight_decay a step)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (DeepSpeed `gradient_clipping`); 0 = off."""
     precision: Literal["bf16", "fp32"] = "bf16"
@@ -82,6 +96,10 @@ class TrainConfig:
         _require(0 <= self.warmup_ratio < 1, f"{prefix}.warmup_ratio", "must be in [0, 1)", self)
         _require(0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio", "must be in [0, 1]", self)
         _require(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0", self)
+        if self.muon_lr is not None:
+            _require(self.muon_lr > 0, f"{prefix}.muon_lr", "must be > 0", self)
+        _require(0 <= self.muon_momentum < 1, f"{prefix}.muon_momentum", "must be in [0, 1)", self)
+        _require(self.muon_weight_decay >= 0, f"{prefix}.muon_weight_decay", "must be >= 0", self)
         _require(self.max_grad_norm >= 0, f"{prefix}.max_grad_norm", "must be >= 0", self)
         _require(self.global_batch_size >= 1, f"{prefix}.global_batch_size", "must be >= 1", self)
         _require(self.num_epochs >= 1, f"{prefix}.num_epochs", "must be >= 1", self)

@@ -8,6 +8,8 @@
                    partition under ZeRO-3), its optimizer-less ZeRO-3 engine
     drafter.py     `DrafterEngine`: the drafter built (inside zero.Init under ZeRO-3) and
                    wrapped by `deepspeed.initialize`
+    optimizer.py   `train.optimizer: muon`: DeepSpeed's Muon over the drafter's matrices, AdamW
+                   for the rest, in groups that match torch's Muon step
     checkpoint.py  save / load of an engine's tag, the universal checkpoint (another world size),
                    fp32 weights of a tag or of the live drafter (export)
     probes.py      the ZeRO tuner's: DeepSpeed's memory estimators, engines and CPU Adam around

@@ -66,11 +66,12 @@ def load_tag(ds_engine, checkpoint_dir: str | Path, tag: str) -> dict:
 
 def optimizer_layout(ds_config: dict) -> dict[str, object]:
     """What a checkpoint's optimizer state depends on: the ZeRO stage (how it is partitioned),
-    where optimizer and parameters live, and the optimizer implementation (torch's AdamW,
-    DeepSpeed's fused or CPU Adam keep different param-group keys)."""
+    where optimizer and parameters live, and the optimizer (AdamW or Muon) and its implementation
+    (torch's AdamW, DeepSpeed's fused or CPU Adam keep different param-group keys)."""
     zero = ds_config.get("zero_optimization", {})
     params = ds_config.get("optimizer", {}).get("params", {})
     return {
+        "optimizer": ds_config.get("optimizer", {}).get("type", "AdamW"),
         "ZeRO stage": zero_stage(ds_config),
         "optimizer offload": zero.get("offload_optimizer", {}).get("device") or "none",
         "parameter offload": zero.get("offload_param", {}).get("device") or "none",

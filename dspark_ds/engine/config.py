@@ -1,7 +1,8 @@
 """The DeepSpeed config of a run, and what it means.
 
 - `build_ds_config`: a JSON from `ds_configs/` (or a path) with its "auto" keys filled from the
-  run (batch sizes, clipping, precision, AdamW, hpZ's node-local group = the ranks of a node);
+  run (batch sizes, clipping, precision, AdamW or Muon, hpZ's node-local group = the ranks of a
+  node);
   explicit keys must agree with the run.
 - `zero_stage`, `optimizer_offloaded`: read off a config dict.
 - `zero_settings`: the ZeRO settings memory depends on, parsed by DeepSpeed's own config class
@@ -20,6 +21,8 @@ from dspark_ds.config import DeepSpeedConfig, TrainConfig
 from dspark_ds.engine.runtime import import_deepspeed
 from dspark_ds.errors import ConfigError
 
+MUON = "Muon"
+"""The optimizer type of a run with train.optimizer muon (engine/optimizer.py builds it)."""
 SHIPPED_DS_CONFIGS = Path(__file__).resolve().parents[1] / "ds_configs"
 
 
@@ -99,15 +102,14 @@ def build_ds_config(
     if cfg.get("fp16", {}).get("enabled") is True:
         raise ConfigError("deepspeed.config: fp16 is not supported; use train.precision bf16")
     optimizer = cfg.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    if optimizer.get("type", "").lower() not in ("adamw", "adam"):
-        raise ConfigError(
-            f"deepspeed.config: optimizer.type must be AdamW, got {optimizer['type']!r}"
-        )
-    optimizer["type"] = "AdamW"
+    _optimizer_type(optimizer, train)
     fill("optimizer.params.lr", float(train.lr), "train.lr")
     fill("optimizer.params.betas", [float(b) for b in train.betas], "train.betas")
     fill("optimizer.params.eps", float(train.eps), "train.eps")
     fill("optimizer.params.weight_decay", float(train.weight_decay), "train.weight_decay")
+    if optimizer["type"] == MUON:
+        _fill_muon(cfg, train, fill)
+        return cfg
     torch_adam = section.torch_adam
     if torch_adam is None:
         # NOTE: DeepSpeed's FusedAdam is a CUDA kernel; its CPU Adam is only picked (and JIT
@@ -121,6 +123,47 @@ def build_ds_config(
             "train.warmup_ratio and train.min_lr_ratio"
         )
     return cfg
+
+
+def _optimizer_type(optimizer: dict, train: TrainConfig) -> None:
+    """The JSON's optimizer type as train.optimizer chooses it: AdamW (or Adam, its AdamW) is
+    the AdamW half of Muon too; a JSON that names Muon needs train.optimizer muon."""
+    named = str(optimizer.get("type", "")).lower()
+    if named not in ("adamw", "adam", "muon"):
+        raise ConfigError(
+            f"deepspeed.config: optimizer.type must be AdamW or Muon, got {optimizer['type']!r}"
+        )
+    if named == "muon" and train.optimizer != "muon":
+        raise ConfigError(
+            "deepspeed.config: optimizer.type is Muon but train.optimizer is "
+            f"{train.optimizer!r}; set --train.optimizer muon"
+        )
+    optimizer["type"] = MUON if train.optimizer == "muon" else "AdamW"
+
+
+def _fill_muon(cfg: dict, train: TrainConfig, fill) -> None:
+    """Muon's own settings beside its AdamW half's, and what DeepSpeed's Muon needs: no
+    optimizer offload (DeepSpeed's CPU optimizer is Adam's), no reduce-scatter under ZeRO-3,
+    and no gradient clipping under ZeRO-1/2/3, whose clipping norm is taken over the
+    orthogonalised updates rather than the gradients (docs/training.md#muon)."""
+    lr = float(train.muon_lr if train.muon_lr is not None else train.lr)
+    fill("optimizer.params.muon_lr", lr, "train.muon_lr")
+    fill("optimizer.params.momentum", float(train.muon_momentum), "train.muon_momentum")
+    fill(
+        "optimizer.params.muon_weight_decay",
+        float(train.muon_weight_decay),
+        "train.muon_weight_decay",
+    )
+    if optimizer_offloaded(cfg):
+        raise ConfigError(
+            "train.optimizer: muon does not run with an offloaded optimizer "
+            "(zero_optimization.offload_optimizer: DeepSpeed's CPU optimizer is Adam's)"
+        )
+    stage = zero_stage(cfg)
+    if stage >= 1:
+        cfg["gradient_clipping"] = 0.0
+    if stage == 3:
+        cfg["zero_optimization"]["reduce_scatter"] = False
 
 
 def zero_stage(ds_config: dict) -> int:

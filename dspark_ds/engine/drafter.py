@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dspark_ds.engine.config import zero_stage
+from dspark_ds.engine.config import MUON, zero_stage
+from dspark_ds.engine.optimizer import build_muon
 from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm, zero_init
 from dspark_ds.engine.target import check_target_dtype, shard_target
 from dspark_ds.errors import ConfigError
@@ -169,10 +170,15 @@ class DrafterEngine:
             if getattr(model, "draft_vocab", 0):
                 _copy_head_rows(model, target)
         trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer, config = None, ds_config
+        if ds_config["optimizer"]["type"] == MUON:  # ours, with our groups (engine/optimizer.py)
+            optimizer = build_muon(model, ds_config)
+            config = {k: v for k, v in ds_config.items() if k != "optimizer"}
         ds_engine, _, _, _ = import_deepspeed().initialize(
             model=model,
             model_parameters=trainable,
-            config=ds_config,
+            optimizer=optimizer,
+            config=config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
         return cls(ds_engine, model, zero_stage(ds_config), target_engine)
@@ -190,8 +196,10 @@ class DrafterEngine:
 
     @property
     def lr(self) -> float:
-        """The learning rate of the next step."""
-        return float(self.ds.get_lr()[0])
+        """The learning rate of the next step (train.lr's schedule: under Muon, its AdamW
+        group's; each Muon group's is scaled by its matrix shape)."""
+        groups = self.ds.optimizer.param_groups
+        return float(next((g["lr"] for g in groups if not g.get("use_muon")), groups[0]["lr"]))
 
     @property
     def grad_norm(self) -> float | None:

@@ -161,6 +161,6 @@ def check(tag_dir: Path, run_config: dict, draft_config: dict, ds_config: dict) 
         raise ConfigError(
             f"deepspeed.config: {tag_dir} was written with {shown}; its optimizer state loads "
             "only into the same layout: resume with the same ZeRO stage, offload and optimizer "
-            "(deepspeed.torch_adam)"
+            "(train.optimizer, deepspeed.torch_adam)"
         )
     return changes

@@ -119,6 +119,19 @@ class Trainer:
             self.release_run_dir()
             raise
 
+    def _announce(self, cfg: TrainRunConfig) -> None:
+        zero = self.engine.zero_stage
+        print0(
+            f"[train] {cfg.model.kind}: ZeRO-{zero}, loss {self.loss_impl}, "
+            f"optimizer {self.engine.optimizer_name}, world size {self.world}"
+        )
+        if zero and cfg.train.optimizer == "muon" and cfg.train.max_grad_norm:
+            print0(
+                f"[train] train.max_grad_norm {cfg.train.max_grad_norm} is not applied: under "
+                f"ZeRO-{zero} DeepSpeed takes the clipping norm over Muon's orthogonalised "
+                "updates, not the gradients (docs/training.md#muon)"
+            )
+
     def release_run_dir(self) -> None:
         """Lets another job use the run directory (rank 0 holds its lock)."""
         if self.lock is not None:
@@ -157,11 +170,7 @@ class Trainer:
         self.loss_impl = self.kind.train.prepare(
             self.engine.module, cfg.perf, self.device, zero_stage=self.engine.zero_stage
         )
-        print0(
-            f"[train] {cfg.model.kind}: ZeRO-{self.engine.zero_stage}, "
-            f"loss {self.loss_impl}, optimizer {self.engine.optimizer_name}, "
-            f"world size {self.world}"
-        )
+        self._announce(cfg)
         self.step, self.epoch = 0, 0
         self.nonfinite_total, self.nonfinite_in_row = 0, 0
         files = {

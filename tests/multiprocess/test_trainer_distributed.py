@@ -177,6 +177,17 @@ def runs(tmp_path_factory, tiny_target):
     dropped = ["--data.batch_size", "2", "--perf.drop_empty_blocks", "on", *drop]
     zero3 = ["--deepspeed.config", "zero3", *NO_PERSIST]
     two.append(base_args(target, out, "eq_z3_drop", *zero3, *dropped))
+    # train.optimizer muon: clipping off under ZeRO-0 as well (ZeRO-1/2/3 leave it off)
+    muon = ["--train.optimizer", "muon", "--train.max_grad_norm", "0"]
+    one.append(base_args(target, out, "a_muon_z0", "--deepspeed.config", "zero0", *muon))
+    for k in ("z2", "z3"):
+        two.append(base_args(target, out, f"b_muon_{k}", "--deepspeed.config", STAGES[k], *muon))
+    # its optimizer state saved and loaded: the ZeRO-2 run again from its step-4 checkpoint
+    tag = out / "b_muon_z2" / "checkpoints" / "step_00000004"
+    resume = ["--checkpoint.resume", str(tag), "--checkpoint.export_final", "false"]
+    two.append(
+        base_args(target, out, "b_muon_resume", "--deepspeed.config", "zero2", *muon, *resume)
+    )
     res = train_many(out, one, nproc=1)
     res.update(train_many(out, two, nproc=2))
     return {"root": root, "target": target, "tied": tied, "out": out, "res": res}
@@ -207,6 +218,27 @@ def test_stages_agree(runs, prefix):
         losses = runs["res"][f"{prefix}_{stage}"]["losses"]
         for step in range(1, STEPS + 1):
             assert losses[step] == pytest.approx(ref[step], rel=2e-4), (stage, step)
+
+
+def test_muon_trains_and_zero_2_and_3_agree(runs):
+    """train.optimizer muon (DeepSpeed's Muon with our groups) under ZeRO-0, and under ZeRO-2
+    and ZeRO-3 on 2 ranks, whose partition-aware updates are the same step; a resumed run
+    continues exactly (Muon's momentum in the checkpoint)."""
+    res = runs["res"]
+    for name in ("a_muon_z0", "b_muon_z2", "b_muon_z3"):
+        losses = res[name]["losses"]
+        first, last = sum(losses[s] for s in (1, 2)) / 2, sum(losses[s] for s in (7, 8)) / 2
+        assert last < 0.97 * first, (name, losses)
+    for step in range(1, STEPS + 1):
+        z2, z3 = res["b_muon_z2"]["losses"][step], res["b_muon_z3"]["losses"][step]
+        assert z3 == pytest.approx(z2, rel=2e-4), step
+    resumed = res["b_muon_resume"]["losses"]
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(res["b_muon_z2"]["losses"][step], rel=1e-5), step
+    # another optimizer than AdamW's (the same first step: the same init and batch)
+    adamw, muon = res["b_z2"]["losses"], res["b_muon_z2"]["losses"]
+    assert muon[1] == pytest.approx(adamw[1], rel=1e-6) and muon[STEPS] != adamw[STEPS]
 
 
 def test_one_rank_equals_two_ranks(runs):

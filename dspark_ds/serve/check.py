@@ -170,7 +170,11 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     args = [cfg.target.path, cfg.drafter, fmt.vllm_method, str(fmt.num_speculative_tokens)]
     loaded = run_probe(
-        python, ["load", *args], cuda=cuda, v2_runner=fmt.vllm_v2_runner, timeout_s=cfg.timeout_s
+        python,
+        ["load", *args, fmt.vllm_block_mask or ""],
+        cuda=cuda,
+        v2_runner=fmt.vllm_v2_runner,
+        timeout_s=cfg.timeout_s,
     )
     version = loaded.get("vllm_version", "?")
     if not loaded.get("ok"):

@@ -43,6 +43,9 @@ class ServingFormat:
     """SGLang's `--speculative-algorithm`; None: SGLang cannot serve it."""
     warnings: tuple[str, ...] = field(default_factory=tuple)
     """What an engine will do differently from our evaluation (one line each)."""
+    vllm_block_mask: str | None = None
+    """"module:function" of vLLM that reads from the draft's config whether vLLM drafts its
+    blocks bidirectionally, as dspark-ds trains them (serve-check reports it); None: no block."""
 
     @property
     def vllm_cpu(self) -> bool:

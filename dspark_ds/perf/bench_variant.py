@@ -139,6 +139,16 @@ def _rss_bytes(field_name: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field_name}")
 
 
+def reset_peak_memory(cuda: bool) -> None:
+    """Starts the peak over from now: CUDA's allocator statistics, or this process's VmHWM
+    (Linux's `/proc/self/clear_refs`; the high-water mark becomes the current RSS)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def _memory_now(cuda: bool) -> int:
     return torch.cuda.memory_allocated() if cuda else _rss_bytes("VmRSS")
 
@@ -197,9 +207,8 @@ def run_variant(cfg: TrainBenchConfig, variant: str) -> dict:
     baseline = _memory_now(cuda)
     model, batch, opt, step = _training_step(cfg, variant)
     matmul_rate = matmul_flops_per_s(device, cfg.dtype, cfg.matmul_n)
-    if cuda:  # the peak of the steps only (not the fp32 build, not the matmul's inputs)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    # the peak of the steps only (not the fp32 build, not the matmul's inputs)
+    reset_peak_memory(cuda)
     # The idle process: imports, model, batch, optimizer (its state appears in step 1).
     idle = _memory_now(cuda)
     first_loss, metrics, times, cpu_times = _timed_steps(cfg, step)

@@ -15,8 +15,8 @@ the kind (`perf.attn_implementation`, `perf.loss_impl`; `Capabilities.attn_impls
 compile off (default) | layers | model (perf.compile); without `--variants`, the kind's
 `bench_variants`, whose first is its reference (the straight-line path the ratio columns compare
 with). Each variant runs in its own subprocess (perf/bench_variant.py), so peak memory is that
-variant's alone (CPU: the process's peak RSS, VmHWM; CUDA: max_memory_allocated after the model is
-built). The peak is split into what stays resident — weights, gradients and optimizer state,
+variant's alone, from after the model is built and cast (CPU: the process's peak RSS, VmHWM,
+reset then; CUDA: max_memory_allocated). The peak is split into what stays resident — weights, gradients and optimizer state,
 counted exactly from the tensors — and the step's working memory: peak minus resident minus the
 process before the model existed (CUDA: nothing; CPU: the interpreter and libraries). FLOPs are the
 kind's count for the variant's paths (`DrafterKind.cost.step_flops`, the tuner's compute term: the

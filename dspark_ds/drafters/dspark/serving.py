@@ -41,7 +41,7 @@ _V4_ATTENTION = ("compressed_sparse_attention", "heavily_compressed_attention")
 # transformers' fields vLLM's V4 layout writes DeepSeek's way (compress_ratios, num_hash_layers,
 # rope_theta / compress_rope_theta / rope_scaling; the drafter's own from the draft layer count)
 _V4_TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "rope_parameters")
-# what only vLLM's V4 layout has; our config holds them under its own names
+# what only the engines' V4 layout has; our config holds them under its own names
 _V4_ENGINE_ONLY = (
     "n_mtp_layers",
     "dspark_target_layer_ids",
@@ -103,7 +103,8 @@ def _v4_engine_dict(data: dict) -> dict:
 
 
 def _v4_native_dict(data: dict) -> dict:
-    """vLLM's V4 DSpark config -> ours (the fields DeepSeek's own directory names its way)."""
+    """A V4 DSpark config.json (ours as written, vLLM's `DSparkDraftModel`, SGLang's name) -> ours
+    (the fields DeepSeek's own directory names its way)."""
     if "dspark_target_layer_ids" not in data:  # a V4 model's own config.json, not a drafter's
         raise ConfigError(
             f"dspark_target_layer_ids: missing; a {data['architectures'][0]} config.json without "

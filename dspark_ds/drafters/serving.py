@@ -77,7 +77,8 @@ class ServingFormat:
             f"--speculative-algorithm {self.sglang_algorithm} "
             f"--speculative-draft-model-path {drafter_dir} "
         )
-        if self.sglang_algorithm == "DFLASH":  # its block: the anchor and the γ masks
+        # DFlash's block: the anchor and the γ masks; DSpark's γ: the draft tokens less one
+        if self.sglang_algorithm in ("DFLASH", "DSPARK"):
             return command + f"--speculative-num-draft-tokens {steps + 1}"
         return command + (
             f"--speculative-num-steps {steps} --speculative-eagle-topk 1 "

@@ -115,5 +115,7 @@ def test_deepseek_v4s_own_drafter_trains_under_zero3_and_its_export_decodes(tmp_
     assert len(want) == 3 and all(math.isfinite(x) for x in want)
     torch.testing.assert_close(res["zero3"]["losses"], want, rtol=1e-3, atol=1e-4)
     export = Path(res["zero3"]["export_dir"])
-    assert json.loads((export / "config.json").read_text())["architectures"] == ["DSparkDraftModel"]
+    assert json.loads((export / "config.json").read_text())["architectures"] == [
+        "DeepseekV4ForCausalLM"
+    ]
     _decodes(path, export, shared=True)

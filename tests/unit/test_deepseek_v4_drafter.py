@@ -5,7 +5,8 @@ What is pinned, on the tiny V4 target of `helpers.moe_targets`:
 - the draft layers are V4 layers sized from the target's config (sliding-window attention with
   sinks, top-k routed + shared experts, hyper-connections over hc_mult streams), `backbone:
   auto` keeps the Qwen3-style drafter, and a family without its own layers is refused by name;
-- the export is vLLM's V4 DSpark directory: `DSparkDraftModel`, the target's config with the
+- the export is vLLM's V4 DSpark directory (SGLang's reading of it:
+  tests/unit/test_deepseek_v4_sglang.py): DeepSeek's `DeepseekV4ForCausalLM`, the target's config with the
   fields vLLM's V4 model and DSpark read, the weights under the names its `load_weights` maps
   (pinned below from vLLM's source; with vLLM installed, its own `_remap_dspark_name` places
   every one), no embedding or lm_head (vLLM aliases the target's); our loader reads it back
@@ -113,8 +114,7 @@ VLLM_LAST = {
     "hc_head_scale",
     "markov_head.markov_w1.weight",
     "markov_head.markov_w2.weight",
-    "confidence_head.proj.weight",
-    "confidence_head.proj.bias",
+    "confidence_head.proj.weight",  # no bias: nvidia/dspark.py builds the head without one
 }
 
 
@@ -261,7 +261,11 @@ def test_backbone_target_on_a_family_without_its_own_layers_is_refused():
 def test_the_export_is_vllms_v4_dspark_layout_and_loads_back(target, drafter, tmp_path):
     save_draft_model(drafter, tmp_path)
     data = json.loads((tmp_path / "config.json").read_text())
-    assert data["architectures"] == ["DSparkDraftModel"] and data["model_type"] == "deepseek_v4"
+    # DeepSeek's own name: vLLM's dspark method renames a deepseek_v4 draft to DSparkDraftModel
+    # (config/speculative.py), SGLang needs it (tests/unit/test_deepseek_v4_sglang.py)
+    assert (
+        data["architectures"] == ["DeepseekV4ForCausalLM"] and data["model_type"] == "deepseek_v4"
+    )
     assert [f for f in VLLM_V4_FIELDS if f not in data] == []
     assert data["num_hidden_layers"] == TARGET_LAYERS and data["n_mtp_layers"] == LAYERS
     assert data["dspark_target_layer_ids"] == [0, 2] and data["dspark_markov_rank"] == 8
@@ -336,10 +340,14 @@ def _safetensors_header(path: Path) -> str:
 
 
 _REMAP = """
-import json, sys, types
+import inspect, json, re, sys, types
+from vllm.models.deepseek_v4.nvidia import dspark
 from vllm.models.deepseek_v4.nvidia.dspark import DSparkDeepseekV4ForCausalLM as C
 me = types.SimpleNamespace(model=types.SimpleNamespace(confidence_head=object()))
 print("REMAP " + json.dumps({n: C._remap_dspark_name(me, n) for n in json.loads(sys.argv[1])}))
+default = inspect.signature(dspark.DSparkConfidenceHead).parameters["bias"].default
+calls = re.findall(r"DSparkConfidenceHead\\(([^)]*)\\)", inspect.getsource(dspark))
+print("BIAS " + json.dumps([default, calls]))
 """
 
 
@@ -347,7 +355,8 @@ print("REMAP " + json.dumps({n: C._remap_dspark_name(me, n) for n in json.loads(
 def test_vllms_own_name_mapping_places_every_exported_weight(drafter, tmp_path):
     """vLLM's `_remap_dspark_name` (the CPU build imports the GPU class; its model is not built
     on CPU) maps every exported name: a layer's to `model.layers.{i}.<name>`, the heads' to the
-    model level. A name it returned None for would be skipped silently at load."""
+    model level. A name it returned None for would be skipped silently at load. Its V4 model
+    builds the confidence head without a bias (its loader would fail on a `proj.bias`)."""
     python = require_vllm()
     save_draft_model(drafter, tmp_path)
     names = sorted(n for n in json.loads(_safetensors_header(tmp_path / "model.safetensors")))
@@ -367,6 +376,9 @@ def test_vllms_own_name_mapping_places_every_exported_weight(drafter, tmp_path):
             assert where == f"model.{rest}", name
         else:
             assert where == f"model.layers.{stage}.{rest}", name
+    bias = next(x for x in proc.stdout.splitlines() if x.startswith("BIAS "))
+    default, calls = json.loads(bias[len("BIAS ") :])
+    assert default is False and calls and not [c for c in calls if "bias" in c], calls
 
 
 def test_greedy_decoding_with_it_equals_the_targets(target, drafter):

@@ -13,7 +13,8 @@ queries attend to [context ; block] with the context's keys from the projected t
 
 `vllm_names` / `our_names` map our parameter names to the weight names vLLM's V4 DSpark loader
 reads (`DSparkDeepseekV4ForCausalLM.load_weights`: `mtp.{i}.*` in DeepSeek's own naming, the
-experts one tensor each) and back (docs/checkpoint-format.md#deepseek-v4).
+experts one tensor each; SGLang's `DeepseekV4ForCausalLMDSpark` reads the same names) and back
+(docs/checkpoint-format.md#deepseek-v4).
 """
 
 from __future__ import annotations

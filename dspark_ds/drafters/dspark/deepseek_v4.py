@@ -1,7 +1,7 @@
 """DeepSeek-V4 backend of the DSpark / DFlash drafter (`model.backbone: target` on a DeepSeek-V4
 target): the target family's own decoder layers (drafters/common/deepseek_v4.py) around the DSpark
-draft attention, in the layout vLLM's V4 DSpark serves (`DSparkDraftModel`,
-docs/drafters.md#deepseek-v4s-own-drafter).
+draft attention, in the layout vLLM's and SGLang's V4 DSpark serve (vLLM's `DSparkDraftModel`,
+SGLang's `DeepseekV4ForCausalLMDSpark`; docs/drafters.md#deepseek-v4s-own-drafter).
 
 What differs from the Qwen3 backend: the residual is `hc_mult` streams (the embedding copied into
 each), mixed in and out of every attention and MoE block by hyper-connections and collapsed by
@@ -77,6 +77,9 @@ class DeepseekV4DSparkDecoderLayer(nn.Module):
 class DeepseekV4DSparkModel(DeepseekV4Backend, DSparkDraftModel):
     architecture = "DSparkDraftModel"
     forced_attention = "dense"  # the per-head sink is in the dense path only (the tuner reads it)
+    # NOTE: DeepSeek's V4 drafter has no confidence bias, and vLLM's and SGLang's V4 loaders
+    # build `confidence_head.proj` without one (vLLM's fails on a `proj.bias`, SGLang's drops it)
+    confidence_head_bias = False
 
     def __init__(self, config):
         super().__init__(config)

@@ -129,11 +129,12 @@ def build_markov_head(config, out_size: int | None = None) -> VanillaMarkov | No
 
 
 class ConfidenceHead(nn.Module):
-    """One logit per slot: P(slot k accepted | earlier slots accepted) (paper Eq. 7)."""
+    """One logit per slot: P(slot k accepted | earlier slots accepted) (paper Eq. 7); `bias`
+    False for the layouts whose engines build it without one (DeepSeek-V4's drafter)."""
 
-    def __init__(self, input_dim: int):
+    def __init__(self, input_dim: int, bias: bool = True):
         super().__init__()
-        self.proj = nn.Linear(input_dim, 1)
+        self.proj = nn.Linear(input_dim, 1, bias=bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.proj(features).squeeze(-1)

@@ -81,6 +81,9 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, DraftVocab, nn.Modu
     """Base class; see the module docstring. Construct through a backend or `build_draft_model`."""
 
     architecture: str = ""
+    # the confidence head's bias (its `proj.bias`); a backend whose engines build the head
+    # without one says False
+    confidence_head_bias: bool = True
     # config.json: what a drafter directory must carry, and what older ones may leave out
     REQUIRED_CONFIG_FIELDS = ("block_size", "mask_token_id", "target_layer_ids", "num_anchors")
     OPTIONAL_CONFIG_FIELDS = {
@@ -130,7 +133,7 @@ class DSparkDraftModel(TrainingForward, TargetSharedWeights, DraftVocab, nn.Modu
             if self.confidence_head_with_markov and self.markov_head is None:
                 raise ConfigError("confidence_head_with_markov: needs markov_rank > 0")
             extra = int(config.markov_rank) if self.confidence_head_with_markov else 0
-            self.confidence_head = ConfidenceHead(hidden + extra)
+            self.confidence_head = ConfidenceHead(hidden + extra, bias=self.confidence_head_bias)
         self.reset_parameters()
 
     # ---- what a backend provides (see TargetSharedWeights for the layer hooks) -------

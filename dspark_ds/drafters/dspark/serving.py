@@ -9,12 +9,14 @@
   (`DFlashDraftModel`: `dflash_config.mask_token_id` / `target_layer_ids`, `block_size` = the
   anchor + γ masks), which vLLM's and SGLang's `dflash` methods read (vLLM's CPU build too).
 
-- DSpark on DeepSeek-V4's own layers (`model.backbone: target`): vLLM's V4 DSpark directory
-  (`DSparkDraftModel`, drafters/dspark/deepseek_v4.py): the target's config with the draft
-  layers counted apart (`num_hidden_layers` the target's, `n_mtp_layers` the drafter's, vLLM
-  numbering them after the target's), `dspark_target_layer_ids`, `dspark_markov_rank`,
-  DeepSeek's own field names beside transformers' (`compress_ratios`, `num_hash_layers`,
-  `qk_rope_head_dim`), and the weights under `mtp.{i}.*` (drafters/common/deepseek_v4.py).
+- DSpark on DeepSeek-V4's own layers (`model.backbone: target`, drafters/dspark/deepseek_v4.py):
+  the directory vLLM's and SGLang's V4 DSpark read, laid out as DeepSeek's own checkpoints are
+  (`architectures` `DeepseekV4ForCausalLM`; our backend's name is vLLM's `DSparkDraftModel`):
+  the target's config with the draft layers counted apart (`num_hidden_layers` the target's,
+  `n_mtp_layers` the drafter's, vLLM numbering them after the target's), `dspark_target_layer_ids`,
+  `dspark_markov_rank`, `dspark_block_size`, DeepSeek's own field names beside transformers'
+  (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`), and the weights under `mtp.{i}.*`
+  (drafters/common/deepseek_v4.py).
 
 `native_dict` also reads published DFlash checkpoints (z-lab's `*-DFlash-b16`, which leave
 their embedding and lm_head to the target's).
@@ -27,14 +29,19 @@ from dspark_ds.errors import ConfigError
 
 DFLASH = "DFlashDraftModel"
 V4 = "DSparkDraftModel"
+# NOTE: what a V4 directory's config.json says. SGLang takes a draft for DeepSeek-V4 only under
+# this name (its DSpark worker and attention backend ask `is_deepseek_v4`, then its loader maps
+# the name to `DeepseekV4ForCausalLMDSpark`; `DSparkDraftModel` is its dense Qwen3-style
+# drafter); vLLM's `dspark` method renames any deepseek_v4 draft to its `DSparkDraftModel`
+V4_ENGINE = "DeepseekV4ForCausalLM"
 ARCHITECTURES = ("Qwen3DSparkModel", "Gemma4DSparkModel", V4)
-READS = (*ARCHITECTURES, DFLASH)
+READS = (*ARCHITECTURES, DFLASH, V4_ENGINE, "DeepseekV4ForCausalLMDSpark")
 # DeepSeek's config names of the V4 attention types (its `compress_ratios`: 0 = sliding only)
 _V4_ATTENTION = ("compressed_sparse_attention", "heavily_compressed_attention")
 # transformers' fields vLLM's V4 layout writes DeepSeek's way (compress_ratios, num_hash_layers,
 # rope_theta / compress_rope_theta / rope_scaling; the drafter's own from the draft layer count)
 _V4_TRANSFORMERS_ONLY = ("layer_types", "mlp_layer_types", "rope_parameters")
-# what only vLLM's V4 layout has; our config holds them under its own names
+# what only the engines' V4 layout has; our config holds them under its own names
 _V4_ENGINE_ONLY = (
     "n_mtp_layers",
     "dspark_target_layer_ids",
@@ -78,6 +85,7 @@ def _v4_engine_dict(data: dict) -> dict:
         k: v for k, v in compress.items() if k not in ("rope_theta", "partial_rotary_factor")
     }
     out.update(
+        architectures=[V4_ENGINE],
         num_hidden_layers=int(data["num_target_layers"]),
         n_mtp_layers=int(data["num_hidden_layers"]),
         rope_theta=float((rope.get("main") or {}).get("rope_theta", data.get("rope_theta"))),
@@ -95,10 +103,17 @@ def _v4_engine_dict(data: dict) -> dict:
 
 
 def _v4_native_dict(data: dict) -> dict:
-    """vLLM's V4 DSpark config -> ours (the fields DeepSeek's own directory names its way)."""
+    """A V4 DSpark config.json (ours as written, vLLM's `DSparkDraftModel`, SGLang's name) -> ours
+    (the fields DeepSeek's own directory names its way)."""
+    if "dspark_target_layer_ids" not in data:  # a V4 model's own config.json, not a drafter's
+        raise ConfigError(
+            f"dspark_target_layer_ids: missing; a {data['architectures'][0]} config.json without "
+            "it is a DeepSeek-V4 model, not a DSpark drafter"
+        )
     out = {k: v for k, v in data.items() if k not in _V4_ENGINE_ONLY}
     if "n_mtp_layers" not in data:
         raise ConfigError("n_mtp_layers: missing from the DeepSeek-V4 DSpark config.json")
+    out["architectures"] = [V4]
     out["num_hidden_layers"] = int(data["n_mtp_layers"])
     for ours, theirs in (
         ("target_layer_ids", "dspark_target_layer_ids"),
@@ -137,7 +152,7 @@ def engine_dict(data: dict) -> dict:
 
 
 def native_dict(data: dict, target_config=None) -> dict:
-    if data["architectures"][0] == V4:
+    if data["architectures"][0] in (V4, V4_ENGINE, "DeepseekV4ForCausalLMDSpark"):
         return _v4_native_dict(data)
     if data["architectures"][0] != DFLASH:
         return data
@@ -183,33 +198,68 @@ def serving_format(data: dict) -> dict:
             sglang_algorithm="DFLASH",
             vllm_block_mask=VLLM_BLOCK_MASK,
         )
+    why = _markov_unservable(data)
+    if data["architectures"][0] != V4:
+        return dict(
+            name="DeepSpec DSpark",
+            architecture=data["architectures"][0],
+            vllm_method=None if why else "dspark",
+            num_speculative_tokens=gamma,
+            vllm_v2_runner=True,
+            warnings=[why] if why else [],
+        )
+    sglang, notes = _v4_sglang(data) if why is None else (None, [])
+    why = why or _v4_unservable(data)
+    return dict(
+        name="DeepSeek-V4 DSpark",
+        architecture=V4_ENGINE,
+        vllm_method=None if why else "dspark",
+        num_speculative_tokens=gamma,
+        vllm_v2_runner=True,
+        sglang_algorithm=sglang,
+        warnings=([why] if why else []) + notes,
+    )
+
+
+def _markov_unservable(data: dict) -> str | None:
+    """Why the engines' DSpark (vLLM's; SGLang's V4 one too) cannot read these heads, or None."""
     rank = int(data.get("markov_rank") or 0)
     head = data.get("markov_head_type", "vanilla")
-    why = None
     if rank == 0:  # vLLM's loader then misses markov_head.markov_w1 / markov_w2
-        why = "markov_rank: 0; vLLM's dspark method needs a Markov head, and " + (
+        return "markov_rank: 0; vLLM's dspark method needs a Markov head, and " + (
             "the engines' DFlash path the fill-in layout: train DFlash with sample_from_anchor "
             "false to serve it"
             if data.get("sample_from_anchor", True)
             else f"their DFlash path the Qwen3 backbone, not {data['architectures'][0]}"
         )
-    elif head != "vanilla":  # vLLM's loader has no place for the gate / GRU weights
-        why = f"markov_head_type: vLLM's DSpark has the vanilla Markov head, not {head!r}"
-    elif data.get("draft_vocab_size"):  # its head and Markov W2 are vocabulary-sized
-        why = (
+    if head != "vanilla":  # vLLM's loader has no place for the gate / GRU weights
+        return f"markov_head_type: vLLM's DSpark has the vanilla Markov head, not {head!r}"
+    if data.get("draft_vocab_size"):  # its head and Markov W2 are vocabulary-sized
+        return (
             f"draft_vocab_size: {data['draft_vocab_size']}; vLLM's dspark method has no draft "
             "vocabulary map (d2t), its DFlash and Eagle3 methods do"
         )
-    elif data["architectures"][0] == V4:
-        why = _v4_unservable(data)
-    return dict(
-        name="DeepSeek-V4 DSpark" if data["architectures"][0] == V4 else "DeepSpec DSpark",
-        architecture=data["architectures"][0],
-        vllm_method=None if why else "dspark",
-        num_speculative_tokens=gamma,
-        vllm_v2_runner=True,
-        warnings=[why] if why else [],
-    )
+    return None
+
+
+def _v4_sglang(data: dict) -> tuple[str | None, list[str]]:
+    """SGLang's `--speculative-algorithm` for a V4 drafter whose heads vLLM reads (None: SGLang
+    cannot serve it), and what SGLang does differently, one line each (docs/serving.md)."""
+    layers, taps = int(data["num_hidden_layers"]), len(data["target_layer_ids"])
+    if layers != taps:  # SGLang sizes its stages (and main_proj) by the taps
+        return None, [
+            f"num_hidden_layers: {layers} draft layers for {taps} tapped layers; SGLang's V4 "
+            "DSpark builds one draft layer per tapped layer (len(dspark_target_layer_ids)): "
+            "train as many draft layers as taps to serve it there"
+        ]
+    if not data.get("sample_from_anchor", True):
+        return None, ["sample_from_anchor: false; SGLang's V4 DSpark was not checked for it"]
+    if not data.get("enable_confidence_head"):
+        return "DSPARK", [
+            "enable_confidence_head: false; SGLang's V4 DSpark builds its confidence head and "
+            "refuses a checkpoint without one unless started with SGLANG_RAGGED_VERIFY_MODE=static"
+        ]
+    return "DSPARK", []
 
 
 def _v4_unservable(data: dict) -> str | None:

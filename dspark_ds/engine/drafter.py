@@ -22,7 +22,12 @@ from torch import nn
 
 from dspark_ds.engine.config import MUON, zero_stage
 from dspark_ds.engine.optimizer import build_muon
-from dspark_ds.engine.runtime import import_deepspeed, join_deepspeed_comm, zero_init
+from dspark_ds.engine.runtime import (
+    import_deepspeed,
+    join_deepspeed_comm,
+    set_zero3_leaves,
+    zero_init,
+)
 from dspark_ds.engine.target import check_target_dtype, shard_target
 from dspark_ds.errors import ConfigError
 from dspark_ds.target import share_embeddings_and_head
@@ -169,6 +174,8 @@ class DrafterEngine:
             share_embeddings_and_head(model, target)
             if getattr(model, "draft_vocab", 0):
                 _copy_head_rows(model, target)
+        if zero_stage(ds_config) == 3:
+            set_zero3_leaves(model, model.zero3_leaf_modules)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer, config = None, ds_config
         if ds_config["optimizer"]["type"] == MUON:  # ours, with our groups (engine/optimizer.py)

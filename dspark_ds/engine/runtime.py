@@ -9,9 +9,11 @@ first function that uses it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch.distributed as dist
+from torch import nn
 
 
 def import_deepspeed() -> ModuleType:
@@ -68,6 +70,27 @@ def zero_init(ds_config: dict, **kwargs):
         zero_param_parallel_group=groups._get_zero_param_intra_parallel_group(),
         **kwargs,
     )
+
+
+def set_zero3_leaves(model: nn.Module, classes: Iterable[type[nn.Module]]) -> None:
+    """ZeRO-3: each module of `classes` in `model` becomes one of DeepSpeed's leaf modules (its
+    parameters gathered whole when it runs, none of its submodules hooked). Call it before
+    `deepspeed.initialize`, which puts the hooks on.
+
+    NOTE: ZeRO-3 records the order its hooked modules run in during a step, and while later
+    steps follow that trace it keeps and prefetches parameters by it; a step that leaves it
+    drops the trace and gathers on demand. A module that calls a submodule a number of times
+    that depends on the data (transformers' eager MoE experts call their activation once per
+    expert hit) follows the trace on one rank and leaves it on another; the ranks then gather
+    different parameters and the next collective never completes (a hang after step 1).
+    """
+    classes = tuple(classes)
+    if classes:
+        import_deepspeed()
+        # lazy: deepspeed (1.4 s), never at the engine's import
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, list(classes))
 
 
 def accelerator_name() -> str:

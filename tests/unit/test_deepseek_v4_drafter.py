@@ -14,7 +14,10 @@ What is pinned, on the tiny V4 target of `helpers.moe_targets`:
 - greedy speculative decoding with it equals the target's greedy decoding (one row, and batched
   under every policy).
 
-Training (ZeRO-2 and ZeRO-3, the experts partitioned): tests/multiprocess/test_moe_targets_train.py.
+- ZeRO-3's module trace does not follow the routing: the MoE blocks are its leaves.
+
+Training (ZeRO-2 and ZeRO-3 on 2 ranks, the experts partitioned):
+tests/multiprocess/test_moe_targets_train.py.
 """
 
 from __future__ import annotations
@@ -248,6 +251,47 @@ def test_the_confidence_head_reads_the_state_before_the_final_norm(drafter):
     torch.testing.assert_close(seen["conf"][..., : hidden.shape[-1]], seen["head"])
     torch.testing.assert_close(logits, drafter.lm_head(drafter.norm(seen["head"])))
     torch.testing.assert_close(target, drafter.lm_head(state))
+
+
+def _hooked_calls(drafter, leaves: tuple, seed: int) -> list[str]:
+    """The modules ZeRO-3 would hook (all but those inside a module of `leaves`), in the order
+    one training forward on a random sequence (one anchor: few tokens to route) calls them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB - 1, (1, 12), generator=g)
+    feats = torch.randn(1, 12, 2 * drafter.config.hidden_size, generator=g)
+    inside = {id(sub) for m in drafter.modules() if isinstance(m, leaves) for sub in m.modules()}
+    inside -= {id(m) for m in drafter.modules() if isinstance(m, leaves)}
+    calls: list[str] = []
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args, n=name: calls.append(n))
+        for name, module in drafter.named_modules()
+        if id(module) not in inside
+    ]
+    try:
+        with torch.no_grad():
+            drafter(ids, feats, torch.ones_like(ids), anchor_positions=torch.tensor([[2, 5, 8]]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def test_zero3_sees_the_same_module_calls_whatever_the_routing(drafter):
+    """ZeRO-3 keeps and gathers parameters by the order its hooked modules ran in at the first
+    step: with the MoE blocks as leaves (`zero3_leaf_modules`, gathered whole) that order is
+    the same for any tokens; without, the experts' activation runs once per expert hit, and
+    the order follows the routing (on 2 ranks, a hang after step 1)."""
+    leaves = drafter.zero3_leaf_modules
+    assert leaves and all(any(isinstance(m, c) for m in drafter.modules()) for c in leaves)
+    # NOTE: the eager experts, as in training (a config read from the target's directory names
+    # no experts implementation); this fixture's, made from a model, names grouped_mm
+    impl, drafter.config._experts_implementation = drafter.config._experts_implementation, "eager"
+    try:
+        with_leaves = {tuple(_hooked_calls(drafter, leaves, seed)) for seed in range(6)}
+        without = {tuple(_hooked_calls(drafter, (), seed)) for seed in range(6)}
+    finally:
+        drafter.config._experts_implementation = impl
+    assert len(with_leaves) == 1 and len(without) > 1
 
 
 def test_backbone_target_on_a_family_without_its_own_layers_is_refused():

@@ -4,6 +4,7 @@ on the same held-out prompts (docs/peers.md).
 
     python tools/peer_compare.py                                  # docs/peers.md, peers.json
     python tools/peer_compare.py --seeds [0] --budget.max_steps 40 --docs_dir /tmp/p
+    python tools/peer_compare.py --reuse_theirs docs/peers.json   # ours again, theirs as recorded
 
 Every option of `dspark-ds demo` applies (--budget.*, --drafter.*, --data.*, --target.*,
 --seeds, ...); the default seeds are 0, 1, 2. Per seed: the demo's stages up to training
@@ -17,6 +18,11 @@ Every option of `dspark-ds demo` applies (--budget.*, --drafter.*, --data.*, --t
 - both read by `run_eval` (a speculators directory through the speculators-format reader) at
   every temperature of the demo, on the demo's held-out prompts.
 
+With `--reuse_theirs <peers.json>`, speculators is neither trained nor evaluated: each kind and
+seed takes that file's `theirs` record (`Previous`), and only if it was made with this run's
+budget, data, target, drafter sizes, evaluation and speculators options (a one-line error
+otherwise); the records and the table say where and when it was made.
+
 Written: `output_dir` (the demo's layout; theirs under theirs/), `docs_dir`/peers.json (one
 record per kind and seed) and the table of `docs_dir`/peers.md (between its table markers; a
 file without them gets the table alone).
@@ -27,12 +33,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -72,6 +79,11 @@ class PeerConfig(DemoConfig):
     speculators_env: str | None = None
     """The speculators environment (tools/install.sh); None = $DSPARK_DS_SPECULATORS_ENV or
     ~/.cache/dspark-ds/speculators-venv."""
+    reuse_theirs: str | None = None
+    """A previous run's peers.json whose `theirs` records (speculators' τ and acceptance) this
+    run takes instead of training and evaluating speculators again; each kind and seed must
+    have been made with this run's budget, data, target, drafter sizes, evaluation and
+    speculators options (else a one-line error). Ours is trained and evaluated as always."""
 
     def __post_init__(self) -> None:
         if self.seeds is None:
@@ -152,22 +164,32 @@ def their_job(pipe: DemoPipeline, kind: str, seed: int, work: Path) -> dict:
     """tools/speculators_train.py's job for one drafter: the demo's budget (steps, sequences
     per step, packed into one sequence of that many × max_length tokens), lr, warmup and
     cosine decay; DSpark / DFlash get as many anchor blocks as ours, Eagle3 as many steps."""
-    c, b = pipe.cfg, pipe.cfg.budget
     native = speculators_architecture(pipe.export_dir(kind, seed), str(pipe.target.path), work)
     spec = json.loads((work / "config.json").read_text())
     features = work / "features.pt"
     write_features(
         str(pipe.target.path), native["target_layer_ids"], prepared_dir(pipe, seed), features
     )
-    anchors = 1
-    if get_kind(preset(kind).kind).capabilities.anchor_blocks:
-        anchors = pipe.anchors_of(kind, seed)
     return {
         "type": spec["speculators_model_type"],
         "config_dir": str(work),
         "target": str(pipe.target.path),
         "features": str(features),
         "out": str(work.parent / "run"),
+        **their_settings(pipe, kind, seed),
+        "seed": seed,
+        "threads": pipe.nproc,
+    }
+
+
+def their_settings(pipe: DemoPipeline, kind: str, seed: int) -> dict:
+    """What a speculators job of `kind` and `seed` is given from the demo's options: the
+    budget, lr and warmup, anchor blocks (DSpark / DFlash) or steps (Eagle3) as ours."""
+    c, b = pipe.cfg, pipe.cfg.budget
+    anchors = 1
+    if get_kind(preset(kind).kind).capabilities.anchor_blocks:
+        anchors = pipe.anchors_of(kind, seed)
+    return {
         "steps": b.max_steps,
         "sequences_per_step": b.global_batch_size,
         "total_seq_len": b.global_batch_size * c.data.max_length,
@@ -175,8 +197,6 @@ def their_job(pipe: DemoPipeline, kind: str, seed: int, work: Path) -> dict:
         "warmup_ratio": b.warmup_ratio,
         "max_anchors": b.global_batch_size * anchors,
         "ttt_steps": c.draft_lengths()[kind],
-        "seed": seed,
-        "threads": pipe.nproc,
     }
 
 
@@ -204,36 +224,140 @@ def train_theirs(cfg: PeerConfig, jobs: list[dict], log: Path) -> None:
 
 
 # ---- the comparison ------------------------------------------------------------------------
-def run_seed(cfg: PeerConfig, ours: DemoPipeline, theirs: TheirsPipeline, seed: int) -> dict:
-    """Both trainers on one seed's data; kind -> {"ours": ..., "theirs": ...}."""
+def train_their_seed(cfg: PeerConfig, ours: DemoPipeline, theirs: TheirsPipeline, seed: int):
+    """speculators' trainer on every kind of one seed; kind -> its job."""
+    for kind in cfg.drafters:  # a rerun starts fresh
+        shutil.rmtree(theirs.runs_dir / f"{kind}-s{seed}", ignore_errors=True)
+    jobs = {
+        kind: their_job(ours, kind, seed, theirs.runs_dir / f"{kind}-s{seed}" / "init")
+        for kind in cfg.drafters
+    }
+    ours.log_dir.mkdir(parents=True, exist_ok=True)
+    log = ours.log_dir / f"train-theirs-s{seed}.log"
+    ours.stages.run(
+        f"train-theirs-s{seed}",
+        "speculators' trainer, every kind",
+        train_theirs,
+        cfg,
+        list(jobs.values()),
+        log,
+    )
+    return jobs
+
+
+def run_seed(
+    cfg: PeerConfig,
+    ours: DemoPipeline,
+    theirs: TheirsPipeline,
+    seed: int,
+    previous: Previous | None = None,
+) -> dict:
+    """Both trainers on one seed's data (theirs taken from `previous` when given); kind ->
+    {"ours": ..., "theirs": ... or "reused": its record, "their_job": ...}."""
     s = ours.stages
     s.run(f"regenerate-s{seed}", "the target answers the prompts", ours.regenerate, seed)
     s.run(f"prepare-s{seed}", "chat template + assistant loss masks", ours.prepare, seed)
     if cfg.data.mode == "offline":
         s.run(f"build-cache-s{seed}", "target features for ours", ours.build_cache, seed)
+    if previous is not None:  # before our training: a record that does not fit stops the run
+        reused = {kind: previous.theirs(ours, kind, seed) for kind in cfg.drafters}
     for kind in cfg.drafters:
         s.run(f"train-ours-{kind}-s{seed}", f"ours: {kind}", ours.train, kind, seed)
-    for kind in cfg.drafters:  # a rerun starts fresh
-        shutil.rmtree(theirs.runs_dir / f"{kind}-s{seed}", ignore_errors=True)
-    jobs = [
-        their_job(ours, kind, seed, theirs.runs_dir / f"{kind}-s{seed}" / "init")
-        for kind in cfg.drafters
-    ]
-    ours.log_dir.mkdir(parents=True, exist_ok=True)
-    log = ours.log_dir / f"train-theirs-s{seed}.log"
-    s.run(f"train-theirs-s{seed}", "speculators' trainer, every kind", train_theirs, cfg, jobs, log)
+    jobs = train_their_seed(cfg, ours, theirs, seed) if previous is None else {}
     results = {}
-    for kind, job in zip(cfg.drafters, jobs):
+    for kind in cfg.drafters:
         mine = {"train": ours.results[seed][kind]["train"]}
-        other = {"train": json.loads(Path(job["out"], "result.json").read_text())}
         for t in cfg.eval.temperatures:
             key = temp_key(t)
             mine[key] = s.run(f"eval-ours-{kind}-{key}-s{seed}", "", ours.evaluate, kind, t, seed)
+        if previous is not None:
+            settings = their_settings(ours, kind, seed)
+            results[kind] = {"ours": mine, "reused": reused[kind], "their_job": settings}
+            continue
+        other = {"train": json.loads(Path(jobs[kind]["out"], "result.json").read_text())}
+        for t in cfg.eval.temperatures:
+            key = temp_key(t)
             other[key] = s.run(
                 f"eval-theirs-{kind}-{key}-s{seed}", "", theirs.evaluate, kind, t, seed
             )
-        results[kind] = {"ours": mine, "theirs": other, "their_job": job}
+        results[kind] = {"ours": mine, "theirs": other, "their_job": jobs[kind]}
     return results
+
+
+# ---- theirs from a previous run (--reuse_theirs) ----------------------------------------------
+WORK_SECTIONS = ("target", "data", "drafter", "eval")
+"""The option sections that decide speculators' result besides the budget: the target's weights
+and the prepared data, the drafter's architecture, the evaluation."""
+MADE = re.compile(r"Made by `[^`]*` on (\d{4}-\d\d-\d\d \d\d:\d\d UTC)")
+
+
+@dataclass
+class Previous:
+    """A previous run's peers.json whose `theirs` records this run takes (`--reuse_theirs`)."""
+
+    path: Path
+    records: list[dict]
+
+    @classmethod
+    def load(cls, path: str, cfg: PeerConfig) -> Previous:
+        """Its records, refused (a ConfigError naming the first difference) where a seed or a
+        kind of this run is missing or a record's command ran other target, data, drafter or
+        evaluation options."""
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"reuse_theirs: no file {file}")
+        records = json.loads(file.read_text())
+        md = file.with_suffix(".md")
+        made = MADE.search(md.read_text()) if md.is_file() else None
+        previous = cls(file, records)
+        for seed in cfg.seeds:
+            for kind in cfg.drafters:
+                rec = previous.record(kind, seed)
+                rec.setdefault("date", made.group(1) if made else None)
+                then = parse(PeerConfig, shlex.split(rec["command"])[2:])
+                for section in WORK_SECTIONS:
+                    previous.same(
+                        rec, section, asdict(getattr(then, section)), asdict(getattr(cfg, section))
+                    )
+        return previous
+
+    def record(self, kind: str, seed: int) -> dict:
+        found = [r for r in self.records if r["kind"] == kind and r["seed"] == seed]
+        if not found:
+            raise ConfigError(f"reuse_theirs: {self.path} has no record of {kind} seed {seed}")
+        return found[0]
+
+    def same(self, rec: dict, what: str, then: dict, now: dict) -> None:
+        """Refuses `rec` where `then` (its options) and `now` (this run's) differ."""
+        for key in sorted(set(then) | set(now)):
+            if then.get(key) != now.get(key):
+                raise ConfigError(
+                    f"reuse_theirs: {self.path}'s {rec['kind']} seed {rec['seed']} was made with "
+                    f"{what}.{key} {then.get(key)!r}, this run has {now.get(key)!r}; run without "
+                    "--reuse_theirs to train speculators' again"
+                )
+
+    def theirs(self, pipe: DemoPipeline, kind: str, seed: int) -> dict:
+        """The `theirs` record of `kind` and `seed`, with where and when it was made, if its
+        budget and speculators options are this run's (refused otherwise)."""
+        rec = self.record(kind, seed)
+        settings = their_settings(pipe, kind, seed)
+        self.same(rec, "budget", rec["budget"], budget_record(pipe.cfg, settings))
+        options = rec["theirs"]["options"]
+        given = {k: options.get(k) for k in THEIR_OPTIONS}
+        self.same(rec, "options", given, {k: settings[v] for k, v in THEIR_OPTIONS.items()})
+        origin = dict(file=str(self.path), date=rec.get("date"), command=rec["command"])
+        return {**rec["theirs"], "reused_from": rec["theirs"].get("reused_from", origin)}
+
+
+THEIR_OPTIONS = {
+    "lr": "lr",
+    "scheduler_warmup_ratio": "warmup_ratio",
+    "max_anchors": "max_anchors",
+    "ttt_steps": "ttt_steps",
+    "total_seq_len": "total_seq_len",
+}
+"""speculators' options (as its result records them) that a job sets: `their_settings`' key."""
 
 
 def _side(entry: dict, temperatures: list[float]) -> dict:
@@ -248,35 +372,44 @@ def _side(entry: dict, temperatures: list[float]) -> dict:
     return out
 
 
-def records(cfg: PeerConfig, results: dict, seconds: dict, command: str) -> list[dict]:
-    """peers.json's records: one per kind and seed."""
+def budget_record(cfg: PeerConfig, settings: dict) -> dict:
+    """The shared budget of a kind's record (`settings`: `their_settings`)."""
     b = cfg.budget
+    return {
+        "optimizer_steps": b.max_steps,
+        "sequences_per_step": b.global_batch_size,
+        "max_length": cfg.data.max_length,
+        "tokens_per_step_at_most": b.global_batch_size * cfg.data.max_length,
+        "lr": b.lr,
+        "warmup_ratio": b.warmup_ratio,
+        "schedule": "linear warmup, cosine decay to 0",
+        "anchor_blocks_per_step": settings["max_anchors"],
+        "draft_length": settings["ttt_steps"],
+    }
+
+
+def records(cfg: PeerConfig, results: dict, seconds: dict, command: str, date: str) -> list[dict]:
+    """peers.json's records: one per kind and seed."""
     out = []
     for seed, kinds in results.items():
         for kind, entry in kinds.items():
             ours = _side(entry["ours"], cfg.eval.temperatures)
             ours["train_s"] = seconds.get(f"train-ours-{kind}-s{seed}")
-            theirs = _side(entry["theirs"], cfg.eval.temperatures)
-            job = entry["their_job"]
+            if "reused" in entry:
+                theirs = entry["reused"]
+            else:
+                theirs = _side(entry["theirs"], cfg.eval.temperatures)
+                theirs["options"] = entry["theirs"]["train"]["options"]
             out.append(
                 {
                     "kind": kind,
                     "label": PRESETS[kind].label,
                     "seed": seed,
                     "ours": ours,
-                    "theirs": {**theirs, "options": entry["theirs"]["train"]["options"]},
-                    "budget": {
-                        "optimizer_steps": b.max_steps,
-                        "sequences_per_step": b.global_batch_size,
-                        "max_length": cfg.data.max_length,
-                        "tokens_per_step_at_most": b.global_batch_size * cfg.data.max_length,
-                        "lr": b.lr,
-                        "warmup_ratio": b.warmup_ratio,
-                        "schedule": "linear warmup, cosine decay to 0",
-                        "anchor_blocks_per_step": job["max_anchors"],
-                        "draft_length": job["ttt_steps"],
-                    },
+                    "theirs": theirs,
+                    "budget": budget_record(cfg, entry["their_job"]),
                     "command": command,
+                    "date": date,
                 }
             )
     return out
@@ -310,6 +443,18 @@ def table(recs: list[dict], temperatures: list[float], command: str, date: str) 
         )
         lines.append(f"- {label}: ours ≥ theirs in τ in {counts} seeds")
     lines += ["", f"Made by `{command}` on {date}."]
+    reused = {}
+    for r in recs:
+        origin = r["theirs"].get("reused_from")
+        if origin:
+            key = (origin["file"], origin["date"] or "an unrecorded date", origin["command"])
+            reused.setdefault(key, []).append(f"{r['label']} {r['seed']}")
+    for (file, made, then), which in reused.items():
+        lines.append(
+            f"Theirs of {', '.join(which)} reused from {file} (made by `{then}` on {made}): "
+            "the same budget, data, target, drafter sizes, evaluation and speculators options; "
+            "their training seconds are of that run."
+        )
     return "\n".join(lines)
 
 
@@ -328,7 +473,10 @@ def write_docs(docs: Path, recs: list[dict], text: str) -> None:
 
 
 def compare(cfg: PeerConfig, command: str) -> list[dict]:
-    speculators_python(cfg)  # before anything runs
+    # before anything runs
+    previous = Previous.load(cfg.reuse_theirs, cfg) if cfg.reuse_theirs else None
+    if previous is None:
+        speculators_python(cfg)
     ours = DemoPipeline(cfg)
     ours.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.num_threads)
@@ -339,9 +487,9 @@ def compare(cfg: PeerConfig, command: str) -> list[dict]:
     theirs = TheirsPipeline(cfg, ours)
     results: dict[int, dict] = {}
     for seed in cfg.seeds:  # the docs are written after each seed: a cut run keeps its seeds
-        results[seed] = run_seed(cfg, ours, theirs, seed)
-        recs = records(cfg, results, ours.stages.seconds, command)
+        results[seed] = run_seed(cfg, ours, theirs, seed, previous)
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        recs = records(cfg, results, ours.stages.seconds, command, date)
         text = table(recs, cfg.eval.temperatures, command, date)
         if len(results) < len(cfg.seeds):
             text += (

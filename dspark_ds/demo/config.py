@@ -5,10 +5,13 @@
     dspark-ds demo --output_dir /tmp/d --budget.max_steps 40  # a smaller budget
     dspark-ds demo --output_dir /tmp/g5 \
         --drafter.dspark.block_size 5 --drafter.eagle3.ttt_length 5   # γ 5 for every drafter
+    dspark-ds demo --output_dir /tmp/a --loss preset --budget.optimizer adamw \
+        --budget.weight_decay 0 --budget.zero zero2       # the paper's losses with AdamW
 
 Every drafter (DSpark, DFlash, Eagle3) gets the same data, the same budget (`budget.*`: steps,
-batch, learning-rate schedule, ZeRO stage, ranks) and the same supervision (every valid position
-of every sequence, over γ draft positions).
+batch, learning-rate schedule, optimizer, ZeRO stage, ranks) and the same supervision (every
+valid position of every sequence, over γ draft positions); each its own loss or the one the
+study picked for it (`loss`; docs/demo.md).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dspark_ds.drafters.presets import PRESET_NAMES, DrafterSizes
 from dspark_ds.errors import ConfigError, require_at_least_one
 
 LAUNCHERS = ("fork", "torchrun")
+OPTIMIZERS = ("adamw", "muon")
+LOSSES = ("measured", "preset", "speculators")
 
 
 @dataclass
@@ -67,7 +72,8 @@ class DemoDataConfig:
 
 @dataclass
 class DemoBudgetConfig:
-    """The training budget every drafter gets (same steps, batch, schedule and engine)."""
+    """The training budget every drafter gets (same steps, batch, schedule, optimizer and
+    engine)."""
 
     max_steps: int = 480
     """Optimizer steps per drafter."""
@@ -85,11 +91,22 @@ class DemoBudgetConfig:
     paper's comparison (one schedule for every drafter)."""
     warmup_ratio: float = 0.05
     """Warmup share of the steps."""
-    zero: str = "zero2"
-    """DeepSpeed config (a shipped name or a JSON path). ZeRO-2: on 2 CPU ranks over gloo a
-    ZeRO-3 step of the demo's DSpark took 0.29 s against ZeRO-2's 0.14 s (the per-module
-    parameter gathers dominate a model this small); `zero3` runs the same demo (the tests hold
-    ZeRO-3 to ZeRO-0's results)."""
+    optimizer: Literal["adamw", "muon"] = "muon"
+    """`train.optimizer` of every drafter: muon (Muon for the draft layers' weight matrices,
+    AdamW for the rest; docs/training.md#muon) or adamw. With Muon every drafter drafted
+    better in docs/demo.md's study (seed 0, τ at T = 0 with each preset's own loss: DSpark
+    2.36 -> 3.76, DFlash 2.06 -> 3.26, Eagle3 3.82 -> 4.03)."""
+    weight_decay: float = 0.01
+    """`train.weight_decay`: AdamW's (of every weight under adamw, of the weights Muon does not
+    take under muon; Muon's matrices decay by `train.muon_weight_decay`, 0.1), as speculators'
+    defaults."""
+    zero: str = "zero0"
+    """DeepSpeed config (a shipped name or a JSON path). ZeRO-0: under ZeRO-1/2/3 DeepSpeed's
+    Muon cannot clip the gradients (train.max_grad_norm is not applied), which cost DSpark 0.29
+    in τ at T = 0 (docs/peers.md); on 2 ranks ZeRO-0 with Muon and clipping gives the 1-rank
+    run's weights (6 steps, within 5e-7). With adamw, `zero2` trains the same; `zero3` runs the
+    same demo (the tests hold ZeRO-3 to ZeRO-0's results; a ZeRO-3 step of the demo's DSpark
+    took 0.29 s against ZeRO-2's 0.14 s on 2 CPU ranks over gloo)."""
     nproc: int | None = None
     """Training (and regeneration / cache) ranks; None = 2 when the machine has >= 2 cores,
     else 1."""
@@ -100,6 +117,10 @@ class DemoBudgetConfig:
         )
         if self.lr <= 0:
             raise ConfigError(f"budget.lr: must be > 0, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"budget.optimizer: {' | '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"budget.weight_decay: must be >= 0, got {self.weight_decay}")
         if self.nproc is not None and self.nproc < 1:
             raise ConfigError(f"budget.nproc: must be >= 1 or null, got {self.nproc}")
         if self.global_batch_size % (self.micro_batch_size * self.world_size):
@@ -151,6 +172,12 @@ class DemoConfig:
     drafters/presets.py). The defaults give every drafter the same γ (7)."""
     budget: DemoBudgetConfig = field(default_factory=DemoBudgetConfig)
     """The training budget every drafter gets."""
+    loss: Literal["measured", "preset", "speculators"] = "measured"
+    """Each drafter's loss: "preset", its preset's own (the paper's); "speculators", the one
+    speculators 0.9 trains its kind with (`Preset.speculators_loss`: DSpark KL to the
+    target's distribution, DFlash its cross-entropy with D-PACE position weights, Eagle3 every
+    unrolled step weighted 1.0; docs/peers.md); "measured", of the two the one each drafter
+    drafted better with in docs/demo.md's study (`Preset.demo_loss`)."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
     """Speculative-decoding evaluation."""
     drafters: list[str] = field(default_factory=lambda: list(PRESET_NAMES))
@@ -192,6 +219,8 @@ class DemoConfig:
             raise ConfigError(f"seeds: need >= 1 distinct seeds >= 0, got {self.seeds}")
         if self.num_threads < 1:
             raise ConfigError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if self.loss not in LOSSES:
+            raise ConfigError(f"loss: {' | '.join(LOSSES)}, got {self.loss!r}")
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"launcher: {' | '.join(LAUNCHERS)}, got {self.launcher!r}")
         if self.launcher == "fork" and self.num_threads > 1:

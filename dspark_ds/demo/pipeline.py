@@ -315,11 +315,13 @@ class DemoPipeline:
 
     def drafter_model(self, name: str, seed: int) -> DrafterConfig:
         """The preset `name` sized to the tiny target by its kind's size block (`sized`), with
-        `seed`'s anchors where it trains on anchor blocks."""
+        `seed`'s anchors where it trains on anchor blocks and the loss `loss` names."""
         block = self.cfg.drafter.block(name)
         if get_kind(preset(name).kind).capabilities.anchor_blocks:
             block = replace(block, num_anchors=self.anchors_of(name, seed))
-        return sized(name, block)
+        own = PRESETS[name]
+        loss = {"preset": {}, "speculators": own.speculators_loss, "measured": own.demo_loss}
+        return replace(sized(name, block), **loss[self.cfg.loss])
 
     def train_config(self, kind: str, seed: int) -> TrainRunConfig:
         """The `dspark-ds train` config of one drafter; only `model` (and names) differ between
@@ -345,6 +347,8 @@ class DemoPipeline:
             train=TrainConfig(
                 lr=b.lr,
                 warmup_ratio=b.warmup_ratio,
+                optimizer=b.optimizer,
+                weight_decay=b.weight_decay,
                 min_lr_ratio=0.0,
                 precision="fp32",
                 global_batch_size=b.global_batch_size,
@@ -531,7 +535,8 @@ class DemoPipeline:
         for kind in cfg.drafters:
             s.run(
                 f"train-{kind}-s{seed}",
-                f"{PRESETS[kind].label} with DeepSpeed {cfg.budget.zero}, {self.nproc} rank(s), "
+                f"{PRESETS[kind].label} with DeepSpeed {cfg.budget.zero}, {cfg.budget.optimizer}, "
+                f"{self.nproc} rank(s), "
                 f"{cfg.budget.max_steps} steps, seed {seed}",
                 self.train,
                 kind,

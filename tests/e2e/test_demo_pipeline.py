@@ -171,7 +171,9 @@ def test_demo_trains_each_drafter_from_its_preset(tmp_path):
     from dspark_ds.demo.pipeline import DemoPipeline
     from dspark_ds.drafters.presets import preset
 
-    cfg = parse_config("demo", ["--output_dir", str(tmp_path / "demo"), *SMOKE_ARGS])
+    # the presets' own losses (--loss measured / speculators: the next test)
+    argv = ["--output_dir", str(tmp_path / "demo"), *SMOKE_ARGS, "--loss", "preset"]
+    cfg = parse_config("demo", argv)
     demo = DemoPipeline(cfg)
     demo.target = SimpleNamespace(path=tmp_path / "target")
     demo.num_anchors = {0: 37, 1: 41}
@@ -196,6 +198,35 @@ def test_demo_trains_each_drafter_from_its_preset(tmp_path):
     assert parse(TrainRunConfig, ["--config", str(path)]) == runs["eagle3"]
 
 
+def test_demo_loss_and_optimizer_reach_every_drafter(tmp_path):
+    """--loss speculators / measured give each drafter its preset's `speculators_loss` /
+    `demo_loss` over the sized preset, and nothing else; --budget.optimizer / weight_decay
+    reach every train config."""
+    from dataclasses import replace
+
+    from dspark_ds.demo.pipeline import DemoPipeline
+    from dspark_ds.drafters.presets import PRESETS
+
+    runs = {}
+    for loss, optimizer, decay in (
+        ("preset", "adamw", "0"),
+        ("speculators", "muon", "0.01"),
+        ("measured", "muon", "0"),
+    ):
+        argv = ["--loss", loss, "--budget.optimizer", optimizer, "--budget.weight_decay", decay]
+        cfg = parse_config("demo", ["--output_dir", str(tmp_path), *SMOKE_ARGS, *argv])
+        demo = DemoPipeline(cfg)
+        demo.target, demo.num_anchors = SimpleNamespace(path=tmp_path / "target"), {0: 37}
+        runs[loss] = {name: demo.train_config(name, 0) for name in cfg.drafters}
+        for run in runs[loss].values():
+            assert (run.train.optimizer, run.train.weight_decay) == (optimizer, float(decay))
+    for name, run in runs["speculators"].items():
+        own = runs["preset"][name].model
+        assert run.model == replace(own, **PRESETS[name].speculators_loss) != own, name
+        measured = runs["measured"][name].model
+        assert measured == replace(own, **PRESETS[name].demo_loss), name
+
+
 def test_demo_max_valid_anchors_counts_supervised_pairs(tmp_path):
     from dspark_ds.data.tokens import TokenStore
     from dspark_ds.demo.pipeline import max_valid_anchors
@@ -214,7 +245,9 @@ def test_demo_config_from_cli_and_defaults():
     assert isinstance(cfg, DemoConfig)
     assert cfg.budget.max_steps == 7 and cfg.drafters == ["dspark", "dflash", "eagle3"]
     assert cfg.eval.temperatures == [0.0, 1.0]
-    assert cfg.budget.zero == "zero2" and cfg.launcher == "fork"
+    assert cfg.budget.zero == "zero0" and cfg.launcher == "fork"
+    # the study's choice (docs/demo.md): Muon, speculators' weight decay, each drafter's loss
+    assert (cfg.budget.optimizer, cfg.budget.weight_decay, cfg.loss) == ("muon", 0.01, "measured")
     assert (cfg.budget.global_batch_size, cfg.budget.micro_batch_size) == (2, 1)
     assert cfg.seeds == [0] and cfg.drafter.dspark.num_anchors is None
     # the sizes of every preset (the README's demo figures were measured at these)
@@ -258,6 +291,9 @@ def test_demo_config_from_cli_and_defaults():
         (["--seeds", "[1,1]"], "seeds"),
         (["--seeds", "[]"], "seeds"),
         (["--launcher", "mpirun"], "launcher"),
+        (["--loss", "mine"], "loss"),
+        (["--budget.optimizer", "sgd"], "budget.optimizer"),
+        (["--budget.weight_decay", "-0.1"], "budget.weight_decay"),
         (["--num_threads", "2"], "num_threads"),
     ],
 )

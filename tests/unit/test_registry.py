@@ -24,7 +24,7 @@ from dspark_ds.drafters.eagle3.build import build_eagle3_config
 from dspark_ds.drafters.io import build_draft_model
 from dspark_ds.drafters.kind import StepContext
 from dspark_ds.drafters.perf import PerfConfig
-from dspark_ds.drafters.presets import PRESET_NAMES, preset
+from dspark_ds.drafters.presets import PRESET_NAMES, PRESETS, preset
 from dspark_ds.drafters.registry import KINDS, REGISTERED, get_kind, kind_of
 
 from helpers.drafters import random_batch, tiny_drafter, tiny_qwen3_config
@@ -192,6 +192,18 @@ def test_the_loss_options_reach_each_kinds_step(kind):
     (plain, _), (with_terms, m) = losses["plain"], losses["terms"]
     assert with_terms == pytest.approx(plain + 2.0 * m["tv_loss"] + m["lk_loss"], rel=1e-5)
     assert "tv_loss" not in losses["plain"][1]
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_each_presets_speculators_loss_is_a_valid_loss_of_its_kind(name):
+    """`Preset.speculators_loss` (the demo's --loss speculators) sets fields its kind reads, each
+    to another value than the preset's, and the section stays valid; `Preset.demo_loss` is one
+    of the two losses."""
+    own, theirs = preset(name), PRESETS[name].speculators_loss
+    assert theirs and set(theirs) <= set(own.kind_fields())
+    assert all(getattr(own, k) != v for k, v in theirs.items()), theirs
+    preset(name, **theirs).validate()
+    assert PRESETS[name].demo_loss in ({}, theirs)
 
 
 def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():

@@ -43,6 +43,13 @@ class Preset:
     """The `model` fields that size it to a small target, from its kind's size block
     (`Registration.sizes`: the demo's and the bench's); a None value keeps the preset's."""
     claims: tuple[Claim, ...] = ()
+    speculators_loss: Mapping[str, Any] = field(default_factory=dict)
+    """The `model` fields that give it the loss speculators 0.9 trains its kind with, over
+    `fields` (docs/peers.md; the demo's `--loss speculators`); {} = the same as its own."""
+    demo_loss: Mapping[str, Any] = field(default_factory=dict)
+    """The `model` fields the demo trains it with by default (`--loss measured`), over `fields`:
+    of its own loss and speculators', the one it drafted better with in docs/demo.md's study;
+    {} = its own."""
 
 
 # the optional heads a kind's drafters can have (`Capabilities.heads`)

@@ -185,6 +185,12 @@ def _blocks(s: DSparkSizes) -> dict[str, Any]:
     )
 
 
+# speculators' DSpark loss: KL to the target's distribution in place of CE 0.1 + L1 0.9 (the
+# same exp(-j/4) position weights, which its fixed-exp-decay γ 4 also is; the same BCE 1.0)
+KL_LOSS = {"loss_terms": {"kl": 1.0}, "ce_loss_alpha": 0.0, "l1_loss_alpha": 0.0}
+# speculators' DFlash loss: the same cross-entropy, D-PACE position weights (α 0.5)
+DPACE_LOSS = {"loss_schedule": "dpace"}
+
 PRESETS: dict[str, Preset] = {
     # the paper's DSpark: 5 layers, γ 7, 512 anchors, vanilla Markov head of rank 256, the
     # confidence head fed the Markov features, CE / L1 / BCE 0.1 / 0.9 / 1.0 (the defaults)
@@ -197,6 +203,8 @@ PRESETS: dict[str, Preset] = {
             Claim("tau", "dflash", 0.0, 1.0),
             Claim("speedup", "eagle3", 1.0, 1.0),
         ),
+        speculators_loss=KL_LOSS,
+        demo_loss=KL_LOSS,
     ),
     # DFlash: DSpark without the Markov and confidence heads, cross-entropy only, in DFlash's
     # own block layout (what the engines' DFlash path serves)
@@ -214,6 +222,8 @@ PRESETS: dict[str, Preset] = {
         # NOTE: sized, it keeps DSpark's block layout, not the preset's: the demo's comparison
         # isolates the heads (the README's figures were measured so); docs/serving.md
         sized=lambda s: {**_blocks(s), "sample_from_anchor": True},
+        speculators_loss=DPACE_LOSS,
+        demo_loss=DPACE_LOSS,
     ),
 }
 

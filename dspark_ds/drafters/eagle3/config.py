@@ -64,6 +64,10 @@ PRESETS: dict[str, Preset] = {
         label="Eagle3",
         fields=dict(num_draft_layers=1),
         sized=lambda s: {"num_draft_layers": s.num_draft_layers, "ttt_length": s.ttt_length},
+        # its soft cross-entropy is KL to the target's distribution plus a constant (the
+        # same gradients); speculators weighs every TTT step 1.0. The demo keeps decay 0.8
+        # (demo_loss {}): with Muon it drafted better than with 1.0 (docs/demo.md)
+        speculators_loss={"step_loss_decay": 1.0},
     ),
 }
 

@@ -7,8 +7,8 @@ mode (epoch 0 online writing the cache, epoch 1 reading it; its ZeRO stage rotat
 families) and, for DeepSeek-V4 and Kimi-K2.5, offline from a `build-cache` cache: every run's
 losses equal the ZeRO-2 online run's (the same batches in every mode, docs/data.md), and the
 export decodes losslessly against its target (one row; batched: tests/unit/test_moe_targets.py).
-A family's runs share one process a rank (`helpers/dist.py train-many`: one import of
-DeepSpeed)."""
+Every family's runs, and DeepSeek-V4's own drafter's, share one launch of 2 ranks
+(`helpers/dist.py train-many`: one import of DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -46,11 +46,11 @@ def _build_cache(path: str, data: str, cache: Path) -> None:
     check(python(argv, timeout_s=600))
 
 
-def _train_many(root: Path, runs: dict[str, list[str]], path: str, data: str) -> dict:
+def _train_many(root: Path, runs: dict[str, list[str]], data: str) -> dict:
     """`dspark-ds train` of the tiny recipe, 3 steps on `data`, once per entry of `runs` (name
-    -> its own options), on 2 ranks, in one process each: {name: {"losses": [...],
-    "export_dir": ...}}."""
-    common = ["--config", "dspark_ds/recipes/tiny_cpu.yaml", "--target.path", path]
+    -> its own options, its target among them), on 2 ranks, in one process each: {name:
+    {"losses": [...], "export_dir": ...}}."""
+    common = ["--config", "dspark_ds/recipes/tiny_cpu.yaml"]
     common += ["--target.layer_ids", "[-1, 0, 2]", "--output_dir", str(root / "runs")]
     common += ["--train.max_steps", "3", "--train.synthetic_samples", "0"]
     common += ["--data.paths", f"[{data}]", "--train.progress_bar", "false"]
@@ -59,11 +59,53 @@ def _train_many(root: Path, runs: dict[str, list[str]], path: str, data: str) ->
     spec, result = root / "spec.json", root / "result.json"
     spec.write_text(json.dumps({"runs": argvs, "result_file": str(result)}))
     argv = [str(REPO / "tests" / "helpers" / "dist.py"), "train-many", str(spec)]
-    check(torchrun(argv))
+    check(torchrun(argv, nproc=2))
     out = json.loads(result.read_text())
     for res in out.values():
         res["losses"] = [v for _, v in sorted((int(k), v) for k, v in res["losses"].items())]
     return out
+
+
+# DeepSeek-V4's own drafter (`model.backbone: target`); NOTE: without its MoE blocks as ZeRO-3
+# leaves its ZeRO-3 run hung after step 1, and the bounded collectives turn such a hang into a
+# failed run
+V4_OWN = ["--model.backbone", "target", "--distributed.timeout_s", "120"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    """Every family's runs and DeepSeek-V4's own drafter's, in one launch of 2 ranks (one
+    import of DeepSpeed): {"paths": {family: target dir}, "res": {f"{family}/{run}": ...}}."""
+    root = tmp_path_factory.mktemp("moe_train")
+    data = write_chat_jsonl(root / "train.jsonl", 8)
+    paths, runs = {}, {}
+    for i, family in enumerate(FAMILIES):
+        path = paths[family] = build_tiny_moe_target(root / family, family)
+        target = ["--target.path", path]
+        for stage in STAGES:
+            runs[f"{family}/{stage}"] = [*target, "--deepspeed.config", stage]
+        hybrid = [
+            "--data.mode",
+            "hybrid",
+            "--data.cache_dir",
+            str(root / "caches" / family / "hybrid"),
+        ]
+        runs[f"{family}/hybrid"] = [*target, *hybrid, "--deepspeed.config", STAGES[i % 4]]
+        if family in OFFLINE:
+            _build_cache(path, data, root / "caches" / family / "offline")
+            offline = [
+                "--data.mode",
+                "offline",
+                "--data.cache_dir",
+                str(root / "caches" / family / "offline"),
+            ]
+            runs[f"{family}/offline"] = [*target, *offline]
+    for zero in STAGES[2:]:
+        runs[f"v4_own/{zero}"] = ["--target.path", paths["deepseek_v4"], *V4_OWN]
+        runs[f"v4_own/{zero}"] += ["--deepspeed.config", zero]
+    # the run names are directories: one per family and run
+    res = _train_many(root, {n.replace("/", "_"): a for n, a in runs.items()}, data)
+    return {"root": root, "paths": paths, "res": {n: res[n.replace("/", "_")] for n in runs}}
 
 
 def _decodes(path: str, export: Path, shared: bool = False) -> None:
@@ -77,45 +119,32 @@ def _decodes(path: str, export: Path, shared: bool = False) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_trains_under_every_zero_stage_and_data_mode_and_the_export_decodes(family, tmp_path):
-    path = build_tiny_moe_target(tmp_path / family, family)
-    data = write_chat_jsonl(tmp_path / "train.jsonl", 8)
-    hybrid_stage = STAGES[FAMILIES.index(family) % len(STAGES)]
-    runs = {stage: ["--deepspeed.config", stage] for stage in STAGES}
-    runs["hybrid"] = ["--data.mode", "hybrid", "--data.cache_dir", str(tmp_path / "hybrid")]
-    runs["hybrid"] += ["--deepspeed.config", hybrid_stage]
-    if family in OFFLINE:
-        _build_cache(path, data, tmp_path / "cache")
-        runs["offline"] = ["--data.mode", "offline", "--data.cache_dir", str(tmp_path / "cache")]
-    res = _train_many(tmp_path, runs, path, data)
+def test_trains_under_every_zero_stage_and_data_mode_and_the_export_decodes(family, trained):
+    res = {n.split("/")[1]: r for n, r in trained["res"].items() if n.startswith(family + "/")}
     want = res["zero2"]["losses"]
     assert len(want) == 3 and all(math.isfinite(x) for x in want)
-    for name in runs:
-        torch.testing.assert_close(res[name]["losses"], want, rtol=1e-3, atol=1e-4, msg=name)
-        written = json.loads((Path(res[name]["export_dir"]) / "config.json").read_text())
+    assert set(res) == {*STAGES, "hybrid", *(["offline"] if family in OFFLINE else [])}
+    for name, r in res.items():
+        torch.testing.assert_close(r["losses"], want, rtol=1e-3, atol=1e-4, msg=name)
+        written = json.loads((Path(r["export_dir"]) / "config.json").read_text())
         assert written["target_model_type"] == family
-    assert len(TargetCache(tmp_path / "hybrid")) == 8  # epoch 0 wrote it, epoch 1 read it
-    _decodes(path, Path(res["zero2"]["export_dir"]))
+    # epoch 0 wrote it, epoch 1 read it
+    assert len(TargetCache(trained["root"] / "caches" / family / "hybrid")) == 8
+    _decodes(trained["paths"][family], Path(res["zero2"]["export_dir"]))
 
 
-def test_deepseek_v4s_own_drafter_trains_under_zero3_and_its_export_decodes(tmp_path):
+def test_deepseek_v4s_own_drafter_trains_under_zero3_and_its_export_decodes(trained):
     """`model.backbone: target` on DeepSeek-V4, on 2 ranks: the V4 draft layers (experts
     partitioned under ZeRO-3, initialised module by module as the whole drafter is; each MoE
     block one ZeRO-3 leaf, since the experts a rank's tokens are routed to differ between
     ranks) train to the ZeRO-2 losses; the export (vLLM's V4 DSpark layout, no embedding /
     lm_head) loads with the target's and decodes losslessly."""
-    path = build_tiny_moe_target(tmp_path / "v4", "deepseek_v4")
-    data = write_chat_jsonl(tmp_path / "train.jsonl", 8)
-    # NOTE: without the leaves the ZeRO-3 run hung after step 1; the bounded collectives turn
-    # such a hang into a failed run
-    own = ["--model.backbone", "target", "--distributed.timeout_s", "120"]
-    runs = {zero: [*own, "--deepspeed.config", zero] for zero in STAGES[2:]}
-    res = _train_many(tmp_path, runs, path, data)
-    want = res["zero2"]["losses"]
+    res = trained["res"]
+    want = res["v4_own/zero2"]["losses"]
     assert len(want) == 3 and all(math.isfinite(x) for x in want)
-    torch.testing.assert_close(res["zero3"]["losses"], want, rtol=1e-3, atol=1e-4)
-    export = Path(res["zero3"]["export_dir"])
+    torch.testing.assert_close(res["v4_own/zero3"]["losses"], want, rtol=1e-3, atol=1e-4)
+    export = Path(res["v4_own/zero3"]["export_dir"])
     assert json.loads((export / "config.json").read_text())["architectures"] == [
         "DeepseekV4ForCausalLM"
     ]
-    _decodes(path, export, shared=True)
+    _decodes(trained["paths"]["deepseek_v4"], export, shared=True)

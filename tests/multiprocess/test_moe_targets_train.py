@@ -4,7 +4,7 @@ ranks, each family under every ZeRO stage (0, 1, 2, 3; ZeRO-3 reading the target
 partition, each rank keeping its own,
 Kimi-K2.5's text model out of the whole vision-language checkpoint) online, in the hybrid data
 mode (epoch 0 online writing the cache, epoch 1 reading it; its ZeRO stage rotating over the
-families) and, for DeepSeek-V4 and Kimi-K2.5, offline from a `build-cache` cache: every run's
+families) and offline from a `build-cache` cache: every run's
 losses equal the ZeRO-2 online run's (the same batches in every mode, docs/data.md), and the
 export decodes losslessly against its target (one row; batched: tests/unit/test_moe_targets.py).
 Every family's runs, and DeepSeek-V4's own drafter's, share one launch of 2 ranks
@@ -33,9 +33,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 FAMILIES = list(MOE_TARGETS)
 STAGES = ("zero0", "zero1", "zero2", "zero3")
-# the families whose features are new (DeepSeek-V4's streams, Kimi-K2.5's text model) also
-# through an offline cache
-OFFLINE = ("deepseek_v4", "kimi_k25")
 
 
 def _build_cache(path: str, data: str, cache: Path) -> None:
@@ -84,22 +81,12 @@ def trained(tmp_path_factory) -> dict:
         target = ["--target.path", path]
         for stage in STAGES:
             runs[f"{family}/{stage}"] = [*target, "--deepspeed.config", stage]
-        hybrid = [
-            "--data.mode",
-            "hybrid",
-            "--data.cache_dir",
-            str(root / "caches" / family / "hybrid"),
-        ]
+        hybrid = ["--data.mode", "hybrid"]
+        hybrid += ["--data.cache_dir", str(root / "caches" / family / "hybrid")]
         runs[f"{family}/hybrid"] = [*target, *hybrid, "--deepspeed.config", STAGES[i % 4]]
-        if family in OFFLINE:
-            _build_cache(path, data, root / "caches" / family / "offline")
-            offline = [
-                "--data.mode",
-                "offline",
-                "--data.cache_dir",
-                str(root / "caches" / family / "offline"),
-            ]
-            runs[f"{family}/offline"] = [*target, *offline]
+        cache = str(root / "caches" / family / "offline")
+        _build_cache(path, data, cache)
+        runs[f"{family}/offline"] = [*target, "--data.mode", "offline", "--data.cache_dir", cache]
     for zero in STAGES[2:]:
         runs[f"v4_own/{zero}"] = ["--target.path", paths["deepseek_v4"], *V4_OWN]
         runs[f"v4_own/{zero}"] += ["--deepspeed.config", zero]
@@ -123,7 +110,7 @@ def test_trains_under_every_zero_stage_and_data_mode_and_the_export_decodes(fami
     res = {n.split("/")[1]: r for n, r in trained["res"].items() if n.startswith(family + "/")}
     want = res["zero2"]["losses"]
     assert len(want) == 3 and all(math.isfinite(x) for x in want)
-    assert set(res) == {*STAGES, "hybrid", *(["offline"] if family in OFFLINE else [])}
+    assert set(res) == {*STAGES, "hybrid", "offline"}
     for name, r in res.items():
         torch.testing.assert_close(r["losses"], want, rtol=1e-3, atol=1e-4, msg=name)
         written = json.loads((Path(r["export_dir"]) / "config.json").read_text())

@@ -62,6 +62,10 @@ def test_recipe_parses(path):
         ids = [1, 11, 20, 30, 40]
     if "glm5" in path.stem:  # GLM-5, 78 layers: default_layer_ids(78)
         ids = [1, 20, 38, 56, 75]
+    if "deepseek_v32" in path.stem or "kimi_k25" in path.stem:  # 61 layers each
+        ids = [1, 15, 30, 44, 58]  # default_layer_ids(61)
+    if "minimax_m2" in path.stem:  # MiniMax-M2, 62 layers: default_layer_ids(62)
+        ids = [1, 16, 30, 44, 59]
     assert cfg.target.layer_ids == ids
 
 
@@ -123,20 +127,45 @@ def test_paper_recipe_is_its_preset(path):
     assert got == preset_fields(name)
 
 
+# Kimi-K2.5's published text config where it differs from transformers 5.25's Kimi_K25Config
+# text defaults (DeepSeek-V3's: vocabulary 129280, 256 experts, 128 heads, 3 dense layers): the
+# values of moonshotai/Kimi-K2.5's config.json as NVIDIA TensorRT-LLM's auto_deploy Kimi-K2.5
+# model copies them; `dspark-ds tune` ran on this config (docs/drafters.md#recipes-for-the-2026-targets)
+KIMI_K25_TEXT = {
+    "vocab_size": 163840,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 163584,
+    "eos_token_id": 163585,
+}
+
+
 @pytest.mark.parametrize(
     ("stem", "family", "vocab", "layers"),
     [
         ("dspark_deepseek_v4_flash", "deepseek_v4", 129280, 43),
         ("dspark_glm5", "glm_moe_dsa", 154880, 78),
+        ("dspark_deepseek_v32", "deepseek_v32", 129280, 61),
+        ("dspark_kimi_k25", "kimi_k25", 163840, 61),
+        ("dspark_minimax_m2", "minimax_m2", 200064, 62),
     ],
 )
 def test_the_2026_recipes_build_their_drafter_from_the_published_config(
     stem, family, vocab, layers
 ):
     """transformers' defaults are the published configs (DeepSeek-V4-Flash: 43 layers, hidden
-    4096, vocabulary 129280; GLM-5: 78 layers, hidden 6144, vocabulary 154880): the tapped ids
-    follow default_layer_ids, the mask id lies in the vocabulary, and the drafter is DeepSeek's
-    V4 layout (DSparkDraftModel) for V4, the Qwen3-style one for GLM-5."""
+    4096, vocabulary 129280; GLM-5: 78 layers, hidden 6144, vocabulary 154880; DeepSeek-V3.2: 61,
+    7168, 129280; MiniMax-M2: 62, 3072, 200064), Kimi-K2.5's text config set to its published
+    values (KIMI_K25_TEXT): the tapped ids follow default_layer_ids, the mask id lies in the
+    vocabulary, and the drafter is DeepSeek's V4 layout (DSparkDraftModel) for V4, the
+    Qwen3-style one for the others."""
     from transformers import AutoConfig
 
     from dspark_ds.drafters.dspark.build import build_draft_config
@@ -144,7 +173,15 @@ def test_the_2026_recipes_build_their_drafter_from_the_published_config(
 
     cfg = parse_config("train", ["--config", str(RECIPES[0].parent / f"{stem}.yaml")])
     target = AutoConfig.for_model(family)
-    assert (target.vocab_size, target.num_hidden_layers) == (vocab, layers)
+    text = target.get_text_config()
+    if family == "kimi_k25":
+        for field, value in KIMI_K25_TEXT.items():
+            setattr(text, field, value)
+    assert (text.vocab_size, text.num_hidden_layers) == (vocab, layers)
+    if family in ("deepseek_v32", "kimi_k25"):
+        assert (text.hidden_size, text.n_routed_experts) == (7168, 384 if "kimi" in family else 256)
+    if family == "minimax_m2":
+        assert (text.hidden_size, text.num_local_experts) == (3072, 256)
     assert cfg.target.layer_ids == default_layer_ids(layers)
     assert 0 <= cfg.model.mask_token_id < vocab
     fields = {f: getattr(cfg.model, f) for f in ("num_draft_layers", "block_size", "backbone")}

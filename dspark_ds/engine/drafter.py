@@ -175,7 +175,7 @@ class DrafterEngine:
             if getattr(model, "draft_vocab", 0):
                 _copy_head_rows(model, target)
         if zero_stage(ds_config) == 3:
-            set_zero3_leaves(model, model.zero3_leaf_modules)
+            set_zero3_leaves(model)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer, config = None, ds_config
         if ds_config["optimizer"]["type"] == MUON:  # ours, with our groups (engine/optimizer.py)

@@ -9,7 +9,6 @@ first function that uses it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from types import ModuleType
 
 import torch.distributed as dist
@@ -72,19 +71,28 @@ def zero_init(ds_config: dict, **kwargs):
     )
 
 
-def set_zero3_leaves(model: nn.Module, classes: Iterable[type[nn.Module]]) -> None:
-    """ZeRO-3: each module of `classes` in `model` becomes one of DeepSpeed's leaf modules (its
-    parameters gathered whole when it runs, none of its submodules hooked). Call it before
-    `deepspeed.initialize`, which puts the hooks on.
+def moe_block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The classes of `model`'s MoE blocks: the modules with an `experts` child (every MoE
+    family's block in transformers, DeepSeek-V4's draft layers among them, and the usual
+    remote-code layout)."""
+    return {type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)}
+
+
+def set_zero3_leaves(model: nn.Module) -> None:
+    """ZeRO-3: each MoE block of `model` (`moe_block_classes`) becomes one of DeepSpeed's leaf
+    modules (its parameters gathered whole when it runs, none of its submodules hooked). Call it
+    before `deepspeed.initialize`, which puts the hooks on.
 
     NOTE: ZeRO-3 records the order its hooked modules run in during a step, and while later
     steps follow that trace it keeps and prefetches parameters by it; a step that leaves it
-    drops the trace and gathers on demand. A module that calls a submodule a number of times
-    that depends on the data (transformers' eager MoE experts call their activation once per
-    expert hit) follows the trace on one rank and leaves it on another; the ranks then gather
-    different parameters and the next collective never completes (a hang after step 1).
+    drops the trace and gathers on demand. A block that loops over the experts its tokens were
+    routed to (transformers' eager experts call their activation once per expert hit; remote
+    code with one module per expert) calls its submodules as the data decides: it follows the
+    trace on one rank and leaves it on another; the ranks then gather different parameters and
+    the next collective never completes (a hang after step 1). transformers' grouped-matmul
+    experts call each submodule once a forward, but which implementation runs is the config's.
     """
-    classes = tuple(classes)
+    classes = moe_block_classes(model)
     if classes:
         import_deepspeed()
         # lazy: deepspeed (1.4 s), never at the engine's import

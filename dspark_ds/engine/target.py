@@ -179,18 +179,6 @@ def _register_direct_parameters(target: nn.Module, deepspeed) -> None:
                     deepspeed.zero.register_external_parameter(module, param)
 
 
-def moe_block_classes(model: nn.Module) -> set[type[nn.Module]]:
-    """The classes of `model`'s MoE blocks: the modules with an `experts` child (every MoE
-    family's block in transformers, and the usual remote-code layout).
-
-    NOTE: transformers' own families run their experts as one grouped matmul (each submodule
-    called once a forward, whatever the routing), but a block that loops over the experts its
-    tokens were routed to (transformers' eager experts, remote code with one module per
-    expert) calls its submodules as the data decides: under ZeRO-3 the block must be one leaf
-    (engine/runtime.py `set_zero3_leaves`)."""
-    return {type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)}
-
-
 def shard_target(target: nn.Module, ds_config: dict):
     """ZeRO-3: the optimizer-less engine of the frozen target (partitioned first if it was
     loaded whole); returns the engine."""
@@ -207,7 +195,7 @@ def shard_target(target: nn.Module, ds_config: dict):
     for buf in target.buffers():  # buffers are not partitioned
         buf.data = buf.data.to(device)
     _register_direct_parameters(target, deepspeed)
-    set_zero3_leaves(target, moe_block_classes(target))
+    set_zero3_leaves(target)
     target_engine, _, _, _ = deepspeed.initialize(model=target, config=cfg)
     target_engine.eval()
     return target_engine

@@ -33,6 +33,7 @@ from dspark_ds.drafters import build_draft_config
 from dspark_ds.drafters.io import build_draft_model, load_draft_model, save_draft_model
 from dspark_ds.drafters.presets import preset_fields
 from dspark_ds.drafters.serving import serving_format
+from dspark_ds.engine.runtime import moe_block_classes
 from dspark_ds.errors import ConfigError
 
 from helpers.evaluation import (
@@ -278,10 +279,11 @@ def _hooked_calls(drafter, leaves: tuple, seed: int) -> list[str]:
 
 def test_zero3_sees_the_same_module_calls_whatever_the_routing(drafter):
     """ZeRO-3 keeps and gathers parameters by the order its hooked modules ran in at the first
-    step: with the MoE blocks as leaves (`zero3_leaf_modules`, gathered whole) that order is
+    step: with the MoE blocks as leaves (`moe_block_classes`, gathered whole) that order is
     the same for any tokens; without, the experts' activation runs once per expert hit, and
     the order follows the routing (on 2 ranks, a hang after step 1)."""
-    leaves = drafter.zero3_leaf_modules
+    leaves = tuple(moe_block_classes(drafter))
+    assert {c.__name__ for c in leaves} == {"DeepseekV4SparseMoeBlock"}
     assert leaves and all(any(isinstance(m, c) for m in drafter.modules()) for c in leaves)
     # NOTE: the eager experts, as in training (a config read from the target's directory names
     # no experts implementation); this fixture's, made from a model, names grouped_mm

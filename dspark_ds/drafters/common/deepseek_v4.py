@@ -30,7 +30,6 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4HyperHead,
     DeepseekV4RMSNorm,
     DeepseekV4RotaryEmbedding,
-    DeepseekV4SparseMoeBlock,
     DeepseekV4TopKRouter,
     DeepseekV4UnweightedRMSNorm,
     apply_rotary_pos_emb,
@@ -138,10 +137,6 @@ class DeepseekV4Backend:
     """The layer hooks of `TargetSharedWeights` for a V4 drafter, its hyper-head, and the init
     of what transformers' own init gives V4's modules (the kind's model class adds
     `make_layer` and the streams)."""
-
-    # NOTE: the MoE block's eager experts call their activation module once per expert hit:
-    # ZeRO-3's module trace would then differ between ranks and steps (engine/runtime.py)
-    zero3_leaf_modules = (DeepseekV4SparseMoeBlock,)
 
     def make_norm(self, dim: int) -> nn.Module:
         return DeepseekV4RMSNorm(dim, eps=self.config.rms_norm_eps)

@@ -44,11 +44,6 @@ class TargetSharedWeights:
     The class using it has `config`, `embed_tokens` and `lm_head`.
     """
 
-    zero3_leaf_modules: tuple[type[nn.Module], ...] = ()
-    """Module classes that call their submodules a number of times that depends on the data (a
-    MoE block: its experts run once per expert a token was routed to). Under ZeRO-3 the engine
-    gathers each such module's parameters whole and hooks none of its submodules."""
-
     def make_embedding(self) -> nn.Module:
         return nn.Embedding(int(self.config.vocab_size), int(self.config.hidden_size))
 

@@ -175,7 +175,8 @@ class DemoConfig:
     loss: Literal["measured", "preset", "speculators"] = "measured"
     """Each drafter's loss: "preset", its preset's own (the paper's); "speculators", the one
     speculators 0.9 trains its kind with (`Preset.speculators_loss`: DSpark KL to the
-    target's distribution, DFlash its cross-entropy with D-PACE position weights, Eagle3 every
+    target's distribution, DFlash cross-entropy against the target's greedy token with D-PACE
+    position weights, Eagle3 every
     unrolled step weighted 1.0; docs/peers.md); "measured", of the two the one each drafter
     drafted better with in docs/demo.md's study (`Preset.demo_loss`)."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)

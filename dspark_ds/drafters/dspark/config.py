@@ -32,6 +32,15 @@ from dspark_ds.drafters.common.registration import (
 from dspark_ds.drafters.dspark import serving, speculators_format
 from dspark_ds.drafters.dspark.markov import MARKOV_HEAD_TYPES
 from dspark_ds.drafters.perf import ATTN_IMPLEMENTATIONS, LOSS_IMPLEMENTATIONS
+from dspark_ds.errors import ConfigError
+
+CE_LABELS = ("data", "target")
+"""What the cross-entropy's labels are (`model.ce_labels`)."""
+
+
+def check_ce_labels(value: str, option: str = "model.ce_labels") -> None:
+    if value not in CE_LABELS:
+        raise ConfigError(f"{option}: expected one of {CE_LABELS}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -50,12 +59,14 @@ class LossWeights:
     loss_schedule: str = "exp"
     loss_decay_ratio: float = 0.8
     dpace_alpha: float = DPACE_ALPHA
+    ce_labels: str = "data"
 
     def __post_init__(self) -> None:
         # NOTE: a tuple keeps the frozen dataclass hashable and equal however it was spelt
         terms = self.loss_terms
         object.__setattr__(self, "loss_terms", parse_terms(dict(terms) if terms else None))
         check_schedule(self.loss_schedule)
+        check_ce_labels(self.ce_labels)
 
     @property
     def dpace(self) -> bool:
@@ -117,6 +128,13 @@ class DSparkFields:
     """r of loss_schedule "geometric": slot j weighs r^j."""
     dpace_alpha: float = DPACE_ALPHA
     """Smoothing a of loss_schedule "dpace": s = (1 - a)·exp(-CE) + a, in (0, 1]."""
+    ce_labels: Literal["data", "target"] = "data"
+    """The cross-entropy's labels: "data", each slot's next token of the training sequence (the
+    paper's); "target", the target's own greedy token there, the argmax of its aligned logits
+    over the draft vocabulary (what a T = 0 verification accepts; speculators' `ce` loss).
+    D-PACE's weights and the greedy-acceptance metrics follow the labels. "target" reads the
+    target's final hidden states (the cache keeps them, online mode computes them) and projects
+    them onto the vocabulary once more (docs/algorithm.md#the-ce-labels)."""
     backbone: Literal["auto", "target"] = "auto"
     """The draft layers. auto: the target family's own for Qwen3 and Gemma4 targets, the
     Qwen3-style layers sized from the target for every other family. target: the target
@@ -148,6 +166,7 @@ class DSparkFields:
         check_schedule(self.loss_schedule, check.name("loss_schedule"))
         check("loss_decay_ratio", 0 < self.loss_decay_ratio <= 1, "must be in (0, 1]")
         check("dpace_alpha", 0 < self.dpace_alpha <= 1, "must be in (0, 1]")
+        check("ce_labels", self.ce_labels in CE_LABELS, f"expected one of {CE_LABELS}")
         if self.confidence_head_alpha > 0 and self.confidence_head_with_markov:
             check(
                 "confidence_head_with_markov",
@@ -188,8 +207,9 @@ def _blocks(s: DSparkSizes) -> dict[str, Any]:
 # speculators' DSpark loss: KL to the target's distribution in place of CE 0.1 + L1 0.9 (the
 # same exp(-j/4) position weights, which its fixed-exp-decay γ 4 also is; the same BCE 1.0)
 KL_LOSS = {"loss_terms": {"kl": 1.0}, "ce_loss_alpha": 0.0, "l1_loss_alpha": 0.0}
-# speculators' DFlash loss: the same cross-entropy, D-PACE position weights (α 0.5)
-DPACE_LOSS = {"loss_schedule": "dpace"}
+# speculators' DFlash loss: cross-entropy against the target's greedy token (its `ce`), D-PACE
+# position weights (α 0.5)
+DPACE_LOSS = {"loss_schedule": "dpace", "ce_labels": "target"}
 
 PRESETS: dict[str, Preset] = {
     # the paper's DSpark: 5 layers, γ 7, 512 anchors, vanilla Markov head of rank 256, the

@@ -9,7 +9,7 @@ same with the metrics summed over the ranks and read as floats, as
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 from torch import nn
@@ -104,9 +104,15 @@ def forward_loss(
         raise ValueError(f"batch: missing {missing} (needs {BATCH_KEYS})")
     inputs = {k: batch[k] for k in (*BATCH_KEYS, *OPTIONAL_BATCH_KEYS) if batch.get(k) is not None}
     if impl == "reference":
-        return dspark_loss(model(**inputs, generator=generator), weights, over_ranks=over_ranks)
+        out = model(**inputs, generator=generator)
+        if weights.ce_labels == "target":
+            out = _relabel(out, _require(out.aligned_target_logits).argmax(-1))
+        return dspark_loss(out, weights, over_ranks=over_ranks)
     drafter = bare(model)
     feats = model(**inputs, generator=generator, return_hidden=True)
+    if weights.ce_labels == "target":
+        states = _require(feats.target_prev_hidden)
+        feats = _relabel(feats, greedy_target_ids(drafter, states, chunk_anchors))
     confidence = drafter.predict_confidence(feats.hidden, feats.prev_token_ids)
     return chunked_dspark_loss(
         drafter,
@@ -118,6 +124,35 @@ def forward_loss(
         recompute=impl != "chunked",
         pad_to_blocks=pad_to_blocks,
     )
+
+
+@torch.no_grad()
+def greedy_target_ids(
+    drafter, target_prev_hidden: torch.Tensor, chunk_anchors: int
+) -> torch.Tensor:
+    """[B, A, G, H] -> [B, A, G]: the target's greedy token of every slot, the argmax of its
+    aligned logits (draft ids over a draft vocabulary), projected a few anchors at a time as the
+    chunked losses do, so that [B, A, G, V] never exists at once."""
+    bsz, num_blocks, G, H = target_prev_hidden.shape
+    flat = target_prev_hidden.reshape(bsz * num_blocks, G, H)
+    step = max(1, int(chunk_anchors))
+    ids = [drafter.target_logits(flat[i : i + step]).argmax(-1) for i in range(0, len(flat), step)]
+    return torch.cat(ids).view(bsz, num_blocks, G)
+
+
+def _relabel(out, labels: torch.Tensor):
+    """`out` (a forward's output or hidden output) with `labels` as the CE's targets; all of
+    them are in the draft vocabulary (the logits are over it)."""
+    return replace(out, target_ids=labels, label_in_vocab=None)
+
+
+def _require(aligned: torch.Tensor | None) -> torch.Tensor:
+    if aligned is None:
+        raise ValueError(
+            "model.ce_labels 'target' needs the target's final hidden states "
+            "(target_last_hidden_states) in the batch: its greedy tokens are the labels"
+        )
+    return aligned
 
 
 def forward_and_loss(

@@ -12,20 +12,17 @@ its kind's size block; DSpark's sizes DFlash too) and one budget multiple (of
 (`<kind>-d<depth>-b<multiple>-s<seed>` under runs/) and its evaluation at every temperature
 (`eval.temperatures` must hold 1.0: the comparisons are at T = 1).
 
-Resuming: `<output_dir>/study.json` is written after every cell; a rerun with `--resume true`
-(the default) skips the cells it holds and reuses the seeds' data. It refuses, with one line
-naming the option, a run whose settings differ from that file's (every option but the grid
--- depths, budgets, seeds, drafters -- and where things go -- output and docs directories,
-MLflow store and experiment, resume); a larger grid reuses the cells it shares.
-`--resume false` starts afresh: the output directory's data, runs, configs and logs go.
+Resuming: `<output_dir>/study.json` is written after every cell; a rerun (`--resume true`, the
+default) skips its cells and reuses its seeds' data, and refuses with one line naming the option
+a run whose settings differ (every option but the grid, `NOT_SETTINGS`, and where things go):
+a larger grid reuses the cells it shares. `--resume false` starts afresh (data, runs go).
 
 Written: `output_dir` (the demo's layout, study.json, artifacts/), `docs_dir`/study.json (every
-record, the base budget, the command and the date), the tables of `docs_dir`/study.md (between
-its markers; a new file gets a short header) and `docs_dir`/images/study.png; into MLflow (the
-demo's store, `sqlite:///<output_dir>/mlflow.db` unless --tracking_uri): one parent run with
-the options as params, per cell metrics `<metric>/<kind>_d<depth>_b<multiple>` at step = seed,
-and the picture, study.json and the tables as artifacts; each training nested under it, each
-evaluation under its training, as the demo nests them.
+record, the base budget, command and date), study.md's tables (between its markers; a new file
+gets a header) and images/study.png; into MLflow (the demo's store unless --tracking_uri): one
+run with the options as params, per cell metrics `<metric>/<kind>_d<depth>_b<multiple>` at
+step = seed, the picture, study.json and the tables as artifacts; each training nested under
+it, each evaluation under its training, as the demo nests them.
 """
 
 from __future__ import annotations
@@ -65,7 +62,8 @@ REFERENCE = "eagle3"
 T1 = temp_key(1.0)
 NOT_SETTINGS = "depths budgets seeds drafters output_dir docs_dir resume tracking_uri".split()
 NOT_SETTINGS += ["experiment"]
-"""Options that do not change a cell's result: the grid, and where things go."""
+"""Options that do not change a cell's result: the grid, and where things go (the output and
+docs directories, MLflow's store and experiment)."""
 
 
 @dataclass
@@ -228,14 +226,15 @@ def cell_metrics(rec: dict, temperatures: list[float]) -> dict[str, float]:
 
 
 class Progress:
-    """The `[study] cell i/n` lines: the time so far and what is left (the mean time of the
-    cells this run has done, times the cells left)."""
+    """The `[study] cell i/n` lines: the time so far and what is left (the seconds per
+    training step of the cells this run has done, times the steps left)."""
 
-    def __init__(self, total: int, todo: int):
-        self.total, self.left, self.spent, self.t0 = total, todo, [], time.perf_counter()
+    def __init__(self, total: int, steps_left: int):
+        self.total, self.left, self.t0 = total, steps_left, time.perf_counter()
+        self.spent, self.steps = 0.0, 0
 
     def start(self, i: int, cell: Cell, steps: int) -> float:
-        eta = sum(self.spent) / len(self.spent) * self.left if self.spent else None
+        eta = self.spent / self.steps * self.left if self.steps else None
         print(
             f"[study] cell {i}/{self.total}: {PRESETS[cell.kind].label} depth {cell.depth}, "
             f"{cell.multiple}x ({steps} steps), seed {cell.seed} ... elapsed "
@@ -244,9 +243,9 @@ class Progress:
         )
         return time.perf_counter()
 
-    def finish(self, started: float) -> None:
-        self.left -= 1
-        self.spent.append(time.perf_counter() - started)
+    def finish(self, started: float, steps: int) -> None:
+        self.left, self.steps = self.left - steps, self.steps + steps
+        self.spent += time.perf_counter() - started
 
 
 def _hms(seconds: float) -> str:
@@ -534,7 +533,7 @@ def run_grid(cfg: StudyConfig, pipe: DemoPipeline, state: dict, command: str) ->
     """Every cell not done yet; the state and the docs written after each."""
     grid = cells(cfg)
     todo = [c for c in grid if not any(c.matches(r) for r in state["records"])]
-    progress = Progress(len(grid), len(todo))
+    progress = Progress(len(grid), sum(cfg.budget.max_steps * c.multiple for c in todo))
     if todo and cfg.launcher == "fork":
         pipe.stages.run("imports", "for the forked ranks", launcher.preload, pipe._stage_env())
     pipes: dict[tuple, CellPipeline] = {}
@@ -547,9 +546,10 @@ def run_grid(cfg: StudyConfig, pipe: DemoPipeline, state: dict, command: str) ->
         key = (cell.depth, cell.multiple)
         if key not in pipes:
             pipes[key] = CellPipeline(cfg, pipe, cell.depth, cell.multiple)
-        started = progress.start(i, cell, pipes[key].cfg.budget.max_steps)
+        steps = pipes[key].cfg.budget.max_steps
+        started = progress.start(i, cell, steps)
         rec = run_cell(cfg, pipes[key], cell)
-        progress.finish(started)
+        progress.finish(started, steps)
         state["records"].append(rec)
         save_state(cfg, state)
         pipe.tracker.log_metrics(cell_metrics(rec, cfg.eval.temperatures), step=cell.seed)

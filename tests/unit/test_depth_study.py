@@ -5,6 +5,7 @@ options' errors, the resume rules and each cell's training config."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -216,3 +217,14 @@ def test_cell_metrics_name_the_cell(study):
     assert (
         metrics["train_cpu_s/dflash_d2_b4"] == 7 and "draft_ms_per_round_T1/dflash_d2_b4" in metrics
     )
+
+
+def test_progress_line_has_the_cell_the_time_so_far_and_the_steps_left(study, capsys):
+    progress = study.Progress(total=12, steps_left=30)
+    progress.start(1, study.Cell("dspark", 2, 1, 0), 10)
+    first = capsys.readouterr().out
+    assert first.startswith("[study] cell 1/12: DSpark depth 2, 1x (10 steps), seed 0 ...")
+    assert "elapsed 0:00:0" in first and "ETA" not in first
+    progress.finish(time.perf_counter() - 10.2, 10)  # 10 steps in 10 s: 20 steps left
+    progress.start(2, study.Cell("eagle3", 2, 2, 0), 20)
+    assert capsys.readouterr().out.rstrip().endswith(", ETA 0:00:20")

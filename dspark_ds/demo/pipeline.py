@@ -147,8 +147,17 @@ class DemoPipeline:
     def seed_data(self, seed: int) -> Path:
         return self.data_dir / f"seed{seed}"
 
+    def run_name(self, kind: str, seed: int) -> str:
+        """`kind`'s training of `seed`: its directory under runs/, its log, config and MLflow
+        run names (tools/depth_study.py names one per depth and budget)."""
+        return f"{kind}-s{seed}"
+
+    def eval_name(self, kind: str, temperature: float, seed: int) -> str:
+        """The evaluation of `kind`'s drafter of `seed` at `temperature` (its run's name)."""
+        return f"eval-{kind}-{temp_key(temperature)}-s{seed}"
+
     def export_dir(self, kind: str, seed: int) -> Path:
-        return self.runs_dir / f"{kind}-s{seed}" / "export"
+        return self.runs_dir / self.run_name(kind, seed) / "export"
 
     # ---- helpers --------------------------------------------------------------------------
     def _stage_env(self) -> dict[str, str]:
@@ -332,7 +341,7 @@ class DemoPipeline:
         else:
             source = dict(paths=[str(self.seed_data(seed) / "prepared")])
         return TrainRunConfig(
-            name=f"{kind}-s{seed}",
+            name=self.run_name(kind, seed),
             output_dir=str(self.runs_dir),
             model=self.drafter_model(kind, seed),
             target=self._target_config(),
@@ -361,7 +370,7 @@ class DemoPipeline:
             tracking=TrackingConfig(
                 uri=self.uri,
                 experiment=c.experiment,
-                run_name=f"demo-train-{kind}-s{seed}",
+                run_name=f"demo-train-{self.run_name(kind, seed)}",
                 parent_run_id=self._parent_run_id(),
                 tags={"demo": "true", "recipe": "demo"},
             ),
@@ -373,12 +382,13 @@ class DemoPipeline:
         )
 
     def train(self, kind: str, seed: int) -> dict:
-        run_dir = self.runs_dir / f"{kind}-s{seed}"
+        name = self.run_name(kind, seed)
+        run_dir = self.runs_dir / name
         shutil.rmtree(run_dir, ignore_errors=True)  # a rerun starts fresh (and a new MLflow run)
         self._launch(
-            f"train-{kind}-s{seed}",
+            f"train-{name}",
             "train",
-            self._write_config(f"train-{kind}-s{seed}", self.train_config(kind, seed)),
+            self._write_config(f"train-{name}", self.train_config(kind, seed)),
             self.nproc,
         )
         export = self.export_dir(kind, seed)
@@ -392,7 +402,7 @@ class DemoPipeline:
 
     def evaluate(self, kind: str, temperature: float, seed: int) -> dict:
         e = self.cfg.eval
-        name = f"eval-{kind}-{temp_key(temperature)}-s{seed}"
+        name = self.eval_name(kind, temperature, seed)
         cfg = EvalConfig(
             target=TargetPathConfig(path=str(self.target.path)),
             drafter=str(self.export_dir(kind, seed)),

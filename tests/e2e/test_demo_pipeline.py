@@ -250,12 +250,13 @@ def test_demo_config_from_cli_and_defaults():
     assert (cfg.budget.optimizer, cfg.budget.weight_decay, cfg.loss) == ("muon", 0.01, "measured")
     assert (cfg.budget.global_batch_size, cfg.budget.micro_batch_size) == (2, 1)
     assert cfg.seeds == [0] and cfg.drafter.dspark.num_anchors is None
-    # the sizes of every preset (the README's demo figures were measured at these)
+    # the sizes of every preset (the README's demo figures were measured at these; DSpark's
+    # depth from docs/study.md)
     assert sized("dspark", cfg.drafter.block("dspark")) == preset(
-        "dspark", num_draft_layers=2, block_size=7, markov_rank=64
+        "dspark", num_draft_layers=3, block_size=7, markov_rank=64
     )
     assert sized("dflash", cfg.drafter.block("dflash")) == preset(
-        "dflash", num_draft_layers=2, block_size=7, sample_from_anchor=True
+        "dflash", num_draft_layers=3, block_size=7, sample_from_anchor=True
     )
     assert sized("eagle3", cfg.drafter.block("eagle3")) == preset(
         "eagle3", num_draft_layers=1, ttt_length=7

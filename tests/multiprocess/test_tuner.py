@@ -293,17 +293,24 @@ def _estimate_and_measure(tmp_path, recipe: str, overrides: list[str], options=N
     return json.loads(out.read_text())
 
 
+# With the shipped buckets (5e7 elements) DeepSpeed's buffers dominate the tiny recipe's memory:
+# one option per formula of `estimate.deepspeed_buffers` (none, ZeRO-1's fp32 staging, ZeRO-2's,
+# ZeRO-3's buffer and prefetch); the offload and NVMe options add no bucket of their own and are
+# measured with the small buckets, where the model's own memory dominates, as are all eight.
+SHIPPED_OPTIONS = ["zero0", "zero1", "zero2", "zero3"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "overrides",
-    [[], ["--deepspeed.overrides", SMALL_BUCKETS]],
+    "overrides,options",
+    [([], SHIPPED_OPTIONS), (["--deepspeed.overrides", SMALL_BUCKETS], None)],
     ids=["shipped_configs", "small_buckets"],
 )
-def test_tiny_estimate_within_30_percent_of_measurement(tmp_path, overrides):
-    result = _estimate_and_measure(tmp_path, "tiny_cpu.yaml", overrides)
+def test_tiny_estimate_within_30_percent_of_measurement(tmp_path, overrides, options):
+    result = _estimate_and_measure(tmp_path, "tiny_cpu.yaml", overrides, options)
     measured = result["measured"]
     est = {e["option"]: e for e in result["estimates"]}
-    assert set(measured) == set(tune.OPTION_NAMES), result["text"]
+    assert set(measured) == set(options or tune.OPTION_NAMES), result["text"]
     # NOTE: with the shipped 5e7-element buckets, DeepSpeed's ZeRO-1/2 bucket set-up (a new
     # buffer allocated while the old one is still referenced) now and then holds one extra fp32
     # reduce bucket at the peak: seen once in CI (zero2+offload_opt measured 601.2 MB against

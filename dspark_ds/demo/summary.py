@@ -30,6 +30,9 @@ from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.tracking.store import default_artifact_location
 
 METRICS = ("tau", "speedup")
+RATIO_METRICS = (*METRICS, "acceptance")
+"""What the ratios compare: τ, speedup, and the acceptance by position, whose ratio is the
+smallest over the positions both drafters reached (≥ 1: ahead or level at every position)."""
 # The paper's claims (`Preset.claims`): (ratio, temperature, at least), each required in every
 # seed; and the (numerator, denominator) pairs of the ratios reported per seed.
 CLAIMS = tuple(
@@ -99,19 +102,31 @@ def _ratios(cfg: DemoConfig, per_seed: dict, temps: list[str]) -> dict:
     for a, b in PAIRS:
         if a not in cfg.drafters or b not in cfg.drafters:
             continue
-        for m in METRICS:
+        for m in RATIO_METRICS:
             per_t = {}
             for t in temps:
                 each = {}
                 for s, seed_results in per_seed.items():
-                    x = seed_results.get(a, {}).get(t, {}).get(m)
-                    y = seed_results.get(b, {}).get(t, {}).get(m)
-                    if x is not None and y:
-                        each[s] = x / y
+                    value = _ratio_of(
+                        m, seed_results.get(a, {}).get(t, {}), seed_results.get(b, {}).get(t, {})
+                    )
+                    if value is not None:
+                        each[s] = value
                 if each:
                     per_t[t] = {"per_seed": each, **_spread(list(each.values()))}
             ratios[_ratio_name(m, a, b)] = per_t
     return ratios
+
+
+def _ratio_of(metric: str, a: dict, b: dict) -> float | None:
+    """`metric` of row `a` over row `b`; for "acceptance" the smallest ratio over the positions
+    where both have an acceptance and `b`'s is > 0. None where there is nothing to compare."""
+    if metric != "acceptance":
+        x, y = a.get(metric), b.get(metric)
+        return x / y if x is not None and y else None
+    pairs = zip(a.get("accept_rate_by_position") or [], b.get("accept_rate_by_position") or [])
+    each = [x / y for x, y in pairs if x is not None and y]
+    return min(each) if each else None
 
 
 def _checks(ratios: dict) -> list[dict]:
@@ -276,17 +291,19 @@ def _ratio_lines(summary: dict) -> list[str]:
     lines = []
     for name, per_t in summary["ratios"].items():
         metric, a, _, b = name.split("_")
+        worst = ", the smallest over the positions" if metric == "acceptance" else ""
         for t, r in per_t.items():
             each = ", ".join(f"{v:.3f}" for v in r["per_seed"].values())
             lines.append(
-                f"{metric}({_label(a)}) / {metric}({_label(b)}) at T = {t[1:]}: {each} "
+                f"{metric}({_label(a)}) / {metric}({_label(b)}) at T = {t[1:]}{worst}: {each} "
                 f"(seed {', '.join(r['per_seed'])}); min {r['min']:.3f}, max {r['max']:.3f}"
             )
     for c in summary.get("checks", []):
         metric, a, _, b = c["ratio"].split("_")
+        where = " at every position" if metric == "acceptance" else ""
         lines.append(
-            f"claim {metric}({_label(a)}) >= {c['at_least']:.2f} x {metric}({_label(b)}) at "
-            f"T = {c['T'][1:]} in every seed ({c['seeds']}): "
+            f"claim {metric}({_label(a)}) >= {c['at_least']:.2f} x {metric}({_label(b)}){where} "
+            f"at T = {c['T'][1:]} in every seed ({c['seeds']}): "
             f"{'holds' if c['holds'] else 'does NOT hold'} (min {c['min']:.3f})"
         )
     return lines

@@ -104,6 +104,8 @@ def test_demo_smoke_end_to_end(tmp_path, monkeypatch):
     assert set(summary["ratios"]["tau_dspark_over_dflash"]) == {"T0", "T1"}
     assert {c["ratio"] for c in summary["checks"]} == {
         "tau_dspark_over_dflash",
+        "acceptance_dspark_over_dflash",
+        "tau_dspark_over_eagle3",
         "speedup_dspark_over_eagle3",
     }
     assert "DSpark" in (out / "summary.txt").read_text()
@@ -303,11 +305,11 @@ def test_demo_bad_config_exits_2_naming_the_field(argv, field, capsys):
     assert field in capsys.readouterr().err
 
 
-def _row(tau: float, speedup: float) -> dict:
+def _row(tau: float, speedup: float, accept=(0.9, 0.5, None)) -> dict:
     return {
         "tau": tau,
         "speedup": speedup,
-        "accept_rate_by_position": [0.9, 0.5, None],
+        "accept_rate_by_position": list(accept),
         "prompts": 3,
         "rounds": 10,
     }
@@ -324,7 +326,8 @@ def test_summary_spread_ratios_and_claims_over_seeds():
             "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}},
         },
         1: {
-            "dspark": {"T0": _row(1.9, 1.5), "T1": _row(1.7, 1.1), "train": {}},
+            # behind DFlash at the first position only: 0.85 / 0.9, ahead at the second
+            "dspark": {"T0": _row(1.9, 1.5, (0.85, 0.6, 0.4)), "T1": _row(1.7, 1.1), "train": {}},
             "dflash": {"T0": _row(2.0, 1.4), "T1": _row(1.5, 1.2), "train": {}},
             "eagle3": {"T0": _row(3.0, 1.0), "T1": _row(2.0, 1.0), "train": {}},
         },
@@ -340,12 +343,23 @@ def test_summary_spread_ratios_and_claims_over_seeds():
     assert summary["spread"]["dspark"]["T1"]["tau"] == pytest.approx(
         {"min": 1.7, "mean": 1.75, "max": 1.8}
     )
+    acc = summary["ratios"]["acceptance_dspark_over_dflash"]["T0"]["per_seed"]
+    assert acc == pytest.approx({"0": 1.0, "1": 0.85 / 0.9})  # None and a missing position skipped
     holds = {(c["ratio"], c["T"]): c["holds"] for c in summary["checks"]}
     assert holds == {
         ("tau_dspark_over_dflash", "T1"): True,
         ("tau_dspark_over_dflash", "T0"): False,
+        ("acceptance_dspark_over_dflash", "T0"): False,
+        ("tau_dspark_over_eagle3", "T1"): False,
         ("speedup_dspark_over_eagle3", "T1"): True,
     }
+    text = "\n".join(format_summary(summary).splitlines())
+    assert (
+        "claim acceptance(DSpark) >= 1.00 x acceptance(DFlash) at every position at T = 0" in text
+    )
+    assert (
+        "acceptance(DSpark) / acceptance(DFlash) at T = 0, the smallest over the positions" in text
+    )
 
 
 def test_format_summary_table():

@@ -22,8 +22,9 @@ from typing import Any, Literal
 
 @dataclass(frozen=True)
 class Claim:
-    """The paper's claim of a preset against another one: `metric` (tau | speedup) of this
-    preset over `over`'s at `temperature` is at least `at_least`, in every seed."""
+    """The paper's claim of a preset against another one: `metric` (tau | speedup |
+    acceptance, the last at every position: the smallest ratio over them) of this preset over
+    `over`'s at `temperature` is at least `at_least`, in every seed."""
 
     metric: str
     over: str

@@ -221,6 +221,8 @@ PRESETS: dict[str, Preset] = {
         claims=(
             Claim("tau", "dflash", 1.0, 1.10),
             Claim("tau", "dflash", 0.0, 1.0),
+            Claim("acceptance", "dflash", 0.0, 1.0),
+            Claim("tau", "eagle3", 1.0, 1.0),
             Claim("speedup", "eagle3", 1.0, 1.0),
         ),
         speculators_loss=KL_LOSS,

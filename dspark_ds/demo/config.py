@@ -154,18 +154,6 @@ class DemoEvalConfig:
         require_at_least_one(self, ("max_new_tokens", "batch_size"), "eval.")
 
 
-DSPARK_LAYERS = 3
-"""The demo's DSpark / DFlash depth (Eagle3 keeps its one layer, as in the paper): the depth
-whose DSpark drafted the most at the demo's budget in docs/study.md's grid (τ at T = 1 2.38 /
-2.62 / 3.01 / 2.85 for 1 / 2 / 3 / 5 layers, seed 0), for about 8 s more per training than 2."""
-
-
-def demo_sizes() -> DrafterSizes:
-    """Every kind's size block at its defaults, DSpark's (DSpark and DFlash) `DSPARK_LAYERS`
-    deep."""
-    return DrafterSizes.with_block("dspark", num_draft_layers=DSPARK_LAYERS)
-
-
 @dataclass
 class DemoConfig:
     """`dspark-ds demo`: corpus → tokenizer + tiny target, then per seed: regenerate → cache →
@@ -178,11 +166,11 @@ class DemoConfig:
     """The tiny target (trained once, then cached under ~/.cache/dspark-ds)."""
     data: DemoDataConfig = field(default_factory=DemoDataConfig)
     """Drafter training data and held-out prompts."""
-    drafter: DrafterSizes = field(default_factory=lambda: demo_sizes())
+    drafter: DrafterSizes = field(default_factory=DrafterSizes.for_demo)
     """Drafter sizes, sized to the tiny target as the paper's are to Qwen3: one block per kind
     (`--drafter.<kind>.<size>`), each preset sized by its kind's (`Preset.sized`,
-    drafters/presets.py). The defaults give every drafter the same γ (7); DSpark and DFlash 3
-    layers (`demo_sizes`)."""
+    drafters/presets.py). The defaults give every drafter the same γ (7); each kind's block is
+    its `Registration.demo_sizes` over the block's defaults (DSpark and DFlash: 3 layers)."""
     budget: DemoBudgetConfig = field(default_factory=DemoBudgetConfig)
     """The training budget every drafter gets."""
     loss: Literal["measured", "preset", "speculators"] = "measured"

@@ -233,6 +233,12 @@ class DrafterSizes:
         return cls(**{kind: own(**sizes)})
 
     @classmethod
+    def for_demo(cls) -> DrafterSizes:
+        """Every kind's block with its `Registration.demo_sizes` over the defaults: the demo's
+        drafters (docs/study.md)."""
+        return cls(**{kind: r.sizes(**r.demo_sizes) for kind, r in REGISTERED.items()})
+
+    @classmethod
     def from_dict(cls, data: dict[str, dict[str, Any]]) -> DrafterSizes:
         """From `dataclasses.asdict` of one (how the bench hands its config to a variant's
         process)."""

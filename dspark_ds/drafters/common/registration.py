@@ -148,3 +148,6 @@ class Registration:
     target_backbones: Mapping[str, str] = field(default_factory=dict)
     """Target text model_type -> architecture built with `model.backbone: target` (the target
     family's own decoder layers), for the families that have one beyond `architectures`."""
+    demo_sizes: Mapping[str, Any] = field(default_factory=dict)
+    """The sizes the demo sets over its size block's defaults (`DrafterSizes.for_demo`; the
+    bench keeps the defaults); {} = the defaults."""

@@ -262,6 +262,11 @@ REGISTRATION = Registration(
     kind_class="dspark_ds.drafters.dspark.kind:DSpark",
     presets=PRESETS,
     sizes=DSparkSizes,
+    # the demo's DSpark / DFlash depth (Eagle3 keeps its one layer, as in the paper): the depth
+    # whose DSpark drafted the most at the demo's budget in docs/study.md's grid (τ at T = 1
+    # 2.38 / 2.62 / 3.01 / 2.85 for 1 / 2 / 3 / 5 layers, seed 0), about 8 s more per training
+    # than 2 layers
+    demo_sizes={"num_draft_layers": 3},
     **_BACKBONES,
     target_backbones={"deepseek_v4": V4_BACKBONE},
     serving=serving,

@@ -36,7 +36,7 @@ smallest over the positions both drafters reached (≥ 1: ahead or level at ever
 # The paper's claims (`Preset.claims`): (ratio, temperature, at least), each required in every
 # seed; and the (numerator, denominator) pairs of the ratios reported per seed.
 CLAIMS = tuple(
-    (f"{c.metric}_{name}_over_{c.over}", c.temperature, c.at_least)
+    (f"{c.metric}_{name}_over_{c.over}", c.temperature, c.at_least, c.first_position_note)
     for name, p in PRESETS.items()
     for c in p.claims
 )
@@ -114,6 +114,15 @@ def _ratios(cfg: DemoConfig, per_seed: dict, temps: list[str]) -> dict:
                         each[s] = value
                 if each:
                     per_t[t] = {"per_seed": each, **_spread(list(each.values()))}
+                    if m == "acceptance":
+                        per_t[t]["behind_at"] = {
+                            s: _behind(
+                                seed_results.get(a, {}).get(t, {}),
+                                seed_results.get(b, {}).get(t, {}),
+                            )
+                            for s, seed_results in per_seed.items()
+                            if s in each
+                        }
             ratios[_ratio_name(m, a, b)] = per_t
     return ratios
 
@@ -129,10 +138,17 @@ def _ratio_of(metric: str, a: dict, b: dict) -> float | None:
     return min(each) if each else None
 
 
+def _behind(a: dict, b: dict) -> list[int]:
+    """The positions where row `a`'s acceptance is below row `b`'s."""
+    pairs = zip(a.get("accept_rate_by_position") or [], b.get("accept_rate_by_position") or [])
+    return [j for j, (x, y) in enumerate(pairs) if x is not None and y is not None and x < y]
+
+
 def _checks(ratios: dict) -> list[dict]:
-    """Each claim of CLAIMS judged on its worst seed."""
+    """Each claim of CLAIMS judged on its worst seed (an acceptance claim also says where a seed
+    is behind, and carries its note for a miss at the first position only)."""
     checks = []
-    for name, t, at_least in CLAIMS:
+    for name, t, at_least, first_note in CLAIMS:
         r = ratios.get(name, {}).get(temp_key(t))
         if r is not None:
             claim = {
@@ -143,6 +159,11 @@ def _checks(ratios: dict) -> list[dict]:
                 "holds": r["min"] >= at_least,
                 "seeds": len(r["per_seed"]),
             }
+            behind = {s: js for s, js in r.get("behind_at", {}).items() if js}
+            if behind:
+                claim["behind_at"] = behind
+                if first_note and all(js == [0] for js in behind.values()):
+                    claim["note"] = first_note
             checks.append(claim)
     return checks
 
@@ -301,11 +322,18 @@ def _ratio_lines(summary: dict) -> list[str]:
     for c in summary.get("checks", []):
         metric, a, _, b = c["ratio"].split("_")
         where = " at every position" if metric == "acceptance" else ""
+        behind = "; ".join(
+            f"behind at position {', '.join(map(str, js))} in seed {s}"
+            for s, js in c.get("behind_at", {}).items()
+        )
         lines.append(
             f"claim {metric}({_label(a)}) >= {c['at_least']:.2f} x {metric}({_label(b)}){where} "
             f"at T = {c['T'][1:]} in every seed ({c['seeds']}): "
-            f"{'holds' if c['holds'] else 'does NOT hold'} (min {c['min']:.3f})"
+            f"{'holds' if c['holds'] else 'does NOT hold'} (min {c['min']:.3f}"
+            + (f"; {behind})" if behind and not c["holds"] else ")")
         )
+        if c.get("note") and not c["holds"]:
+            lines.append(f"  {c['note']}")
     return lines
 
 

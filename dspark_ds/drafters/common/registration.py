@@ -30,6 +30,8 @@ class Claim:
     over: str
     temperature: float
     at_least: float
+    first_position_note: str = ""
+    """An acceptance claim's one line under a miss at the first position only (what it means)."""
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,13 @@ KL_LOSS = {"loss_terms": {"kl": 1.0}, "ce_loss_alpha": 0.0, "l1_loss_alpha": 0.0
 # position weights (α 0.5)
 DPACE_LOSS = {"loss_schedule": "dpace", "ce_labels": "target"}
 
+# What a DSpark behind DFlash at the first position only means (docs/study.md#the-first-position)
+FIRST_POSITION = (
+    "position 0: DSpark's Markov head reads the anchor there, which the backbone sees too, so "
+    "the loss decides: DFlash's CE against the target's greedy token is T = 0's own objective, "
+    "DSpark's KL the whole distribution's (it leads at T = 1); docs/study.md#the-first-position"
+)
+
 PRESETS: dict[str, Preset] = {
     # the paper's DSpark: 5 layers, γ 7, 512 anchors, vanilla Markov head of rank 256, the
     # confidence head fed the Markov features, CE / L1 / BCE 0.1 / 0.9 / 1.0 (the defaults)
@@ -221,7 +228,7 @@ PRESETS: dict[str, Preset] = {
         claims=(
             Claim("tau", "dflash", 1.0, 1.10),
             Claim("tau", "dflash", 0.0, 1.0),
-            Claim("acceptance", "dflash", 0.0, 1.0),
+            Claim("acceptance", "dflash", 0.0, 1.0, FIRST_POSITION),
             Claim("tau", "eagle3", 1.0, 1.0),
             Claim("speedup", "eagle3", 1.0, 1.0),
         ),

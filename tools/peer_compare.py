@@ -39,7 +39,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,7 +54,7 @@ from dspark_ds.demo.pipeline import DemoPipeline  # noqa: E402
 from dspark_ds.demo.summary import temp_key  # noqa: E402
 from dspark_ds.drafters import load_draft_model  # noqa: E402
 from dspark_ds.drafters.io import save_speculators_model  # noqa: E402
-from dspark_ds.drafters.presets import PRESETS, preset  # noqa: E402
+from dspark_ds.drafters.presets import PRESETS, DrafterSizes, preset  # noqa: E402
 from dspark_ds.drafters.registry import get_kind  # noqa: E402
 from dspark_ds.errors import ConfigError  # noqa: E402
 from dspark_ds.target import FrozenTarget, TargetConfig, decoder_layers, residual_state  # noqa: E402
@@ -79,6 +79,10 @@ class PeerConfig(DemoConfig):
     speculators_env: str | None = None
     """The speculators environment (tools/install.sh); None = $DSPARK_DS_SPECULATORS_ENV or
     ~/.cache/dspark-ds/speculators-venv."""
+    drafter: DrafterSizes = field(default_factory=DrafterSizes)
+    """Drafter sizes: the kinds' size blocks at their defaults (DSpark and DFlash 2 layers, the
+    demo's before its depth study), the sizes docs/peers.json's speculators records were made
+    at; `--drafter.dspark.num_draft_layers 3` compares at the demo's depth (no record to reuse)."""
     reuse_theirs: str | None = None
     """A previous run's peers.json whose `theirs` records (speculators' τ and acceptance) this
     run takes instead of training and evaluating speculators again; each kind and seed must
@@ -286,6 +290,14 @@ def run_seed(
 
 # ---- theirs from a previous run (--reuse_theirs) ----------------------------------------------
 WORK_SECTIONS = ("target", "data", "drafter", "eval")
+
+
+def work_record(cfg: PeerConfig) -> dict:
+    """The options of the work both trainers share (`WORK_SECTIONS`), as a record keeps them:
+    what a later `--reuse_theirs` compares, whatever the defaults have become since."""
+    return json.loads(json.dumps({s: asdict(getattr(cfg, s)) for s in WORK_SECTIONS}))
+
+
 """The option sections that decide speculators' result besides the budget: the target's weights
 and the prepared data, the drafter's architecture, the evaluation."""
 MADE = re.compile(r"Made by `[^`]*` on (\d{4}-\d\d-\d\d \d\d:\d\d UTC)")
@@ -314,11 +326,13 @@ class Previous:
             for kind in cfg.drafters:
                 rec = previous.record(kind, seed)
                 rec.setdefault("date", made.group(1) if made else None)
-                then = parse(PeerConfig, shlex.split(rec["command"])[2:])
+                # NOTE: a record made before they were written down: its command, read with
+                # today's defaults
+                work = rec.get("work") or work_record(
+                    parse(PeerConfig, shlex.split(rec["command"])[2:])
+                )
                 for section in WORK_SECTIONS:
-                    previous.same(
-                        rec, section, asdict(getattr(then, section)), asdict(getattr(cfg, section))
-                    )
+                    previous.same(rec, section, work[section], work_record(cfg)[section])
         return previous
 
     def record(self, kind: str, seed: int) -> dict:
@@ -408,6 +422,7 @@ def records(cfg: PeerConfig, results: dict, seconds: dict, command: str, date: s
                     "ours": ours,
                     "theirs": theirs,
                     "budget": budget_record(cfg, entry["their_job"]),
+                    "work": work_record(cfg),
                     "command": command,
                     "date": date,
                 }

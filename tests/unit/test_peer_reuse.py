@@ -101,3 +101,25 @@ def test_another_budget_is_refused(tool, tmp_path, argv, named):
     previous = tool.Previous.load(str(file), cfg)
     with pytest.raises(ConfigError, match=named):
         previous.theirs(pipe, cfg.drafters[0], 0)
+
+
+def test_the_work_a_record_keeps_decides_not_todays_defaults(tool, tmp_path):
+    """A record that keeps its work's options (`work`, written since) is judged by them: a default
+    changed since its command ran does not make it another run's, and a record whose kept
+    options differ is refused naming the option."""
+    file = _previous_file(tool, tmp_path)
+    recs = json.loads(file.read_text())
+    cfg, _ = _pipe(tool, THEN, tmp_path)
+    kept = tool.work_record(cfg)
+    deeper = json.loads(json.dumps(kept))
+    deeper["drafter"]["dspark"]["num_draft_layers"] += 1
+    # the record says it was made at one more layer than this run's (as if the default moved)
+    for rec in recs:
+        rec["work"] = deeper
+    file.write_text(json.dumps(recs))
+    with pytest.raises(ConfigError, match=r"drafter\.dspark .*num_draft_layers"):
+        tool.Previous.load(str(file), cfg)
+    for rec in recs:
+        rec["work"] = kept
+    file.write_text(json.dumps(recs))
+    tool.Previous.load(str(file), cfg)  # its own options: taken

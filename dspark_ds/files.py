@@ -89,3 +89,16 @@ def check_exists(path: str | Path, option: str, what: str = "file") -> None:
 def first_line(err: BaseException) -> str:
     """The first non-empty line of an error's message (transformers' hub errors run to five)."""
     return next((line.strip() for line in str(err).splitlines() if line.strip()), repr(err))
+
+
+def write_between_markers(path: Path, begin: str, end: str, text: str, header: str = "") -> None:
+    """Puts `text` between the lines `begin` and `end` of the Markdown file `path`, keeping the
+    rest; a file without both markers (or none) gets `header`, then the marked block appended."""
+    old = path.read_text() if path.is_file() else ""
+    block = f"{begin}\n{text}\n{end}"
+    if begin in old and end in old:
+        before, rest = old.split(begin, 1)
+        new = before + block + rest.split(end, 1)[1]
+    else:
+        new = (old or header) + ("\n" if old or header else "") + block + "\n"
+    path.write_text(new)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -44,10 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark_ds.config import flatten, parse  # noqa: E402
 from dspark_ds.demo import launcher  # noqa: E402
 from dspark_ds.demo.config import DemoConfig  # noqa: E402
-from dspark_ds.demo.pipeline import DemoPipeline, max_valid_anchors  # noqa: E402
+from dspark_ds.demo.pipeline import DemoPipeline, max_valid_anchors, parent_run  # noqa: E402
 from dspark_ds.demo.summary import temp_key  # noqa: E402
 from dspark_ds.drafters.presets import PRESETS, preset  # noqa: E402
 from dspark_ds.errors import ConfigError  # noqa: E402
+from dspark_ds.files import write_between_markers  # noqa: E402
 from dspark_ds.tracking.mlflow import Tracker  # noqa: E402
 from dspark_ds.tracking.store import RUN_ID_FILE, default_artifact_location  # noqa: E402
 
@@ -472,15 +472,7 @@ def write_docs(cfg: StudyConfig, doc: dict, artifacts: Path) -> None:
     (docs / "images").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(artifacts / "study.png", docs / "images" / "study.png")
     shutil.copyfile(artifacts / "study.json", docs / "study.json")
-    md = docs / "study.md"
-    old = md.read_text() if md.is_file() else ""
-    block = f"{TABLE_BEGIN}\n{text}\n{TABLE_END}"
-    if TABLE_BEGIN in old and TABLE_END in old:
-        before, rest = old.split(TABLE_BEGIN, 1)
-        new = before + block + rest.split(TABLE_END, 1)[1]
-    else:
-        new = (old or HEADER) + "\n" + block + "\n"
-    md.write_text(new)
+    write_between_markers(docs / "study.md", TABLE_BEGIN, TABLE_END, text, HEADER)
 
 
 # ---- the study ------------------------------------------------------------------------------
@@ -567,21 +559,13 @@ def study(cfg: StudyConfig, command: str) -> dict:
     torch.set_num_threads(cfg.num_threads)
     pipe.tracker = start_tracker(cfg, pipe, state)
     save_state(cfg, state)
-    adopted = os.environ.pop("MLFLOW_RUN_ID", None)  # the cells' runs nest under the study's
-    try:
+    with parent_run(pipe.tracker):  # the cells' runs nest under the study's
         pipe.stages.run("corpus", "synthetic chat corpus", pipe.corpus)
         pipe.stages.run("target", "tokenizer + tiny Qwen3 target", pipe.train_target)
         run_grid(cfg, pipe, state, command)
         doc = document(cfg, state, command)
         write_docs(cfg, doc, pipe.out / "artifacts")
         pipe.tracker.log_artifacts(str(pipe.out / "artifacts"))
-    except BaseException:
-        pipe.tracker.finish("FAILED")
-        raise
-    finally:
-        if adopted is not None:
-            os.environ["MLFLOW_RUN_ID"] = adopted
-    pipe.tracker.finish()
     print(f"[study] done in {pipe.stages.total:.0f} s: {Path(cfg.docs_dir) / 'study.json'}")
     return doc
 

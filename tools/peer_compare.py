@@ -25,7 +25,7 @@ otherwise); the records and the table say where and when it was made.
 
 Written: `output_dir` (the demo's layout; theirs under theirs/), `docs_dir`/peers.json (one
 record per kind and seed) and the table of `docs_dir`/peers.md (between its table markers; a
-file without them gets the table alone).
+file without them keeps its text, the table appended).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from dspark_ds.drafters.io import save_speculators_model  # noqa: E402
 from dspark_ds.drafters.presets import PRESETS, DrafterSizes, preset  # noqa: E402
 from dspark_ds.drafters.registry import get_kind  # noqa: E402
 from dspark_ds.errors import ConfigError  # noqa: E402
+from dspark_ds.files import write_between_markers  # noqa: E402
 from dspark_ds.target import FrozenTarget, TargetConfig, decoder_layers, residual_state  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -476,15 +477,7 @@ def table(recs: list[dict], temperatures: list[float], command: str, date: str) 
 def write_docs(docs: Path, recs: list[dict], text: str) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "peers.json").write_text(json.dumps(recs, indent=2) + "\n")
-    md = docs / "peers.md"
-    old = md.read_text() if md.is_file() else ""
-    block = f"{TABLE_BEGIN}\n{text}\n{TABLE_END}"
-    if TABLE_BEGIN in old and TABLE_END in old:
-        before, rest = old.split(TABLE_BEGIN, 1)
-        new = before + block + rest.split(TABLE_END, 1)[1]
-    else:
-        new = block + "\n"
-    md.write_text(new)
+    write_between_markers(docs / "peers.md", TABLE_BEGIN, TABLE_END, text)
 
 
 def compare(cfg: PeerConfig, command: str) -> list[dict]:

@@ -36,6 +36,7 @@ import resource
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -465,17 +466,8 @@ class DemoPipeline:
         for sub in ("data", "runs", "configs", "logs"):
             shutil.rmtree(self.out / sub, ignore_errors=True)
         self.tracker = start_demo_run(self.cfg, self.uri, self.runs_dir)
-        # NOTE: the stages' runs are nested under the demo's run; none may adopt MLFLOW_RUN_ID
-        adopted = os.environ.pop("MLFLOW_RUN_ID", None)
-        try:
+        with parent_run(self.tracker):
             summary = self._run()
-        except BaseException:
-            self.tracker.finish("FAILED")
-            raise
-        finally:
-            if adopted is not None:
-                os.environ["MLFLOW_RUN_ID"] = adopted
-        self.tracker.finish()
         return summary
 
     def _run(self) -> dict:
@@ -563,6 +555,23 @@ class DemoPipeline:
                     t,
                     seed,
                 )
+
+
+@contextmanager
+def parent_run(tracker):
+    """`tracker`'s run is the parent of the stages' runs while the block runs: MLFLOW_RUN_ID,
+    which a stage would adopt, is set aside and restored after; the run finishes FAILED if the
+    block raises, FINISHED otherwise."""
+    adopted = os.environ.pop("MLFLOW_RUN_ID", None)
+    try:
+        yield
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    finally:
+        if adopted is not None:
+            os.environ["MLFLOW_RUN_ID"] = adopted
+    tracker.finish()
 
 
 def _train_log_summary(log: Path) -> dict:

@@ -196,16 +196,17 @@ def test_a_cell_trains_at_its_depth_and_budget_under_its_own_names(study, tmp_pa
     cfg = parse(study.StudyConfig, ["--output_dir", str(tmp_path), "--budget.max_steps", "30"])
     data = study.DemoPipeline(cfg)
     data.target, data.num_anchors = SimpleNamespace(path=tmp_path / "target"), {0: 20}
-    pipe = study.CellPipeline(cfg, data, depth=3, multiple=4)
+    depth = cfg.drafter.dspark.num_draft_layers
+    pipe = study.CellPipeline(cfg, data, depth=4, multiple=4)
     assert pipe.num_anchors is data.num_anchors and pipe.stages is data.stages
     for kind in ("dspark", "dflash", "eagle3"):
         run = pipe.train_config(kind, 0)
-        assert run.model.num_draft_layers == 3 and run.train.max_steps == 120, kind
-        assert run.name == f"{kind}-d3-b4-s0"
-        assert run.tracking.run_name == f"demo-train-{kind}-d3-b4-s0"
-    assert pipe.export_dir("eagle3", 0) == pipe.runs_dir / "eagle3-d3-b4-s0" / "export"
-    assert pipe.eval_name("dspark", 1.0, 0) == "eval-dspark-d3-b4-T1-s0"
-    assert cfg.budget.max_steps == 30 and cfg.drafter.dspark.num_draft_layers == 2  # unchanged
+        assert run.model.num_draft_layers == 4 != depth and run.train.max_steps == 120, kind
+        assert run.name == f"{kind}-d4-b4-s0"
+        assert run.tracking.run_name == f"demo-train-{kind}-d4-b4-s0"
+    assert pipe.export_dir("eagle3", 0) == pipe.runs_dir / "eagle3-d4-b4-s0" / "export"
+    assert pipe.eval_name("dspark", 1.0, 0) == "eval-dspark-d4-b4-T1-s0"
+    assert cfg.budget.max_steps == 30 and cfg.drafter.dspark.num_draft_layers == depth  # unchanged
     names = [c.name for c in study.cells(replace(cfg, depths=[2, 1], budgets=[2, 1]))]
     assert names[:4] == ["dspark-d1-b1-s0", "dflash-d1-b1-s0", "eagle3-d1-b1-s0", "dspark-d2-b1-s0"]
     assert len(names) == 12 and names[-1] == "eagle3-d2-b2-s0"

@@ -128,3 +128,20 @@ def test_without_the_targets_states_or_with_a_bad_value_it_says_so():
     with pytest.raises(ConfigError, match="ce_labels"):
         LossWeights(4.0, 1.0, 0.0, 0.0, ce_labels="argmax")
     assert LossWeights.of(preset("dflash", ce_labels="target").validate()).ce_labels == "target"
+
+
+def test_padded_to_blocks_every_rank_calls_the_head_equally_often():
+    """Under ZeRO-3 each head call is a gather with the other ranks: with `pad_to_blocks` the
+    number of calls depends on it, not on this rank's blocks (the 2-rank ZeRO-3 demo run hung
+    without it), and the labels are the same."""
+    model = tiny_drafter(**DFLASH)
+    calls = []
+    project = model.target_logits
+    model.target_logits = lambda x: calls.append(len(x)) or project(x)
+    few, many = torch.randn(1, 3, 4, model.config.hidden_size), 11
+    plain = greedy_target_ids(model, few, 2)
+    assert len(calls) == 2
+    calls.clear()
+    padded = greedy_target_ids(model, few, 2, pad_to_blocks=many)
+    assert len(calls) == 6 and calls[2:] == [0, 0, 0, 0]  # ceil(11 / 2), the last ones empty
+    assert torch.equal(padded, plain)

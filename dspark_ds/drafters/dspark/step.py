@@ -112,7 +112,7 @@ def forward_loss(
     feats = model(**inputs, generator=generator, return_hidden=True)
     if weights.ce_labels == "target":
         states = _require(feats.target_prev_hidden)
-        feats = _relabel(feats, greedy_target_ids(drafter, states, chunk_anchors))
+        feats = _relabel(feats, greedy_target_ids(drafter, states, chunk_anchors, pad_to_blocks))
     confidence = drafter.predict_confidence(feats.hidden, feats.prev_token_ids)
     return chunked_dspark_loss(
         drafter,
@@ -128,15 +128,22 @@ def forward_loss(
 
 @torch.no_grad()
 def greedy_target_ids(
-    drafter, target_prev_hidden: torch.Tensor, chunk_anchors: int
+    drafter, target_prev_hidden: torch.Tensor, chunk_anchors: int, pad_to_blocks: int = 0
 ) -> torch.Tensor:
     """[B, A, G, H] -> [B, A, G]: the target's greedy token of every slot, the argmax of its
     aligned logits (draft ids over a draft vocabulary), projected a few anchors at a time as the
-    chunked losses do, so that [B, A, G, V] never exists at once."""
+    chunked losses do, so that [B, A, G, V] never exists at once.
+
+    `pad_to_blocks`: as many projections as that many blocks take, the last ones empty. NOTE:
+    under ZeRO-3 each call of the head gathers its partitioned weight with the other ranks, so
+    every rank must call it equally often (`chunked_dspark_loss` pads the same way)."""
     bsz, num_blocks, G, H = target_prev_hidden.shape
     flat = target_prev_hidden.reshape(bsz * num_blocks, G, H)
     step = max(1, int(chunk_anchors))
-    ids = [drafter.target_logits(flat[i : i + step]).argmax(-1) for i in range(0, len(flat), step)]
+    ids = [
+        drafter.target_logits(flat[i : i + step]).argmax(-1)
+        for i in range(0, max(len(flat), pad_to_blocks), step)
+    ]
     return torch.cat(ids).view(bsz, num_blocks, G)
 
 

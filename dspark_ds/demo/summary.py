@@ -133,15 +133,19 @@ def _ratio_of(metric: str, a: dict, b: dict) -> float | None:
     if metric != "acceptance":
         x, y = a.get(metric), b.get(metric)
         return x / y if x is not None and y else None
-    pairs = zip(a.get("accept_rate_by_position") or [], b.get("accept_rate_by_position") or [])
-    each = [x / y for x, y in pairs if x is not None and y]
+    each = [x / y for _, x, y in _positions(a, b) if y]
     return min(each) if each else None
+
+
+def _positions(a: dict, b: dict) -> list[tuple[int, float, float]]:
+    """(position, `a`'s acceptance, `b`'s) where both rows have one."""
+    pairs = zip(a.get("accept_rate_by_position") or [], b.get("accept_rate_by_position") or [])
+    return [(j, x, y) for j, (x, y) in enumerate(pairs) if x is not None and y is not None]
 
 
 def _behind(a: dict, b: dict) -> list[int]:
     """The positions where row `a`'s acceptance is below row `b`'s."""
-    pairs = zip(a.get("accept_rate_by_position") or [], b.get("accept_rate_by_position") or [])
-    return [j for j, (x, y) in enumerate(pairs) if x is not None and y is not None and x < y]
+    return [j for j, x, y in _positions(a, b) if x < y]
 
 
 def _checks(ratios: dict) -> list[dict]:

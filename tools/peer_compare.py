@@ -80,10 +80,10 @@ class PeerConfig(DemoConfig):
     speculators_env: str | None = None
     """The speculators environment (tools/install.sh); None = $DSPARK_DS_SPECULATORS_ENV or
     ~/.cache/dspark-ds/speculators-venv."""
-    drafter: DrafterSizes = field(default_factory=DrafterSizes)
-    """Drafter sizes: the kinds' size blocks at their defaults (DSpark and DFlash 2 layers, the
-    demo's before its depth study), the sizes docs/peers.json's speculators records were made
-    at; `--drafter.dspark.num_draft_layers 3` compares at the demo's depth (no record to reuse)."""
+    drafter: DrafterSizes = field(default_factory=DrafterSizes.for_demo)
+    """Drafter sizes: the demo's (DSpark and DFlash 3 layers since docs/study.md, Eagle3 one).
+    docs/peers.json's records made before 2026-12-06 21:00 were at 2 layers
+    (`--drafter.dspark.num_draft_layers 2 --drafter.dflash.num_draft_layers 2` reuses them)."""
     reuse_theirs: str | None = None
     """A previous run's peers.json whose `theirs` records (speculators' τ and acceptance) this
     run takes instead of training and evaluating speculators again; each kind and seed must

@@ -78,7 +78,7 @@ def test_the_records_of_the_same_work_are_reused_with_their_origin(tool, tmp_pat
     [
         (["--data.max_length", "64"], "data.max_length"),
         (["--target.hidden_size", "96"], "target.hidden_size"),
-        (["--drafter.dspark.num_draft_layers", "3"], "drafter.dspark"),
+        (["--drafter.dspark.num_draft_layers", "4"], "drafter.dspark"),
         (["--eval.max_new_tokens", "48"], "eval.max_new_tokens"),
         (["--seeds", "[0,1]"], "seed 1"),
     ],

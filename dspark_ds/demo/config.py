@@ -177,9 +177,10 @@ class DemoConfig:
     """Each drafter's loss: "preset", its preset's own (the paper's); "speculators", the one
     speculators 0.9 trains its kind with (`Preset.speculators_loss`: DSpark KL to the
     target's distribution, DFlash cross-entropy against the target's greedy token with D-PACE
-    position weights, Eagle3 every
-    unrolled step weighted 1.0; docs/peers.md); "measured", of the two the one each drafter
-    drafted better with in docs/demo.md's study (`Preset.demo_loss`)."""
+    position weights, Eagle3 every unrolled step weighted 1.0; docs/peers.md); "measured",
+    the one each drafter drafted best with in docs/demo.md's and docs/peers.md's measurements
+    (`Preset.demo_loss`: DSpark speculators' KL plus the CE against the target's greedy token,
+    DFlash speculators' loss, Eagle3 its own)."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
     """Speculative-decoding evaluation."""
     drafters: list[str] = field(default_factory=lambda: list(PRESET_NAMES))

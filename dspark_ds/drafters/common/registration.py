@@ -51,8 +51,8 @@ class Preset:
     `fields` (docs/peers.md; the demo's `--loss speculators`); {} = the same as its own."""
     demo_loss: Mapping[str, Any] = field(default_factory=dict)
     """The `model` fields the demo trains it with by default (`--loss measured`), over `fields`:
-    of its own loss and speculators', the one it drafted better with in docs/demo.md's study;
-    {} = its own."""
+    the loss it drafted best with in docs/demo.md's and docs/peers.md's measurements (its own,
+    speculators', or their terms mixed); {} = its own."""
 
 
 # the optional heads a kind's drafters can have (`Capabilities.heads`)

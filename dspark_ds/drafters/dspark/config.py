@@ -207,6 +207,10 @@ def _blocks(s: DSparkSizes) -> dict[str, Any]:
 # speculators' DSpark loss: KL to the target's distribution in place of CE 0.1 + L1 0.9 (the
 # same exp(-j/4) position weights, which its fixed-exp-decay γ 4 also is; the same BCE 1.0)
 KL_LOSS = {"loss_terms": {"kl": 1.0}, "ce_loss_alpha": 0.0, "l1_loss_alpha": 0.0}
+# the demo's DSpark loss: speculators' KL plus 0.5 × the cross-entropy against the target's
+# greedy token (T = 0's own objective), both with D-PACE position weights: the best of the
+# mixes measured on the demo's work, at both temperatures (docs/peers.md#dsparks-loss)
+KL_CE_LOSS = {**KL_LOSS, "ce_loss_alpha": 0.5, "ce_labels": "target", "loss_schedule": "dpace"}
 # speculators' DFlash loss: cross-entropy against the target's greedy token (its `ce`), D-PACE
 # position weights (α 0.5)
 DPACE_LOSS = {"loss_schedule": "dpace", "ce_labels": "target"}
@@ -214,8 +218,8 @@ DPACE_LOSS = {"loss_schedule": "dpace", "ce_labels": "target"}
 # What a DSpark behind DFlash at the first position only means (docs/study.md#the-first-position)
 FIRST_POSITION = (
     "position 0: DSpark's Markov head reads the anchor there, which the backbone sees too, so "
-    "the loss decides: DFlash's CE against the target's greedy token is T = 0's own objective, "
-    "DSpark's KL the whole distribution's (it leads at T = 1); docs/study.md#the-first-position"
+    "the first draft is the backbone's in both, trained with the same greedy-token CE and "
+    "D-PACE weights: the seed's draw decides; docs/study.md#the-first-position"
 )
 
 PRESETS: dict[str, Preset] = {
@@ -233,7 +237,7 @@ PRESETS: dict[str, Preset] = {
             Claim("speedup", "eagle3", 1.0, 1.0),
         ),
         speculators_loss=KL_LOSS,
-        demo_loss=KL_LOSS,
+        demo_loss=KL_CE_LOSS,
     ),
     # DFlash: DSpark without the Markov and confidence heads, cross-entropy only, in DFlash's
     # own block layout (what the engines' DFlash path serves)

@@ -82,8 +82,9 @@ class PeerConfig(DemoConfig):
     ~/.cache/dspark-ds/speculators-venv."""
     drafter: DrafterSizes = field(default_factory=DrafterSizes.for_demo)
     """Drafter sizes: the demo's (DSpark and DFlash 3 layers since docs/study.md, Eagle3 one).
-    docs/peers.json's records made before 2026-12-06 21:00 were at 2 layers
-    (`--drafter.dspark.num_draft_layers 2 --drafter.dflash.num_draft_layers 2` reuses them)."""
+    The 2-layer records (docs/peers.json before 2026-12-06 21:54, docs/peers.md's 2-layer
+    table) are reused with `--drafter.dspark.num_draft_layers 2
+    --drafter.dflash.num_draft_layers 2`."""
     reuse_theirs: str | None = None
     """A previous run's peers.json whose `theirs` records (speculators' τ and acceptance) this
     run takes instead of training and evaluating speculators again; each kind and seed must
@@ -291,17 +292,15 @@ def run_seed(
 
 # ---- theirs from a previous run (--reuse_theirs) ----------------------------------------------
 WORK_SECTIONS = ("target", "data", "drafter", "eval")
+"""The option sections that decide speculators' result besides the budget: the target's weights
+and the prepared data, the drafter's architecture, the evaluation."""
+MADE = re.compile(r"Made by `[^`]*` on (\d{4}-\d\d-\d\d \d\d:\d\d UTC)")
 
 
 def work_record(cfg: PeerConfig) -> dict:
     """The options of the work both trainers share (`WORK_SECTIONS`), as a record keeps them:
     what a later `--reuse_theirs` compares, whatever the defaults have become since."""
     return json.loads(json.dumps({s: asdict(getattr(cfg, s)) for s in WORK_SECTIONS}))
-
-
-"""The option sections that decide speculators' result besides the budget: the target's weights
-and the prepared data, the drafter's architecture, the evaluation."""
-MADE = re.compile(r"Made by `[^`]*` on (\d{4}-\d\d-\d\d \d\d:\d\d UTC)")
 
 
 @dataclass
@@ -323,6 +322,7 @@ class Previous:
         md = file.with_suffix(".md")
         made = MADE.search(md.read_text()) if md.is_file() else None
         previous = cls(file, records)
+        now = work_record(cfg)
         for seed in cfg.seeds:
             for kind in cfg.drafters:
                 rec = previous.record(kind, seed)
@@ -333,7 +333,7 @@ class Previous:
                     parse(PeerConfig, shlex.split(rec["command"])[2:])
                 )
                 for section in WORK_SECTIONS:
-                    previous.same(rec, section, work[section], work_record(cfg)[section])
+                    previous.same(rec, section, work[section], now[section])
         return previous
 
     def record(self, kind: str, seed: int) -> dict:

@@ -61,6 +61,11 @@ class TrainConfig:
     """Muon's (Nesterov) momentum."""
     muon_weight_decay: float = 0.1
     """Muon's decoupled weight decay (the weights shrink by lr × muon_weight_decay a step)."""
+    muon_shard_ns: bool = True
+    """ZeRO-0 in fp32 on several ranks: each weight matrix's Muon update (its Newton-Schulz
+    iteration) is computed on one rank and broadcast, so a rank does 1/N of that work instead
+    of all of it; the same step bit for bit (engine/optimizer.py). false: every rank computes
+    every update, as DeepSpeed's step does. ZeRO-1/2/3 and bf16 split the work themselves."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm (DeepSpeed `gradient_clipping`); 0 = off."""
     precision: Literal["bf16", "fp32"] = "bf16"

@@ -154,6 +154,7 @@ def _fill_muon(cfg: dict, train: TrainConfig, fill) -> None:
         float(train.muon_weight_decay),
         "train.muon_weight_decay",
     )
+    fill("optimizer.params.muon_shard_ns", bool(train.muon_shard_ns), "train.muon_shard_ns")
     if optimizer_offloaded(cfg):
         raise ConfigError(
             "train.optimizer: muon does not run with an offloaded optimizer "

@@ -12,6 +12,12 @@
   the weights by `muon_lr × muon_weight_decay` a step, as torch's does.
 - `build_muon`: the optimizer from the run's DeepSpeed config (`optimizer.params`, filled by
   engine/config.py from train.*).
+- `ns_owners` / the sharded step: under ZeRO-0 in fp32 on several ranks every rank holds
+  every matrix and its gradient, and DeepSpeed's step runs every matrix's Newton-Schulz
+  iteration on every rank; with `train.muon_shard_ns` each matrix's update is computed by one
+  rank (DeepSpeed's `muon_update`, the same call on the same inputs) and broadcast with its
+  momentum, so every rank applies the same bits for about 1/N of the work (ZeRO-1/2/3, and
+  DeepSpeed's BF16 optimizer under ZeRO-0, partition the matrices and split it themselves).
 
 Shapes are read from DeepSpeed's `ds_shape` where ZeRO-3 has partitioned a weight already.
 """
@@ -20,7 +26,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dspark_ds.engine.runtime import import_deepspeed
 
@@ -93,7 +102,9 @@ def muon_param_groups(model: nn.Module, params: dict) -> list[dict]:
 
 
 def build_muon(model: nn.Module, ds_config: dict):
-    """DeepSpeed's `MuonWithAuxAdam` over `model`'s trained weights (its AdamW half inline)."""
+    """DeepSpeed's `MuonWithAuxAdam` over `model`'s trained weights (its AdamW half inline);
+    its Newton-Schulz work split over the ranks under ZeRO-0 when `optimizer.params` asks
+    (`muon_shard_ns`, from train.muon_shard_ns) and there are several."""
     import_deepspeed()
     # lazy: DeepSpeed's Muon (through import_deepspeed, which keeps MLflow out of its import)
     from deepspeed.accelerator import get_accelerator
@@ -102,9 +113,118 @@ def build_muon(model: nn.Module, ds_config: dict):
     if get_accelerator().device_name() == "cpu":
         _run_eagerly(original_muon)
         _run_eagerly(muon_optimizer)
-    return muon_optimizer.MuonWithAuxAdam(
-        muon_param_groups(model, ds_config["optimizer"]["params"])
-    )
+    params = ds_config["optimizer"]["params"]
+    groups = muon_param_groups(model, params)
+    # ZeRO-0 in fp32 keeps whole matrices on every rank; in bf16 DeepSpeed's BF16 optimizer
+    # partitions them and splits the Newton-Schulz work itself, as ZeRO-1/2/3 do
+    zero = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    bf16 = bool(ds_config.get("bf16", {}).get("enabled"))
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if params.get("muon_shard_ns") and zero == 0 and not bf16 and ranks > 1:
+        return _sharded(muon_optimizer)(groups)
+    return muon_optimizer.MuonWithAuxAdam(groups)
+
+
+def ns_cost(shape: tuple[int, ...]) -> int:
+    """What one matrix's Newton-Schulz iteration costs, in proportion: its Gram matrix
+    (short side²) times the long side."""
+    short, long = sorted(shape)[:2] if len(shape) == 2 else (1, math.prod(shape))
+    return short * short * long
+
+
+def ns_owners(shapes: list[tuple[int, ...]], world_size: int) -> list[int]:
+    """The rank that computes each matrix's update: the costliest first, each to the least
+    loaded rank (ties to the lower rank), so every rank derives the same split from the shapes
+    alone."""
+    load = [0] * world_size
+    owners = [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_cost(shapes[i]), i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += ns_cost(shapes[i])
+    return owners
+
+
+def _sharded(muon_optimizer):
+    """DeepSpeed's `MuonWithAuxAdam` whose Muon half computes each matrix's update on one rank
+    (defined on first use: DeepSpeed is imported lazily)."""
+    base = muon_optimizer.MuonWithAuxAdam
+
+    class NSShardedMuonWithAuxAdam(base):
+        """ZeRO-0 on several ranks: the same step as `MuonWithAuxAdam`'s, bit for bit (its
+        `muon_update` runs on the owning rank with the gradient and momentum every rank holds
+        alike, and the result is copied, not recomputed), each rank computing its share."""
+
+        @torch.no_grad()
+        def step(self, closure=None, step_id=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            muon = [g for g in self.param_groups if g["use_muon"]]
+            for group, update in zip(muon, self._muon_updates(muon)):
+                for p, u in zip(group["params"], update):
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                    p.add_(u.reshape(p.shape), alpha=-group["lr"])
+            # the AdamW half as DeepSpeed's step runs it, over the other groups only
+            every = self.param_groups
+            self.param_groups = [g for g in every if not g["use_muon"]]
+            try:
+                base.step(self, step_id=step_id)
+            finally:
+                self.param_groups = every
+            return loss
+
+        def _muon_updates(self, groups: list[dict]) -> list[list[torch.Tensor]]:
+            params = [p for g in groups for p in g["params"]]
+            if any(p.dim() < 2 for p in params):
+                raise ValueError(
+                    "the sharded Muon step needs whole weight matrices (ZeRO-0); "
+                    "set train.muon_shard_ns false"
+                )
+            rank, world = dist.get_rank(), dist.get_world_size()
+            owners = ns_owners([tuple(p.shape) for p in params], world)
+            updates: list[torch.Tensor] = []
+            for group in groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    if owners[len(updates)] != rank:
+                        updates.append(torch.empty_like(p.grad))
+                        continue
+                    updates.append(
+                        muon_optimizer.muon_update(
+                            p.grad,
+                            state["momentum_buffer"],
+                            beta=group["momentum"],
+                            ns_method=group.get("ns_method", "gram"),
+                            is_expert_group=getattr(p, "is_expert_group", False),
+                        )
+                    )
+            for src in range(world):
+                mine = [i for i, owner in enumerate(owners) if owner == src]
+                tensors = [updates[i] for i in mine]
+                tensors += [self.state[params[i]]["momentum_buffer"] for i in mine]
+                _broadcast(tensors, src)
+            sizes = [len(g["params"]) for g in groups]
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            return [updates[a : a + n] for a, n in zip(starts, sizes)]
+
+    return NSShardedMuonWithAuxAdam
+
+
+def _broadcast(tensors: list[torch.Tensor], src: int) -> None:
+    """`tensors` from rank `src` into every other rank's, one flat buffer per dtype."""
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = _flatten_dense_tensors(same)
+        dist.broadcast(flat, src=src)
+        if dist.get_rank() != src:
+            for t, value in zip(same, _unflatten_dense_tensors(flat, same)):
+                t.copy_(value)
 
 
 def _run_eagerly(module) -> None:

@@ -4,6 +4,7 @@ Launches are grouped to keep the suite short (each process imports deepspeed onc
   A  1 process : ZeRO-0, 2, 3 (draft layers compiled, aot_eager), 3+CPU offload; the 1-step ZeRO-0
                  reference; an unreachable MLflow
   B  torchrun 2: ZeRO-0, 2, 3, 3+CPU offload; the 1-step ZeRO-3 twin of the reference
+                 Muon under ZeRO-0 (Newton-Schulz sharded and not), 2 and 3, and resumes
   C  1 process : resume B's ZeRO-3 step-4 checkpoint on 1 rank (universal checkpoint)
   D  1 process : SIGUSR1 mid-run (exit 75), then `--resume auto` (2 launches)
   E  `dspark-ds export` from B's ZeRO-3 checkpoint
@@ -89,6 +90,7 @@ def train_many(out: Path, runs: list[list[str]], nproc: int):
     t0 = time.time()
     proc = torchrun(argv, nproc=nproc) if nproc > 1 else python(argv)
     check(proc)
+    (out / f"launch_{nproc}.log").write_text(proc.stdout + proc.stderr)
     print(f"[launch nproc={nproc}] {time.time() - t0:.0f}s")
     data = json.loads(result.read_text())
     for res in data.values():
@@ -187,6 +189,18 @@ def runs(tmp_path_factory, tiny_target):
     two.append(
         base_args(target, out, "b_muon_resume", "--deepspeed.config", "zero2", *muon, *resume)
     )
+    # ZeRO-0: each matrix's Newton-Schulz on one rank (train.muon_shard_ns, the default), on
+    # every rank, and the sharded run resumed from its step-2 checkpoint
+    two.append(base_args(target, out, "b_muon_z0", "--deepspeed.config", "zero0", *muon))
+    whole = ["--train.muon_shard_ns", "false"]
+    two.append(
+        base_args(target, out, "b_muon_z0_whole", "--deepspeed.config", "zero0", *muon, *whole)
+    )
+    tag = out / "b_muon_z0" / "checkpoints" / "step_00000002"
+    resume = ["--checkpoint.resume", str(tag), "--checkpoint.export_final", "false"]
+    two.append(
+        base_args(target, out, "b_muon_z0_resume", "--deepspeed.config", "zero0", *muon, *resume)
+    )
     res = train_many(out, one, nproc=1)
     res.update(train_many(out, two, nproc=2))
     return {"root": root, "target": target, "tied": tied, "out": out, "res": res}
@@ -236,6 +250,29 @@ def test_muon_under_zero_2_and_3_agrees_and_resumes(runs):
     # another optimizer than AdamW's (the same first step: the same init and batch)
     adamw = res["b_z2"]["losses"]
     assert z2[1] == pytest.approx(adamw[1], rel=1e-6) and z2[4] != pytest.approx(adamw[4], rel=1e-3)
+
+
+def test_muon_under_zero_0_shards_newton_schulz_without_changing_a_bit(runs):
+    """train.muon_shard_ns on 2 ZeRO-0 ranks: each rank computes half the matrices' updates
+    and gets the rest by broadcast (the run announces the sharded optimizer); the weights are
+    those of every rank computing all of them, bit for bit, and a resume from its checkpoint
+    continues exactly (every rank holds every momentum, rank 0 saves them). The step itself
+    against DeepSpeed's: tests/multiprocess/test_muon_sharded.py."""
+    res = runs["res"]
+    log = (runs["out"] / "launch_2.log").read_text()
+    assert log.count("optimizer NSShardedMuonWithAuxAdam, world size 2") == 2, log[-3000:]
+    sharded, whole = (
+        load_file(Path(res[name]["export_dir"]) / "model.safetensors")
+        for name in ("b_muon_z0", "b_muon_z0_whole")
+    )
+    assert sharded.keys() == whole.keys()
+    for name in sharded:
+        assert torch.equal(sharded[name], whole[name]), name
+    assert res["b_muon_z0"]["losses"] == res["b_muon_z0_whole"]["losses"]
+    resumed = res["b_muon_z0_resume"]["losses"]
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert resumed[step] == pytest.approx(res["b_muon_z0"]["losses"][step], rel=1e-5), step
 
 
 def test_one_rank_equals_two_ranks(runs):

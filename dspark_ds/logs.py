@@ -12,6 +12,7 @@ produces as its result — `--print_config` YAML, `--help`, tables of `eval` / `
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from typing import TextIO
@@ -21,6 +22,16 @@ def prefix(rank: int | None) -> str:
     """`[YYYY-MM-DD HH:MM:SS rank R] ` in local time (the time zone of the job's logs)."""
     where = "" if rank is None else f" rank {rank}"
     return f"[{time.strftime('%Y-%m-%d %H:%M:%S')}{where}] "
+
+
+_PREFIX = re.compile(r"\[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?: rank \d+)?\] ")
+
+
+def strip_prefix(line: str) -> str:
+    """A status line without its `prefix` (a line without one as it is): what a program that
+    reads another command's output matches against."""
+    found = _PREFIX.match(line)
+    return line[found.end() :] if found else line
 
 
 def format_lines(message: str, rank: int | None) -> str:

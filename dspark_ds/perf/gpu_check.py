@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from dspark_ds import logs
 from dspark_ds.cost.inventory import KNOWN_TARGETS
 from dspark_ds.distributed import free_port
 from dspark_ds.drafters import load_draft_model
@@ -244,6 +245,18 @@ def _tail(proc: subprocess.CompletedProcess, log: Path) -> str:
     return f"exit {proc.returncode}: {lines[-1][:200] if lines else ''} (log: {log})"
 
 
+def trainer_optimizer(stdout: str) -> str:
+    """The optimizer a `dspark-ds train` run names in its first status line ("[train] dspark:
+    ZeRO-3, loss recompute, optimizer FusedAdam, world size 1", after the time and rank every
+    status line starts with); "?" when no line names one."""
+    marker = ", optimizer "
+    for line in stdout.splitlines():
+        body = logs.strip_prefix(line)
+        if body.startswith("[train]") and marker in body:
+            return body.split(marker, 1)[1].split(",")[0]
+    return "?"
+
+
 def part_train(cfg: GpuCheckConfig, work: Path, target: Path) -> PartResult:
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
@@ -278,12 +291,7 @@ def part_train(cfg: GpuCheckConfig, work: Path, target: Path) -> PartResult:
     if len(losses) != cfg.train_steps or not all(math.isfinite(x) for x in losses):
         return PartResult("train", False, f"{len(losses)} steps logged, losses {losses}")
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
-    # the trainer's "[train] dspark: ZeRO-3, loss recompute, optimizer FusedAdam, ..." line
-    marker = ", optimizer "
-    line = next(
-        (x for x in proc.stdout.splitlines() if x.startswith("[train]") and marker in x), ""
-    )
-    optimizer = line.split(marker, 1)[1].split(",")[0] if line else "?"
+    optimizer = trainer_optimizer(proc.stdout)
     detail = (
         f"ZeRO-3 {'bf16' if bf16 else 'fp32'}, optimizer {optimizer}, {len(losses)} steps, "
         f"loss {first:.3f} -> {last:.3f}"

@@ -36,11 +36,25 @@ def test_every_part_passes_on_cpu(tmp_path):
     vllm = next(line for line in lines if line.startswith("PASS  vllm"))
     assert "Qwen3DSparkForCausalLM took all" in vllm and "needs a GPU (V2 runner)" in vllm
     train = next(line for line in lines if line.startswith("PASS  train"))
-    assert "ZeRO-3 fp32, optimizer" in train and "20 steps" in train
+    assert "ZeRO-3 fp32, optimizer AdamW, 20 steps" in train, train
     assert "2/2 prompts equal to greedy generate on cpu" in proc.stdout
     [work] = list(tmp_path.glob("gpu_check_*"))
     bench = json.loads((work / "bench.json").read_text())
     assert [r["variant"] for r in bench] == ["blockwise/chunked", "dense/reference"]
+
+
+def test_the_train_part_reads_the_optimizer_from_the_trainers_status_line():
+    """On a GPU the train part passes only with DeepSpeed's FusedAdam, read from the trainer's
+    first status line, which starts with the time and the rank like every status line."""
+    from dspark_ds import logs
+
+    line = "[train] dspark: ZeRO-3, loss recompute, optimizer FusedAdam, world size 8"
+    stdout = (
+        "DeepSpeed info\n" + logs.format_lines(line, 0) + logs.format_lines("[train] step 1", 0)
+    )
+    assert gpu_check.trainer_optimizer(stdout) == "FusedAdam"
+    assert gpu_check.trainer_optimizer(line) == "FusedAdam"
+    assert gpu_check.trainer_optimizer("no status line\n") == "?"
 
 
 def test_a_failed_part_fails_the_check_and_skips_what_depends_on_it(tmp_path, monkeypatch, capsys):

@@ -128,7 +128,7 @@ def build_muon(model: nn.Module, ds_config: dict):
 def ns_cost(shape: tuple[int, ...]) -> int:
     """What one matrix's Newton-Schulz iteration costs, in proportion: its Gram matrix
     (short side²) times the long side."""
-    short, long = sorted(shape)[:2] if len(shape) == 2 else (1, math.prod(shape))
+    short, long = sorted(shape) if len(shape) == 2 else (1, math.prod(shape))
     return short * short * long
 
 
@@ -162,10 +162,11 @@ def _sharded(muon_optimizer):
                 with torch.enable_grad():
                     loss = closure()
             muon = [g for g in self.param_groups if g["use_muon"]]
-            for group, update in zip(muon, self._muon_updates(muon)):
-                for p, u in zip(group["params"], update):
+            updates = iter(self._muon_updates(muon))
+            for group in muon:
+                for p in group["params"]:
                     p.mul_(1 - group["lr"] * group["weight_decay"])
-                    p.add_(u.reshape(p.shape), alpha=-group["lr"])
+                    p.add_(next(updates).reshape(p.shape), alpha=-group["lr"])
             # the AdamW half as DeepSpeed's step runs it, over the other groups only
             every = self.param_groups
             self.param_groups = [g for g in every if not g["use_muon"]]
@@ -175,7 +176,8 @@ def _sharded(muon_optimizer):
                 self.param_groups = every
             return loss
 
-        def _muon_updates(self, groups: list[dict]) -> list[list[torch.Tensor]]:
+        def _muon_updates(self, groups: list[dict]) -> list[torch.Tensor]:
+            """Every Muon matrix's update, in the groups' order."""
             params = [p for g in groups for p in g["params"]]
             if any(p.dim() < 2 for p in params):
                 raise ValueError(
@@ -209,9 +211,7 @@ def _sharded(muon_optimizer):
                 tensors = [updates[i] for i in mine]
                 tensors += [self.state[params[i]]["momentum_buffer"] for i in mine]
                 _broadcast(tensors, src)
-            sizes = [len(g["params"]) for g in groups]
-            starts = [sum(sizes[:k]) for k in range(len(sizes))]
-            return [updates[a : a + n] for a, n in zip(starts, sizes)]
+            return updates
 
     return NSShardedMuonWithAuxAdam
 

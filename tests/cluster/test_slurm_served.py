@@ -112,21 +112,14 @@ exec {python} "$@"
 
 
 class HetCluster(MultiHostCluster):
-    """The 2-host cluster under its own namespace names, backfilling every second."""
+    """The 2-host cluster under its own namespace names (backfilling every second, as every
+    test cluster does: helpers/slurm_cluster.py)."""
 
     def __init__(self, root: Path):
         super().__init__(root)
         self.prefix = f"{PREFIX}{os.getpid()}"
         self.namespaces = {h: f"{self.prefix}h{i}" for i, h in enumerate(self.hosts, start=1)}
         self.switch = f"{self.prefix}sw"
-
-    def _write_conf(self) -> None:
-        super()._write_conf()
-        text = self.conf.read_text().replace(
-            "SchedulerType=sched/backfill",
-            "SchedulerType=sched/backfill\nSchedulerParameters=bf_interval=1",
-        )
-        self.conf.write_text(text)
 
 
 def remove_stale() -> None:

@@ -178,6 +178,11 @@ class SlurmCluster:
             "SelectType": "select/cons_tres",
             "SelectTypeParameters": "CR_Core",
             "SchedulerType": "sched/backfill",
+            # NOTE: a requeued job may start cred_expire after its requeue, but waits for a
+            # pass of the main scheduler (sched_interval, 60 s by default; seen: 20-35 s after
+            # the requeue) or of the backfill one (heterogeneous jobs: bf_interval, 30 s):
+            # both every second or two start it when it may start
+            "SchedulerParameters": "bf_interval=1,sched_interval=2",
             "MpiDefault": "none",
             "JobRequeue": 1,
             "ReturnToService": 2,

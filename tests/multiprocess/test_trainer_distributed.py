@@ -1,11 +1,12 @@
 """`dspark-ds train` for real on CPU: DeepSpeed (gloo), 1 and 2 ranks, ZeRO 0 / 2 / 3 / 3+offload.
 
 Launches are grouped to keep the suite short (each process imports deepspeed once):
-  A  1 process : ZeRO-0, 2, 3 (draft layers compiled, aot_eager), 3+CPU offload; the 1-step ZeRO-0
-                 reference; an unreachable MLflow
   B  torchrun 2: ZeRO-0, 2, 3, 3+CPU offload; the 1-step ZeRO-3 twin of the reference
-                 Muon under ZeRO-0 (Newton-Schulz sharded and not), 2 and 3, and resumes
-  C  1 process : resume B's ZeRO-3 step-4 checkpoint on 1 rank (universal checkpoint)
+                 Muon under ZeRO-0 (Newton-Schulz sharded and not), 2 and 3, and resumes;
+                 hybrid data under ZeRO-3 (the cache completed in epoch 0)
+  A  1 process : ZeRO-0, 2, 3 (draft layers compiled, aot_eager), 3+CPU offload; the 1-step ZeRO-0
+                 reference; an unreachable MLflow; C: B's ZeRO-3 step-4 checkpoint resumed on
+                 1 rank (universal checkpoint), which is why A runs after B
   D  1 process : SIGUSR1 mid-run (exit 75), then `--resume auto` (2 launches)
   E  `dspark-ds export` from B's ZeRO-3 checkpoint
 Every run is online (synthetic sequences, features from the target in the job): the drafter
@@ -201,8 +202,22 @@ def runs(tmp_path_factory, tiny_target):
     two.append(
         base_args(target, out, "b_muon_z0_resume", "--deepspeed.config", "zero0", *muon, *resume)
     )
-    res = train_many(out, one, nproc=1)
-    res.update(train_many(out, two, nproc=2))
+    # hybrid mode under ZeRO-3 on real (prepared) data:
+    # test_hybrid_zero3_two_ranks_completes_the_cache
+    (root / "hyb").mkdir()
+    prep = prepare_chat(root / "hyb", 17, seed=2, tokenizer=target, max_length=72)
+    hybrid = ["--deepspeed.config", "zero3", *NO_PERSIST, "--train.synthetic_samples", "0"]
+    hybrid += ["--data.mode", "hybrid", "--data.paths", f"[{prep}]"]
+    hybrid += ["--data.cache_dir", str(root / "hyb" / "cache"), "--data.max_length", "72"]
+    two.append(base_args(target, out, "hyb", *hybrid, "--tracking.enabled", "false"))
+    # B's ZeRO-3 step-4 checkpoint on 1 rank (C: test_resume_two_ranks_on_one), so A runs
+    # after B
+    tag = out / "b_z3" / "checkpoints" / "step_00000004"
+    resume = ["--checkpoint.resume", str(tag), "--checkpoint.export_final", "false"]
+    zero3 = ["--deepspeed.config", "zero3", "--data.batch_size", "4"]
+    one.append(base_args(target, out, "c_resume", *zero3, *resume))
+    res = train_many(out, two, nproc=2)
+    res.update(train_many(out, one, nproc=1))
     return {"root": root, "target": target, "tied": tied, "out": out, "res": res}
 
 
@@ -457,26 +472,8 @@ def test_resume_two_ranks_on_one(runs):
     weighted mean) and the losses would drift apart by ~1e-4."""
     tag = runs["out"] / "b_z3" / "checkpoints" / "step_00000004"
     assert (tag / "COMPLETE").exists()
-    res = train_many(
-        runs["root"],
-        [
-            base_args(
-                runs["target"],
-                runs["out"],
-                "c_resume",
-                "--deepspeed.config",
-                "zero3",
-                "--data.batch_size",
-                "4",
-                "--checkpoint.resume",
-                str(tag),
-                "--checkpoint.export_final",
-                "false",
-            )
-        ],
-        nproc=1,
-    )
-    losses, ref = res["c_resume"]["losses"], runs["res"]["b_z3"]["losses"]
+    # the run: c_resume in the file's 1-process launch (`runs`), after the 2-rank one
+    losses, ref = runs["res"]["c_resume"]["losses"], runs["res"]["b_z3"]["losses"]
     assert sorted(losses) == [5, 6, 7, 8]
     for step in losses:
         assert losses[step] == pytest.approx(ref[step], rel=1e-5), step
@@ -668,41 +665,15 @@ def test_target_dtype_must_match_precision_online(tmp_path, tiny_target):
         Trainer(cfg)
 
 
-def test_hybrid_zero3_two_ranks_completes_the_cache(tmp_path, tiny_target):
+def test_hybrid_zero3_two_ranks_completes_the_cache(runs):
     """Hybrid mode, ZeRO-3, 2 ranks, real (prepared) data: epoch 0 runs the partitioned target,
     whose every forward all-gathers weights (a collective), so the samples left out of epoch 0
-    must cost both ranks the same number of forwards; epoch 1 reads the completed cache."""
+    must cost both ranks the same number of forwards; epoch 1 reads the completed cache. (The
+    run: hyb in the file's 2-rank launch.)"""
     from dspark_ds.data.cache import TargetCache
 
-    target = Path(tiny_target)
-    prep = prepare_chat(tmp_path, 17, seed=2, tokenizer=target, max_length=72)
-    res = train_many(
-        tmp_path / "runs",
-        [
-            base_args(
-                target,
-                tmp_path / "runs",
-                "hyb",
-                "--deepspeed.config",
-                "zero3",
-                *NO_PERSIST,
-                "--train.synthetic_samples",
-                "0",
-                "--data.mode",
-                "hybrid",
-                "--data.paths",
-                f"[{prep}]",
-                "--data.cache_dir",
-                str(tmp_path / "cache"),
-                "--data.max_length",
-                "72",
-                "--tracking.enabled",
-                "false",
-            )
-        ],
-        nproc=2,
-    )
-    cache = TargetCache(tmp_path / "cache")
+    res = runs["res"]
+    cache = TargetCache(runs["root"] / "hyb" / "cache")
     assert len(cache) % 4, "the test needs samples left out of epoch 0 (global batch 4)"
     losses = res["hyb"]["losses"]
     assert sorted(losses) == list(range(1, STEPS + 1))  # epoch 1 (steps 5..8) from the cache

@@ -142,10 +142,11 @@ def _optimizer_type(optimizer: dict, train: TrainConfig) -> None:
 
 
 def _fill_muon(cfg: dict, train: TrainConfig, fill) -> None:
-    """Muon's own settings beside its AdamW half's, and what DeepSpeed's Muon needs: no
-    optimizer offload (DeepSpeed's CPU optimizer is Adam's), no reduce-scatter under ZeRO-3,
-    and no gradient clipping under ZeRO-1/2/3, whose clipping norm is taken over the
-    orthogonalised updates rather than the gradients (docs/training.md#muon)."""
+    """Muon's own settings beside its AdamW half's, and what DeepSpeed's Muon needs: with an
+    offloaded optimizer, leave to us which optimizer runs (`zero_force_ds_cpu_optimizer`); no
+    reduce-scatter under ZeRO-3, and no gradient clipping under ZeRO-1/2/3, whose clipping norm
+    is taken over the orthogonalised updates rather than the gradients
+    (docs/training.md#muon)."""
     lr = float(train.muon_lr if train.muon_lr is not None else train.lr)
     fill("optimizer.params.muon_lr", lr, "train.muon_lr")
     fill("optimizer.params.momentum", float(train.muon_momentum), "train.muon_momentum")
@@ -156,10 +157,9 @@ def _fill_muon(cfg: dict, train: TrainConfig, fill) -> None:
     )
     fill("optimizer.params.muon_shard_ns", bool(train.muon_shard_ns), "train.muon_shard_ns")
     if optimizer_offloaded(cfg):
-        raise ConfigError(
-            "train.optimizer: muon does not run with an offloaded optimizer "
-            "(zero_optimization.offload_optimizer: DeepSpeed's CPU optimizer is Adam's)"
-        )
+        # DeepSpeed stops a client optimizer under optimizer offload unless told; ours is its own
+        # MuonWithAuxAdam with its CPU Adam as the AdamW half (engine/optimizer.py)
+        cfg["zero_force_ds_cpu_optimizer"] = False
     stage = zero_stage(cfg)
     if stage >= 1:
         cfg["gradient_clipping"] = 0.0

@@ -11,7 +11,8 @@
   `adjust_lr_fn="match_rms_adamw"` (0.2 × √max(rows, cols)), and a weight decay that shrinks
   the weights by `muon_lr × muon_weight_decay` a step, as torch's does.
 - `build_muon`: the optimizer from the run's DeepSpeed config (`optimizer.params`, filled by
-  engine/config.py from train.*).
+  engine/config.py from train.*); with an offloaded optimizer its AdamW half is DeepSpeed's CPU
+  Adam, as DeepSpeed's own Muon has it there.
 - `ns_owners` / the sharded step: under ZeRO-0 in fp32 on several ranks every rank holds
   every matrix and its gradient, and DeepSpeed's step runs every matrix's Newton-Schulz
   iteration on every rank; with `train.muon_shard_ns` each matrix's update is computed by one
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from dspark_ds.engine.config import optimizer_offloaded
 from dspark_ds.engine.runtime import import_deepspeed
 
 
@@ -102,9 +104,12 @@ def muon_param_groups(model: nn.Module, params: dict) -> list[dict]:
 
 
 def build_muon(model: nn.Module, ds_config: dict):
-    """DeepSpeed's `MuonWithAuxAdam` over `model`'s trained weights (its AdamW half inline);
-    its Newton-Schulz work split over the ranks under ZeRO-0 when `optimizer.params` asks
-    (`muon_shard_ns`, from train.muon_shard_ns) and there are several."""
+    """DeepSpeed's `MuonWithAuxAdam` over `model`'s trained weights: its AdamW half inline, or
+    DeepSpeed's CPU Adam when the optimizer is offloaded (as DeepSpeed builds its own Muon
+    there: ZeRO-1/2/3 then orthogonalise the gathered gradients on the device and the CPU
+    applies the step); its Newton-Schulz work split over the ranks under ZeRO-0 when
+    `optimizer.params` asks (`muon_shard_ns`, from train.muon_shard_ns) and there are
+    several."""
     import_deepspeed()
     # lazy: DeepSpeed's Muon (through import_deepspeed, which keeps MLflow out of its import)
     from deepspeed.accelerator import get_accelerator
@@ -122,6 +127,14 @@ def build_muon(model: nn.Module, ds_config: dict):
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if params.get("muon_shard_ns") and zero == 0 and not bf16 and ranks > 1:
         return _sharded(muon_optimizer)(groups)
+    if optimizer_offloaded(ds_config):
+        # lazy: DeepSpeed's CPU Adam (its op is built on first use), as import_deepspeed above
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        cpu_adam = {"adamw_mode": True, "fp32_optimizer_states": True}
+        return muon_optimizer.MuonWithAuxAdam(
+            groups, adam_optimizer=DeepSpeedCPUAdam, adam_optimizer_kwargs=cpu_adam
+        )
     return muon_optimizer.MuonWithAuxAdam(groups)
 
 

@@ -47,7 +47,6 @@ from dspark_ds.engine.config import (
     zero_settings,
 )
 from dspark_ds.engine.probes import deepspeed_model_states_estimate
-from dspark_ds.errors import ConfigError
 from dspark_ds.tune.cluster import Machine
 from dspark_ds.tune.config import ALL_OPTION_NAMES, TunerConfig, ZeroOption
 
@@ -216,12 +215,11 @@ def ds_config_warnings(run_cfg) -> list[str]:
     lines = []
     if run_cfg.train.optimizer == "muon":
         lines.append(
-            "train.optimizer muon: the options that offload the optimizer are left out (Muon "
-            "does not run with them), and the tuner prices AdamW for every trainable "
-            "parameter: its memory counts two optimizer states per element where Muon keeps "
-            "one for its matrices (an over-estimate), and its step times leave out Muon's "
-            "Newton-Schulz iterations (4.7 of 20.7 s in a profile of the demo's CPU "
-            "training): time a few steps of the run with dspark-ds train before trusting them"
+            "train.optimizer muon: the tuner prices AdamW for every trainable parameter: its "
+            "memory counts two optimizer states per element where Muon keeps one for its "
+            "matrices (an over-estimate), and its step times leave out Muon's Newton-Schulz "
+            "iterations (4.7 of 20.7 s in a profile of the demo's CPU training): time a few "
+            "steps of the run with dspark-ds train before trusting them"
         )
     unread = unread_keys(run_cfg)
     if unread:
@@ -388,31 +386,6 @@ def judge_fit(est: Estimate, cfg: TunerConfig, machine: Machine) -> None:
 
 
 # ---- one option -----------------------------------------------------------------------------------
-def with_adamw(run_cfg):
-    """The recipe with AdamW: what an option's ZeRO and offload settings are read with where
-    they do not depend on the optimizer (Muon refuses an offloaded optimizer outright)."""
-    return replace(run_cfg, train=replace(run_cfg.train, optimizer="adamw"))
-
-
-def options_for_optimizer(
-    run_cfg, options: list[ZeroOption], device: str, asked: bool
-) -> list[ZeroOption]:
-    """The options a recipe's optimizer runs: under Muon none that offloads the optimizer
-    (DeepSpeed's CPU optimizer is Adam's: engine/config.py); asked for by `--options`, such an
-    option is a ConfigError naming it, left out of the default set (the report says so)."""
-    if run_cfg.train.optimizer != "muon":
-        return options
-    adamw = with_adamw(run_cfg)
-    off = [o.name for o in options if option_zero(o, adamw, 1, device)[0].offload_optimizer]
-    if off and asked:
-        raise ConfigError(
-            f"--options {', '.join(off)}: train.optimizer muon does not run with an offloaded "
-            "optimizer (DeepSpeed's CPU optimizer is Adam's); leave them out, or tune with "
-            "--overrides '[--train.optimizer, adamw]'"
-        )
-    return [o for o in options if o.name not in off]
-
-
 def option_zero(
     option: ZeroOption, run_cfg, world: int, device: str, ranks_per_node: int | None = None
 ) -> tuple[ZeroSettings, int]:

@@ -18,7 +18,7 @@ from dspark_ds.tune.calibrate import Calibration, engine_values, host_memory_byt
 from dspark_ds.tune.cluster import Machine, engine_mode, resolve, save_profile, with_values
 from dspark_ds.tune.config import OPTIONS, TunerConfig, ZeroOption
 from dspark_ds.tune.dataio import measure_read, reads_cache
-from dspark_ds.tune.estimate import Estimate, option_zero, resolved_ds_config, with_adamw
+from dspark_ds.tune.estimate import Estimate, option_zero, resolved_ds_config
 from dspark_ds.tune.prediction import PredictionInputs, loss_stages, predict_one
 from dspark_ds.tune.search import point_args, point_config, search
 
@@ -130,7 +130,7 @@ def calibrate_and_measure(
 def _nvme_option(run_cfg, device: str):
     """The DeepSpeed config of the zero3+nvme option (its nvme_path and aio settings)."""
     option = next(o for o in OPTIONS if o.name == "zero3+nvme")
-    return resolved_ds_config(option, with_adamw(run_cfg), 1, use_gpu=device == "cuda")
+    return resolved_ds_config(option, run_cfg, 1, use_gpu=device == "cuda")
 
 
 def _measure(

@@ -18,12 +18,7 @@ from dspark_ds.distributed import is_rank0
 from dspark_ds.tune.cluster import Machine, save_profile
 from dspark_ds.tune.config import OPTIONS, TunerConfig, ZeroOption, default_options, load_recipe
 from dspark_ds.tune.dataio import data_lines
-from dspark_ds.tune.estimate import (
-    Estimate,
-    ds_config_warnings,
-    options_for_optimizer,
-    recommend,
-)
+from dspark_ds.tune.estimate import Estimate, ds_config_warnings, recommend
 from dspark_ds.tune.fleet import as_served, fleet_lines, size_fleet
 from dspark_ds.tune.fromrun import lines as from_run_lines
 from dspark_ds.tune.fromrun import machine_from_run
@@ -108,7 +103,6 @@ def _machine(cfg: TunerConfig) -> tuple[TunerConfig, Tuning]:
     node_counts = [1] if cfg.measure else cfg.cluster.node_counts
     names = cfg.options if cfg.options is not None else default_options(node_counts[0])
     options = [o for o in OPTIONS if o.name in names]
-    options = options_for_optimizer(run_cfg, options, cfg.device or "cuda", cfg.options is not None)
     device = None
     if cfg.measure or cfg.cluster.calibrate:  # the launcher's ranks and device
         cfg, device = here(cfg, run_cfg)

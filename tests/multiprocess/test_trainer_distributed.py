@@ -190,6 +190,13 @@ def runs(tmp_path_factory, tiny_target):
     two.append(
         base_args(target, out, "b_muon_resume", "--deepspeed.config", "zero2", *muon, *resume)
     )
+    # the optimizer offloaded: ZeRO-2 with it, ZeRO-3 with it and the parameters
+    off = [
+        "--deepspeed.overrides",
+        json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}),
+    ]
+    two.append(base_args(target, out, "b_muon_z2off", "--deepspeed.config", "zero2", *muon, *off))
+    two.append(base_args(target, out, "b_muon_z3off", "--deepspeed.config", STAGES["z3off"], *muon))
     # ZeRO-0: each matrix's Newton-Schulz on one rank (train.muon_shard_ns, the default), on
     # every rank, and the sharded run resumed from its step-2 checkpoint
     two.append(base_args(target, out, "b_muon_z0", "--deepspeed.config", "zero0", *muon))
@@ -265,6 +272,23 @@ def test_muon_under_zero_2_and_3_agrees_and_resumes(runs):
     # another optimizer than AdamW's (the same first step: the same init and batch)
     adamw = res["b_z2"]["losses"]
     assert z2[1] == pytest.approx(adamw[1], rel=1e-6) and z2[4] != pytest.approx(adamw[4], rel=1e-3)
+
+
+def test_muon_with_the_optimizer_offloaded_takes_the_same_steps(runs):
+    """train.optimizer muon with an offloaded optimizer (DeepSpeed orthogonalises the gathered
+    gradients on the device, its CPU Adam steps the rest): ZeRO-2 with the optimizer on the
+    host and ZeRO-3 with the optimizer and parameters there train the same drafter as without
+    offload, to float rounding. (Before, a Muon run with an offloaded optimizer was refused.)"""
+    res = runs["res"]
+    for name, ref in (("b_muon_z2off", "b_muon_z2"), ("b_muon_z3off", "b_muon_z3")):
+        got, want = res[name]["losses"], res[ref]["losses"]
+        assert sorted(got) == [1, 2, 3, 4], name
+        for step in got:
+            assert got[step] == pytest.approx(want[step], rel=1e-5), (name, step)
+        a, b = (load_file(Path(res[n]["export_dir"]) / "model.safetensors") for n in (name, ref))
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
 
 
 def test_muon_under_zero_0_shards_newton_schulz_without_changing_a_bit(runs):

@@ -90,6 +90,11 @@ def trained(served, tiny_target):
         _wait_rows(log, SLOW_FROM - 1, proc)
         proxy.delay_s = DELAY_S
         _wait_rows(log, DOWN_AT - 1, proc)
+        # NOTE: on a quiet machine the steps can outrun the client's next request: the server
+        # goes down only once the proxy has held one up (it failed so, 2026-12-07, 0 delayed)
+        deadline = time.monotonic() + 60
+        while proxy.delayed == 0 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         server.kill()
         killed_at_row = len(_rows(log))
         time.sleep(DOWN_S)

@@ -414,7 +414,7 @@ dspark_finish
 
 
 def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp_path):
-    """`dspark-ds tune --measure true` on the 4 ranks: each option the tuner lists, and hpZ,
+    """`dspark-ds tune --measure true` on the 4 ranks (step times): each option the tuner lists, and hpZ,
     builds its engine and runs 3 real optimizer steps (1 + --measure_steps 2) across the
     hosts; hpZ (its node-local groups the 2 ranks of each host) trains with the losses of
     plain ZeRO-3."""
@@ -425,7 +425,10 @@ def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp
     result = tmp_path / "tune.json"
     args = ["tune", "--recipe", str(TINY), "--target.path", tiny_target, "--measure", "true"]
     args += ["--measure_steps", "2", "--output_json", str(result), "--cluster.calibrate", "false"]
-    args += ["--options", json.dumps(ALL_OPTION_NAMES)]
+    # NOTE: step times only: the CPU memory profile (the torch profiler) held 4.3 GB per rank,
+    # and 4 of them beside the other workers' tests were OOM-killed in the full suite on
+    # 2026-12-07; the measured peaks are tested on 2 ranks in tests/multiprocess/test_tuner.py
+    args += ["--measure_memory", "false", "--options", json.dumps(ALL_OPTION_NAMES)]
     args += ["--overrides", '["--data.batch_size", "1", "--train.global_batch_size", "4"]']
     env = job_env(tmp_path, DSPARK_SLURM_DIR=str(REPO / "slurm"))
     sbatch_args = ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"]
@@ -435,7 +438,7 @@ def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp
     measured = json.loads(result.read_text())["measured"]
     assert sorted(measured) == sorted(ALL_OPTION_NAMES), (sorted(measured), job.text()[-3000:])
     for name, m in measured.items():
-        assert m["step_s"] > 0 and m["peak_bytes"] > 0, (name, m)
+        assert m["step_s"] > 0 and m["peak_bytes"] is None, (name, m)
     assert measured["zero3+hpz"]["hpz_partition_size"] == 2  # "auto": a host's ranks
     plain, hpz = measured["zero3"]["losses"], measured["zero3+hpz"]["losses"]
     assert len(plain) == 3 and hpz == pytest.approx(plain, rel=1e-5), (plain, hpz)

@@ -414,10 +414,10 @@ dspark_finish
 
 
 def test_every_zero_option_runs_across_hosts(multihost_cluster, tiny_target, tmp_path):
-    """`dspark-ds tune --measure true` on the 4 ranks (step times): each option the tuner lists, and hpZ,
-    builds its engine and runs 3 real optimizer steps (1 + --measure_steps 2) across the
-    hosts; hpZ (its node-local groups the 2 ranks of each host) trains with the losses of
-    plain ZeRO-3."""
+    """`dspark-ds tune --measure true` on the 4 ranks (step times only): each option the tuner
+    lists, and hpZ, builds its engine and runs 3 real optimizer steps (1 + --measure_steps 2)
+    across the hosts; hpZ (its node-local groups the 2 ranks of each host) trains with the
+    losses of plain ZeRO-3."""
     from dspark_ds.tune.config import ALL_OPTION_NAMES
 
     script = tmp_path / "job.sbatch"

@@ -145,11 +145,19 @@ class DemoEvalConfig:
     batch_size: int = 8
     """Prompts in flight (batched speculative decoding); the target alone is decoded at the same
     batch size in the same evaluation, for the wall-clock speedup."""
+    draft_temperature: float | None = None
+    """What the drafters sample their drafts at when T > 0 (`dspark-ds eval
+    --draft_temperature`): None = T; 0 = their argmax (vLLM's default `draft_sample_method:
+    greedy`)."""
 
     def validate(self) -> None:
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ConfigError(
                 f"eval.temperatures: need >= 1 value, all >= 0, got {self.temperatures}"
+            )
+        if self.draft_temperature is not None and self.draft_temperature < 0:
+            raise ConfigError(
+                f"eval.draft_temperature: must be >= 0 or null, got {self.draft_temperature}"
             )
         require_at_least_one(self, ("max_new_tokens", "batch_size"), "eval.")
 

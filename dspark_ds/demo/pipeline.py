@@ -412,6 +412,7 @@ class DemoPipeline:
             max_samples=None,
             max_new_tokens=e.max_new_tokens,
             temperature=temperature,
+            draft_temperature=e.draft_temperature,
             seed=seed,
             batch_size=e.batch_size,
             measure_baseline=True,

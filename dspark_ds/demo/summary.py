@@ -206,7 +206,11 @@ def build_summary(
         "ratios": ratios,
         "checks": checks,
         "supervision": supervision(cfg, per_seed),
-        "eval": {"batch_size": cfg.eval.batch_size, "max_new_tokens": cfg.eval.max_new_tokens},
+        "eval": {
+            "batch_size": cfg.eval.batch_size,
+            "max_new_tokens": cfg.eval.max_new_tokens,
+            "draft_temperature": cfg.eval.draft_temperature,
+        },
         "stage_seconds": dict(stage_seconds),
         "stage_cpu_seconds": dict(stage_cpu_seconds or {}),
         "total_seconds": total_seconds,
@@ -378,6 +382,8 @@ def format_summary(summary: dict) -> str:
         f"{ev.get('batch_size', '-')}, same prompts, same run; draft_ms / verify_ms: a "
         f"request's share of the batch's drafting / verification time per round)"
     )
+    if ev.get("draft_temperature") is not None:
+        lines.append(f"(T > 0: the drafts sampled at draft temperature {ev['draft_temperature']})")
     lines += _spread_rows(summary, temps)
     lines += ["", *_ratio_lines(summary), "", *_stage_lines(summary)]
     return "\n".join(lines)

@@ -40,7 +40,15 @@ from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.padded import PaddedCaches, new_caches, target_forward
 from dspark_ds.eval.policy import POLICIES, SPS, VerifyPolicy
 from dspark_ds.eval.recurrent import rollback_state
-from dspark_ds.eval.rounds import Budget, DecodeStats, draft_budget, run_settings, settle, sync
+from dspark_ds.eval.rounds import (
+    Budget,
+    DecodeStats,
+    draft_budget,
+    draft_temperature_of,
+    run_settings,
+    settle,
+    sync,
+)
 from dspark_ds.eval.target_step import check_drafter_matches_target
 
 
@@ -96,6 +104,7 @@ class BatchedDecoder:
         generator: torch.Generator | None = None,
         stop_token_ids: list[int] | None = None,
         budget_accounting: str = "exact",
+        draft_temperature: float | None = None,
     ):
         _check_options(batch_size, policy, drafter, sps)
         self.budget = Budget(max_new_tokens, budget_accounting)
@@ -111,6 +120,7 @@ class BatchedDecoder:
         self.policy = VerifyPolicy(policy, confidence_threshold, temps_G, sps)
         self.batch_size = batch_size
         self.temperature, self.generator = temperature, generator
+        self.draft_temperature = draft_temperature_of(temperature, draft_temperature)
         self.stops = {int(t) for t in (stop_token_ids or [])}
         # the target alone keeps every column it verifies: nothing to roll back
         self.states = rollback_state(target) if drafter is not None else None
@@ -214,6 +224,7 @@ class BatchedDecoder:
             proposal.logits[:, :M] if M > 0 else None,
             self.temperature,
             self.generator,
+            draft_temperature=self.draft_temperature,
         )
         keep_R = self._commit(active, proposal, verify_ids[:, 1:], lengths, accepted, next_tokens)
         if self.drafter is not None:
@@ -237,7 +248,7 @@ class BatchedDecoder:
                 cache=caches.draft_cache,
                 key_mask=caches.key_mask(),
                 budget=budget,
-                temperature=self.temperature,
+                temperature=self.draft_temperature,
                 generator=self.generator,
                 stop_token_ids=self.stops,
             ),
@@ -320,6 +331,7 @@ def decode_prompts(
             confidence_threshold=threshold,
             sps=sps,
             budget_accounting=cfg.budget_accounting,
+            draft_temperature=cfg.draft_temperature,
             **run_settings(cfg, stops, device, seed),
         )
 

@@ -135,6 +135,11 @@ class EvalConfig:
     `engine.url`'s parity check uses)."""
     temperature: float = 1.0
     """Sampling temperature; 0 = greedy. The paper's Table 1 reports T = 1."""
+    draft_temperature: float | None = None
+    """What the drafter samples its drafts at when temperature > 0: None = the request's
+    temperature (the paper's rule, vLLM's `draft_sample_method: probabilistic`); 0 = its argmax,
+    verified as a one-hot proposal (vLLM's default, `draft_sample_method: greedy`); another
+    value = softmax(logits / it). Lossless at every value; it moves τ (docs/evaluation.md)."""
     confidence_threshold: float = 0.0
     """Cut each proposal at the first slot whose confidence is below this; 0 = never cut.
     Calibration and the threshold sweep need 0 (uncut proposals)."""
@@ -202,6 +207,10 @@ class EvalConfig:
             )
         if self.temperature < 0:
             raise ConfigError(f"eval.temperature must be >= 0, got {self.temperature}")
+        if self.draft_temperature is not None and self.draft_temperature < 0:
+            raise ConfigError(
+                f"eval.draft_temperature must be >= 0 or null, got {self.draft_temperature}"
+            )
         if not 0.0 <= self.confidence_threshold <= 1.0:
             raise ConfigError(
                 f"eval.confidence_threshold must be in [0, 1], got {self.confidence_threshold}"

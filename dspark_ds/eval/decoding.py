@@ -22,7 +22,15 @@ from dspark_ds.drafters.registry import kind_of
 from dspark_ds.eval import verify
 from dspark_ds.eval.calibration import confidence_temperatures
 from dspark_ds.eval.policy import VerifyPolicy
-from dspark_ds.eval.rounds import Budget, DecodeStats, Verdict, draft_budget, settle, sync
+from dspark_ds.eval.rounds import (
+    Budget,
+    DecodeStats,
+    Verdict,
+    draft_budget,
+    draft_temperature_of,
+    settle,
+    sync,
+)
 from dspark_ds.eval.target_step import TargetDecoder, check_drafter_matches_target
 
 
@@ -78,10 +86,12 @@ class _OneRowDecoder:
         temperature: float,
         generator: torch.Generator | None,
         stops: set[int],
+        draft_temperature: float | None = None,
     ):
         self.target, self.drafter, self.kind = target, drafter, kind_of(drafter)
         self.budget, self.policy, self.stops = budget, policy, stops
         self.temperature, self.generator = temperature, generator
+        self.draft_temperature = draft_temperature_of(temperature, draft_temperature)
         self.block_size = self.kind.decode.tokens_per_round(drafter.config)
 
     def run(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, DecodeStats]:
@@ -136,7 +146,7 @@ class _OneRowDecoder:
                 starts=torch.tensor([start], device=row.device),
                 cache=row.cache,
                 budget=draft_budget(self.block_size, rooms),
-                temperature=self.temperature,
+                temperature=self.draft_temperature,
                 generator=self.generator,
                 stop_token_ids=self.stops,
             ),
@@ -156,6 +166,7 @@ class _OneRowDecoder:
             proposal.logits[:, :num_proposed],
             self.temperature,
             self.generator,
+            draft_temperature=self.draft_temperature,
         )
         verdict = settle(
             drafts_1M[0].tolist(), num_proposed, accepted[0], next_token[0], self.stops
@@ -178,6 +189,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     stop_token_ids: list[int] | None = None,
     budget_accounting: str = "exact",
+    draft_temperature: float | None = None,
 ) -> tuple[torch.Tensor, DecodeStats]:
     """Lossless speculative decoding of one prompt.
 
@@ -188,6 +200,7 @@ def speculative_generate(
     `budget_accounting`: "exact" never verifies past `max_new_tokens`; "reference" (DeepSpec's
     evaluation) never cuts a proposal for the budget and runs rounds until the output is longer
     than the budget, then trims it: every round, the last one's overshoot included, counts in τ.
+    `draft_temperature`: what the drafter samples its drafts at (`draft_temperature_of`).
     """
     _check_args(input_ids, max_new_tokens, temperature, confidence_threshold)
     budget = Budget(max_new_tokens, budget_accounting)
@@ -209,6 +222,7 @@ def speculative_generate(
         temperature=temperature,
         generator=generator,
         stops={int(t) for t in (stop_token_ids or [])},
+        draft_temperature=draft_temperature,
     ).run(input_ids)
 
 

@@ -30,6 +30,16 @@ def run_settings(cfg, stops: list[int], device: torch.device, seed: int) -> dict
     )
 
 
+def draft_temperature_of(temperature: float, draft_temperature: float | None) -> float:
+    """The temperature a drafter samples its drafts at: the request's (None), or its own (0 =
+    greedy drafts, verified as one-hot proposals). At T = 0 every draft is the argmax."""
+    if draft_temperature is not None and draft_temperature < 0:
+        raise ValueError(f"draft_temperature must be >= 0 or None, got {draft_temperature}")
+    if temperature == 0.0 or draft_temperature is None:
+        return temperature
+    return float(draft_temperature)
+
+
 def sync(device: torch.device) -> None:
     # NOTE: CUDA kernels run asynchronously; without a sync the draft / verify split is fiction.
     if device.type == "cuda":

@@ -163,6 +163,7 @@ def _decode_prompt(cfg: EvalConfig, target, drafter, input_ids, seed: int, stops
         input_ids,
         confidence_threshold=cfg.confidence_threshold,
         budget_accounting=cfg.budget_accounting,
+        draft_temperature=cfg.draft_temperature,
         **run_settings(cfg, stops, device, seed),
     )
     if not cfg.measure_baseline:

@@ -10,7 +10,10 @@ T > 0 is rejection sampling (Leviathan et al. 2023; docs/algorithm.md#inference)
 d_k, sampled from p_d, is kept with probability min(1, p_t(d_k) / p_d(d_k)); at the first
 rejection the next token is drawn from norm(max(0, p_t - p_d)); if every draft token is kept, a
 bonus token is drawn from p_t at the position after the last draft. The committed tokens then
-have exactly the target's distribution, whatever the drafter proposes.
+have exactly the target's distribution, whatever the drafter proposes. p_d is the drafter's
+softmax at the draft temperature (the request's unless the eval config sets another); at draft
+temperature 0 the drafts are the drafter's argmax and p_d is one-hot on each (vLLM's default
+`draft_sample_method: greedy`): kept with probability p_t(d_k), the residual is p_t without d_k.
 """
 
 from __future__ import annotations
@@ -104,6 +107,17 @@ def verify_sampled_rows(
     return accepted_R.tolist(), next_R.tolist()
 
 
+def draft_probs(
+    drafts_RM: torch.Tensor, draft_logits_RMV: torch.Tensor, draft_temperature: float
+) -> torch.Tensor:
+    """[R, M, V] the distribution each draft was drawn from: softmax(logits / T_d), or one-hot
+    on the draft itself when T_d = 0 (greedy drafting: its argmax, a certain proposal)."""
+    if draft_temperature > 0.0:
+        return logits_to_probs(draft_logits_RMV, draft_temperature)
+    onehot = torch.zeros(draft_logits_RMV.shape, dtype=torch.float32, device=drafts_RM.device)
+    return onehot.scatter_(-1, drafts_RM.unsqueeze(-1), 1.0)
+
+
 def verify_rows(
     drafts_RM: torch.Tensor,
     num_R: torch.Tensor,
@@ -111,16 +125,19 @@ def verify_rows(
     draft_logits_RMV: torch.Tensor | None,
     temperature: float,
     generator: torch.Generator | None,
+    draft_temperature: float | None = None,
 ) -> tuple[list[int], list[int]]:
     """The verdict of a round, the rule chosen by the temperature: (accepted drafts per row,
     next token per row). `draft_logits_RMV` (None when M = 0) are what the drafts were drawn
-    from; they matter only at T > 0."""
+    from, at `draft_temperature` (None: `temperature`; 0: greedy drafts); they matter only at
+    T > 0."""
     if temperature == 0.0:
         return verify_greedy_rows(drafts_RM, num_R, target_logits_RM1V)
+    t_draft = temperature if draft_temperature is None else draft_temperature
     return verify_sampled_rows(
         drafts_RM,
         num_R,
-        logits_to_probs(draft_logits_RMV, temperature) if draft_logits_RMV is not None else None,
+        draft_probs(drafts_RM, draft_logits_RMV, t_draft) if draft_logits_RMV is not None else None,
         logits_to_probs(target_logits_RM1V, temperature),
         generator,
     )

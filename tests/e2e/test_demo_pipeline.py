@@ -288,6 +288,7 @@ def test_demo_config_from_cli_and_defaults():
         ),
         (["--eval.temperatures", "[-1.0]"], "eval.temperatures"),
         (["--eval.batch_size", "0"], "eval.batch_size"),
+        (["--eval.draft_temperature", "-1"], "eval.draft_temperature"),
         (["--data.mode", "hybrid"], "data.mode"),
         (["--drafter.dspark.num_anchors", "0"], "drafter.dspark.num_anchors"),
         (["--drafter.eagle3.ttt_length", "0"], "drafter.eagle3.ttt_length"),
@@ -365,7 +366,7 @@ def test_summary_spread_ratios_and_claims_over_seeds():
     )
 
 
-def test_format_summary_table():
+def test_format_summary_table(monkeypatch, tmp_path):
     argv = ["--output_dir", "x", "--seeds", "[0,1]", "--drafters", "[dspark,dflash]"]
     cfg = parse_config("demo", [*argv, "--eval.temperatures", "[1.0]"])
     dspark = {**_row(2.5, 1.4), "calibration": {"raw": {"ece": 0.05, "auroc": 0.8}}}
@@ -394,3 +395,25 @@ def test_format_summary_table():
     )
     assert "at T = 1 in every seed (2): does NOT hold (min 0.833)" in text
     assert "spread over seeds 0, 1" in text and "  seed 1: train-dspark 13.0" in text
+    assert "draft temperature" not in text
+    # greedy drafts at T > 0: said under the table, and each evaluation is given it
+    from dspark_ds.demo import pipeline as demo_pipeline
+
+    greedy = ["--eval.temperatures", "[1.0]", "--eval.draft_temperature", "0"]
+    cfg = parse_config("demo", [*argv[2:], "--output_dir", str(tmp_path), *greedy])
+    summary = build_summary(cfg, results, stages, 20.0, target, 2, "sqlite:///x")
+    assert "(T > 0: the drafts sampled at draft temperature 0.0)" in format_summary(summary)
+    pipe = demo_pipeline.DemoPipeline(cfg)
+    pipe.target = target
+
+    def run_eval(eval_cfg):
+        raise _Given(eval_cfg)
+
+    monkeypatch.setattr(demo_pipeline, "run_eval", run_eval)
+    with pytest.raises(_Given) as given:
+        pipe.evaluate("dflash", 1.0, 0)
+    assert given.value.args[0].draft_temperature == 0.0 and given.value.args[0].temperature == 1.0
+
+
+class _Given(Exception):
+    """What a stubbed run_eval was given."""

@@ -323,6 +323,7 @@ def test_bad_options_name_the_field(setup):
     root, target_dir, _ = setup
     for kw, field in (
         (dict(temperature=-1.0), "eval.temperature"),
+        (dict(draft_temperature=-0.5), "eval.draft_temperature"),
         (dict(benchmarks=[]), "eval.benchmarks"),
         (dict(dtype="int8"), "eval.dtype"),
         (dict(drafter=""), "eval.drafter"),

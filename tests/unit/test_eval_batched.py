@@ -203,7 +203,9 @@ def _pvalues(small, **kwargs) -> tuple[list[float], int]:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{}, {"policy": "scheduler", "sps": sps_cliff}], ids=["full", "scheduler"]
+    "kwargs",
+    [{}, {"policy": "scheduler", "sps": sps_cliff}, {"draft_temperature": 0.0}],
+    ids=["full", "scheduler", "greedy-drafts"],
 )
 def test_sampled_batched_decoding_has_the_target_distribution(small, kwargs):
     pvalues, accepted = _pvalues(small, **kwargs)

@@ -60,6 +60,21 @@ def test_rejection_sampling_bonus_token_has_target_distribution():
     assert chi_square_pvalue(counts, bonus_probs) > ALPHA
 
 
+def test_greedy_drafts_verified_as_one_hot_proposals_keep_the_target_distribution():
+    """Draft temperature 0: the draft is the drafter's argmax, a certain proposal (p_d one-hot):
+    kept with probability p_t(d), else the next token comes from p_t without d."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.log(P_DRAFT).expand(2, -1)  # argmax: token 5, p_t 0.05 (mostly rejected)
+    drafts = logits.argmax(-1)
+    probs = verify.draft_probs(drafts.view(1, -1), logits[None], 0.0)[0]
+    assert torch.equal(probs, torch.nn.functional.one_hot(drafts, len(P_TARGET)).float())
+    counts = torch.zeros(len(P_TARGET))
+    for _ in range(1500):
+        accepted, nxt = verify.verify_sampled(drafts, probs, P_TARGET.expand(3, -1), g)
+        counts[drafts[0] if accepted else nxt] += 1
+    assert chi_square_pvalue(counts, P_TARGET) > ALPHA
+
+
 def test_resampling_from_the_target_instead_of_the_residual_is_caught(monkeypatch):
     monkeypatch.setattr(verify, "residual_distribution", lambda p_target, p_draft: p_target)
     assert chi_square_pvalue(_first_tokens(1500, 1), P_TARGET) < ALPHA
@@ -86,14 +101,22 @@ def models():
     return target, drafter, prompt, exact_continuation_probs(target, prompt, NUM_NEW)
 
 
-def _sample_counts(models, num_samples: int) -> tuple[torch.Tensor, int]:
+def _sample_counts(
+    models, num_samples: int, draft_temperature: float | None = None
+) -> tuple[torch.Tensor, int]:
     target, drafter, prompt, _ = models
     counts = torch.zeros([8] * NUM_NEW)
     accepted = 0
     for seed in range(num_samples):
         g = torch.Generator().manual_seed(seed)
         out, stats = speculative_generate(
-            target, drafter, prompt, max_new_tokens=NUM_NEW, temperature=1.0, generator=g
+            target,
+            drafter,
+            prompt,
+            max_new_tokens=NUM_NEW,
+            temperature=1.0,
+            generator=g,
+            draft_temperature=draft_temperature,
         )
         counts[tuple(out[0, prompt.shape[1] :].tolist())] += 1
         accepted += sum(stats.accepted_per_round)
@@ -111,8 +134,11 @@ def _pvalues(counts: torch.Tensor, exact: torch.Tensor) -> list[float]:
 NUM_SAMPLES = 400
 
 
-def test_sampled_speculative_decoding_matches_the_target_distribution(models):
-    counts, accepted = _sample_counts(models, NUM_SAMPLES)
+@pytest.mark.parametrize("draft_temperature", [None, 0.0, 0.5], ids=["T", "greedy", "0.5"])
+def test_sampled_speculative_decoding_matches_the_target_distribution(models, draft_temperature):
+    """At the request's temperature, with greedy drafts and with drafts sampled at another
+    temperature: the output has the target's distribution."""
+    counts, accepted = _sample_counts(models, NUM_SAMPLES, draft_temperature)
     # Both verification outcomes must be common, or the test would only see one code path.
     assert 0.2 * NUM_SAMPLES < accepted < 1.6 * NUM_SAMPLES
     assert min(_pvalues(counts, models[3])) > ALPHA
@@ -122,4 +148,14 @@ def test_a_verifier_that_resamples_from_the_target_fails_the_same_test(models, m
     """The subtle bug: after a rejection, drawing from p_t instead of norm(max(0, p_t - p_d))."""
     monkeypatch.setattr(verify, "residual_distribution", lambda p_target, p_draft: p_target)
     counts, _ = _sample_counts(models, NUM_SAMPLES)
+    assert min(_pvalues(counts, models[3])) < ALPHA
+
+
+def test_greedy_drafts_judged_by_their_softmax_fail_the_same_test(models, monkeypatch):
+    """The bug a draft temperature invites: argmax drafts verified against the drafter's
+    softmax (as if sampled from it) over-accept them."""
+    monkeypatch.setattr(
+        verify, "draft_probs", lambda d, logits, t: verify.logits_to_probs(logits, 1)
+    )
+    counts, _ = _sample_counts(models, NUM_SAMPLES, draft_temperature=0.0)
     assert min(_pvalues(counts, models[3])) < ALPHA

@@ -272,11 +272,26 @@ def test_misbehaving_server_is_retried_then_rows_go_to_failed_jsonl(env, tmp_pat
     assert Path(f"{out}.failed.jsonl").read_text() == ""
 
 
+def heal_once_refused(server: MisbehavingServer, down_s: float) -> None:
+    """Heals `server` `down_s` after it first turned a chat away: the outage the run sees does
+    not depend on how long the run took to send its first row (a timer from the test's start
+    healed it before a loaded run's first row, once in the full suite)."""
+
+    def run():
+        deadline = time.monotonic() + 120
+        while server.chats <= server.good_chats and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(down_s)
+        server.heal()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def test_a_server_out_of_rotation_is_probed_back(env, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     with MisbehavingServer("dead", good_chats=1) as server:
         cfg = quick(env, out, [server.url], concurrency=1, max_retries=50, probe_interval_s=0.1)
-        threading.Timer(0.5, server.heal).start()  # down for ~0.5 s, /health included
+        heal_once_refused(server, down_s=0.5)  # down for ~0.5 s, /health included
         counts = regenerate(cfg)
     assert counts["written"] == 3 and counts["failed"] == 0
     assert counts["servers"][0]["outages"] >= 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from dspark_ds.drafters.common.sampling import sample_from_logits
+from dspark_ds.eval.rounds import draft_temperature_of
 
 # Below this residual mass the residual is numerically empty: p_t == p_d up to rounding, so a
 # rejection had (almost) zero probability and p_t itself is the right distribution.
@@ -133,7 +134,7 @@ def verify_rows(
     T > 0."""
     if temperature == 0.0:
         return verify_greedy_rows(drafts_RM, num_R, target_logits_RM1V)
-    t_draft = temperature if draft_temperature is None else draft_temperature
+    t_draft = draft_temperature_of(temperature, draft_temperature)
     return verify_sampled_rows(
         drafts_RM,
         num_R,

@@ -5,6 +5,7 @@ on the same held-out prompts (docs/peers.md).
     python tools/peer_compare.py                                  # docs/peers.md, peers.json
     python tools/peer_compare.py --seeds [0] --budget.max_steps 40 --docs_dir /tmp/p
     python tools/peer_compare.py --reuse_theirs docs/peers.json   # ours again, theirs as recorded
+    python tools/peer_compare.py --draws 3 --docs_dir /tmp/d      # three trainings a side and seed
 
 Every option of `dspark-ds demo` applies (--budget.*, --drafter.*, --data.*, --target.*,
 --seeds, ...); the default seeds are 0, 1, 2. Per seed: the demo's stages up to training
@@ -18,6 +19,12 @@ Every option of `dspark-ds demo` applies (--budget.*, --drafter.*, --data.*, --t
 - both read by `run_eval` (a speculators directory through the speculators-format reader) at
   every temperature of the demo, on the demo's held-out prompts.
 
+With `--draws N` (N > 1) each side trains every kind N times on each seed's data: the seed's own
+training and N - 1 more with another init and data order (`draw_seeds`: ours with train.seed =
+data.seed = 100 + k, speculators with seed 100 + k; the evaluation's sampling is the seed's for
+all), and a record's τ and acceptance are the means over its draws (each draw kept in `draws`):
+the verdicts then tell a trainer's lead from one training's luck.
+
 With `--reuse_theirs <peers.json>`, speculators is neither trained nor evaluated: each kind and
 seed takes that file's `theirs` record (`Previous`), and only if it was made with this run's
 budget, data, target, drafter sizes, evaluation and speculators options (a one-line error
@@ -30,6 +37,7 @@ file without them keeps its text, the table appended).
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -85,6 +93,10 @@ class PeerConfig(DemoConfig):
     The 2-layer records (docs/peers.json before 2026-12-06 21:54, docs/peers.md's 2-layer
     table) are reused with `--drafter.dspark.num_draft_layers 2
     --drafter.dflash.num_draft_layers 2`."""
+    draws: int = 1
+    """Trainings of each side per kind and seed: the seed's own, then another init and data
+    order each (`draw_seeds`); with more than one the table gives each side's mean τ over them,
+    with their range, and the verdicts compare the means."""
     reuse_theirs: str | None = None
     """A previous run's peers.json whose `theirs` records (speculators' τ and acceptance) this
     run takes instead of training and evaluating speculators again; each kind and seed must
@@ -94,6 +106,13 @@ class PeerConfig(DemoConfig):
     def __post_init__(self) -> None:
         if self.seeds is None:
             self.seeds = [0, 1, 2]
+        if self.draws < 1:
+            raise ConfigError(f"draws: {self.draws}; it counts trainings a side, at least 1")
+
+    def draw_seeds(self, seed: int) -> list[int]:
+        """The training seeds of `seed`'s draws: the seed itself (the demo's training), then
+        100 + k (another init and data order, on the same data)."""
+        return [seed] + [100 + k for k in range(1, self.draws)]
 
 
 def speculators_python(cfg: PeerConfig) -> Path:
@@ -107,19 +126,55 @@ def speculators_python(cfg: PeerConfig) -> Path:
     return python
 
 
-class TheirsPipeline(DemoPipeline):
-    """The demo's evaluation pointed at speculators' drafters (theirs/<kind>-s<seed>/run/model),
-    with its own run directories; the target and the data are the demo's."""
+class Drawn:
+    """A pipeline's trainings of one draw (`PeerConfig.draw_seeds`): None is the seed's own
+    training, with the demo's names; a draw seed d trains with train.seed = data.seed = d, its
+    runs and evaluations named ...-d<d>. The evaluation's sampling stays the seed's."""
 
-    def __init__(self, cfg: DemoConfig, ours: DemoPipeline):
+    draw: int | None = None
+
+    def _suffix(self) -> str:
+        return "" if self.draw is None else f"-d{self.draw}"
+
+    def run_name(self, kind: str, seed: int) -> str:
+        return super().run_name(kind, seed) + self._suffix()
+
+    def eval_name(self, kind: str, temperature: float, seed: int) -> str:
+        return super().eval_name(kind, temperature, seed) + self._suffix()
+
+    def train_seed(self, seed: int) -> int:
+        return seed if self.draw is None else self.draw
+
+    def train_config(self, kind: str, seed: int):
+        cfg = super().train_config(kind, seed)
+        cfg.train.seed = cfg.data.seed = self.train_seed(seed)
+        return cfg
+
+
+class OursPipeline(Drawn, DemoPipeline):
+    """The demo's stages for ours; `drawn(d)` is a view of it that trains draw `d`."""
+
+    def drawn(self, draw: int | None) -> OursPipeline:
+        view = copy.copy(self)  # the same target, data, anchors and stages
+        view.draw, view.results = draw, {}
+        return view
+
+
+class TheirsPipeline(Drawn, DemoPipeline):
+    """The demo's evaluation pointed at speculators' drafters
+    (theirs/<kind>-s<seed>[-d<draw>]/run/model), with its own run directories; the target and
+    the data are the demo's."""
+
+    def __init__(self, cfg: DemoConfig, ours: DemoPipeline, draw: int | None = None):
         super().__init__(cfg)
         self.runs_dir = self.out / "theirs"
         self.conf_dir = self.runs_dir / "configs"
         self.target = ours.target
         self.num_anchors = ours.num_anchors
+        self.draw = draw
 
     def export_dir(self, kind: str, seed: int) -> Path:
-        return self.runs_dir / f"{kind}-s{seed}" / "run" / "model"
+        return self.runs_dir / self.run_name(kind, seed) / "run" / "model"
 
 
 # ---- theirs: the features, the architecture, the run --------------------------------------
@@ -183,7 +238,7 @@ def their_job(pipe: DemoPipeline, kind: str, seed: int, work: Path) -> dict:
         "features": str(features),
         "out": str(work.parent / "run"),
         **their_settings(pipe, kind, seed),
-        "seed": seed,
+        "seed": pipe.train_seed(seed),
         "threads": pipe.nproc,
     }
 
@@ -230,63 +285,72 @@ def train_theirs(cfg: PeerConfig, jobs: list[dict], log: Path) -> None:
 
 
 # ---- the comparison ------------------------------------------------------------------------
-def train_their_seed(cfg: PeerConfig, ours: DemoPipeline, theirs: TheirsPipeline, seed: int):
-    """speculators' trainer on every kind of one seed; kind -> its job."""
+def train_their_seed(cfg: PeerConfig, ours: OursPipeline, theirs: TheirsPipeline, seed: int):
+    """speculators' trainer on every kind of one seed (and `theirs`' draw); kind -> its job."""
     for kind in cfg.drafters:  # a rerun starts fresh
-        shutil.rmtree(theirs.runs_dir / f"{kind}-s{seed}", ignore_errors=True)
+        shutil.rmtree(theirs.runs_dir / theirs.run_name(kind, seed), ignore_errors=True)
     jobs = {
-        kind: their_job(ours, kind, seed, theirs.runs_dir / f"{kind}-s{seed}" / "init")
+        kind: their_job(ours, kind, seed, theirs.runs_dir / theirs.run_name(kind, seed) / "init")
         for kind in cfg.drafters
     }
     ours.log_dir.mkdir(parents=True, exist_ok=True)
-    log = ours.log_dir / f"train-theirs-s{seed}.log"
+    name = f"train-theirs-s{seed}{theirs._suffix()}"
     ours.stages.run(
-        f"train-theirs-s{seed}",
+        name,
         "speculators' trainer, every kind",
         train_theirs,
         cfg,
         list(jobs.values()),
-        log,
+        ours.log_dir / f"{name}.log",
     )
     return jobs
 
 
 def run_seed(
     cfg: PeerConfig,
-    ours: DemoPipeline,
+    ours: OursPipeline,
     theirs: TheirsPipeline,
     seed: int,
     previous: Previous | None = None,
 ) -> dict:
-    """Both trainers on one seed's data (theirs taken from `previous` when given); kind ->
-    {"ours": ..., "theirs": ... or "reused": its record, "their_job": ...}."""
+    """Both trainers on one seed's data, every draw (theirs taken from `previous` when given);
+    kind -> its draws, each {"draw": its training seed, "ours": ..., "theirs": ... or
+    "reused": its record, "their_job": ...}."""
     s = ours.stages
     s.run(f"regenerate-s{seed}", "the target answers the prompts", ours.regenerate, seed)
     s.run(f"prepare-s{seed}", "chat template + assistant loss masks", ours.prepare, seed)
     if cfg.data.mode == "offline":
         s.run(f"build-cache-s{seed}", "target features for ours", ours.build_cache, seed)
+    draws = cfg.draw_seeds(seed)
     if previous is not None:  # before our training: a record that does not fit stops the run
-        reused = {kind: previous.theirs(ours, kind, seed) for kind in cfg.drafters}
-    for kind in cfg.drafters:
-        s.run(f"train-ours-{kind}-s{seed}", f"ours: {kind}", ours.train, kind, seed)
-    jobs = train_their_seed(cfg, ours, theirs, seed) if previous is None else {}
-    results = {}
-    for kind in cfg.drafters:
-        mine = {"train": ours.results[seed][kind]["train"]}
-        for t in cfg.eval.temperatures:
-            key = temp_key(t)
-            mine[key] = s.run(f"eval-ours-{kind}-{key}-s{seed}", "", ours.evaluate, kind, t, seed)
-        if previous is not None:
-            settings = their_settings(ours, kind, seed)
-            results[kind] = {"ours": mine, "reused": reused[kind], "their_job": settings}
-            continue
-        other = {"train": json.loads(Path(jobs[kind]["out"], "result.json").read_text())}
-        for t in cfg.eval.temperatures:
-            key = temp_key(t)
-            other[key] = s.run(
-                f"eval-theirs-{kind}-{key}-s{seed}", "", theirs.evaluate, kind, t, seed
-            )
-        results[kind] = {"ours": mine, "theirs": other, "their_job": jobs[kind]}
+        reused = {(k, d): previous.theirs(ours, k, seed, d) for k in cfg.drafters for d in draws}
+    results: dict[str, list] = {kind: [] for kind in cfg.drafters}
+    for draw in draws:
+        mine_d = ours.drawn(None if draw == seed else draw)
+        theirs_d = TheirsPipeline(cfg, ours, mine_d.draw)
+        tag = mine_d._suffix()
+        for kind in cfg.drafters:
+            s.run(f"train-ours-{kind}-s{seed}{tag}", f"ours: {kind}", mine_d.train, kind, seed)
+        jobs = train_their_seed(cfg, mine_d, theirs_d, seed) if previous is None else {}
+        for kind in cfg.drafters:
+            mine = {"train": mine_d.results[seed][kind]["train"]}
+            for t in cfg.eval.temperatures:
+                key = temp_key(t)
+                mine[key] = s.run(
+                    f"eval-ours-{kind}-{key}-s{seed}{tag}", "", mine_d.evaluate, kind, t, seed
+                )
+            entry = {"draw": draw, "ours": mine}
+            if previous is not None:
+                settings = their_settings(ours, kind, seed)
+                results[kind].append({**entry, "reused": reused[kind, draw], "their_job": settings})
+                continue
+            other = {"train": json.loads(Path(jobs[kind]["out"], "result.json").read_text())}
+            for t in cfg.eval.temperatures:
+                key = temp_key(t)
+                other[key] = s.run(
+                    f"eval-theirs-{kind}-{key}-s{seed}{tag}", "", theirs_d.evaluate, kind, t, seed
+                )
+            results[kind].append({**entry, "theirs": other, "their_job": jobs[kind]})
     return results
 
 
@@ -334,6 +398,14 @@ class Previous:
                 )
                 for section in WORK_SECTIONS:
                     previous.same(rec, section, work[section], now[section])
+                drawn = sorted(their_draws(rec))
+                missing = [d for d in cfg.draw_seeds(seed) if d not in drawn]
+                if missing:
+                    raise ConfigError(
+                        f"reuse_theirs: {file}'s {kind} seed {seed} has no training of draw "
+                        f"{missing[0]} (it has {drawn}); run with fewer --draws, or without "
+                        "--reuse_theirs"
+                    )
         return previous
 
     def record(self, kind: str, seed: int) -> dict:
@@ -352,17 +424,25 @@ class Previous:
                     "--reuse_theirs to train speculators' again"
                 )
 
-    def theirs(self, pipe: DemoPipeline, kind: str, seed: int) -> dict:
-        """The `theirs` record of `kind` and `seed`, with where and when it was made, if its
-        budget and speculators options are this run's (refused otherwise)."""
+    def theirs(self, pipe: DemoPipeline, kind: str, seed: int, draw: int | None = None) -> dict:
+        """The `theirs` record of `kind` and `seed` (of its draw `draw`, a training seed of
+        `PeerConfig.draw_seeds`; None = the seed's own), with where and when it was made, if
+        its budget and speculators options are this run's (refused otherwise)."""
         rec = self.record(kind, seed)
         settings = their_settings(pipe, kind, seed)
         self.same(rec, "budget", rec["budget"], budget_record(pipe.cfg, settings))
         options = rec["theirs"]["options"]
         given = {k: options.get(k) for k in THEIR_OPTIONS}
         self.same(rec, "options", given, {k: settings[v] for k, v in THEIR_OPTIONS.items()})
+        theirs = their_draws(rec)[seed if draw is None else draw]  # `load` checked it is there
         origin = dict(file=str(self.path), date=rec.get("date"), command=rec["command"])
-        return {**rec["theirs"], "reused_from": rec["theirs"].get("reused_from", origin)}
+        return {**theirs, "reused_from": theirs.get("reused_from", origin)}
+
+
+def their_draws(rec: dict) -> dict[int, dict]:
+    """A record's trainings of speculators by draw seed (`PeerConfig.draw_seeds`); a record of
+    one draw holds its seed's own."""
+    return {d["draw"]: d["theirs"] for d in rec.get("draws", [])} or {rec["seed"]: rec["theirs"]}
 
 
 THEIR_OPTIONS = {
@@ -403,26 +483,53 @@ def budget_record(cfg: PeerConfig, settings: dict) -> dict:
     }
 
 
+def _mean_side(sides: list[dict], temperatures: list[float]) -> dict:
+    """One side's draws as one: τ, acceptance by position and seconds averaged, τ's range."""
+    out = {}
+    for t in temperatures:
+        taus = [x[f"tau_{temp_key(t)}"] for x in sides]
+        out[f"tau_{temp_key(t)}"] = sum(taus) / len(taus)
+        out[f"tau_{temp_key(t)}_range"] = [min(taus), max(taus)]
+        rates = [x[f"accept_rate_by_position_{temp_key(t)}"] for x in sides]
+        out[f"accept_rate_by_position_{temp_key(t)}"] = [sum(c) / len(c) for c in zip(*rates)]
+    seconds = [x["train_s"] for x in sides]
+    out["train_s"] = None if None in seconds else sum(seconds) / len(seconds)
+    steps = sorted({x["steps"] for x in sides}, key=str)
+    out["steps"] = steps[0] if len(steps) == 1 else steps
+    return out
+
+
 def records(cfg: PeerConfig, results: dict, seconds: dict, command: str, date: str) -> list[dict]:
-    """peers.json's records: one per kind and seed."""
+    """peers.json's records: one per kind and seed; with several draws its sides are the
+    means (`_mean_side`) and `draws` holds each training's."""
+    temps = cfg.eval.temperatures
     out = []
     for seed, kinds in results.items():
-        for kind, entry in kinds.items():
-            ours = _side(entry["ours"], cfg.eval.temperatures)
-            ours["train_s"] = seconds.get(f"train-ours-{kind}-s{seed}")
-            if "reused" in entry:
-                theirs = entry["reused"]
+        for kind, entries in kinds.items():
+            draws = []
+            for entry in entries:
+                tag = "" if entry["draw"] == seed else f"-d{entry['draw']}"
+                ours = _side(entry["ours"], temps)
+                ours["train_s"] = seconds.get(f"train-ours-{kind}-s{seed}{tag}")
+                if "reused" in entry:
+                    theirs = entry["reused"]
+                else:
+                    theirs = _side(entry["theirs"], temps)
+                    theirs["options"] = entry["theirs"]["train"]["options"]
+                draws.append({"draw": entry["draw"], "ours": ours, "theirs": theirs})
+            rec = {"kind": kind, "label": PRESETS[kind].label, "seed": seed}
+            if len(draws) == 1:
+                rec |= {"ours": draws[0]["ours"], "theirs": draws[0]["theirs"]}
             else:
-                theirs = _side(entry["theirs"], cfg.eval.temperatures)
-                theirs["options"] = entry["theirs"]["train"]["options"]
+                rec["ours"] = _mean_side([d["ours"] for d in draws], temps)
+                rec["theirs"] = _mean_side([d["theirs"] for d in draws], temps)
+                first = draws[0]["theirs"]
+                rec["theirs"] |= {k: first[k] for k in ("options", "reused_from") if k in first}
+                rec["draws"] = draws
             out.append(
-                {
-                    "kind": kind,
-                    "label": PRESETS[kind].label,
-                    "seed": seed,
-                    "ours": ours,
-                    "theirs": theirs,
-                    "budget": budget_record(cfg, entry["their_job"]),
+                rec
+                | {
+                    "budget": budget_record(cfg, entries[0]["their_job"]),
                     "work": work_record(cfg),
                     "command": command,
                     "date": date,
@@ -435,9 +542,18 @@ def _fmt(x) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
+def _cell(side: dict, key: str) -> str:
+    """A side's τ; with several draws their mean and range."""
+    span = side.get(f"tau_{key}_range")
+    tau = _fmt(side[f"tau_{key}"])
+    return tau if span is None else f"{tau} ({span[0]:.2f}–{span[1]:.2f})"
+
+
 def table(recs: list[dict], temperatures: list[float], command: str, date: str) -> str:
-    """The markdown table of the records (per kind and seed, then ours ≥ theirs counted)."""
+    """The markdown table of the records (per kind and seed, then ours ≥ theirs counted; with
+    several draws, on their means)."""
     keys = [temp_key(t) for t in temperatures]
+    draws = max(len(r.get("draws", [])) for r in recs) or 1
     head = ["drafter", "seed"]
     for t in temperatures:
         head += [f"τ T={t:g} ours", f"τ T={t:g} theirs"]
@@ -446,10 +562,11 @@ def table(recs: list[dict], temperatures: list[float], command: str, date: str) 
     for r in recs:
         cells = [r["label"], str(r["seed"])]
         for k in keys:
-            cells += [_fmt(r["ours"][f"tau_{k}"]), _fmt(r["theirs"][f"tau_{k}"])]
+            cells += [_cell(r["ours"], k), _cell(r["theirs"], k)]
         cells += [f"{r['ours']['train_s'] or 0:.0f}", f"{r['theirs']['train_s'] or 0:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    what = "τ" if draws == 1 else f"mean τ over {draws} trainings a side"
     for label in dict.fromkeys(r["label"] for r in recs):
         mine = [r for r in recs if r["label"] == label]
         counts = ", ".join(
@@ -457,7 +574,15 @@ def table(recs: list[dict], temperatures: list[float], command: str, date: str) 
             f"/{len(mine)}"
             for t, k in zip(temperatures, keys)
         )
-        lines.append(f"- {label}: ours ≥ theirs in τ in {counts} seeds")
+        lines.append(f"- {label}: ours ≥ theirs in {what} in {counts} seeds")
+    if draws > 1:
+        seeds = ", ".join(str(100 + k) for k in range(1, draws))
+        lines += [
+            "",
+            f"Each cell: the mean over {draws} trainings of that side on the seed's data (the "
+            f"seed's own and training seeds {seeds}: another init and data order each), the "
+            "range of the trainings in brackets; the training seconds are means.",
+        ]
     lines += ["", f"Made by `{command}` on {date}."]
     reused = {}
     for r in recs:
@@ -485,7 +610,7 @@ def compare(cfg: PeerConfig, command: str) -> list[dict]:
     previous = Previous.load(cfg.reuse_theirs, cfg) if cfg.reuse_theirs else None
     if previous is None:
         speculators_python(cfg)
-    ours = DemoPipeline(cfg)
+    ours = OursPipeline(cfg)
     ours.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.num_threads)
     ours.stages.run("corpus", "synthetic chat corpus", ours.corpus)

@@ -218,7 +218,7 @@ def run_job(job: dict) -> dict:
     model.save_pretrained(out / "model")
     keys = ("optimizer", "lr", "muon_lr", "weight_decay", "muon_weight_decay", "loss_fn")
     keys += ("per_position_loss_weight", "dflash_decay_gamma", "scheduler_type", "max_anchors")
-    keys += ("scheduler_warmup_ratio", "ttt_steps", "ttt_step_loss_decay", "total_seq_len")
+    keys += ("scheduler_warmup_ratio", "ttt_steps", "ttt_step_loss_decay", "total_seq_len", "seed")
     result = {
         "steps": trainer.global_step,
         "train_s": seconds,

@@ -1,6 +1,7 @@
 """tools/peer_compare.py on a tiny budget: ours and speculators 0.9's drafters of every kind
-trained on the demo's work (a tiny target, a few steps, one seed), all evaluated by our
-evaluator; the table of peers.md and the records of peers.json come out for every kind.
+trained on the demo's work (a tiny target, a few steps, one seed, two draws), all evaluated by
+our evaluator; the table of peers.md and the records of peers.json come out for every kind, each
+side's τ the mean of its two trainings.
 
 Needs the speculators environment tools/install.sh makes (a missing one fails naming it)."""
 
@@ -24,7 +25,7 @@ TINY = [
     --data.num_train_prompts 16 --data.num_heldout_prompts 2
     --data.max_new_tokens 16 --data.regenerate_batch_size 8
     --budget.max_steps 2 --budget.global_batch_size 2
-    --eval.max_new_tokens 8 --seeds [0]
+    --eval.max_new_tokens 8 --seeds [0] --draws 2
 """.split(),
 ]
 
@@ -55,11 +56,17 @@ def test_peer_compare_writes_the_table_and_the_records_of_every_kind(tmp_path, m
     for r in records:
         assert r["seed"] == 0 and "tools/peer_compare.py" in r["command"]
         assert r["budget"]["optimizer_steps"] == 2 and r["budget"]["sequences_per_step"] == 2
+        assert [d["draw"] for d in r["draws"]] == [0, 101]  # the seed's own, then another
         for side in ("ours", "theirs"):
             assert r[side]["steps"] == 2, (r["kind"], side)  # each trainer ran the budget
             for t in ("T0", "T1"):
                 gamma = r["budget"]["draft_length"]
-                assert 1.0 <= r[side][f"tau_{t}"] <= gamma + 1, (r["kind"], side, t)
+                taus = [d[side][f"tau_{t}"] for d in r["draws"]]
+                assert all(1.0 <= tau <= gamma + 1 for tau in taus), (r["kind"], side, t)
+                assert r[side][f"tau_{t}"] == pytest.approx(sum(taus) / 2)
+                assert r[side][f"tau_{t}_range"] == [min(taus), max(taus)]
+        # each draw trained its own drafter, from its own seed (speculators' included)
+        assert r["draws"][1]["theirs"]["options"]["seed"] == 101
         assert r["theirs"]["options"]["lr"] == r["budget"]["lr"]
         assert r["theirs"]["options"]["scheduler_type"] == "cosine"
 
@@ -71,3 +78,9 @@ def test_peer_compare_writes_the_table_and_the_records_of_every_kind(tmp_path, m
         PRESETS[k].label for k in PRESET_NAMES
     )
     assert "Made by `python tools/peer_compare.py --output_dir" in text
+    assert "the mean over 2 trainings of that side" in text
+    out = tmp_path / "out"
+    for kind in PRESET_NAMES:
+        for name in (f"{kind}-s0", f"{kind}-s0-d101"):
+            assert (out / "runs" / name / "export" / "config.json").is_file(), name
+            assert (out / "theirs" / name / "run" / "model" / "config.json").is_file(), name

@@ -123,3 +123,59 @@ def test_the_work_a_record_keeps_decides_not_todays_defaults(tool, tmp_path):
         rec["work"] = kept
     file.write_text(json.dumps(recs))
     tool.Previous.load(str(file), cfg)  # its own options: taken
+
+
+def test_a_draw_the_file_lacks_is_refused_before_anything_runs(tool, tmp_path):
+    file = _previous_file(tool, tmp_path)  # one training a side
+    cfg, _ = _pipe(tool, [*THEN, "--draws", "2"], tmp_path)
+    with pytest.raises(ConfigError, match="no training of draw 101") as err:
+        tool.Previous.load(str(file), cfg)
+    assert "--draws" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_each_draw_takes_its_own_training_from_a_file_of_draws(tool, tmp_path):
+    file = _previous_file(tool, tmp_path)
+    recs = json.loads(file.read_text())
+    for rec in recs:
+        one = rec["theirs"]
+        rec["draws"] = [
+            {"draw": 0, "ours": {}, "theirs": one},
+            {"draw": 101, "ours": {}, "theirs": {**one, "tau_T0": one["tau_T0"] + 0.5}},
+        ]
+    file.write_text(json.dumps(recs))
+    cfg, pipe = _pipe(tool, [*THEN, "--draws", "2"], tmp_path)
+    previous = tool.Previous.load(str(file), cfg)
+    kind = cfg.drafters[0]
+    assert cfg.draw_seeds(0) == [0, 101]
+    assert previous.theirs(pipe, kind, 0, 0)["tau_T0"] == 3.0
+    assert previous.theirs(pipe, kind, 0, 101)["tau_T0"] == 3.5
+
+
+def test_the_records_of_several_draws_hold_their_means_and_the_table_their_ranges(tool, tmp_path):
+    cfg, pipe = _pipe(tool, [*THEN, "--draws", "3"], tmp_path)
+    kind = cfg.drafters[0]
+
+    def entry(draw, tau_ours, tau_theirs):
+        def side(tau):
+            row = {"tau": tau, "accept_rate_by_position": [tau / 10, tau / 20]}
+            return {"train": {"steps": 40, "train_s": 1.0}, "T0": row}
+
+        theirs = side(tau_theirs)
+        theirs["train"]["options"] = {"seed": draw}
+        settings = tool.their_settings(pipe, kind, 0)
+        return {"draw": draw, "ours": side(tau_ours), "theirs": theirs, "their_job": settings}
+
+    cfg.eval.temperatures = [0.0]
+    results = {0: {kind: [entry(0, 4.0, 4.5), entry(101, 5.0, 4.5), entry(102, 6.0, 4.5)]}}
+    seconds = {"train-ours-dspark-s0": 10.0, "train-ours-dspark-s0-d101": 20.0}
+    seconds["train-ours-dspark-s0-d102"] = 30.0
+    (rec,) = tool.records(cfg, results, seconds, "cmd", "now")
+    assert rec["ours"]["tau_T0"] == pytest.approx(5.0) and rec["ours"]["tau_T0_range"] == [4, 6]
+    assert rec["ours"]["accept_rate_by_position_T0"] == pytest.approx([0.5, 0.25])
+    assert rec["ours"]["train_s"] == pytest.approx(20.0)
+    assert [d["draw"] for d in rec["draws"]] == [0, 101, 102]
+    assert rec["theirs"]["options"] == {"seed": 0}  # the first draw's: what a reuse checks
+    text = tool.table([rec], [0.0], "cmd", "now")
+    assert "| 5.000 (4.00–6.00) | 4.500 (4.50–4.50) |" in text
+    assert "ours ≥ theirs in mean τ over 3 trainings a side in T=0 1/1 seeds" in text
+    assert "training seeds 101, 102" in text

@@ -108,6 +108,12 @@ class PeerConfig(DemoConfig):
             self.seeds = [0, 1, 2]
         if self.draws < 1:
             raise ConfigError(f"draws: {self.draws}; it counts trainings a side, at least 1")
+        twice = [s for s in self.seeds if s in self.draw_seeds(s)[1:]]
+        if twice:
+            raise ConfigError(
+                f"seeds: {twice[0]} is also one of its draws' training seeds (101 to "
+                f"{99 + self.draws}); with --draws {self.draws} use other seeds"
+            )
 
     def draw_seeds(self, seed: int) -> list[int]:
         """The training seeds of `seed`'s draws: the seed itself (the demo's training), then
@@ -221,7 +227,7 @@ def speculators_architecture(export: Path, target_path: str, out: Path) -> dict:
     return json.loads((export / "config.json").read_text())
 
 
-def their_job(pipe: DemoPipeline, kind: str, seed: int, work: Path) -> dict:
+def their_job(pipe: OursPipeline, kind: str, seed: int, work: Path) -> dict:
     """tools/speculators_train.py's job for one drafter: the demo's budget (steps, sequences
     per step, packed into one sequence of that many × max_length tokens), lr, warmup and
     cosine decay; DSpark / DFlash get as many anchor blocks as ours, Eagle3 as many steps."""

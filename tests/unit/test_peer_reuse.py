@@ -1,6 +1,7 @@
 """tools/peer_compare.py --reuse_theirs: a previous run's speculators records are taken only
 when they were made with this run's budget, data, target, drafter sizes, evaluation and
-speculators options; anything else is refused naming the option."""
+speculators options; anything else is refused naming the option. With --draws, each draw is
+taken from its own record, and several draws' records hold their means and ranges."""
 
 from __future__ import annotations
 
@@ -179,3 +180,11 @@ def test_the_records_of_several_draws_hold_their_means_and_the_table_their_range
     assert "| 5.000 (4.00–6.00) | 4.500 (4.50–4.50) |" in text
     assert "ours ≥ theirs in mean τ over 3 trainings a side in T=0 1/1 seeds" in text
     assert "training seeds 101, 102" in text
+
+
+def test_a_seed_that_is_its_own_draw_is_refused(tool, tmp_path):
+    with pytest.raises(ConfigError, match="seeds: 101 is also one of its draws") as err:
+        _pipe(tool, ["--seeds", "[0,101]", "--draws", "3"], tmp_path)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="draws: 0"):
+        _pipe(tool, ["--draws", "0"], tmp_path)

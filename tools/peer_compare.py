@@ -32,7 +32,8 @@ otherwise); the records and the table say where and when it was made.
 
 Written: `output_dir` (the demo's layout; theirs under theirs/), `docs_dir`/peers.json (one
 record per kind and seed) and the table of `docs_dir`/peers.md (between its table markers; a
-file without them keeps its text, the table appended).
+file without them keeps its text, the table appended); with several draws
+`docs_dir`/images/peers_draws.png (each training's τ and the means, per kind and temperature).
 """
 
 from __future__ import annotations
@@ -605,10 +606,47 @@ def table(recs: list[dict], temperatures: list[float], command: str, date: str) 
     return "\n".join(lines)
 
 
-def write_docs(docs: Path, recs: list[dict], text: str) -> None:
+def plot(recs: list[dict], temperatures: list[float], path: Path) -> None:
+    """A panel per temperature and kind: each training's τ by seed, ours and theirs side by
+    side, their means as bars (the records of several draws)."""
+    # lazy: matplotlib, 0.3 s of import, only to plot
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # lazy: after matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["label"] for r in recs))
+    rows, cols = len(temperatures), len(labels)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    for row, t in zip(axes, temperatures):
+        key = f"tau_{temp_key(t)}"
+        for ax, label in zip(row, labels):
+            mine = [r for r in recs if r["label"] == label]
+            for side, dx, color in (("ours", -0.12, "C0"), ("theirs", 0.12, "C1")):
+                for i, r in enumerate(mine):
+                    taus = [d[side][key] for d in r.get("draws", [r])]
+                    ax.scatter([i + dx] * len(taus), taus, s=18, color=color, alpha=0.6)
+                    ax.hlines(r[side][key], i + dx - 0.09, i + dx + 0.09, color=color, lw=2.5)
+                ax.scatter([], [], color=color, label=side)
+            ax.set(title=f"{label}, T = {t:g}", xticks=range(len(mine)))
+            ax.set(xticklabels=[f"seed {r['seed']}" for r in mine], ylabel="τ (tokens per round)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("τ of each training (dots) and their mean (bars), ours and speculators'")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_docs(docs: Path, recs: list[dict], text: str, temperatures: list[float]) -> None:
+    """peers.json, peers.md's table, and with several draws images/peers_draws.png."""
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "peers.json").write_text(json.dumps(recs, indent=2) + "\n")
     write_between_markers(docs / "peers.md", TABLE_BEGIN, TABLE_END, text)
+    if any("draws" in r for r in recs):
+        plot(recs, temperatures, docs / "images" / "peers_draws.png")
 
 
 def compare(cfg: PeerConfig, command: str) -> list[dict]:
@@ -635,7 +673,7 @@ def compare(cfg: PeerConfig, command: str) -> list[dict]:
                 f" Seeds measured so far: {list(results)} of {cfg.seeds} (the table is "
                 "written after each seed)."
             )
-        write_docs(Path(cfg.docs_dir), recs, text)
+        write_docs(Path(cfg.docs_dir), recs, text, cfg.eval.temperatures)
     print(f"[peers] done in {ours.stages.total:.0f} s: {Path(cfg.docs_dir) / 'peers.json'}")
     return recs
 

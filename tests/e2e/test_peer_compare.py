@@ -79,6 +79,7 @@ def test_peer_compare_writes_the_table_and_the_records_of_every_kind(tmp_path, m
     )
     assert "Made by `python tools/peer_compare.py --output_dir" in text
     assert "the mean over 2 trainings of that side" in text
+    assert (docs / "images" / "peers_draws.png").read_bytes().startswith(b"\x89PNG")
     out = tmp_path / "out"
     for kind in PRESET_NAMES:
         for name in (f"{kind}-s0", f"{kind}-s0-d101"):

@@ -180,6 +180,8 @@ def test_the_records_of_several_draws_hold_their_means_and_the_table_their_range
     assert "| 5.000 (4.00–6.00) | 4.500 (4.50–4.50) |" in text
     assert "ours ≥ theirs in mean τ over 3 trainings a side in T=0 1/1 seeds" in text
     assert "training seeds 101, 102" in text
+    tool.plot([rec], [0.0], tmp_path / "images" / "draws.png")
+    assert (tmp_path / "images" / "draws.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_seed_that_is_its_own_draw_is_refused(tool, tmp_path):

@@ -111,9 +111,10 @@ class PeerConfig(DemoConfig):
             raise ConfigError(f"draws: {self.draws}; it counts trainings a side, at least 1")
         twice = [s for s in self.seeds if s in self.draw_seeds(s)[1:]]
         if twice:
+            others = self.draw_seeds(twice[0])[1:]
             raise ConfigError(
-                f"seeds: {twice[0]} is also one of its draws' training seeds (101 to "
-                f"{99 + self.draws}); with --draws {self.draws} use other seeds"
+                f"seeds: {twice[0]} is also one of its draws' training seeds ({others[0]} to "
+                f"{others[-1]}); with --draws {self.draws} use other seeds"
             )
 
     def draw_seeds(self, seed: int) -> list[int]:
@@ -133,21 +134,25 @@ def speculators_python(cfg: PeerConfig) -> Path:
     return python
 
 
+def draw_tag(seed: int, draw: int | None) -> str:
+    """What names `seed`'s training of draw seed `draw` (its runs, evaluations and stages):
+    nothing for the seed's own (None or the seed), -d<draw> for another."""
+    return "" if draw in (None, seed) else f"-d{draw}"
+
+
 class Drawn:
-    """A pipeline's trainings of one draw (`PeerConfig.draw_seeds`): None is the seed's own
-    training, with the demo's names; a draw seed d trains with train.seed = data.seed = d, its
-    runs and evaluations named ...-d<d>. The evaluation's sampling stays the seed's."""
+    """A pipeline's trainings of one draw (`PeerConfig.draw_seeds`): None or the seed is the
+    seed's own training, with the demo's names; a draw seed d trains with train.seed =
+    data.seed = d, its runs and evaluations named ...-d<d> (`draw_tag`). The evaluation's
+    sampling stays the seed's."""
 
     draw: int | None = None
 
-    def _suffix(self) -> str:
-        return "" if self.draw is None else f"-d{self.draw}"
-
     def run_name(self, kind: str, seed: int) -> str:
-        return super().run_name(kind, seed) + self._suffix()
+        return super().run_name(kind, seed) + draw_tag(seed, self.draw)
 
     def eval_name(self, kind: str, temperature: float, seed: int) -> str:
-        return super().eval_name(kind, temperature, seed) + self._suffix()
+        return super().eval_name(kind, temperature, seed) + draw_tag(seed, self.draw)
 
     def train_seed(self, seed: int) -> int:
         return seed if self.draw is None else self.draw
@@ -301,7 +306,7 @@ def train_their_seed(cfg: PeerConfig, ours: OursPipeline, theirs: TheirsPipeline
         for kind in cfg.drafters
     }
     ours.log_dir.mkdir(parents=True, exist_ok=True)
-    name = f"train-theirs-s{seed}{theirs._suffix()}"
+    name = f"train-theirs-s{seed}{draw_tag(seed, theirs.draw)}"
     ours.stages.run(
         name,
         "speculators' trainer, every kind",
@@ -333,9 +338,8 @@ def run_seed(
         reused = {(k, d): previous.theirs(ours, k, seed, d) for k in cfg.drafters for d in draws}
     results: dict[str, list] = {kind: [] for kind in cfg.drafters}
     for draw in draws:
-        mine_d = ours.drawn(None if draw == seed else draw)
-        theirs_d = TheirsPipeline(cfg, ours, mine_d.draw)
-        tag = mine_d._suffix()
+        mine_d, theirs_d = ours.drawn(draw), TheirsPipeline(cfg, ours, draw)
+        tag = draw_tag(seed, draw)
         for kind in cfg.drafters:
             s.run(f"train-ours-{kind}-s{seed}{tag}", f"ours: {kind}", mine_d.train, kind, seed)
         jobs = train_their_seed(cfg, mine_d, theirs_d, seed) if previous is None else {}
@@ -515,7 +519,7 @@ def records(cfg: PeerConfig, results: dict, seconds: dict, command: str, date: s
         for kind, entries in kinds.items():
             draws = []
             for entry in entries:
-                tag = "" if entry["draw"] == seed else f"-d{entry['draw']}"
+                tag = draw_tag(seed, entry["draw"])
                 ours = _side(entry["ours"], temps)
                 ours["train_s"] = seconds.get(f"train-ours-{kind}-s{seed}{tag}")
                 if "reused" in entry:
@@ -583,7 +587,8 @@ def table(recs: list[dict], temperatures: list[float], command: str, date: str) 
         )
         lines.append(f"- {label}: ours ≥ theirs in {what} in {counts} seeds")
     if draws > 1:
-        seeds = ", ".join(str(100 + k) for k in range(1, draws))
+        many = next(r for r in recs if len(r.get("draws", [])) == draws)
+        seeds = ", ".join(str(d["draw"]) for d in many["draws"][1:])
         lines += [
             "",
             f"Each cell: the mean over {draws} trainings of that side on the seed's data (the "

@@ -11,7 +11,7 @@
 Every drafter (DSpark, DFlash, Eagle3) gets the same data, the same budget (`budget.*`: steps,
 batch, learning-rate schedule, optimizer, ZeRO stage, ranks) and the same supervision (every
 valid position of every sequence, over γ draft positions); each its own loss or the one the
-study picked for it (`loss`; docs/demo.md).
+study picked for it, and the order of the sequences that goes with it (`loss`; docs/demo.md).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dspark_ds.data.config import DataConfig
 from dspark_ds.demo.target import DemoTargetConfig
-from dspark_ds.drafters.presets import PRESET_NAMES, DrafterSizes
+from dspark_ds.drafters.presets import PRESET_NAMES, PRESETS, DrafterSizes
 from dspark_ds.errors import ConfigError, require_at_least_one
 
 LAUNCHERS = ("fork", "torchrun")
@@ -188,7 +189,9 @@ class DemoConfig:
     position weights, Eagle3 every unrolled step weighted 1.0; docs/peers.md); "measured",
     the one each drafter drafted best with in docs/demo.md's and docs/peers.md's measurements
     (`Preset.demo_loss`: DSpark speculators' KL plus the CE against the target's greedy token,
-    DFlash speculators' loss, Eagle3 its own)."""
+    DFlash speculators' loss plus 0.5 x the KL, Eagle3 its own), each in the order of the
+    sequences it drafted best in (`Preset.demo_data`: DFlash a random order, the others grouped
+    by length; with "preset" and "speculators" every drafter grouped by length)."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
     """Speculative-decoding evaluation."""
     drafters: list[str] = field(default_factory=lambda: list(PRESET_NAMES))
@@ -213,6 +216,15 @@ class DemoConfig:
 
     NOTE: tiny models gain nothing from intra-op threads, and on a 2-core machine 2 ranks with
     several threads each oversubscribe it (often 10x slower)."""
+
+    def data_order(self, name: str) -> dict:
+        """The `data` fields that order the drafter `name`'s sequences: its preset's measured
+        order (`Preset.demo_data`) with the measured loss, the data section's otherwise."""
+        return dict(PRESETS[name].demo_data) if self.loss == "measured" else {}
+
+    def length_grouping(self, name: str) -> int:
+        """The `data.length_grouping` the drafter `name` trains with (1: a random order)."""
+        return self.data_order(name).get("length_grouping", DataConfig.length_grouping)
 
     def draft_lengths(self) -> dict[str, int]:
         """γ of each drafter the demo trains, from its kind's size block."""

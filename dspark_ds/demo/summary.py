@@ -62,13 +62,21 @@ def _ratio_name(metric: str, a: str, b: str) -> str:
     return f"{metric}_{a}_over_{b}"
 
 
+def _orders(cfg: DemoConfig) -> str:
+    """How the drafters' orders of the data differ, if they do ("" when one order for all)."""
+    random = [_label(k) for k in cfg.drafters if cfg.length_grouping(k) == 1]
+    if not random or len(random) == len(cfg.drafters):
+        return ""
+    return f" ({', '.join(random)} in a random order of it, the others grouped by length)"
+
+
 def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     """What every drafter is trained on: the basis of the comparison, with the measured share of
     valid positions the anchor sampler covered (the kinds that train on anchor blocks)."""
     b = cfg.budget
     out: dict = {
         "budget": f"{b.max_steps} steps x {b.global_batch_size} sequences, lr {b.lr:g}, "
-        f"the same data for every drafter",
+        f"the same data for every drafter{_orders(cfg)}",
     }
     for kind in cfg.drafters:
         trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]

@@ -227,6 +227,13 @@ def test_demo_loss_and_optimizer_reach_every_drafter(tmp_path):
         assert run.model == replace(own, **PRESETS[name].speculators_loss) != own, name
         measured = runs["measured"][name].model
         assert measured == replace(own, **PRESETS[name].demo_loss), name
+        # the order of the sequences: the measured one goes with the measured loss only
+        assert run.data == runs["preset"][name].data, name
+        ordered = runs["measured"][name].data
+        assert ordered == replace(run.data, **PRESETS[name].demo_data), name
+    grouping = {name: r.data.length_grouping for name, r in runs["measured"].items()}
+    assert grouping == {"dspark": 64, "dflash": 1, "eagle3": 64}
+    assert {r.data.length_grouping for r in runs["speculators"].values()} == {64}
 
 
 def test_demo_max_valid_anchors_counts_supervised_pairs(tmp_path):
@@ -361,6 +368,15 @@ def test_summary_spread_ratios_and_claims_over_seeds():
     ) in text
     # behind at the first position only: the claim's one line says what that means
     assert "\n  position 0: DSpark's Markov head reads the anchor there" in text
+    # the basis line names the drafter read in another order of the same data
+    assert summary["supervision"]["budget"].endswith(
+        "the same data for every drafter (DFlash in a random order of it, the others grouped "
+        "by length)"
+    )
+    cfg = parse_config("demo", ["--output_dir", "x", "--loss", "speculators"])
+    assert build_summary(cfg, {0: results[0]}, {}, 9.0, target, 2, "sqlite:///x")["supervision"][
+        "budget"
+    ].endswith("the same data for every drafter")
     assert (
         "acceptance(DSpark) / acceptance(DFlash) at T = 0, the smallest over the positions" in text
     )

@@ -7,13 +7,14 @@ import contextlib
 import json
 import math
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from dspark_ds.data.config import DataConfig
 from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.common.registration import CONFIDENCE_HEAD
 from dspark_ds.drafters.dspark.config import LossWeights
@@ -206,6 +207,10 @@ def test_each_presets_speculators_loss_is_a_valid_loss_of_its_kind(name):
     measured = PRESETS[name].demo_loss
     assert set(measured) <= set(own.kind_fields())
     preset(name, **measured).validate()
+    # its measured order: `data` fields, and a valid data section with them
+    order = PRESETS[name].demo_data
+    assert set(order) <= {f.name for f in fields(DataConfig)}
+    DataConfig(paths=["x"], **order)  # validated on construction
 
 
 def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():

@@ -53,6 +53,9 @@ class Preset:
     """The `model` fields the demo trains it with by default (`--loss measured`), over `fields`:
     the loss it drafted best with in docs/demo.md's and docs/peers.md's measurements (its own,
     speculators', or their terms mixed); {} = its own."""
+    demo_data: Mapping[str, Any] = field(default_factory=dict)
+    """The `data` fields the demo trains it with beside `demo_loss` (`--loss measured`): the
+    order of the sequences it drafted best in (docs/peers.md); {} = the data section's."""
 
 
 # the optional heads a kind's drafters can have (`Capabilities.heads`)

@@ -214,6 +214,11 @@ KL_CE_LOSS = {**KL_LOSS, "ce_loss_alpha": 0.5, "ce_labels": "target", "loss_sche
 # speculators' DFlash loss: cross-entropy against the target's greedy token (its `ce`), D-PACE
 # position weights (α 0.5)
 DPACE_LOSS = {"loss_schedule": "dpace", "ce_labels": "target"}
+# the demo's DFlash loss: speculators' plus 0.5 × KL to the target's distribution, read in a
+# random order of the sequences (no length grouping): level with speculators at T = 0 and ahead
+# at T = 1 over nine trainings a side (docs/peers.md#dflashs-loss-and-order)
+KL_DPACE_LOSS = {**DPACE_LOSS, "loss_terms": {"kl": 0.5}}
+RANDOM_ORDER = {"length_grouping": 1}
 
 # What a DSpark behind DFlash at the first position only means (docs/study.md#the-first-position)
 FIRST_POSITION = (
@@ -256,7 +261,8 @@ PRESETS: dict[str, Preset] = {
         # isolates the heads (the README's figures were measured so); docs/serving.md
         sized=lambda s: {**_blocks(s), "sample_from_anchor": True},
         speculators_loss=DPACE_LOSS,
-        demo_loss=DPACE_LOSS,
+        demo_loss=KL_DPACE_LOSS,
+        demo_data=RANDOM_ORDER,
     ),
 }
 

@@ -64,10 +64,10 @@ def _ratio_name(metric: str, a: str, b: str) -> str:
 
 def _orders(cfg: DemoConfig) -> str:
     """How the drafters' orders of the data differ, if they do ("" when one order for all)."""
-    random = [_label(k) for k in cfg.drafters if cfg.length_grouping(k) == 1]
-    if not random or len(random) == len(cfg.drafters):
+    shuffled = [_label(k) for k in cfg.drafters if cfg.length_grouping(k) == 1]
+    if not shuffled or len(shuffled) == len(cfg.drafters):
         return ""
-    return f" ({', '.join(random)} in a random order of it, the others grouped by length)"
+    return f" ({', '.join(shuffled)} in a random order of it, the others grouped by length)"
 
 
 def supervision(cfg: DemoConfig, per_seed: dict) -> dict:

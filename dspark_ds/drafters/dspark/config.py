@@ -216,7 +216,7 @@ KL_CE_LOSS = {**KL_LOSS, "ce_loss_alpha": 0.5, "ce_labels": "target", "loss_sche
 DPACE_LOSS = {"loss_schedule": "dpace", "ce_labels": "target"}
 # the demo's DFlash loss: speculators' plus 0.5 × KL to the target's distribution, read in a
 # random order of the sequences (no length grouping): level with speculators at T = 0 and ahead
-# at T = 1 over nine trainings a side (docs/peers.md#dflashs-loss-and-order)
+# at T = 1 over six trainings a side and seed (docs/peers.md#dflashs-loss-and-order)
 KL_DPACE_LOSS = {**DPACE_LOSS, "loss_terms": {"kl": 0.5}}
 RANDOM_ORDER = {"length_grouping": 1}
 

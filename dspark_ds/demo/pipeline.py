@@ -334,9 +334,8 @@ class DemoPipeline:
         return replace(sized(name, block), **loss[self.cfg.loss])
 
     def train_config(self, kind: str, seed: int) -> TrainRunConfig:
-        """The `dspark-ds train` config of one drafter; only `model`, the order of the same
-        sequences (`DemoConfig.data_order`) and names differ between the drafters, only the seed
-        and the data between the seeds."""
+        """The `dspark-ds train` config of one drafter; only `model`, the data's order and names
+        differ between the drafters, only the seed and the data between the seeds."""
         c, b = self.cfg, self.cfg.budget
         if c.data.mode == "offline":
             source = dict(cache_dir=str(self.seed_data(seed) / "cache"))

@@ -217,6 +217,12 @@ class DemoConfig:
     NOTE: tiny models gain nothing from intra-op threads, and on a 2-core machine 2 ranks with
     several threads each oversubscribe it (often 10x slower)."""
 
+    def loss_fields(self, name: str) -> dict:
+        """The `model` fields that give the drafter `name` the loss `loss` names."""
+        own = PRESETS[name]
+        chosen = {"preset": {}, "speculators": own.speculators_loss, "measured": own.demo_loss}
+        return dict(chosen[self.loss])
+
     def data_order(self, name: str) -> dict:
         """The `data` fields that order the drafter `name`'s sequences: its preset's measured
         order (`Preset.demo_data`) with the measured loss, the data section's otherwise."""

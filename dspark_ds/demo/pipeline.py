@@ -329,9 +329,7 @@ class DemoPipeline:
         block = self.cfg.drafter.block(name)
         if get_kind(preset(name).kind).capabilities.anchor_blocks:
             block = replace(block, num_anchors=self.anchors_of(name, seed))
-        own = PRESETS[name]
-        loss = {"preset": {}, "speculators": own.speculators_loss, "measured": own.demo_loss}
-        return replace(sized(name, block), **loss[self.cfg.loss])
+        return replace(sized(name, block), **self.cfg.loss_fields(name))
 
     def train_config(self, kind: str, seed: int) -> TrainRunConfig:
         """The `dspark-ds train` config of one drafter; only `model`, the data's order and names

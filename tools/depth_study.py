@@ -14,8 +14,9 @@ its kind's size block; DSpark's sizes DFlash too) and one budget multiple (of
 
 Resuming: `<output_dir>/study.json` is written after every cell; a rerun (`--resume true`, the
 default) skips its cells and reuses its seeds' data, and refuses with one line naming the option
-a run whose settings differ (every option but the grid, `NOT_SETTINGS`, and where things go):
-a larger grid reuses the cells it shares. `--resume false` starts afresh (data, runs go).
+a run whose settings differ (every option but the grid, `NOT_SETTINGS`, and where things go,
+plus each drafter's loss and order as `--loss` resolves them): a larger grid reuses the cells
+it shares. `--resume false` starts afresh (data, runs go).
 
 Written: `output_dir` (the demo's layout, study.json, artifacts/), `docs_dir`/study.json (every
 record, the base budget, command and date), study.md's tables (between its markers; a new file
@@ -157,10 +158,15 @@ class CellPipeline(DemoPipeline):
 
 # ---- what a rerun keeps: <output_dir>/study.json -------------------------------------------
 def settings(cfg: StudyConfig) -> dict:
-    """The options that decide a cell's result (the depth is the cell's own)."""
+    """The options that decide a cell's result (the depth is the cell's own), and what `--loss`
+    resolves to for each drafter (`trains_with.<name>`: its `model` loss fields and `data`
+    order): a newer dspark-ds whose presets train otherwise under the same option does not
+    resume the cells an older one made."""
     drop = {f"drafter.{preset(n).kind}.num_draft_layers" for n in PRESETS}
     kept = {k: v for k, v in flatten(cfg).items() if k.split(".")[0] not in NOT_SETTINGS}
     kept = {k: v for k, v in kept.items() if k not in drop}
+    for name in PRESETS:
+        kept[f"trains_with.{name}"] = {"model": cfg.loss_fields(name), "data": cfg.data_order(name)}
     return json.loads(json.dumps(kept, default=str))  # as study.json holds them
 
 

@@ -192,6 +192,31 @@ def test_resume_refuses_a_changed_setting_and_keeps_a_larger_grid(study, tmp_pat
     assert study.load_state(fresh)["records"] == []
 
 
+def test_resume_refuses_cells_a_drafter_trained_otherwise_under_the_same_options(
+    study, tmp_path, monkeypatch
+):
+    """`--loss measured` names each preset's measured loss and order; cells made while a preset
+    trained otherwise (an older dspark-ds, the same options) are not resumed."""
+    out = tmp_path / "out"
+    cfg = parse(study.StudyConfig, ["--output_dir", str(out), "--depths", "[1]"])
+    out.mkdir()
+    state = {"settings": study.settings(cfg), "records": [rec("dflash", 1, 1, 1, 1, 1)]}
+    study.save_state(cfg, {**state, "data_ready": [0], "params": None})
+    assert study.load_state(cfg)["records"] == state["records"]
+    before = study.PRESETS["dflash"]
+    changed = replace(before, demo_loss={}, demo_data={"length_grouping": 64})
+    monkeypatch.setitem(study.PRESETS, "dflash", changed)
+    with pytest.raises(ConfigError, match="resume: .* trains_with.dflash .*'kl': 0.5") as err:
+        study.load_state(cfg)
+    assert "--resume false" in str(err.value)
+    # the preset's own loss under --loss preset: every drafter's the same as before
+    monkeypatch.setitem(study.PRESETS, "dflash", before)
+    assert study.settings(cfg)["trains_with.dflash"]["data"] == {"length_grouping": 1}
+    other = parse(study.StudyConfig, ["--output_dir", str(out), "--loss", "preset"])
+    with pytest.raises(ConfigError, match="loss"):
+        study.load_state(other)
+
+
 def test_a_cell_trains_at_its_depth_and_budget_under_its_own_names(study, tmp_path):
     cfg = parse(study.StudyConfig, ["--output_dir", str(tmp_path), "--budget.max_steps", "30"])
     data = study.DemoPipeline(cfg)

@@ -415,9 +415,44 @@ def _lines(ax, means: dict, group: int, x: str, y: str, label) -> None:
         ax.plot(*zip(*pts), color=color, label=label(kind, g), **style)
 
 
+def first_position_gaps(recs: list[dict]) -> dict[int, list[tuple[int, int, float]]]:
+    """depth -> (budget multiple, seed, DSpark's acceptance at position 0 at T = 0 minus
+    DFlash's) of every cell that has both, in budget and seed order."""
+    key = f"accept_rate_by_position_{temp_key(0.0)}"
+    first = {
+        (r["kind"], r["depth"], r["budget_multiple"], r["seed"]): r[key][0]
+        for r in recs
+        if r.get(key) and r[key][0] is not None
+    }
+    gaps: dict[int, list[tuple[int, int, float]]] = {}
+    for (kind, depth, multiple, seed), value in sorted(first.items()):
+        other = first.get(("dflash", depth, multiple, seed))
+        if kind == "dspark" and other is not None:
+            gaps.setdefault(depth, []).append((multiple, seed, value - other))
+    return gaps
+
+
+def _first_position_panel(ax, gaps: dict[int, list[tuple[int, int, float]]]) -> None:
+    """DSpark − DFlash at position 0 (T = 0) against the budget: a line per depth through the
+    means over the seeds, each seed a dot."""
+    for i, (depth, rows) in enumerate(sorted(gaps.items())):
+        multiples = sorted({m for m, _, _ in rows})
+        means = [sum(g for m, _, g in rows if m == x) / sum(m == x for m, _, _ in rows)
+                 for x in multiples]  # fmt: skip
+        color = f"C{i + 3}"
+        ax.plot(multiples, means, color=color, marker="os^D"[i % 4], label=f"{depth} layer(s)")
+        ax.scatter([m for m, _, _ in rows], [g for _, _, g in rows], color=color, s=12, alpha=0.5)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set(title="first position, T = 0: DSpark − DFlash", xlabel="budget (× the demo's steps)")
+    ax.set(xticks=sorted({m for rows in gaps.values() for m, _, _ in rows}))
+    ax.set(ylabel="acceptance at position 0, difference (dots: seeds)")
+
+
 def plot(recs: list[dict], path: Path) -> None:
     """Three panels: τ at T = 1 against training CPU seconds and against draft ms per round,
-    speedup at T = 1 against depth at the largest budget."""
+    speedup at T = 1 against depth at the largest budget; a fourth where DSpark and DFlash
+    were evaluated at T = 0: their difference at position 0 against the budget
+    (`first_position_gaps`)."""
     # lazy: matplotlib, 0.3 s of import, only to plot
     import matplotlib
 
@@ -427,7 +462,8 @@ def plot(recs: list[dict], path: Path) -> None:
 
     keys = (f"tau_{T1}", f"speedup_{T1}", f"draft_ms_per_round_{T1}", "train_cpu_s", "depth")
     means = _mean_over_seeds(recs, keys)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    gaps = first_position_gaps(recs)
+    fig, axes = plt.subplots(1, 4 if gaps else 3, figsize=(21 if gaps else 16, 5))
     lab = PRESETS
     _lines(axes[0], means, 1, "train_cpu_s", keys[0], lambda k, d: f"{lab[k].label} {d} layer(s)")
     axes[0].set(title="τ vs training time (points: budgets)", xlabel="training CPU s (all ranks)")
@@ -439,6 +475,8 @@ def plot(recs: list[dict], path: Path) -> None:
     axes[2].set(title=f"speedup at T = 1, budget {top}x", xlabel="draft depth (layers)")
     axes[2].set(xticks=sorted({k[1] for k in biggest}), ylabel="speedup (× the target alone)")
     plt.setp(axes[:2], ylabel="τ at T = 1 (tokens per round)")
+    if gaps:
+        _first_position_panel(axes[3], gaps)
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

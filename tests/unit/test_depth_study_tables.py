@@ -254,3 +254,38 @@ def test_progress_line_has_the_cell_the_time_so_far_and_the_steps_left(study, ca
     progress.finish(time.perf_counter() - 10.2, 10)  # 10 steps in 10 s: 20 steps left
     progress.start(2, study.Cell("eagle3", 2, 2, 0), 20)
     assert capsys.readouterr().out.rstrip().endswith(", ETA 0:00:20")
+
+
+def test_first_position_gaps_pair_dspark_with_dflash_cell_by_cell(study, tmp_path):
+    """DSpark's acceptance at position 0 (T = 0) minus DFlash's, per depth, of the cells that
+    have both (the same depth, budget and seed), as worked out by hand; the picture gets its
+    fourth panel from them and keeps three without DFlash."""
+
+    def first(kind, depth, multiple, seed, value):
+        r = rec(kind, depth, multiple, cpu=1, ms=1, tau=1, seed=seed)
+        r["accept_rate_by_position_T0"] = [value, 0.5, None]
+        return r
+
+    recs = [
+        first("dspark", 3, 1, 0, 0.90),
+        first("dflash", 3, 1, 0, 0.93),  # -0.03
+        first("dspark", 3, 1, 1, 0.95),
+        first("dflash", 3, 1, 1, 0.92),  # +0.03
+        first("dspark", 3, 4, 0, 0.97),
+        first("dflash", 3, 4, 0, 0.96),  # +0.01
+        first("dspark", 5, 1, 0, 0.91),  # no DFlash of depth 5: no gap
+        first("dflash", 1, 1, 0, 0.80),  # no DSpark of depth 1: no gap
+        *EAGLE3,
+    ]
+    gaps = study.first_position_gaps(recs)
+    assert list(gaps) == [3]
+    assert [(m, s) for m, s, _ in gaps[3]] == [(1, 0), (1, 1), (4, 0)]
+    assert [g for _, _, g in gaps[3]] == pytest.approx([-0.03, 0.03, 0.01])
+    study.plot(recs, tmp_path / "four.png")
+    without = [r for r in recs if r["kind"] != "dflash"]
+    assert study.first_position_gaps(without) == {}
+    study.plot(without, tmp_path / "three.png")
+    from PIL import Image
+
+    wide, narrow = (Image.open(tmp_path / n).size[0] for n in ("four.png", "three.png"))
+    assert wide > narrow * 1.2

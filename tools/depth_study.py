@@ -436,9 +436,11 @@ def _first_position_panel(ax, gaps: dict[int, list[tuple[int, int, float]]]) -> 
     """DSpark − DFlash at position 0 (T = 0) against the budget: a line per depth through the
     means over the seeds, each seed a dot."""
     for i, (depth, rows) in enumerate(sorted(gaps.items())):
-        multiples = sorted({m for m, _, _ in rows})
-        means = [sum(g for m, _, g in rows if m == x) / sum(m == x for m, _, _ in rows)
-                 for x in multiples]  # fmt: skip
+        by_budget: dict[int, list[float]] = {}
+        for multiple, _, gap in rows:
+            by_budget.setdefault(multiple, []).append(gap)
+        multiples = sorted(by_budget)
+        means = [sum(by_budget[m]) / len(by_budget[m]) for m in multiples]
         color = f"C{i + 3}"
         ax.plot(multiples, means, color=color, marker="os^D"[i % 4], label=f"{depth} layer(s)")
         ax.scatter([m for m, _, _ in rows], [g for _, _, g in rows], color=color, s=12, alpha=0.5)

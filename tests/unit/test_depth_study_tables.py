@@ -209,7 +209,7 @@ def test_resume_refuses_cells_a_drafter_trained_otherwise_under_the_same_options
     with pytest.raises(ConfigError, match="resume: .* trains_with.dflash .*'kl': 0.5") as err:
         study.load_state(cfg)
     assert "--resume false" in str(err.value)
-    # the preset's own loss under --loss preset: every drafter's the same as before
+    # what the settings hold: DFlash's measured order; another --loss is refused by its name
     monkeypatch.setitem(study.PRESETS, "dflash", before)
     assert study.settings(cfg)["trains_with.dflash"]["data"] == {"length_grouping": 1}
     other = parse(study.StudyConfig, ["--output_dir", str(out), "--loss", "preset"])

@@ -221,7 +221,7 @@ KL_DPACE_LOSS = {**DPACE_LOSS, "loss_terms": {"kl": 0.5}}
 RANDOM_ORDER = {"length_grouping": 1}
 
 # What a DSpark behind DFlash at the first position only means (docs/study.md#the-first-position:
-# at 3 layers DSpark led there in 3 of 3 seeds at 4x the demo's steps, 1 at 1x)
+# at 3 layers DSpark led there in 3 of 3 seeds at 4x the demo's steps, in 2 at 1x, 1 at 2x)
 FIRST_POSITION = (
     "position 0: DSpark's Markov head reads the anchor there, which the backbone sees too, so "
     "the first draft is the backbone's in both, trained with the same greedy-token CE and "

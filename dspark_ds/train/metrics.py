@@ -268,13 +268,17 @@ class MetricsLogger:
         self.data_wait_s += seconds
 
     def _data_counts(self) -> list[float]:
-        """The window's data wait and the fleet's deliveries to this rank since the last call."""
+        """The share of this rank's window spent waiting for data, and the fleet's deliveries
+        to this rank since the last call."""
         seqs = toks = 0
         if self.fleet_counts is not None:
             now = self.fleet_counts()
             seqs, toks = now[0] - self._fleet_seen[0], now[1] - self._fleet_seen[1]
             self._fleet_seen = now
-        return [self.data_wait_s, float(seqs), float(toks)]
+        # NOTE: over this rank's own window: a rank's window starts when it finished writing
+        # the last log step, rank 0 (which writes it) later than the others
+        wait_share = self.data_wait_s / max(time.perf_counter() - self.t0, 1e-9)
+        return [wait_share, float(seqs), float(toks)]
 
     def add_sampler_sums(self, sums: torch.Tensor | None) -> None:
         if sums is not None:
@@ -359,7 +363,7 @@ class MetricsLogger:
     def _window_metrics(self, counts, lr, epoch, grad_norm, counters) -> dict[str, float]:
         """The log step's metrics: window means and rates. `counts`: the window's tokens,
         samples and sampler statistics, summed over the ranks."""
-        all_tokens, all_samples, wait_s, fleet_seqs, fleet_tokens, *sampler = counts
+        all_tokens, all_samples, wait_shares, fleet_seqs, fleet_tokens, *sampler = counts
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         logged = {f"train/{k}": v / self.window_steps for k, v in self.window.items()}
         if sampler[-1] > 0:  # samples seen by the anchor sampler (DSpark / DFlash)
@@ -371,7 +375,7 @@ class MetricsLogger:
             "system/tokens_per_s": all_tokens / elapsed,
             "system/samples_per_s": all_samples / elapsed,
             "system/peak_memory_mb": peak_memory_mb(self.device),
-            "data/wait_share": wait_s / (self.world * elapsed),
+            "data/wait_share": wait_shares / self.world,
         }
         logged.update(step_figures)
         if self.fleet_counts is not None:

@@ -30,6 +30,10 @@ _MODE_OPTIONS = (
     "zero3+offload_opt+param",
 )
 ENGINE_OPTIONS = dict(zip(ENGINE_MODES, _MODE_OPTIONS))
+PAIRS = 9
+"""Plain and engine steps timed in alternation per sample, the median of the pairs' differences
+kept: a burst of other work falls on both steps of a pair. (Three plain steps, then three engine
+steps, put 2-3 ms of noise on ZeRO-1's 4 ms on this 2-core machine: CI's speed test at 1.40x.)"""
 
 
 class HostWork:
@@ -115,37 +119,43 @@ class EngineWindow:
             self.target_engine = frozen_engine(self.target, ds_config)
         self.sample()  # warm-up
 
-    def _phases(self, model, backward, step) -> list[float]:
-        """Forward + loss, backward and step seconds: each this rank's median of REPEATS."""
-        d = self.host.device
-        runs = []
-        for _ in range(REPEATS):
-            distributed.barrier()
-            sync(d)
-            t0 = time.perf_counter()
-            loss = self.step.loss(model)
-            sync(d)
-            t1 = time.perf_counter()
-            backward(loss)
-            sync(d)
-            t2 = time.perf_counter()
-            step()
-            sync(d)
-            runs.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-        return [statistics.median(r[i] for r in runs) for i in range(3)]
-
-    def sample(self, ag_latency: float = 0.0) -> dict[str, float]:
-        """One pass: plain and engine forward, backward and step of the drafter copy (and the
-        target's forward under ZeRO-3) -> (micro-batch, step, per forward call, per backward
-        call, per target call) seconds added."""
+    def _added(self) -> list[float]:
+        """Forward + loss, backward and step seconds the engine adds to the plain copy: this
+        rank's median over PAIRS of a plain step followed by an engine step."""
         plain_model = self.step.model
 
         def plain_step():
             self.plain_opt.step()
             plain_model.zero_grad(set_to_none=True)
 
-        t = self._phases(plain_model, lambda loss: loss.backward(), plain_step)
-        t += self._phases(self.engine, self.engine.backward, self.engine.step)
+        pairs = []
+        for _ in range(PAIRS):
+            plain = self._phases(plain_model, lambda loss: loss.backward(), plain_step)
+            engine = self._phases(self.engine, self.engine.backward, self.engine.step)
+            pairs.append([e - p for e, p in zip(engine, plain)])
+        return [statistics.median(pair[i] for pair in pairs) for i in range(3)]
+
+    def _phases(self, model, backward, step) -> tuple[float, float, float]:
+        """Forward + loss, backward and step seconds of one step, every rank starting together."""
+        d = self.host.device
+        distributed.barrier()
+        sync(d)
+        t0 = time.perf_counter()
+        loss = self.step.loss(model)
+        sync(d)
+        t1 = time.perf_counter()
+        backward(loss)
+        sync(d)
+        t2 = time.perf_counter()
+        step()
+        sync(d)
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+    def sample(self, ag_latency: float = 0.0) -> dict[str, float]:
+        """One pass: plain and engine forward, backward and step of the drafter copy in
+        alternation (and the target's forward under ZeRO-3) -> (micro-batch, step, per forward
+        call, per backward call, per target call) seconds added."""
+        t = self._added()
         if self.target is not None:
             copy = self.host.copies.target
             with torch.no_grad():
@@ -154,7 +164,7 @@ class EngineWindow:
                     timed(lambda: copy.run(self.target), self.host.device, REPEATS),
                 ]
         t = max_over_ranks(t)
-        fwd, bwd, step = (max(0.0, e - p) for e, p in zip(t[3:6], t[0:3]))
+        fwd, bwd, step = (max(0.0, added) for added in t[:3])
         out = dict.fromkeys(("micro", "step", "fwd_call", "bwd_call", "target_call"), 0.0)
         if not self.zero3:
             out["micro"], out["step"] = fwd + bwd, step
@@ -166,7 +176,7 @@ class EngineWindow:
         out["bwd_call"] = bwd / max(self.calls[1], 1)
         if self.target is not None:
             target_calls = max(self.host.counts["calls"]["target"], 1)
-            out["target_call"] = max(0.0, t[7] - t[6]) / target_calls
+            out["target_call"] = max(0.0, t[4] - t[3]) / target_calls
         return out
 
     def close(self) -> None:

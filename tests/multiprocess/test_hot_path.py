@@ -96,3 +96,52 @@ def test_logged_metrics_are_the_references_exactly(tmp_path):
     data = json.loads(result.read_text())
     assert len(data["logged"]) == 3 and data["logged"] == data["reference"]
     assert data["logged"][0]["supervised_tokens"] > 0
+
+
+def _wait_share(rank: int, world: int, run_dir: str) -> None:
+    """A log step after rank 1 waited 0.9 s of a 1 s window for its data, while rank 0's window
+    began only 0.1 s before (rank 0 writes the log; the others reset their windows first)."""
+    import time
+
+    import torch
+
+    from dspark_ds.drafters.kind import StepOutput
+    from dspark_ds.tracking.mlflow import Tracker
+    from dspark_ds.train.metrics import MetricsLogger
+
+    tracker = Tracker.for_rank(
+        rank,
+        enabled=False,
+        uri="",
+        experiment=None,
+        run_name="r",
+        run_dir=run_dir,
+        artifact_location="",
+    )
+    logger = MetricsLogger(
+        run_dir,
+        tracker,
+        rank=rank,
+        log_every=1,
+        total_steps=1,
+        progress_bar=False,
+        device=torch.device("cpu"),
+        to_metrics=lambda sums: {"loss": sums["loss"]},
+        world=world,
+    )
+    logger.start(0)
+    logger.t0 = time.perf_counter() - (1.0 if rank == 1 else 0.1)
+    logger.add_data_wait(0.9 if rank == 1 else 0.0)
+    out = StepOutput.of(torch.tensor(1.0), {"loss": torch.tensor(1.0)})
+    logger.log_step(1, [out], None, lr=1e-4, epoch=0, grad_norm=lambda: None, counters={})
+    logger.close()
+
+
+def test_the_wait_share_is_each_ranks_over_its_own_window(tmp_path):
+    """2 gloo ranks whose windows differ: the logged share is the mean of each rank's (0.9 of
+    rank 1's second, none of rank 0's), not their summed waits over rank 0's window (4.5)."""
+    from helpers.dist import run_distributed
+
+    run_distributed(_wait_share, world_size=2, args=(str(tmp_path),))
+    (row,) = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert row["data/wait_share"] == pytest.approx(0.45, abs=0.03)

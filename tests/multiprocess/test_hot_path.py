@@ -106,29 +106,10 @@ def _wait_share(rank: int, world: int, run_dir: str) -> None:
     import torch
 
     from dspark_ds.drafters.kind import StepOutput
-    from dspark_ds.tracking.mlflow import Tracker
-    from dspark_ds.train.metrics import MetricsLogger
 
-    tracker = Tracker.for_rank(
-        rank,
-        enabled=False,
-        uri="",
-        experiment=None,
-        run_name="r",
-        run_dir=run_dir,
-        artifact_location="",
-    )
-    logger = MetricsLogger(
-        run_dir,
-        tracker,
-        rank=rank,
-        log_every=1,
-        total_steps=1,
-        progress_bar=False,
-        device=torch.device("cpu"),
-        to_metrics=lambda sums: {"loss": sums["loss"]},
-        world=world,
-    )
+    from helpers.metrics import metrics_logger
+
+    logger = metrics_logger(run_dir, log_every=1, total_steps=1, rank=rank, world=world)
     logger.start(0)
     logger.t0 = time.perf_counter() - (1.0 if rank == 1 else 0.1)
     logger.add_data_wait(0.9 if rank == 1 else 0.0)

@@ -14,8 +14,9 @@ from dspark_ds.cost.flops import WindowFlops
 from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.kind import SAMPLER_STATS, StepOutput
 from dspark_ds.drafters.registry import get_kind
-from dspark_ds.tracking.mlflow import Tracker
 from dspark_ds.train.metrics import LOG_FILE, MetricsLogger
+
+from helpers.metrics import metrics_logger
 
 RECIPE = "dspark_ds/recipes/dspark_qwen3_8b.yaml"
 # Qwen3-8B's published config (cost/inventory.py KNOWN_TARGETS): 36 layers, H 4096, F 12288,
@@ -44,28 +45,7 @@ def run_cfg() -> TrainRunConfig:
 
 
 def logger_for(tmp_path, flops, peak: float | None, world: int = 1) -> MetricsLogger:
-    tracker = Tracker.for_rank(
-        1,
-        enabled=False,
-        uri="",
-        experiment=None,
-        run_name="r",
-        run_dir=str(tmp_path),
-        artifact_location="",
-    )
-    return MetricsLogger(
-        tmp_path,
-        tracker,
-        rank=0,
-        log_every=2,
-        total_steps=4,
-        progress_bar=False,
-        device=torch.device("cpu"),
-        to_metrics=lambda sums: {"loss": sums["loss"]},
-        flops=flops,
-        peak_flops=peak,
-        world=world,
-    )
+    return metrics_logger(tmp_path, log_every=2, total_steps=4, world=world, flops=flops, peak=peak)
 
 
 def micro_batch(lengths: list[int], anchors: list[int]):

@@ -117,23 +117,23 @@ class EngineWindow:
         if self.zero3 and target_in_job:
             self.target = host.copies.target.make()
             self.target_engine = frozen_engine(self.target, ds_config)
-        self.sample()  # warm-up
+        self.sample(pairs=1)  # warm-up
 
-    def _added(self) -> list[float]:
+    def _added(self, pairs: int) -> list[float]:
         """Forward + loss, backward and step seconds the engine adds to the plain copy: this
-        rank's median over PAIRS of a plain step followed by an engine step."""
+        rank's median over `pairs` of a plain step followed by an engine step."""
         plain_model = self.step.model
 
         def plain_step():
             self.plain_opt.step()
             plain_model.zero_grad(set_to_none=True)
 
-        pairs = []
-        for _ in range(PAIRS):
+        added = []
+        for _ in range(pairs):
             plain = self._phases(plain_model, lambda loss: loss.backward(), plain_step)
             engine = self._phases(self.engine, self.engine.backward, self.engine.step)
-            pairs.append([e - p for e, p in zip(engine, plain)])
-        return [statistics.median(pair[i] for pair in pairs) for i in range(3)]
+            added.append([e - p for e, p in zip(engine, plain)])
+        return [statistics.median(pair[i] for pair in added) for i in range(3)]
 
     def _phases(self, model, backward, step) -> tuple[float, float, float]:
         """Forward + loss, backward and step seconds of one step, every rank starting together."""
@@ -151,11 +151,13 @@ class EngineWindow:
         sync(d)
         return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    def sample(self, ag_latency: float = 0.0) -> dict[str, float]:
+    def sample(self, pairs: int = PAIRS) -> dict[str, float]:
         """One pass: plain and engine forward, backward and step of the drafter copy in
         alternation (and the target's forward under ZeRO-3) -> (micro-batch, step, per forward
-        call, per backward call, per target call) seconds added."""
-        t = self._added()
+        call, per backward call, per target call) seconds added, and under ZeRO-3 the
+        all-gathers its step includes (`refreshes`: the calibration takes them out at its median
+        latency)."""
+        t = self._added(pairs)
         if self.target is not None:
             copy = self.host.copies.target
             with torch.no_grad():
@@ -165,13 +167,14 @@ class EngineWindow:
                 ]
         t = max_over_ranks(t)
         fwd, bwd, step = (max(0.0, added) for added in t[:3])
-        out = dict.fromkeys(("micro", "step", "fwd_call", "bwd_call", "target_call"), 0.0)
+        out = dict.fromkeys(("micro", "fwd_call", "bwd_call", "target_call", "refreshes"), 0.0)
+        out["step"] = step
         if not self.zero3:
-            out["micro"], out["step"] = fwd + bwd, step
+            out["micro"] = fwd + bwd
             return out
         # NOTE: ZeRO-3 refreshes each persistent parameter after the step, one all-gather each:
         # the model counts those apart (param_gather)
-        out["step"] = max(0.0, step - self.tensors * ag_latency)
+        out["refreshes"] = float(self.tensors)
         out["fwd_call"] = fwd / max(self.calls[0], 1)
         out["bwd_call"] = bwd / max(self.calls[1], 1)
         if self.target is not None:

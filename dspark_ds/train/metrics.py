@@ -275,8 +275,10 @@ class MetricsLogger:
             now = self.fleet_counts()
             seqs, toks = now[0] - self._fleet_seen[0], now[1] - self._fleet_seen[1]
             self._fleet_seen = now
-        # NOTE: over this rank's own window: a rank's window starts when it finished writing
-        # the last log step, rank 0 (which writes it) later than the others
+        # NOTE: over this rank's own window: the ranks do not start theirs at one moment (the
+        # run's first one starts when a rank reaches `start`), and a rank that waited in the
+        # step's first collective for a later one counted that wait over a longer window than
+        # rank 0's: the ranks' summed waits over rank 0's window came out above 1
         wait_share = self.data_wait_s / max(time.perf_counter() - self.t0, 1e-9)
         return [wait_share, float(seqs), float(toks)]
 

@@ -100,7 +100,7 @@ def test_logged_metrics_are_the_references_exactly(tmp_path):
 
 def _wait_share(rank: int, world: int, run_dir: str) -> None:
     """A log step after rank 1 waited 0.9 s of a 1 s window for its data, while rank 0's window
-    began only 0.1 s before (rank 0 writes the log; the others reset their windows first)."""
+    began only 0.1 s before (rank 0 reached `start` later: rank 1 waited for it)."""
     import time
 
     import torch

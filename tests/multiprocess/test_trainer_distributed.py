@@ -718,9 +718,11 @@ def test_zero3_nvme_with_a_target_in_the_job(tmp_path):
     after it, emptying its own folder) leaves in place: the steps run and the loss is finite."""
     target = Path(build_tiny_target(tmp_path / "target", hidden_size=64, vocab_size=32000))
     nvme = tmp_path / "nvme"
+    # NOTE: swap buffers of 5 x 4e6 elements, not the shipped 5 x 1e8 (2 GB page-locked per
+    # engine, the drafter's and the target's): the largest parameter is the 2.05e6 embedding
     overrides = {
         "zero_optimization": {
-            "offload_param": {"nvme_path": str(nvme)},
+            "offload_param": {"nvme_path": str(nvme), "buffer_size": 4_000_000},
             "offload_optimizer": {"nvme_path": str(nvme)},
         }
     }

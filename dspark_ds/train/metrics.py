@@ -258,6 +258,10 @@ class MetricsLogger:
         )
         self.t0 = time.perf_counter()
 
+    def _window_s(self) -> float:
+        """Seconds since this rank's window began."""
+        return max(time.perf_counter() - self.t0, 1e-9)
+
     def add_micro_batch(self, batch: dict) -> None:
         """A micro-batch that was trained on (its tokens stay a tensor until a log step)."""
         self.tokens += batch["attention_mask"].sum().to(self.tokens.device, torch.float64)
@@ -279,7 +283,7 @@ class MetricsLogger:
         # run's first one starts when a rank reaches `start`), and a rank that waited in the
         # step's first collective for a later one counted that wait over a longer window than
         # rank 0's: the ranks' summed waits over rank 0's window came out above 1
-        wait_share = self.data_wait_s / max(time.perf_counter() - self.t0, 1e-9)
+        wait_share = self.data_wait_s / self._window_s()
         return [wait_share, float(seqs), float(toks)]
 
     def add_sampler_sums(self, sums: torch.Tensor | None) -> None:
@@ -366,7 +370,7 @@ class MetricsLogger:
         """The log step's metrics: window means and rates. `counts`: the window's tokens,
         samples and sampler statistics, summed over the ranks."""
         all_tokens, all_samples, wait_shares, fleet_seqs, fleet_tokens, *sampler = counts
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        elapsed = self._window_s()
         logged = {f"train/{k}": v / self.window_steps for k, v in self.window.items()}
         if sampler[-1] > 0:  # samples seen by the anchor sampler (DSpark / DFlash)
             logged.update({f"train/{k}": v / sampler[-1] for k, v in zip(SAMPLER_STATS, sampler)})

@@ -159,14 +159,18 @@ class CellPipeline(DemoPipeline):
 # ---- what a rerun keeps: <output_dir>/study.json -------------------------------------------
 def settings(cfg: StudyConfig) -> dict:
     """The options that decide a cell's result (the depth is the cell's own), and what `--loss`
-    resolves to for each drafter (`trains_with.<name>`: its `model` loss fields and `data`
-    order): a newer dspark-ds whose presets train otherwise under the same option does not
-    resume the cells an older one made."""
+    resolves to for each drafter (`trains_with.<name>`: its `model` loss fields, `data` order
+    and `train` optimizer settings): a newer dspark-ds whose presets train otherwise under the
+    same option does not resume the cells an older one made."""
     drop = {f"drafter.{preset(n).kind}.num_draft_layers" for n in PRESETS}
     kept = {k: v for k, v in flatten(cfg).items() if k.split(".")[0] not in NOT_SETTINGS}
     kept = {k: v for k, v in kept.items() if k not in drop}
     for name in PRESETS:
-        kept[f"trains_with.{name}"] = {"model": cfg.loss_fields(name), "data": cfg.data_order(name)}
+        kept[f"trains_with.{name}"] = {
+            "model": cfg.loss_fields(name),
+            "data": cfg.data_order(name),
+            "train": cfg.train_fields(name),
+        }
     return json.loads(json.dumps(kept, default=str))  # as study.json holds them
 
 

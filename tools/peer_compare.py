@@ -27,8 +27,9 @@ the verdicts then tell a trainer's lead from one training's luck.
 
 With `--reuse_theirs <peers.json>`, speculators is neither trained nor evaluated: each kind and
 seed takes that file's `theirs` record (`Previous`), and only if it was made with this run's
-budget, data, target, drafter sizes, evaluation and speculators options (a one-line error
-otherwise); the records and the table say where and when it was made.
+budget, data, target, drafter sizes, evaluation and speculators options, target weights and
+prepared data (`inputs_record`: the same options train another target on another CPU type; a
+one-line error otherwise); the records and the table say where and when it was made.
 
 Written: `output_dir` (the demo's layout; theirs under theirs/), `docs_dir`/peers.json (one
 record per kind and seed) and the table of `docs_dir`/peers.md (between its table markers; a
@@ -66,7 +67,7 @@ from dspark_ds.drafters.io import save_speculators_model  # noqa: E402
 from dspark_ds.drafters.presets import PRESETS, DrafterSizes, preset  # noqa: E402
 from dspark_ds.drafters.registry import get_kind  # noqa: E402
 from dspark_ds.errors import ConfigError  # noqa: E402
-from dspark_ds.files import write_between_markers  # noqa: E402
+from dspark_ds.files import sha256_file, write_between_markers  # noqa: E402
 from dspark_ds.target import FrozenTarget, TargetConfig, decoder_layers, residual_state  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +103,8 @@ class PeerConfig(DemoConfig):
     """A previous run's peers.json whose `theirs` records (speculators' τ and acceptance) this
     run takes instead of training and evaluating speculators again; each kind and seed must
     have been made with this run's budget, data, target, drafter sizes, evaluation and
-    speculators options (else a one-line error). Ours is trained and evaluated as always."""
+    speculators options, from the same target weights and prepared data (else a one-line
+    error). Ours is trained and evaluated as always."""
 
     def __post_init__(self) -> None:
         if self.seeds is None:
@@ -333,7 +335,7 @@ def run_seed(
     s.run(f"prepare-s{seed}", "chat template + assistant loss masks", ours.prepare, seed)
     if cfg.data.mode == "offline":
         s.run(f"build-cache-s{seed}", "target features for ours", ours.build_cache, seed)
-    draws = cfg.draw_seeds(seed)
+    draws, inputs = cfg.draw_seeds(seed), inputs_record(ours, seed)
     if previous is not None:  # before our training: a record that does not fit stops the run
         reused = {(k, d): previous.theirs(ours, k, seed, d) for k in cfg.drafters for d in draws}
     results: dict[str, list] = {kind: [] for kind in cfg.drafters}
@@ -350,7 +352,7 @@ def run_seed(
                 mine[key] = s.run(
                     f"eval-ours-{kind}-{key}-s{seed}{tag}", "", mine_d.evaluate, kind, t, seed
                 )
-            entry = {"draw": draw, "ours": mine}
+            entry = {"draw": draw, "ours": mine, "inputs": inputs}
             if previous is not None:
                 settings = their_settings(ours, kind, seed)
                 results[kind].append({**entry, "reused": reused[kind, draw], "their_job": settings})
@@ -376,6 +378,16 @@ def work_record(cfg: PeerConfig) -> dict:
     """The options of the work both trainers share (`WORK_SECTIONS`), as a record keeps them:
     what a later `--reuse_theirs` compares, whatever the defaults have become since."""
     return json.loads(json.dumps({s: asdict(getattr(cfg, s)) for s in WORK_SECTIONS}))
+
+
+def inputs_record(pipe: DemoPipeline, seed: int) -> dict:
+    """What the work's options do not pin down, as a record keeps it: the trained target's
+    weights (sha256) and the fingerprint of the seed's prepared data. The same options train
+    another target on another CPU type (its kernels round otherwise: every τ moves), so a record
+    is reused only where both are this run's."""
+    meta = json.loads((pipe.seed_data(seed) / "prepared" / "meta.json").read_text())
+    weights = Path(pipe.target.path) / "model.safetensors"
+    return {"target_sha256": sha256_file(weights), "data_fingerprint": meta["fingerprint"]}
 
 
 @dataclass
@@ -425,21 +437,31 @@ class Previous:
             raise ConfigError(f"reuse_theirs: {self.path} has no record of {kind} seed {seed}")
         return found[0]
 
-    def same(self, rec: dict, what: str, then: dict, now: dict) -> None:
+    def same(self, rec: dict, what: str, then: dict, now: dict, why: str = "") -> None:
         """Refuses `rec` where `then` (its options) and `now` (this run's) differ."""
         for key in sorted(set(then) | set(now)):
             if then.get(key) != now.get(key):
                 raise ConfigError(
                     f"reuse_theirs: {self.path}'s {rec['kind']} seed {rec['seed']} was made with "
-                    f"{what}.{key} {then.get(key)!r}, this run has {now.get(key)!r}; run without "
-                    "--reuse_theirs to train speculators' again"
+                    f"{what}.{key} {then.get(key)!r}, this run has {now.get(key)!r}{why}; run "
+                    "without --reuse_theirs to train speculators' again"
                 )
 
     def theirs(self, pipe: DemoPipeline, kind: str, seed: int, draw: int | None = None) -> dict:
         """The `theirs` record of `kind` and `seed` (of its draw `draw`, a training seed of
         `PeerConfig.draw_seeds`; None = the seed's own), with where and when it was made, if
-        its budget and speculators options are this run's (refused otherwise)."""
+        its target weights, prepared data, budget and speculators options are this run's
+        (refused otherwise)."""
         rec = self.record(kind, seed)
+        if "inputs" not in rec:
+            raise ConfigError(
+                f"reuse_theirs: {self.path}'s {kind} seed {seed} keeps no fingerprint of its "
+                "target's weights and data (made before 2026-12-08): the same options train "
+                "another target on another CPU type, so nothing shows that it is this run's; "
+                "run without --reuse_theirs to train speculators' again"
+            )
+        why = " (the same options: another CPU type trains another target)"
+        self.same(rec, "inputs", rec["inputs"], inputs_record(pipe, seed), why)
         settings = their_settings(pipe, kind, seed)
         self.same(rec, "budget", rec["budget"], budget_record(pipe.cfg, settings))
         options = rec["theirs"]["options"]
@@ -542,6 +564,7 @@ def records(cfg: PeerConfig, results: dict, seconds: dict, command: str, date: s
                 | {
                     "budget": budget_record(cfg, entries[0]["their_job"]),
                     "work": work_record(cfg),
+                    "inputs": entries[0]["inputs"],
                     "command": command,
                     "date": date,
                 }
@@ -605,7 +628,8 @@ def table(recs: list[dict], temperatures: list[float], command: str, date: str) 
     for (file, made, then), which in reused.items():
         lines.append(
             f"Theirs of {', '.join(which)} reused from {file} (made by `{then}` on {made}): "
-            "the same budget, data, target, drafter sizes, evaluation and speculators options; "
+            "the same budget, data, target, drafter sizes, evaluation and speculators options, "
+            "the same target weights and prepared data; "
             "their training seconds are of that run."
         )
     return "\n".join(lines)

@@ -228,6 +228,12 @@ class DemoConfig:
         order (`Preset.demo_data`) with the measured loss, the data section's otherwise."""
         return dict(PRESETS[name].demo_data) if self.loss == "measured" else {}
 
+    def train_fields(self, name: str) -> dict:
+        """The `train` fields the drafter `name` trains with over the budget's: its preset's
+        measured optimizer settings (`Preset.demo_train`) with the measured loss, none
+        otherwise."""
+        return dict(PRESETS[name].demo_train) if self.loss == "measured" else {}
+
     def length_grouping(self, name: str) -> int:
         """The `data.length_grouping` the drafter `name` trains with (1: a random order)."""
         return self.data_order(name).get("length_grouping", DataConfig.length_grouping)

@@ -332,8 +332,9 @@ class DemoPipeline:
         return replace(sized(name, block), **self.cfg.loss_fields(name))
 
     def train_config(self, kind: str, seed: int) -> TrainRunConfig:
-        """The `dspark-ds train` config of one drafter; only `model`, the data's order and names
-        differ between the drafters, only the seed and the data between the seeds."""
+        """The `dspark-ds train` config of one drafter; only `model`, the data's order, the
+        optimizer's measured settings and the names differ between the drafters, only the seed
+        and the data between the seeds."""
         c, b = self.cfg, self.cfg.budget
         if c.data.mode == "offline":
             source = dict(cache_dir=str(self.seed_data(seed) / "cache"))
@@ -365,6 +366,7 @@ class DemoPipeline:
                 max_steps=b.max_steps,
                 seed=seed,
                 log_every=10,
+                **c.train_fields(kind),
             ),
             deepspeed=DeepSpeedConfig(config=b.zero),
             tracking=TrackingConfig(

@@ -70,13 +70,23 @@ def _orders(cfg: DemoConfig) -> str:
     return f" ({', '.join(shuffled)} in a random order of it, the others grouped by length)"
 
 
+def _tuned(cfg: DemoConfig) -> str:
+    """The drafters that train with other optimizer settings than the budget's ("" if none)."""
+    tuned = [
+        f"{_label(k)} with " + ", ".join(f"{f} {v:g}" for f, v in cfg.train_fields(k).items())
+        for k in cfg.drafters
+        if cfg.train_fields(k)
+    ]
+    return "".join(f"; {t}" for t in tuned)
+
+
 def supervision(cfg: DemoConfig, per_seed: dict) -> dict:
     """What every drafter is trained on: the basis of the comparison, with the measured share of
     valid positions the anchor sampler covered (the kinds that train on anchor blocks)."""
     b = cfg.budget
     out: dict = {
         "budget": f"{b.max_steps} steps x {b.global_batch_size} sequences, lr {b.lr:g}, "
-        f"the same data for every drafter{_orders(cfg)}",
+        f"the same data for every drafter{_orders(cfg)}{_tuned(cfg)}",
     }
     for kind in cfg.drafters:
         trains = [per_seed[s][kind].get("train", {}) for s in per_seed if kind in per_seed[s]]

@@ -231,9 +231,16 @@ def test_demo_loss_and_optimizer_reach_every_drafter(tmp_path):
         assert run.data == runs["preset"][name].data, name
         ordered = runs["measured"][name].data
         assert ordered == replace(run.data, **PRESETS[name].demo_data), name
+        # the optimizer's measured settings go with the measured loss only (below)
+        tuned = runs["measured"][name].train
+        assert all(getattr(tuned, k) == v for k, v in PRESETS[name].demo_train.items()), name
     grouping = {name: r.data.length_grouping for name, r in runs["measured"].items()}
     assert grouping == {"dspark": 64, "dflash": 1, "eagle3": 64}
     assert {r.data.length_grouping for r in runs["speculators"].values()} == {64}
+    momentum = {name: r.train.muon_momentum for name, r in runs["measured"].items()}
+    assert momentum == {"dspark": 0.95, "dflash": 0.9, "eagle3": 0.95}
+    others = [*runs["speculators"].values(), *runs["preset"].values()]
+    assert {r.train.muon_momentum for r in others} == {0.95}
 
 
 def test_demo_max_valid_anchors_counts_supervised_pairs(tmp_path):
@@ -368,10 +375,11 @@ def test_summary_spread_ratios_and_claims_over_seeds():
     ) in text
     # behind at the first position only: the claim's one line says what that means
     assert "\n  position 0: DSpark's Markov head reads the anchor there" in text
-    # the basis line names the drafter read in another order of the same data
+    # the basis line names the drafter read in another order of the same data, and the one
+    # trained with other optimizer settings
     assert summary["supervision"]["budget"].endswith(
         "the same data for every drafter (DFlash in a random order of it, the others grouped "
-        "by length)"
+        "by length); DFlash with muon_momentum 0.9"
     )
     cfg = parse_config("demo", ["--output_dir", "x", "--loss", "speculators"])
     assert build_summary(cfg, {0: results[0]}, {}, 9.0, target, 2, "sqlite:///x")["supervision"][

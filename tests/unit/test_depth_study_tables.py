@@ -212,6 +212,12 @@ def test_resume_refuses_cells_a_drafter_trained_otherwise_under_the_same_options
     # what the settings hold: DFlash's measured order; another --loss is refused by its name
     monkeypatch.setitem(study.PRESETS, "dflash", before)
     assert study.settings(cfg)["trains_with.dflash"]["data"] == {"length_grouping": 1}
+    assert study.settings(cfg)["trains_with.dflash"]["train"] == {"muon_momentum": 0.9}
+    tuned = replace(before, demo_train={})
+    monkeypatch.setitem(study.PRESETS, "dflash", tuned)
+    with pytest.raises(ConfigError, match="resume: .* trains_with.dflash .*'muon_momentum'"):
+        study.load_state(cfg)
+    monkeypatch.setitem(study.PRESETS, "dflash", before)
     other = parse(study.StudyConfig, ["--output_dir", str(out), "--loss", "preset"])
     with pytest.raises(ConfigError, match="loss"):
         study.load_state(other)

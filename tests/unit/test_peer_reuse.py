@@ -1,12 +1,14 @@
 """tools/peer_compare.py --reuse_theirs: a previous run's speculators records are taken only
 when they were made with this run's budget, data, target, drafter sizes, evaluation and
-speculators options; anything else is refused naming the option. With --draws, each draw is
-taken from its own record, and several draws' records hold their means and ranges."""
+speculators options, from the same target weights and prepared data; anything else is refused
+naming the option. With --draws, each draw is taken from its own record, and several draws'
+records hold their means and ranges."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,10 +24,18 @@ def tool(monkeypatch):
     return load_peer_compare(monkeypatch)
 
 
-def _pipe(tool, argv, tmp_path):
+def _pipe(tool, argv, tmp_path, weights: bytes = b"the target's weights"):
+    """A pipeline of `argv` whose target (`weights`) is trained and seed 0's data prepared."""
     cfg = tool.parse(tool.PeerConfig, ["--output_dir", str(tmp_path / "out"), *argv])
     pipe = tool.DemoPipeline(cfg)
     pipe.num_anchors = {0: 30}
+    target = tmp_path / "target"
+    target.mkdir(exist_ok=True)
+    (target / "model.safetensors").write_bytes(weights)
+    pipe.target = SimpleNamespace(path=target)
+    prepared = pipe.seed_data(0) / "prepared"
+    prepared.mkdir(parents=True, exist_ok=True)
+    (prepared / "meta.json").write_text(json.dumps({"fingerprint": "d0c989c4"}))
     return cfg, pipe
 
 
@@ -45,6 +55,7 @@ def _previous_file(tool, tmp_path) -> Path:
                 "ours": {"tau_T0": 2.0},
                 "theirs": {"tau_T0": 3.0 + len(recs), "train_s": 9.0, "options": options},
                 "budget": tool.budget_record(cfg, s),
+                "inputs": tool.inputs_record(pipe, 0),
                 "command": "python tools/peer_compare.py " + " ".join(THEN),
             }
         )
@@ -102,6 +113,29 @@ def test_another_budget_is_refused(tool, tmp_path, argv, named):
     previous = tool.Previous.load(str(file), cfg)
     with pytest.raises(ConfigError, match=named):
         previous.theirs(pipe, cfg.drafters[0], 0)
+
+
+def test_a_record_of_another_target_or_data_from_the_same_options_is_refused(tool, tmp_path):
+    """The same options train another target on another CPU type: a record is reused only where
+    the target's weights and the prepared data are this run's, and a record that keeps neither
+    (made before they were written down) is refused too."""
+    file = _previous_file(tool, tmp_path)
+    cfg, pipe = _pipe(tool, THEN, tmp_path, weights=b"rounded otherwise")
+    previous = tool.Previous.load(str(file), cfg)  # the options alone are the same
+    with pytest.raises(ConfigError, match="inputs.target_sha256") as err:
+        previous.theirs(pipe, cfg.drafters[0], 0)
+    assert "another CPU type" in str(err.value) and "\n" not in str(err.value)
+    cfg, pipe = _pipe(tool, THEN, tmp_path)  # the record's target, other data
+    (pipe.seed_data(0) / "prepared" / "meta.json").write_text('{"fingerprint": "9f"}')
+    with pytest.raises(ConfigError, match="inputs.data_fingerprint 'd0c989c4'"):
+        previous.theirs(pipe, cfg.drafters[0], 0)
+    recs = json.loads(file.read_text())
+    for rec in recs:
+        del rec["inputs"]
+    file.write_text(json.dumps(recs))
+    cfg, pipe = _pipe(tool, THEN, tmp_path)
+    with pytest.raises(ConfigError, match="keeps no fingerprint of its target's weights"):
+        tool.Previous.load(str(file), cfg).theirs(pipe, cfg.drafters[0], 0)
 
 
 def test_the_work_a_record_keeps_decides_not_todays_defaults(tool, tmp_path):
@@ -164,7 +198,14 @@ def test_the_records_of_several_draws_hold_their_means_and_the_table_their_range
         theirs = side(tau_theirs)
         theirs["train"]["options"] = {"seed": draw}
         settings = tool.their_settings(pipe, kind, 0)
-        return {"draw": draw, "ours": side(tau_ours), "theirs": theirs, "their_job": settings}
+        inputs = tool.inputs_record(pipe, 0)
+        return {
+            "draw": draw,
+            "ours": side(tau_ours),
+            "theirs": theirs,
+            "their_job": settings,
+            "inputs": inputs,
+        }
 
     cfg.eval.temperatures = [0.0]
     results = {0: {kind: [entry(0, 4.0, 4.5), entry(101, 5.0, 4.5), entry(102, 6.0, 4.5)]}}
@@ -176,6 +217,7 @@ def test_the_records_of_several_draws_hold_their_means_and_the_table_their_range
     assert rec["ours"]["train_s"] == pytest.approx(20.0)
     assert [d["draw"] for d in rec["draws"]] == [0, 101, 102]
     assert rec["theirs"]["options"] == {"seed": 0}  # the first draw's: what a reuse checks
+    assert rec["inputs"] == tool.inputs_record(pipe, 0)  # the target's weights and the data
     text = tool.table([rec], [0.0], "cmd", "now")
     assert "| 5.000 (4.00–6.00) | 4.500 (4.50–4.50) |" in text
     assert "ours ≥ theirs in mean τ over 3 trainings a side in T=0 1/1 seeds" in text

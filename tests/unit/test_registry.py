@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dspark_ds.config import TrainConfig
 from dspark_ds.data.config import DataConfig
 from dspark_ds.drafters.common.memory import StepShape, Widths
 from dspark_ds.drafters.common.registration import CONFIDENCE_HEAD
@@ -211,6 +212,11 @@ def test_each_presets_speculators_loss_is_a_valid_loss_of_its_kind(name):
     order = PRESETS[name].demo_data
     assert set(order) <= {f.name for f in fields(DataConfig)}
     DataConfig(paths=["x"], **order)  # validated on construction
+    # its measured optimizer settings: `train` fields, other than the default, and valid
+    train = PRESETS[name].demo_train
+    assert set(train) <= {f.name for f in fields(TrainConfig)}
+    assert all(getattr(TrainConfig(), k) != v for k, v in train.items()), train
+    TrainConfig(**train).validate()
 
 
 def test_dspark_step_samples_anchors_per_sample_and_uses_the_loss_weights():

@@ -56,6 +56,9 @@ class Preset:
     demo_data: Mapping[str, Any] = field(default_factory=dict)
     """The `data` fields the demo trains it with beside `demo_loss` (`--loss measured`): the
     order of the sequences it drafted best in (docs/peers.md); {} = the data section's."""
+    demo_train: Mapping[str, Any] = field(default_factory=dict)
+    """The `train` fields the demo trains it with beside `demo_loss` (`--loss measured`): the
+    optimizer settings it drafted best with (docs/peers.md#muons-momentum); {} = the budget's."""
 
 
 # the optional heads a kind's drafters can have (`Capabilities.heads`)

@@ -219,6 +219,9 @@ DPACE_LOSS = {"loss_schedule": "dpace", "ce_labels": "target"}
 # at T = 1 over six trainings a side and seed (docs/peers.md#dflashs-loss-and-order)
 KL_DPACE_LOSS = {**DPACE_LOSS, "loss_terms": {"kl": 0.5}}
 RANDOM_ORDER = {"length_grouping": 1}
+# the demo's DFlash optimizer: Muon's momentum 0.9 (0.95 both sides otherwise): above the same
+# training at 0.95 at T = 0 in nine draws of nine, level at T = 1 (docs/peers.md#muons-momentum)
+MUON_MOMENTUM_09 = {"muon_momentum": 0.9}
 
 # What a DSpark behind DFlash at the first position only means (docs/study.md#the-first-position:
 # at 3 layers DSpark led there in 3 of 3 seeds at 4x the demo's steps, in 2 at 1x, 1 at 2x)
@@ -265,6 +268,7 @@ PRESETS: dict[str, Preset] = {
         speculators_loss=DPACE_LOSS,
         demo_loss=KL_DPACE_LOSS,
         demo_data=RANDOM_ORDER,
+        demo_train=MUON_MOMENTUM_09,
     ),
 }
 

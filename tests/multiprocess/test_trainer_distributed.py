@@ -278,7 +278,12 @@ def test_muon_with_the_optimizer_offloaded_takes_the_same_steps(runs):
     """train.optimizer muon with an offloaded optimizer (DeepSpeed orthogonalises the gathered
     gradients on the device, its CPU Adam steps the rest): ZeRO-2 with the optimizer on the
     host and ZeRO-3 with the optimizer and parameters there train the same drafter as without
-    offload, to float rounding. (Before, a Muon run with an offloaded optimizer was refused.)"""
+    offload, to float rounding. (Before, a Muon run with an offloaded optimizer was refused.)
+
+    The weight matrices Muon steps agree to 5e-4, the rest to 1e-5: Newton-Schulz's quintic
+    iteration amplifies the rounding of the gradients' other reduction order. After these 4
+    steps on an AVX-512 CPU (2026-12-08; within 1e-5 on the CPU before): offload against not up
+    to 9.7e-5, ZeRO-3 against ZeRO-2 (neither offloaded) 2.2e-4, AdamW in Muon's place 1.6e-2."""
     res = runs["res"]
     for name, ref in (("b_muon_z2off", "b_muon_z2"), ("b_muon_z3off", "b_muon_z3")):
         got, want = res[name]["losses"], res[ref]["losses"]
@@ -288,7 +293,11 @@ def test_muon_with_the_optimizer_offloaded_takes_the_same_steps(runs):
         a, b = (load_file(Path(res[n]["export_dir"]) / "model.safetensors") for n in (name, ref))
         assert a.keys() == b.keys()
         for key in a:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=f"{name} {key}")
+            atol = 5e-4 if a[key].ndim == 2 else 1e-5
+            what = f"{name} {key}"
+            torch.testing.assert_close(
+                a[key], b[key], rtol=0, atol=atol, msg=lambda m, what=what: f"{what}: {m}"
+            )
 
 
 def test_muon_under_zero_0_shards_newton_schulz_without_changing_a_bit(runs):

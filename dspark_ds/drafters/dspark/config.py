@@ -229,7 +229,8 @@ FIRST_POSITION = (
     "position 0: DSpark's Markov head reads the anchor there, which the backbone sees too, so "
     "the first draft is the backbone's in both, trained with the same greedy-token CE and "
     "D-PACE weights: at the demo's 480 steps the seed's draw decides, with 4x the steps "
-    "(--budget.max_steps 1920) DSpark led there in every seed; docs/study.md#the-first-position"
+    "(--budget.max_steps 1920) DSpark led there in every seed (measured with DFlash's Muon at "
+    "momentum 0.95); docs/study.md#the-first-position"
 )
 
 PRESETS: dict[str, Preset] = {

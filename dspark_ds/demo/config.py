@@ -191,7 +191,9 @@ class DemoConfig:
     (`Preset.demo_loss`: DSpark speculators' KL plus the CE against the target's greedy token,
     DFlash speculators' loss plus 0.5 x the KL, Eagle3 its own), each in the order of the
     sequences it drafted best in (`Preset.demo_data`: DFlash a random order, the others grouped
-    by length; with "preset" and "speculators" every drafter grouped by length)."""
+    by length; with "preset" and "speculators" every drafter grouped by length) and with the
+    optimizer settings it drafted best with (`Preset.demo_train`: DFlash's Muon at momentum 0.9,
+    the others' at train.muon_momentum's 0.95)."""
     eval: DemoEvalConfig = field(default_factory=DemoEvalConfig)
     """Speculative-decoding evaluation."""
     drafters: list[str] = field(default_factory=lambda: list(PRESET_NAMES))

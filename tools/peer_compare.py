@@ -337,7 +337,9 @@ def run_seed(
         s.run(f"build-cache-s{seed}", "target features for ours", ours.build_cache, seed)
     draws, inputs = cfg.draw_seeds(seed), inputs_record(ours, seed)
     if previous is not None:  # before our training: a record that does not fit stops the run
-        reused = {(k, d): previous.theirs(ours, k, seed, d) for k in cfg.drafters for d in draws}
+        reused = {
+            (k, d): previous.theirs(ours, k, seed, d, inputs) for k in cfg.drafters for d in draws
+        }
     results: dict[str, list] = {kind: [] for kind in cfg.drafters}
     for draw in draws:
         mine_d, theirs_d = ours.drawn(draw), TheirsPipeline(cfg, ours, draw)
@@ -447,11 +449,18 @@ class Previous:
                     "without --reuse_theirs to train speculators' again"
                 )
 
-    def theirs(self, pipe: DemoPipeline, kind: str, seed: int, draw: int | None = None) -> dict:
+    def theirs(
+        self,
+        pipe: DemoPipeline,
+        kind: str,
+        seed: int,
+        draw: int | None = None,
+        inputs: dict | None = None,
+    ) -> dict:
         """The `theirs` record of `kind` and `seed` (of its draw `draw`, a training seed of
         `PeerConfig.draw_seeds`; None = the seed's own), with where and when it was made, if
-        its target weights, prepared data, budget and speculators options are this run's
-        (refused otherwise)."""
+        its target weights, prepared data (`inputs`: this run's `inputs_record`, computed here
+        when not given), budget and speculators options are this run's (refused otherwise)."""
         rec = self.record(kind, seed)
         if "inputs" not in rec:
             raise ConfigError(
@@ -461,7 +470,8 @@ class Previous:
                 "run without --reuse_theirs to train speculators' again"
             )
         why = " (the same options: another CPU type trains another target)"
-        self.same(rec, "inputs", rec["inputs"], inputs_record(pipe, seed), why)
+        now = inputs if inputs is not None else inputs_record(pipe, seed)
+        self.same(rec, "inputs", rec["inputs"], now, why)
         settings = their_settings(pipe, kind, seed)
         self.same(rec, "budget", rec["budget"], budget_record(pipe.cfg, settings))
         options = rec["theirs"]["options"]

@@ -73,9 +73,9 @@ def _orders(cfg: DemoConfig) -> str:
 def _tuned(cfg: DemoConfig) -> str:
     """The drafters that train with other optimizer settings than the budget's ("" if none)."""
     tuned = [
-        f"{_label(k)} with " + ", ".join(f"{f} {v:g}" for f, v in cfg.train_fields(k).items())
+        f"{_label(k)} with " + ", ".join(f"{f} {v:g}" for f, v in fields.items())
         for k in cfg.drafters
-        if cfg.train_fields(k)
+        if (fields := cfg.train_fields(k))
     ]
     return "".join(f"; {t}" for t in tuned)
 
